@@ -1,0 +1,405 @@
+"""In-memory grouping of one job's rows, under one lock, with no I/O.
+
+Pending state holds metadata only: per group, per session, the primary keys of its rows and
+whether the session has completed. Bodies (messages, response, rewards, ...) stay in the
+database and are read when a group is served. Every method returns *decisions* (groups to
+drop, rows to account one by one, groups to serve) for the caller to persist and act on after
+the lock is released.
+
+Accounting (SPEC §3), in distinct step_pks per job:
+``read = served + dropped (by reason) + rejected (by reason) + pending``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+logger = logging.getLogger(__name__)
+
+SERVED = "served"
+DROPPED = "dropped"
+
+# Reasons (SPEC §3).
+TTL = "incomplete_group_ttl"
+LAUNCHER_EXITED = "launcher_exited"
+RESTART_TRAINING = "restart_training"
+JOB_ENDED = "job_ended"
+MALFORMED = "malformed_row"
+INCOMPLETE_IN_SERVED = "incomplete_session_in_served_group"
+LATE_DROPPED = "late_rows_from_dropped_groups"
+LATE_SERVED = "late_rows_from_served_groups"
+MISSING_GROUP = "missing_group_id"
+
+Row = tuple  # (step_pk, session_id, group_id, is_session_completed)
+
+
+class Session:
+    """The rows of one session seen so far."""
+
+    __slots__ = ("pks", "completed")
+
+    def __init__(self) -> None:
+        self.pks: list[int] = []
+        self.completed = False
+
+
+class Group:
+    """One prompt group that is not decided yet."""
+
+    __slots__ = ("group_id", "sessions", "n_completed", "n_rows", "last_seen", "first_seen", "min_pk",
+                 "taken")
+
+    def __init__(self, group_id: str, now: float) -> None:
+        self.group_id = group_id
+        self.sessions: dict[str, Session] = {}
+        self.n_completed = 0
+        self.n_rows = 0
+        self.last_seen = now
+        self.first_seen = now
+        self.min_pk: int | None = None
+        self.taken: dict[str, int] | None = None  # session -> rows handed to the server
+
+    def session_ids(self) -> list[str]:
+        return sorted(self.sessions)
+
+    def all_pks(self) -> list[int]:
+        return sorted(pk for s in self.sessions.values() for pk in s.pks)
+
+
+@dataclass
+class Drop:
+    """A group decided as dropped: record it, clear its sessions at the proxy."""
+
+    group_id: str
+    reason: str
+    pks: list[int]
+    clear_sessions: list[str]
+
+
+@dataclass
+class RowEvent:
+    """A row accounted one by one: rejected, or late for a decided group."""
+
+    step_pk: int
+    outcome: str  # "rejected" | "dropped"
+    reason: str
+    group_id: str | None
+    session_id: str | None
+
+
+@dataclass
+class Decisions:
+    """What a call decided, for the caller to persist and notify after the lock is released."""
+
+    drops: list[Drop] = field(default_factory=list)
+    rows: list[RowEvent] = field(default_factory=list)
+    newly_ready: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.drops or self.rows)
+
+    def extend(self, other: "Decisions") -> None:
+        self.drops.extend(other.drops)
+        self.rows.extend(other.rows)
+        self.newly_ready += other.newly_ready
+
+
+@dataclass
+class Take:
+    """A ready group handed to the server: the pks of its completed and incomplete sessions."""
+
+    group_id: str
+    completed: dict[str, tuple[int, ...]]
+    incomplete: dict[str, tuple[int, ...]]
+
+    @property
+    def served_pks(self) -> list[int]:
+        return [pk for pks in self.completed.values() for pk in pks]
+
+
+class Accumulator:
+    """Groups one job's rows until K sessions of a group have completed.
+
+    All state is guarded by ``self.lock``; every public method takes it, and no method does I/O.
+    """
+
+    def __init__(self, job_id: str, k: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.job_id = job_id
+        self.k = k
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.pending: OrderedDict[str, Group] = OrderedDict()  # incomplete, oldest activity first
+        self.ready: OrderedDict[str, Group] = OrderedDict()    # ready, first ready first
+        self.taken: dict[str, Group] = {}                      # handed to a poll, not yet decided
+        self.decided: dict[str, str] = {}                      # group_id -> served | dropped
+        self.session_group: dict[str, str] = {}                # session -> group, undecided groups
+        self.tainted: set[str] = set()                         # sessions with a row lacking group_id
+        self.rows_read = 0
+        self.pending_rows = 0
+        self.served_rows = 0
+        self.dropped = Counter()
+        self.rejected = Counter()
+        self.groups_served = 0
+        self.groups_dropped = Counter()
+
+    # -- loading ----------------------------------------------------------------------------
+    def load(self, decided: dict[str, str], rows_accounted: int, served_rows: int,
+             dropped: dict[str, int], rejected: dict[str, int], groups_served: int,
+             groups_dropped: dict[str, int]) -> None:
+        """Restore decisions and counters after a restart (before any row is ingested)."""
+        with self.lock:
+            self.decided.update(decided)
+            self.rows_read = rows_accounted
+            self.served_rows = served_rows
+            self.dropped.update(dropped)
+            self.rejected.update(rejected)
+            self.groups_served = groups_served
+            self.groups_dropped.update(groups_dropped)
+
+    # -- ingest -------------------------------------------------------------------------------
+    def ingest(self, rows: Iterable[Row]) -> Decisions:
+        """Add new rows (distinct step_pks, each seen once)."""
+        out = Decisions()
+        with self.lock:
+            now = self.clock()
+            for pk, sid, gid, completed in rows:
+                self.rows_read += 1
+                if gid is None or gid == "":
+                    self.rejected[MISSING_GROUP] += 1
+                    out.rows.append(RowEvent(pk, "rejected", MISSING_GROUP, None, sid))
+                    self.tainted.add(sid)
+                    other = self.session_group.get(sid)
+                    if other is not None and self._group(other).taken is None:
+                        self._drop(self._group(other), MALFORMED, out)
+                    continue
+                gid = str(gid)
+                status = self.decided.get(gid)
+                if status is not None:
+                    reason = LATE_SERVED if status == SERVED else LATE_DROPPED
+                    self.dropped[reason] += 1
+                    out.rows.append(RowEvent(pk, "dropped", reason, gid, sid))
+                    continue
+                g = self.pending.get(gid)
+                if g is None:
+                    g = self.ready.get(gid) or self.taken.get(gid)
+                    if g is None:
+                        g = self.pending[gid] = Group(gid, now)
+                else:
+                    self.pending.move_to_end(gid)
+                g.last_seen = now
+                s = g.sessions.get(sid)
+                if s is None:
+                    s = g.sessions[sid] = Session()
+                    self.session_group[sid] = gid
+                s.pks.append(pk)
+                g.n_rows += 1
+                self.pending_rows += 1
+                if g.min_pk is None or pk < g.min_pk:
+                    g.min_pk = pk
+                if completed and not s.completed:
+                    s.completed = True
+                    g.n_completed += 1
+                if sid in self.tainted and g.taken is None:
+                    self._drop(g, MALFORMED, out)
+                    continue
+                if g.n_completed >= self.k and gid in self.pending:
+                    del self.pending[gid]
+                    self.ready[gid] = g
+                    out.newly_ready += 1
+        return out
+
+    def _group(self, gid: str) -> Group:
+        return self.pending.get(gid) or self.ready.get(gid) or self.taken[gid]
+
+    def _drop(self, g: Group, reason: str, out: Decisions) -> None:
+        """Decide an undecided group as dropped (lock held). Never a taken group: its poll decides it."""
+        gid = g.group_id
+        assert g.taken is None, gid
+        self.pending.pop(gid, None)
+        self.ready.pop(gid, None)
+        self.decided[gid] = DROPPED
+        for sid in g.sessions:
+            self.session_group.pop(sid, None)
+        self.pending_rows -= g.n_rows
+        self.dropped[reason] += g.n_rows
+        self.groups_dropped[reason] += 1
+        out.drops.append(Drop(gid, reason, g.all_pks(), g.session_ids()))
+
+    # -- dropping -------------------------------------------------------------------------------
+    def expire(self, ttl_s: float) -> Decisions:
+        """Drop incomplete groups idle for ttl_s on the monotonic clock (oldest first, O(expired))."""
+        out = Decisions()
+        if ttl_s <= 0:
+            return out
+        with self.lock:
+            now = self.clock()
+            while self.pending:
+                gid, g = next(iter(self.pending.items()))
+                if now - g.last_seen < ttl_s:
+                    break
+                self._drop(g, TTL, out)
+        return out
+
+    def drop_all(self, reason: str, *, include_ready: bool) -> Decisions:
+        """Drop every incomplete group (and the ready ones when include_ready)."""
+        out = Decisions()
+        with self.lock:
+            for g in list(self.pending.values()):
+                self._drop(g, reason, out)
+            if include_ready:
+                for g in list(self.ready.values()):
+                    self._drop(g, reason, out)
+        return out
+
+    def tombstone(self, groups: dict[str, list[str]], reason: str) -> Decisions:
+        """Decide the given undecided groups (with their known sessions) as dropped."""
+        out = Decisions()
+        with self.lock:
+            for gid, sessions in groups.items():
+                if gid in self.decided:
+                    continue
+                if gid in self.taken:
+                    continue  # a poll is serving it right now; it is decided by that poll
+                g = self.pending.get(gid) or self.ready.get(gid)
+                if g is None:
+                    self.decided[gid] = DROPPED
+                    self.groups_dropped[reason] += 1
+                    out.drops.append(Drop(gid, reason, [], sorted(set(sessions))))
+                else:
+                    self._drop(g, reason, out)
+                    out.drops[-1].clear_sessions = sorted(set(out.drops[-1].clear_sessions) | set(sessions))
+        return out
+
+    # -- serving ----------------------------------------------------------------------------------
+    def take_ready(self, max_groups: int | None) -> list[Take]:
+        """Hand ready groups to a poll, first ready first; they stay undecided until commit/release."""
+        takes: list[Take] = []
+        with self.lock:
+            while self.ready and (max_groups is None or len(takes) < max_groups):
+                gid, g = self.ready.popitem(last=False)
+                completed, incomplete = {}, {}
+                for sid, s in g.sessions.items():
+                    (completed if s.completed else incomplete)[sid] = tuple(s.pks)
+                g.taken = {sid: len(s.pks) for sid, s in g.sessions.items()}
+                self.taken[gid] = g
+                takes.append(Take(gid, completed, incomplete))
+        return takes
+
+    def release(self, takes: list[Take]) -> None:
+        """Give taken groups back, at the front and in their order (the poll failed or ran out of budget)."""
+        with self.lock:
+            for t in reversed(takes):
+                g = self.taken.pop(t.group_id, None)
+                if g is None:
+                    continue  # dropped meanwhile
+                g.taken = None
+                self.ready[t.group_id] = g
+                self.ready.move_to_end(t.group_id, last=False)
+
+    def commit(self, served: list[Take], malformed: dict[str, dict[int, str]]) -> Decisions:
+        """The poll recorded its batch: decide served groups as served and malformed ones as dropped.
+
+        ``malformed`` maps group_id -> {step_pk: rejection reason}. Rows added to a group while it was
+        taken are late rows of a served group; incomplete sessions of a served group are dropped.
+        Returns the drops (malformed groups, and served groups' incomplete sessions as a Drop with
+        reason incomplete_session_in_served_group) and late rows.
+        """
+        out = Decisions()
+        with self.lock:
+            for t in served:
+                g = self.taken.pop(t.group_id, None)
+                if g is None:
+                    continue
+                bad = malformed.get(t.group_id)
+                self._settle(g, t, out, LATE_SERVED if bad is None else LATE_DROPPED)
+                if bad is not None:
+                    self.decided[t.group_id] = DROPPED
+                    self.groups_dropped[MALFORMED] += 1
+                    n_all = sum(len(p) for p in t.completed.values()) + sum(len(p) for p in t.incomplete.values())
+                    for pk, reason in bad.items():
+                        self.rejected[reason] += 1
+                        out.rows.append(RowEvent(pk, "rejected", reason, t.group_id, None))
+                    self.dropped[MALFORMED] += n_all - len(bad)
+                    pks = sorted(pk for p in list(t.completed.values()) + list(t.incomplete.values())
+                                 for pk in p if pk not in bad)
+                    out.drops.append(Drop(t.group_id, MALFORMED, pks,
+                                          sorted(set(t.completed) | set(t.incomplete))))
+                    continue
+                self.decided[t.group_id] = SERVED
+                self.groups_served += 1
+                n_served = sum(len(p) for p in t.completed.values())
+                n_inc = sum(len(p) for p in t.incomplete.values())
+                self.served_rows += n_served
+                if n_inc:
+                    self.dropped[INCOMPLETE_IN_SERVED] += n_inc
+        return out
+
+    def _settle(self, g: Group, t: Take, out: Decisions, late_reason: str) -> None:
+        """Remove a taken group from pending state; rows that arrived while taken become late rows."""
+        assert g.taken is not None
+        self.pending_rows -= g.n_rows
+        for sid, s in g.sessions.items():
+            self.session_group.pop(sid, None)
+            extra = s.pks[g.taken.get(sid, 0):]
+            for pk in extra:
+                self.dropped[late_reason] += 1
+                out.rows.append(RowEvent(pk, "dropped", late_reason, g.group_id, sid))
+        g.taken = None
+
+    # -- reading -------------------------------------------------------------------------------
+    def set_k(self, k: int) -> int:
+        """Change K; groups that now have K completed sessions become ready. Returns how many."""
+        n = 0
+        with self.lock:
+            self.k = k
+            for gid, g in list(self.pending.items()):
+                if g.n_completed >= k:
+                    del self.pending[gid]
+                    self.ready[gid] = g
+                    n += 1
+        return n
+
+    def has_ready(self) -> bool:
+        """True when a poll would get data (no lock needed for a racy peek, but take it anyway)."""
+        with self.lock:
+            return bool(self.ready)
+
+    def low_water(self, cursor: int) -> int:
+        """Smallest pk that is still pending (rows below it are all accounted), or cursor + 1."""
+        with self.lock:
+            mins = [g.min_pk for d in (self.pending, self.ready, self.taken) for g in d.values()
+                    if g.min_pk is not None]
+        return min(mins) if mins else cursor + 1
+
+    def stats(self) -> dict:
+        """Counters and gauges; the accounting identity holds in them."""
+        with self.lock:
+            now = self.clock()
+            oldest = min((g.first_seen for d in (self.pending, self.ready, self.taken) for g in d.values()),
+                         default=None)
+            return {
+                "job_id": self.job_id,
+                "k": self.k,
+                "rows": {
+                    "read": self.rows_read,
+                    "served": self.served_rows,
+                    "dropped": dict(self.dropped),
+                    "dropped_total": sum(self.dropped.values()),
+                    "rejected": dict(self.rejected),
+                    "rejected_total": sum(self.rejected.values()),
+                    "pending": self.pending_rows,
+                },
+                "groups": {
+                    "pending": len(self.pending),
+                    "ready": len(self.ready),
+                    "in_flight": len(self.taken),
+                    "served": self.groups_served,
+                    "dropped": dict(self.groups_dropped),
+                    "dropped_total": sum(self.groups_dropped.values()),
+                },
+                "oldest_pending_group_age_s": None if oldest is None else round(now - oldest, 3),
+            }

@@ -1,0 +1,173 @@
+"""HTTP API (SPEC §4): routes, input validation and JSON responses.
+
+Bodies are parsed as JSON whatever the Content-Type says (the original did), capped in size,
+and validated strictly: a wrong type is a 400 whose message says what was expected.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import re
+from typing import Any
+
+from flask import Blueprint, Response, current_app, g, request
+
+from .errors import ApiError
+from .metrics import render_metrics
+from .service import RequestConnections, Service
+
+logger = logging.getLogger(__name__)
+
+bp = Blueprint("rollout_buffer", __name__)
+
+JOB_SESSION_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+MAX_K = 4096
+
+
+def service() -> Service:
+    """The Service of the current app."""
+    return current_app.extensions["rollout_buffer"]
+
+
+def conns() -> RequestConnections:
+    """This request's database connections, opened on first use."""
+    if "rb_conns" not in g:
+        g.rb_conns = service().connection()
+    return g.rb_conns
+
+
+@bp.teardown_app_request
+def _close_conns(exc: BaseException | None) -> None:
+    c = g.pop("rb_conns", None)
+    if c is not None:
+        c.close()
+
+
+@bp.before_app_request
+def _auth() -> None:
+    token = service().config.token
+    if token is None or request.path == "/health":
+        return
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise ApiError(401, "missing bearer token: send 'Authorization: Bearer <token>'")
+    if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise ApiError(401, "wrong bearer token")
+
+
+def json_body() -> dict[str, Any]:
+    """The request body as a JSON object ({} when empty), whatever the Content-Type."""
+    raw = request.get_data(cache=False)
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON ({exc}); expected a JSON object") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body is a JSON {type(body).__name__}; expected a JSON object")
+    return body
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_k(v: Any) -> int:
+    """num_repeat_per_sample: int 1-4096 or a string of one; default 16."""
+    if v is None:
+        return 16
+    if isinstance(v, str) and re.fullmatch(r"\s*[+]?\d+\s*", v):
+        v = int(v)
+    elif isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        v = int(v)
+    if not _is_int(v) or not 1 <= v <= MAX_K:
+        raise ApiError(400, f"num_repeat_per_sample={v!r} is invalid: expected an integer from 1 to {MAX_K} "
+                       "(or a string of one)", field="num_repeat_per_sample")
+    return v
+
+
+def parse_bool(name: str, v: Any, default: bool = False) -> bool:
+    """A boolean field that also takes 0/1."""
+    if v is None:
+        return default
+    if isinstance(v, bool):
+        return v
+    if _is_int(v) and v in (0, 1):
+        return bool(v)
+    raise ApiError(400, f"{name}={v!r} is invalid: expected true/false (or 0/1)", field=name)
+
+
+def parse_job_session(v: Any) -> str | None:
+    """job_session: 1-64 chars of [A-Za-z0-9._-]; absent/null = a new one."""
+    if v is None:
+        return None
+    if not isinstance(v, str) or not JOB_SESSION_RE.fullmatch(v):
+        raise ApiError(400, f"job_session={v!r} is invalid: expected 1-64 characters of A-Z a-z 0-9 . _ -",
+                       field="job_session")
+    return v
+
+
+def parse_max_groups(v: Any) -> int | None:
+    """max_groups: a positive int caps; absent, null, 0 or negative = no cap."""
+    if v is None:
+        return None
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        v = int(v)
+    if not _is_int(v):
+        raise ApiError(400, f"max_groups={v!r} is invalid: expected an integer (<= 0 or null for no cap)",
+                       field="max_groups")
+    return v if v > 0 else None
+
+
+def parse_request_id(v: Any) -> str | None:
+    """request_id: an optional string of 1-128 printable characters."""
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 1 <= len(v) <= 128 or not v.isprintable():
+        raise ApiError(400, f"request_id={v!r} is invalid: expected a string of 1-128 printable characters "
+                       "(one fresh uuid4 per logical poll)", field="request_id")
+    return v
+
+
+@bp.post("/start_rollout")
+def start_rollout() -> tuple[dict[str, Any], int]:
+    body = json_body()
+    k = parse_k(body.get("num_repeat_per_sample"))
+    restart = parse_bool("restart_training", body.get("restart_training"))
+    job = parse_job_session(body.get("job_session"))
+    status, out = service().start_rollout(conns(), k=k, restart_training=restart, job_session=job)
+    return out, status
+
+
+@bp.post("/get_rollout_data")
+def get_rollout_data() -> Response:
+    body = json_body()
+    max_groups = parse_max_groups(body.get("max_groups"))
+    request_id = parse_request_id(body.get("request_id"))
+    data = service().get_rollout_data(conns(), max_groups=max_groups, request_id=request_id)
+    return Response(data, status=200, mimetype="application/json")
+
+
+@bp.post("/stop_rollout")
+def stop_rollout() -> dict[str, Any]:
+    json_body()
+    return service().stop_rollout()
+
+
+@bp.get("/health")
+def health() -> dict[str, Any]:
+    return service().health()
+
+
+@bp.get("/stats")
+def stats() -> dict[str, Any]:
+    return service().stats(conns())
+
+
+@bp.get("/metrics")
+def metrics() -> Response:
+    return Response(render_metrics(service()), mimetype="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,275 @@
+"""A small DB-API shim over stdlib sqlite3 and psycopg 3.
+
+``connect(url)`` returns a :class:`SqliteDatabase` or a :class:`PostgresDatabase`. Both run in
+autocommit mode; ``with db.transaction():`` groups writes (``BEGIN IMMEDIATE`` on SQLite so a
+writer never deadlocks on a lock upgrade). SQL is written once with ``?`` placeholders; the
+Postgres backend translates it to ``%s`` once per statement and refuses SQL that contains a
+``%`` or a quoted ``?``. Driver errors are translated to :class:`StorageError` here, so nothing
+else in the package imports a driver.
+
+A connection belongs to one thread (SQLite's ``check_same_thread`` stays on as a tripwire) and
+never crosses a fork: each long-lived thread opens its own, request handlers open one per request.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import sqlite3
+import threading
+from typing import Any, Iterator, Sequence
+
+from .errors import ClosedError, ConfigError, IntegrityError, StorageError
+
+logger = logging.getLogger(__name__)
+
+SQLITE_BUSY_TIMEOUT_S = 5.0
+PG_CONNECT_TIMEOUT_S = 5
+
+
+def sqlite_path(url: str) -> str:
+    """'sqlite:///abs/path' -> '/abs/path'; 'sqlite://rel/path' -> 'rel/path' (the launcher's rule)."""
+    if not url.startswith("sqlite://"):
+        raise ConfigError(f"not a sqlite URL: {url!r}")
+    return url[len("sqlite://"):]
+
+
+def connect(url: str, *, readonly: bool = False) -> "Database":
+    """Open a connection for the calling thread."""
+    if url.startswith("sqlite://"):
+        return SqliteDatabase(url, readonly=readonly)
+    if url.startswith(("postgresql://", "postgres://")):
+        return PostgresDatabase(url)
+    raise ConfigError(f"unsupported database URL {url!r}: expected sqlite:///path or postgresql://...")
+
+
+class Database:
+    """Common interface of both backends."""
+
+    backend = "?"
+    url: str
+
+    def __init__(self) -> None:
+        self._closed = False
+        self._in_tx = False
+        self.thread_id = threading.get_ident()
+
+    # -- subclass hooks -----------------------------------------------------------------
+    def _run(self, sql: str, params: Sequence[Any], many: bool = False) -> Any:
+        raise NotImplementedError
+
+    def _begin(self) -> None:
+        raise NotImplementedError
+
+    # -- public API -------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._closed:
+            raise ClosedError(f"database connection to {self.safe_url} used after close")
+
+    @property
+    def safe_url(self) -> str:
+        """The URL without a password."""
+        return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", self.url)
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """Run a statement; returns the affected row count."""
+        self._check()
+        cur = self._run(sql, params)
+        return cur.rowcount
+
+    def executemany(self, sql: str, seq: Sequence[Sequence[Any]]) -> None:
+        """Run a statement once per parameter tuple."""
+        self._check()
+        if seq:
+            self._run(sql, seq, many=True)
+
+    def rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
+        """All result rows as tuples (the fast path)."""
+        self._check()
+        return self._run(sql, params).fetchall()
+
+    def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        """All result rows as dicts keyed by column name."""
+        self._check()
+        cur = self._run(sql, params)
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row)) for row in cur.fetchall()]
+
+    def fetchone(self, sql: str, params: Sequence[Any] = ()) -> dict[str, Any] | None:
+        """The first result row as a dict, or None."""
+        self._check()
+        cur = self._run(sql, params)
+        row = cur.fetchone()
+        if row is None:
+            return None
+        return dict(zip([d[0] for d in cur.description], row))
+
+    def scalar(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """The first column of the first row, or None."""
+        self._check()
+        row = self._run(sql, params).fetchone()
+        return None if row is None else row[0]
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator["Database"]:
+        """BEGIN ... COMMIT, or ROLLBACK if the block raises. Not re-entrant."""
+        self._check()
+        if self._in_tx:
+            raise StorageError("nested transaction")
+        self._begin()
+        self._in_tx = True
+        try:
+            yield self
+        except BaseException:
+            self._in_tx = False
+            with contextlib.suppress(Exception):
+                self._run("ROLLBACK", ())
+            raise
+        self._in_tx = False
+        self._run("COMMIT", ())
+
+    @contextlib.contextmanager
+    def read_snapshot(self) -> Iterator["Database"]:
+        """A read-only transaction: every statement inside sees one snapshot."""
+        self._check()
+        self._run(self._begin_read_sql, ())
+        try:
+            yield self
+        finally:
+            with contextlib.suppress(Exception):
+                self._run("COMMIT", ())
+
+    _begin_read_sql = "BEGIN"
+
+    def close(self) -> None:
+        """Close the connection; idempotent."""
+        raise NotImplementedError
+
+    def snapshot_horizon(self) -> tuple[int, int] | None:
+        """(xmin, xmax) of the current snapshot where writers can commit out of id order, else None."""
+        return None
+
+    def __enter__(self) -> "Database":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SqliteDatabase(Database):
+    """stdlib sqlite3, autocommit, WAL, busy timeout, BEGIN IMMEDIATE for writes."""
+
+    backend = "sqlite"
+
+    def __init__(self, url: str, *, readonly: bool = False) -> None:
+        super().__init__()
+        self.url = url
+        self.path = sqlite_path(url)
+        try:
+            if readonly:
+                self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True,
+                                            timeout=SQLITE_BUSY_TIMEOUT_S, isolation_level=None)
+            else:
+                self.conn = sqlite3.connect(self.path, timeout=SQLITE_BUSY_TIMEOUT_S,
+                                            isolation_level=None)
+            self.conn.execute("PRAGMA busy_timeout=%d" % int(SQLITE_BUSY_TIMEOUT_S * 1000))
+            if not readonly:
+                mode = self.conn.execute("PRAGMA journal_mode").fetchone()[0]
+                if mode != "wal":
+                    self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+        except sqlite3.Error as exc:
+            raise StorageError(f"cannot open SQLite database {self.path!r}: {exc}") from exc
+
+    def _run(self, sql: str, params: Sequence[Any], many: bool = False) -> Any:
+        try:
+            if many:
+                return self.conn.executemany(sql, params)
+            return self.conn.execute(sql, params)
+        except sqlite3.IntegrityError as exc:
+            raise IntegrityError(f"{exc} (in: {sql[:120]})") from exc
+        except sqlite3.Error as exc:
+            raise StorageError(f"SQLite error on {self.path}: {exc} (in: {sql[:120]})") from exc
+
+    def _begin(self) -> None:
+        self._run("BEGIN IMMEDIATE", ())
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(Exception):
+                self.conn.close()
+
+
+_QUOTED = re.compile(r"'[^']*'")
+
+
+def to_pyformat(sql: str) -> str:
+    """Translate ``?`` placeholders to psycopg's ``%s``; refuse SQL that would be ambiguous."""
+    if "%" in sql:
+        raise StorageError(f"SQL for Postgres must not contain '%': {sql[:120]}")
+    if any("?" in q for q in _QUOTED.findall(sql)):
+        raise StorageError(f"SQL must not contain a quoted '?': {sql[:120]}")
+    return sql.replace("?", "%s")
+
+
+class PostgresDatabase(Database):
+    """psycopg 3 in autocommit mode; ``transaction()`` issues BEGIN / COMMIT / ROLLBACK."""
+
+    backend = "postgres"
+    _begin_read_sql = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
+    _translated: dict[str, str] = {}
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url
+        try:
+            import psycopg
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise StorageError("Postgres needs psycopg 3: pip install 'psycopg[binary]'") from exc
+        self._psycopg = psycopg
+        try:
+            self.conn = psycopg.connect(url, autocommit=True, connect_timeout=PG_CONNECT_TIMEOUT_S)
+        except psycopg.Error as exc:
+            raise StorageError(f"cannot connect to Postgres {self.safe_url}: {exc}") from exc
+
+    def _sql(self, sql: str) -> str:
+        out = self._translated.get(sql)
+        if out is None:
+            out = to_pyformat(sql)
+            if len(self._translated) < 10000:
+                self._translated[sql] = out
+        return out
+
+    def _run(self, sql: str, params: Sequence[Any], many: bool = False) -> Any:
+        psycopg = self._psycopg
+        try:
+            cur = self.conn.cursor()
+            if many:
+                cur.executemany(self._sql(sql), params)
+            else:
+                cur.execute(self._sql(sql), params if params else None, prepare=False)
+            return cur
+        except psycopg.IntegrityError as exc:
+            raise IntegrityError(f"{exc} (in: {sql[:120]})") from exc
+        except psycopg.Error as exc:
+            raise StorageError(f"Postgres error on {self.safe_url}: {exc} (in: {sql[:120]})") from exc
+
+    def _begin(self) -> None:
+        self._run("BEGIN", ())
+
+    def snapshot_horizon(self) -> tuple[int, int] | None:
+        row = self.rows("SELECT pg_snapshot_xmin(pg_current_snapshot())::text, "
+                        "pg_snapshot_xmax(pg_current_snapshot())::text")[0]
+        return int(row[0]), int(row[1])
+
+    @property
+    def broken(self) -> bool:
+        """True when the server connection is gone."""
+        return bool(self.conn.closed or self.conn.broken)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            with contextlib.suppress(Exception):
+                self.conn.close()

@@ -1,0 +1,95 @@
+"""GET /metrics: the service's counters and gauges in Prometheus text exposition format (0.0.4)."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .service import Service
+
+PREFIX = "rollout_buffer_"
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _fmt(v: float) -> str:
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, float) and math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v)) if isinstance(v, float) else str(int(v))
+
+
+class _Out:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def metric(self, name: str, kind: str, help_: str, samples: Iterable[tuple[dict[str, Any], float]]) -> None:
+        full = PREFIX + name
+        self.lines.append(f"# HELP {full} {help_}")
+        self.lines.append(f"# TYPE {full} {kind}")
+        for labels, value in samples:
+            self.sample(full, labels, value)
+
+    def sample(self, full: str, labels: dict[str, Any], value: float) -> None:
+        lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+        self.lines.append(f"{full}{{{lab}}} {_fmt(value)}" if lab else f"{full} {_fmt(value)}")
+
+
+def render_metrics(service: "Service") -> str:
+    """The exposition text."""
+    s = service.stats(None)
+    out = _Out()
+    job = s.get("job_session") or ""
+    launcher = s["launcher"]
+    notif = s["proxy_notifications"]
+    rows = s.get("rows")
+    if rows is not None:
+        j = {"job": job}
+        out.metric("rows_read_total", "counter", "Distinct trainable rows read for the active job.",
+                   [(j, rows["read"])])
+        out.metric("rows_served_total", "counter", "Rows served to the trainer.", [(j, rows["served"])])
+        out.metric("rows_dropped_total", "counter", "Rows dropped, by reason.",
+                   [({"job": job, "reason": r}, n) for r, n in sorted(rows["dropped"].items())])
+        out.metric("rows_rejected_total", "counter", "Rows that could not become items, by reason.",
+                   [({"job": job, "reason": r}, n) for r, n in sorted(rows["rejected"].items())])
+        out.metric("rows_pending", "gauge", "Rows of undecided groups.", [(j, rows["pending"])])
+        groups = s["groups"]
+        out.metric("groups", "gauge", "Undecided groups by state.",
+                   [({"job": job, "state": st}, groups[st]) for st in ("pending", "ready", "in_flight")])
+        out.metric("groups_served_total", "counter", "Groups served.", [(j, groups["served"])])
+        out.metric("groups_dropped_total", "counter", "Groups dropped, by reason.",
+                   [({"job": job, "reason": r}, n) for r, n in sorted(groups["dropped"].items())])
+        out.metric("cursor", "gauge", "Ingest cursor (all rows at or below it are read).", [(j, s["cursor"])])
+        age = s.get("oldest_pending_group_age_s")
+        out.metric("oldest_pending_group_age_seconds", "gauge", "Age of the oldest undecided group.",
+                   [(j, age or 0.0)])
+    polls = s["polls"]
+    out.metric("polls_total", "counter", "POST /get_rollout_data calls answered.", [({}, polls["count"])])
+    out.metric("polls_with_data_total", "counter", "Polls that returned groups.", [({}, polls["with_data"])])
+    name = PREFIX + "poll_duration_seconds"
+    out.lines.append(f"# HELP {name} Time to answer POST /get_rollout_data.")
+    out.lines.append(f"# TYPE {name} histogram")
+    cum = 0
+    from .service import POLL_BUCKETS
+
+    for b in list(POLL_BUCKETS) + [float("inf")]:
+        cum += service.poll_latency.get(b, 0)
+        out.sample(name + "_bucket", {"le": "+Inf" if math.isinf(b) else repr(b)}, cum)
+    out.sample(name + "_sum", {}, float(polls["seconds_total"]))
+    out.sample(name + "_count", {}, polls["count"])
+    out.metric("launcher_running", "gauge", "1 while the launcher process runs.", [({}, bool(launcher["running"]))])
+    out.metric("launcher_restarts_total", "counter", "Launcher restarts by the supervisor.",
+               [({}, launcher.get("restarts") or 0)])
+    code = launcher.get("exit_code")
+    if code is not None:
+        out.metric("launcher_exit_code", "gauge", "Exit code of the last launcher that ended.", [({}, code)])
+    out.metric("proxy_pending_sessions", "gauge", "Sessions waiting to be cleared at the LLM proxy.",
+               [({}, notif.get("sessions", 0))])
+    out.metric("proxy_failures_total", "counter", "Failed clear_sessions attempts.", [({}, notif.get("failures", 0))])
+    out.metric("proxy_delivered_calls_total", "counter", "Successful clear_sessions calls.",
+               [({}, notif.get("delivered_calls", 0))])
+    out.metric("database_up", "gauge", "0 while background reads are failing.", [({}, s["database"] == "ok")])
+    return "\n".join(out.lines) + "\n"

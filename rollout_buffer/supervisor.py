@@ -1,0 +1,527 @@
+"""Launcher subprocess supervisor: start, poll, restart with backoff, stop.
+
+The supervisor owns no thread. The service's background loop calls :meth:`Supervisor.poll`
+every few hundred milliseconds; API threads call :meth:`Supervisor.start` and
+:meth:`Supervisor.stop`. Internal state sits behind one lock whose critical sections only
+read or mutate fields (and spawn, which is fast); waiting for a process to die happens
+outside it.
+
+The launcher runs in its own session (so its own process group), which lets
+:meth:`Supervisor.stop` signal the launcher and everything it forked at once and check that
+the whole group is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+RESTART_POLICIES = ("never", "on-failure")
+
+# How often stop() looks at the process while it waits, and how long it waits for the
+# process group to vanish after SIGKILL (KILL cannot be ignored, so this only covers
+# processes stuck in uninterruptible sleep).
+_STOP_POLL_S = 0.05
+_KILL_WAIT_S = 5.0
+
+
+class LauncherError(Exception):
+    """The launcher could not be started."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How to run the launcher: an argv list (never a shell string), its cwd, environment
+    (``None`` inherits ours) and the file its stdout and stderr are appended to."""
+
+    argv: tuple[str, ...]
+    cwd: str | None
+    env: dict[str, str] | None
+    log_path: str
+
+
+def _read_stat(pid: int) -> tuple[str, int, int] | None:
+    """Return ``(state, pgrp, starttime)`` from ``/proc/<pid>/stat``, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
+    rest = data[data.rfind(")") + 2 :].split()
+    try:
+        # rest[0] is field 3 (state), rest[2] field 5 (pgrp), rest[19] field 22 (starttime).
+        return rest[0], int(rest[2]), int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """Return the start time of ``pid`` in clock ticks since boot (field 22 of
+    ``/proc/<pid>/stat``), or None if there is no such process.
+
+    Together with the pid it identifies a process across pid reuse.
+    """
+    stat = _read_stat(pid)
+    return stat[2] if stat else None
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Return the pids of live (non-zombie) processes whose process group is ``pgid``."""
+    pids: list[int] = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return pids
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        stat = _read_stat(int(entry))
+        if stat and stat[1] == pgid and stat[0] not in ("Z", "X"):
+            pids.append(int(entry))
+    return pids
+
+
+def _ticks_to_epoch(start_ticks: int) -> float | None:
+    """Convert a process start time in ticks since boot to an epoch timestamp."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("btime "):
+                    return int(line.split()[1]) + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _killpg(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to a process group; return False if the group no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        logger.error("no permission to send signal %s to launcher process group %s", sig, pgid)
+        return False
+    return True
+
+
+class Supervisor:
+    """Runs at most one launcher process, watches it and stops it.
+
+    ``restart_policy`` is ``"never"`` or ``"on-failure"``; with the latter a launcher that
+    exits nonzero (or is killed by a signal) is restarted up to ``max_restarts`` times, the
+    n-th restart after ``backoff_s * 2**(n-1)`` seconds (at most ``backoff_max_s``) measured
+    on ``clock``. A launcher that exits 0, one that was stopped, and an adopted one whose exit
+    code is unknown are never restarted.
+    """
+
+    def __init__(
+        self,
+        *,
+        restart_policy: str = "never",
+        max_restarts: int = 3,
+        backoff_s: float = 1.0,
+        backoff_max_s: float = 60.0,
+        stop_grace_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if restart_policy not in RESTART_POLICIES:
+            raise ValueError(
+                f"restart_policy must be one of {RESTART_POLICIES}, got {restart_policy!r}"
+            )
+        if max_restarts < 0 or backoff_s < 0 or backoff_max_s < 0 or stop_grace_s < 0:
+            raise ValueError("max_restarts, backoff_s, backoff_max_s and stop_grace_s must be >= 0")
+        self.restart_policy = restart_policy
+        self.max_restarts = max_restarts
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.stop_grace_s = stop_grace_s
+        self._clock = clock
+
+        self._lock = threading.Lock()
+        # Signalled when a stop() finishes, so a concurrent stop() can wait for it.
+        self._stopped_cond = threading.Condition(self._lock)
+        self._spec: LaunchSpec | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._ever_started = False
+        self._running = False
+        self._stopping = False
+        self._adopted = False
+        self._pid: int | None = None
+        self._pgid: int | None = None
+        self._start_ticks: int | None = None
+        self._started_at: float | None = None
+        self._exit_code: int | None = None
+        self._exited_at: float | None = None
+        self._stopped_by: str | None = None
+        self._restarts = 0
+        self._restart_at: float | None = None
+        self._events: list[dict[str, Any]] = []
+
+    # -- public API -------------------------------------------------------------------
+
+    def start(self, spec: LaunchSpec) -> int:
+        """Spawn the launcher described by ``spec`` and return its pid.
+
+        Resets the restart counter. Raises :class:`LauncherError` if a launcher is already
+        running (or being stopped) or if it cannot be spawned.
+        """
+        with self._lock:
+            if self._running or self._stopping:
+                raise LauncherError(
+                    f"a launcher is already running (pid {self._pid}); stop it first"
+                )
+            pid = self._spawn(spec)
+            self._spec = spec
+            self._restarts = 0
+            self._restart_at = None
+            self._stopped_by = None
+        logger.info("launcher started: pid %s, argv %s", pid, list(spec.argv))
+        return pid
+
+    def adopt(
+        self, pid: int, pgid: int, start_ticks: int | None, spec: LaunchSpec | None
+    ) -> bool:
+        """Watch a still-running launcher that a previous incarnation of the service started.
+
+        It is adopted only if ``pid`` is alive, not a zombie, in process group ``pgid`` and,
+        when ``start_ticks`` is given, started at that time (so a reused pid is not taken
+        for it). Returns False, adopting nothing, otherwise. It is not our child, so its exit
+        code is unknown (None) when it ends. Raises :class:`LauncherError` if a launcher is
+        already running.
+        """
+        stat = _read_stat(pid)
+        with self._lock:
+            if self._running or self._stopping:
+                raise LauncherError(
+                    f"a launcher is already running (pid {self._pid}); cannot adopt pid {pid}"
+                )
+            if (
+                stat is None
+                or stat[0] in ("Z", "X")
+                or stat[1] != pgid
+                or (start_ticks is not None and stat[2] != start_ticks)
+            ):
+                logger.info(
+                    "not adopting launcher pid %s (pgid %s): not alive or not the same process",
+                    pid, pgid,
+                )
+                return False
+            self._proc = None
+            self._adopted = True
+            self._ever_started = True
+            self._running = True
+            self._pid = pid
+            self._pgid = pgid
+            self._start_ticks = stat[2]
+            self._started_at = _ticks_to_epoch(stat[2])
+            self._exit_code = None
+            self._exited_at = None
+            self._stopped_by = None
+            self._spec = spec
+            self._restarts = 0
+            self._restart_at = None
+        logger.info("adopted running launcher pid %s (pgid %s)", pid, pgid)
+        return True
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Inspect the launcher, restart it if one is due, and return the events since the
+        last call (``exited``, ``restarted``, ``restart_failed``, ``gave_up``).
+
+        Never sleeps: a restart is scheduled and carried out by a later call once its
+        backoff deadline has passed.
+        """
+        orphan_pgid: int | None = None
+        with self._lock:
+            # While stop() is in progress it owns the process, including reaping it.
+            if self._running and not self._stopping:
+                exited, code = self._check_exit()
+                if exited:
+                    orphan_pgid = self._pgid
+                    self._on_exit(code)
+            if (
+                self._restart_at is not None
+                and not self._running
+                and self._clock() >= self._restart_at
+            ):
+                self._restart()
+            events, self._events = self._events, []
+        if orphan_pgid is not None:
+            self._kill_orphans(orphan_pgid)
+        for event in events:
+            logger.info("launcher event: %s", event)
+        return events
+
+    def stop(self, reason: str = "requested") -> dict[str, Any] | None:
+        """Stop the launcher and its whole process group; idempotent.
+
+        Sends SIGTERM to the group, waits up to ``stop_grace_s``, then SIGKILLs whatever is
+        left and waits (a few seconds at most) until no process of the group remains. Cancels
+        any scheduled restart. Returns the final state, or None if nothing was ever started.
+        """
+        with self._lock:
+            if self._stopping:
+                # Another thread is stopping it: wait for that to finish.
+                self._stopped_cond.wait_for(
+                    lambda: not self._stopping, timeout=self.stop_grace_s + _KILL_WAIT_S + 5
+                )
+                return self._state_locked()
+            if not self._ever_started:
+                return None
+            if not self._running:
+                if self._restart_at is not None:
+                    self._restart_at = None
+                    self._stopped_by = reason
+                return self._state_locked()
+            self._stopping = True
+            self._stopped_by = reason
+            self._restart_at = None
+            proc, pid, pgid = self._proc, self._pid, self._pgid
+            start_ticks = self._start_ticks
+        assert pid is not None and pgid is not None
+        code: int | None = None
+        try:
+            code = self._terminate(proc, pid, pgid, start_ticks)
+        finally:
+            with self._lock:
+                self._running = False
+                self._stopping = False
+                self._proc = None
+                self._exit_code = code
+                self._exited_at = time.time()
+                self._events.append(
+                    {"event": "exited", "pid": pid, "exit_code": code,
+                     "will_restart": False, "stopped_by": reason}
+                )
+                self._stopped_cond.notify_all()
+                state = self._state_locked()
+        logger.info("launcher pid %s stopped (%s), exit code %s", pid, reason, code)
+        return state
+
+    def state(self) -> dict[str, Any]:
+        """Return a JSON-serialisable snapshot of the launcher's state."""
+        with self._lock:
+            return self._state_locked()
+
+    def close(self) -> None:
+        """Stop the launcher for a service shutdown; idempotent."""
+        self.stop("shutdown")
+
+    # -- internals (callers hold the lock unless noted) --------------------------------
+
+    def _spawn(self, spec: LaunchSpec) -> int:
+        """Start the process for ``spec`` and record it as running; return its pid."""
+        if not spec.argv:
+            raise LauncherError("launcher argv is empty")
+        if spec.cwd is not None and not os.path.isdir(spec.cwd):
+            raise LauncherError(f"launcher cwd {spec.cwd!r} does not exist or is not a directory")
+        try:
+            log_dir = os.path.dirname(spec.log_path)
+            if log_dir:
+                os.makedirs(log_dir, exist_ok=True)
+            log = open(spec.log_path, "ab")
+        except OSError as exc:
+            raise LauncherError(f"cannot open launcher log {spec.log_path!r}: {exc}") from exc
+        try:
+            log.write(
+                f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting launcher: "
+                f"{list(spec.argv)}\n".encode()
+            )
+            log.flush()
+            proc = subprocess.Popen(
+                list(spec.argv),
+                cwd=spec.cwd,
+                env=spec.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except FileNotFoundError as exc:
+            raise LauncherError(
+                f"cannot start launcher: executable {spec.argv[0]!r} not found ({exc})"
+            ) from exc
+        except PermissionError as exc:
+            raise LauncherError(
+                f"cannot start launcher: permission denied for {spec.argv[0]!r} "
+                f"(is it executable?) ({exc})"
+            ) from exc
+        except OSError as exc:
+            raise LauncherError(f"cannot start launcher {spec.argv[0]!r}: {exc}") from exc
+        finally:
+            # The child holds its own copy of the descriptor.
+            log.close()
+        self._proc = proc
+        self._adopted = False
+        self._ever_started = True
+        self._running = True
+        self._pid = proc.pid
+        self._pgid = proc.pid  # start_new_session: the child leads its own group
+        self._start_ticks = process_start_ticks(proc.pid)
+        self._started_at = time.time()
+        self._exit_code = None
+        self._exited_at = None
+        return proc.pid
+
+    def _check_exit(self) -> tuple[bool, int | None]:
+        """Return ``(exited, exit_code)`` for the running launcher, reaping our own child."""
+        if self._proc is not None:
+            code = self._proc.poll()
+            return code is not None, code
+        assert self._pid is not None
+        stat = _read_stat(self._pid)
+        alive = (
+            stat is not None
+            and stat[0] not in ("Z", "X")
+            and stat[1] == self._pgid
+            and stat[2] == self._start_ticks
+        )
+        return not alive, None
+
+    def _on_exit(self, code: int | None) -> None:
+        """Record that the launcher exited by itself and apply the restart policy."""
+        self._running = False
+        self._proc = None
+        self._exit_code = code
+        self._exited_at = time.time()
+        # An unknown exit code (adopted launcher) is not restarted: it may have finished
+        # its work, and running it again would duplicate the job.
+        failed = code is not None and code != 0
+        will_restart = False
+        if self.restart_policy == "on-failure" and failed and self._spec is not None:
+            will_restart = self._schedule_restart()
+        self._events.append(
+            {"event": "exited", "pid": self._pid, "exit_code": code,
+             "will_restart": will_restart, "stopped_by": None}
+        )
+        if self.restart_policy == "on-failure" and failed and not will_restart:
+            self._events.append(
+                {"event": "gave_up", "pid": self._pid, "exit_code": code,
+                 "restarts": self._restarts}
+            )
+
+    def _schedule_restart(self) -> bool:
+        """Schedule the next restart attempt; return False if none is left."""
+        if self._restarts >= self.max_restarts:
+            self._restart_at = None
+            return False
+        delay = min(self.backoff_s * 2**self._restarts, self.backoff_max_s)
+        self._restart_at = self._clock() + delay
+        return True
+
+    def _restart(self) -> None:
+        """Carry out a scheduled restart (its deadline has passed)."""
+        assert self._spec is not None
+        self._restart_at = None
+        self._restarts += 1
+        try:
+            pid = self._spawn(self._spec)
+        except LauncherError as exc:
+            self._events.append(
+                {"event": "restart_failed", "error": str(exc), "attempt": self._restarts}
+            )
+            if not self._schedule_restart():
+                self._events.append(
+                    {"event": "gave_up", "pid": self._pid, "exit_code": self._exit_code,
+                     "restarts": self._restarts}
+                )
+            return
+        self._events.append({"event": "restarted", "pid": pid, "attempt": self._restarts})
+
+    def _kill_orphans(self, pgid: int) -> None:
+        """KILL what the exited launcher left in its group (called without the lock).
+
+        Its workers would otherwise keep running unwatched, next to a restarted launcher.
+        """
+        members = group_alive(pgid)
+        if members:
+            logger.warning(
+                "launcher group %s left %d process(es) behind %s; killing them",
+                pgid, len(members), members,
+            )
+            _killpg(pgid, signal.SIGKILL)
+
+    def _terminate(
+        self,
+        proc: subprocess.Popen[bytes] | None,
+        pid: int,
+        pgid: int,
+        start_ticks: int | None,
+    ) -> int | None:
+        """TERM, wait, KILL the launcher's group and wait until it is gone (without the lock).
+
+        Returns the exit code, None when it is unknown (adopted launcher).
+        """
+
+        def leader_gone() -> bool:
+            if proc is not None:
+                return proc.poll() is not None
+            stat = _read_stat(pid)
+            return stat is None or stat[0] in ("Z", "X") or stat[2] != start_ticks
+
+        def all_gone() -> bool:
+            return leader_gone() and not group_alive(pgid)
+
+        if proc is None:
+            # Not our child: make sure a reused pid is not mistaken for the launcher. A pid
+            # still in use as a pgid is never handed out again, so if the leader's pid now
+            # belongs to another process, the original group is gone.
+            stat = _read_stat(pid)
+            if stat is not None and stat[2] != start_ticks:
+                logger.info("adopted launcher pid %s is gone (pid reused)", pid)
+                return None
+
+        if _killpg(pgid, signal.SIGTERM):
+            deadline = time.monotonic() + self.stop_grace_s
+            while not all_gone() and time.monotonic() < deadline:
+                time.sleep(_STOP_POLL_S)
+        if not all_gone():
+            logger.warning(
+                "launcher pid %s did not exit within %ss of SIGTERM; sending SIGKILL to group %s",
+                pid, self.stop_grace_s, pgid,
+            )
+            _killpg(pgid, signal.SIGKILL)
+            deadline = time.monotonic() + _KILL_WAIT_S
+            while not all_gone() and time.monotonic() < deadline:
+                time.sleep(_STOP_POLL_S)
+            if not all_gone():
+                logger.error(
+                    "launcher process group %s still has processes %s after SIGKILL",
+                    pgid, group_alive(pgid),
+                )
+        if proc is not None:
+            return proc.poll()
+        return None
+
+    def _state_locked(self) -> dict[str, Any]:
+        will_restart = self._restart_at is not None
+        return {
+            "running": self._running,
+            "pid": self._pid,
+            "pgid": self._pgid,
+            "start_ticks": self._start_ticks,
+            "started_at": self._started_at,
+            "exit_code": self._exit_code,
+            "exited_at": self._exited_at,
+            "restarts": self._restarts,
+            "restart_policy": self.restart_policy,
+            "stopped_by": self._stopped_by,
+            "adopted": self._adopted,
+            "will_restart": will_restart,
+            "finished": (
+                self._ever_started and not self._running and not self._stopping
+                and not will_restart
+            ),
+            "argv": list(self._spec.argv) if self._spec is not None else None,
+            "log_path": self._spec.log_path if self._spec is not None else None,
+        }
