@@ -1,0 +1,104 @@
+"""Command line: ``rollout-buffer serve | init-db | demo | stats | settings``."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+from . import __version__
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the service under gunicorn with rollout_buffer.gunicorn_conf (1 gthread worker)."""
+    from .config import Config
+    from .errors import ConfigError
+
+    if args.port is not None:
+        os.environ["BUFFER_SERVER_PORT"] = str(args.port)
+    if args.host is not None:
+        os.environ["ROLLOUT_BUFFER_HOST"] = args.host
+    try:
+        Config.from_env()  # fail here, with the variable named, rather than inside gunicorn
+    except ConfigError as exc:
+        print(f"rollout-buffer: {exc}", file=sys.stderr)
+        return 2
+    argv = [sys.executable, "-m", "gunicorn", "-c", "python:rollout_buffer.gunicorn_conf",
+            "rollout_buffer.app:create_app()"]
+    os.execv(sys.executable, argv)
+    return 0  # pragma: no cover
+
+
+def cmd_init_db(args: argparse.Namespace) -> int:
+    """Create the launcher's tables (and the buffer's own) if they are missing."""
+    from .db import connect
+    from .queries import LAUNCHER_DDL
+    from .service import Service
+
+    db = connect(args.db)
+    try:
+        for ddl in LAUNCHER_DDL[db.backend]:
+            db.execute(ddl)
+        Service.ensure_state_schema(db)
+    finally:
+        db.close()
+    print(f"tables ready in {db.safe_url}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from .client import BufferClient, format_stats
+
+    client = BufferClient(args.url, token=args.token or os.environ.get("ROLLOUT_BUFFER_TOKEN"))
+    stats = client.stats()
+    print(json.dumps(stats, indent=1) if args.json else format_stats(stats))
+    return 0
+
+
+def cmd_settings(args: argparse.Namespace) -> int:
+    from .config import settings_table
+
+    print(settings_table())
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``rollout-buffer`` command."""
+    p = argparse.ArgumentParser(prog="rollout-buffer", description=__doc__)
+    p.add_argument("--version", action="version", version=f"rollout-buffer {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run the service under gunicorn (settings from the environment)")
+    s.add_argument("--host", help="bind address (ROLLOUT_BUFFER_HOST, default 0.0.0.0)")
+    s.add_argument("--port", type=int, help="port (BUFFER_SERVER_PORT, default 18889)")
+    s.set_defaults(func=cmd_serve)
+    s = sub.add_parser("init-db", help="create the launcher's tables if missing")
+    s.add_argument("--db", required=True, help="sqlite:///abs/path, sqlite://rel/path or postgresql://...")
+    s.set_defaults(func=cmd_init_db)
+    s = sub.add_parser("demo", help="one-command demo: SQLite, server, simulated launcher, a polling trainer")
+    s.add_argument("--dir", help="work directory (default: a new temporary directory)")
+    s.add_argument("--groups", type=int, default=24, help="prompt groups the simulator runs")
+    s.add_argument("--k", type=int, default=4, help="sessions per group")
+    s.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+    s.add_argument("--pace", type=float, default=0.005, help="simulator seconds between rows")
+    s.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
+    s.set_defaults(func=cmd_demo)
+    s = sub.add_parser("stats", help="print GET /stats of a running service as a table")
+    s.add_argument("url", nargs="?", default="http://127.0.0.1:18889")
+    s.add_argument("--token", help="bearer token (default $ROLLOUT_BUFFER_TOKEN)")
+    s.add_argument("--json", action="store_true", help="print the raw JSON")
+    s.set_defaults(func=cmd_stats)
+    s = sub.add_parser("settings", help="print every setting as a markdown table")
+    s.set_defaults(func=cmd_settings)
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""gunicorn settings for rollout-buffer: exactly one worker (in-process state), gthread, no preload.
+
+The top-level gunicorn.conf.py imports this module, so plain ``gunicorn wsgi:app`` from the
+repository root uses it; ``rollout-buffer serve`` passes it with ``-c python:rollout_buffer.gunicorn_conf``.
+A worker count other than 1 (from WEB_CONCURRENCY, GUNICORN_CMD_ARGS or -w) is refused at startup:
+N workers would mean N accumulators, N cursors and N launchers, i.e. split or duplicated groups.
+"""
+from __future__ import annotations
+
+import faulthandler
+import ipaddress
+import logging
+import sys
+
+from rollout_buffer.config import Config
+from rollout_buffer.logconfig import configure_logging
+
+_config = Config.from_env()
+
+wsgi_app = "rollout_buffer.app:create_app()"
+bind = [f"{_config.host}:{_config.port}"]
+workers = 1
+worker_class = "gthread"
+threads = _config.threads
+preload_app = False
+max_requests = 0
+max_requests_jitter = 0
+timeout = 300  # a poll that builds a 256 MiB response must not be mistaken for a hung worker
+graceful_timeout = _config.graceful_timeout_s
+keepalive = 75
+loglevel = _config.log_level.lower()
+
+
+def on_starting(server) -> None:
+    """Refuse any setting that would split the in-memory state."""
+    cfg = server.cfg
+    problems = []
+    if cfg.workers != 1:
+        problems.append(f"workers={cfg.workers} (WEB_CONCURRENCY, GUNICORN_CMD_ARGS or -w)")
+    if cfg.preload_app:
+        problems.append("preload_app=True")
+    if cfg.worker_class_str != "gthread":
+        problems.append(f"worker_class={cfg.worker_class_str}")
+    if cfg.max_requests:
+        problems.append(f"max_requests={cfg.max_requests}")
+    if problems:
+        raise RuntimeError("rollout-buffer must run as exactly 1 gthread worker without preload or "
+                           "max_requests (its state lives in the worker's memory); refusing " + ", ".join(problems))
+    config = Config.from_env()
+    if config.token is None:
+        for addr in cfg.bind:
+            host = addr.rsplit(":", 1)[0].strip("[]")
+            try:
+                loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+            except ValueError:
+                loopback = False
+            if not loopback:
+                server.log.warning("rollout-buffer listens on %s without ROLLOUT_BUFFER_TOKEN: anyone who can "
+                                   "reach it can start rollouts and take groups; set a token", addr)
+
+
+def nworkers_changed(server, new_value, old_value) -> None:
+    """Refuse TTIN/TTOU: a second worker would duplicate the state."""
+    if new_value != 1:
+        server.log.error("refusing to run %s workers; rollout-buffer needs exactly 1", new_value)
+        server.num_workers = 1
+
+
+def post_fork(server, worker) -> None:
+    """Configure logging in the worker before the app is loaded."""
+    configure_logging(Config.from_env())
+
+
+def post_worker_init(worker) -> None:
+    """The app is loaded in this worker: start the service (background thread, notifier)."""
+    worker.wsgi.extensions["rollout_buffer"].start()
+
+
+def worker_exit(server, worker) -> None:
+    """Stop the service (and the launcher) when the worker exits; also runs after a failed boot."""
+    app = getattr(worker, "wsgi", None)
+    service = getattr(app, "extensions", {}).get("rollout_buffer") if app is not None else None
+    if service is not None:
+        service.stop()
+
+
+def worker_int(worker) -> None:
+    """On SIGINT/SIGQUIT, dump every thread's stack: the way to see a hung thread."""
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    logging.getLogger("rollout_buffer").warning("worker interrupted; thread stacks dumped to stderr")
