@@ -1,0 +1,342 @@
+"""Behaviour through the Flask test client, on SQLite and Postgres (the `db_url` fixture)."""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from conftest import assert_balanced, groups_of
+
+
+def test_complete_groups_are_served_whole_with_terminal_rewards(harness, writer):
+    harness.start(k=3)
+    sessions = writer.group("g1", 3, steps=3)
+    writer.group("g2", 3, steps=2, complete=2)  # not ready: 2 of 3 completed
+    doc = harness.poll()
+    assert doc["success"] is True
+    groups = groups_of(doc)
+    assert list(groups) == ["g1"]
+    items = groups["g1"]
+    assert len(items) == 9
+    # sorted by (session_id, step_id, step_pk)
+    keys = [(i["extra_info"]["session_id"], i["extra_info"]["steps"], i["extra_info"]["step_pk"]) for i in items]
+    assert keys == sorted(keys)
+    for i, sid in enumerate(sessions):
+        mine = [it for it in items if it["extra_info"]["session_id"] == sid]
+        terminal = round(0.1 * (i + 1), 3)
+        assert [it["reward"] for it in mine] == [terminal] * 3
+        assert [it["extra_info"]["step_reward"] for it in mine] == [0.0, 0.0, terminal]
+        assert all(it["extra_info"]["terminal_reward"] == terminal for it in mine)
+    meta = doc["data"]["meta_info"]
+    assert meta["total_samples"] == 9
+    assert meta["finished_groups"] == ["g1"]
+    assert meta["avg_reward"] == pytest.approx(sum(it["reward"] for it in items) / 9)
+    assert harness.poll()["success"] is False
+
+
+def test_item_matches_the_row_exactly(harness, writer):
+    harness.start(k=1)
+    msgs = [{"role": "system", "content": "sÿstem ✓"}, {"role": "user", "content": "q \"quoted\"\n"}]
+    pk = writer.step("gx", "sess-1", 1, completed=True, step_reward=0.75, truncated=True, messages=msgs,
+                     response="final → answer", env_state={"weight_version": 7, "other": [1]},
+                     created_at="2026-12-02 13:35:10.889937+00:00")
+    item = harness.poll()["data"]["data"][0]
+    assert item["instance_id"] == "gx"
+    assert item["messages"] == msgs + [{"role": "assistant", "content": "final → answer"}]
+    assert item["reward"] == 0.75
+    assert isinstance(item["uid"], str) and len(item["uid"]) == 36 and item["uid"][14] == "4"
+    assert item["extra_info"] == {
+        "timestamp": 1796218510.889937, "steps": 1, "finish_reason": "length", "session_id": "sess-1",
+        "env_id": "sess-1", "group_id": "gx", "weight_version": 7, "truncated": True, "step_pk": pk,
+        "is_session_completed": True, "step_reward": 0.75, "terminal_reward": 0.75,
+    }
+
+
+def test_naive_timestamp_is_utc_and_empty_history_is_spliced(harness, writer):
+    harness.start(k=1)
+    writer.step("g", "s", 1, completed=True, messages=[], created_at="2026-12-02 13:35:10")
+    item = harness.poll()["data"]["data"][0]
+    assert item["extra_info"]["timestamp"] == 1796218510.0
+    assert item["messages"] == [{"role": "assistant", "content": "answer s 1"}]
+
+
+@pytest.mark.parametrize("env_state,expected", [
+    (None, 0), ({}, 0), ({"weight_version": None}, 0), ({"weight_version": "12"}, 12),
+    ({"weight_version": 3.9}, 3), ({"weight_version": "abc"}, 0), ("null", 0),
+])
+def test_weight_version_is_tolerant(harness, writer, env_state, expected):
+    # SPEC §7.2: a missing weight_version raised KeyError and the row was silently skipped.
+    harness.start(k=1)
+    writer.step("g", "s", 1, completed=True, env_state=env_state)
+    items = harness.poll()["data"]["data"]
+    assert len(items) == 1
+    assert items[0]["extra_info"]["weight_version"] == expected
+
+
+def test_health_answers_200(harness):
+    # SPEC §7.1: the original's /health raised NameError.
+    r = harness.client.get("/health")
+    assert r.status_code == 200
+    body = r.get_json()
+    assert body["status"] == "healthy"
+    assert body["aievobox_running"] is False
+    assert body["data_manager_initialized"] is False
+    harness.start()
+    assert harness.client.get("/health").get_json()["data_manager_initialized"] is True
+
+
+def test_before_start_rollout_there_is_no_data(harness, writer):
+    writer.group("g1", 2)
+    doc = harness.poll()
+    assert doc["success"] is False
+    assert doc["message"] == "No data available to read"
+    assert doc["data"]["data"] == []
+
+
+def test_whole_backlog_in_one_poll(harness, writer):
+    # SPEC §7.3: the original read at most 100 rows per poll.
+    harness.start(k=4)
+    for g in range(40):
+        writer.group(f"g{g:02d}", 4, steps=2)
+    doc = harness.poll()
+    assert len(groups_of(doc)) == 40
+    assert doc["data"]["meta_info"]["total_samples"] == 320
+
+
+@pytest.mark.parametrize("value,cap", [(None, None), (0, None), (-3, None), (1, 1), (2, 2), (2.0, 2)])
+def test_max_groups_caps_or_not(harness, writer, value, cap):
+    harness.start(k=2)
+    for g in range(5):
+        writer.group(f"g{g}", 2, steps=1)
+    body = {} if value is None and cap is None else {"max_groups": value}
+    doc = harness.poll(**body)
+    got = list(groups_of(doc))
+    assert len(got) == (5 if cap is None else cap)
+    # first ready first
+    assert got == [f"g{i}" for i in range(len(got))]
+
+
+@pytest.mark.parametrize("value", ["2", True, 1.5, [1], {"a": 1}])
+def test_max_groups_bad_types_are_400(harness, value):
+    harness.start()
+    r = harness.client.post("/get_rollout_data", json={"max_groups": value})
+    assert r.status_code == 400
+    body = r.get_json()
+    assert body["ok"] is False and body["status"] == 400 and body["success"] is False
+    assert "max_groups" in body["error"] and body["message"] == body["error"]
+
+
+def test_body_parsing(harness):
+    harness.start()
+    c = harness.client
+    assert c.post("/get_rollout_data", data=b"").status_code == 200
+    assert c.post("/get_rollout_data", data=b"{}", content_type="text/plain").status_code == 200
+    r = c.post("/get_rollout_data", data=b"{not json")
+    assert r.status_code == 400 and "not valid JSON" in r.get_json()["error"]
+    r = c.post("/get_rollout_data", data=b"[1, 2]")
+    assert r.status_code == 400 and "expected a JSON object" in r.get_json()["error"]
+    r = c.post("/get_rollout_data", data=b"{" + b'"x": "' + b"a" * (2 * 1024 * 1024) + b'"}')
+    assert r.status_code == 413 and r.get_json()["ok"] is False
+
+
+@pytest.mark.parametrize("k,status", [(8, 200), ("8", 200), (1, 200), (4096, 200), (0, 400), (4097, 400),
+                                      (True, 400), (2.5, 400), ("8.5", 400), ("x", 400), ([8], 400)])
+def test_num_repeat_per_sample_validation(harness, k, status):
+    r = harness.client.post("/start_rollout", json={"num_repeat_per_sample": k, "job_session": "j"})
+    assert r.status_code == status, r.get_json()
+    if status == 200:
+        assert r.get_json()["k"] == int(k)
+    else:
+        assert "num_repeat_per_sample" in r.get_json()["error"]
+
+
+@pytest.mark.parametrize("job,status", [("abc-1.2_x", 200), ("", 400), ("a b", 400), ("x" * 65, 400),
+                                        (5, 400), ("ok" * 32, 200)])
+def test_job_session_validation(harness, job, status):
+    r = harness.client.post("/start_rollout", json={"job_session": job})
+    assert r.status_code == status, r.get_json()
+
+
+def test_job_session_absent_means_new_uuid_and_other_keys_ignored(harness):
+    r = harness.client.post("/start_rollout", json={"num_repeat_per_sample": 2, "foo": 1, "batch": [1]})
+    body = r.get_json()
+    assert r.status_code == 200 and len(body["job_session"]) == 32
+    assert body["message"] == "Rollout started"
+
+
+@pytest.mark.parametrize("value,status", [(True, 200), (1, 200), (0, 200), (False, 200), ("true", 400), (2, 400)])
+def test_restart_training_validation(harness, value, status):
+    r = harness.client.post("/start_rollout", json={"restart_training": value, "job_session": "j"})
+    assert r.status_code == status
+
+
+def test_k_from_start_rollout(harness, writer):
+    harness.start(k=3)
+    writer.group("g1", 2, steps=1)
+    assert harness.poll()["success"] is False
+    harness.start(k=2)  # same job, new K: the group is ready now
+    assert list(groups_of(harness.poll())) == ["g1"]
+
+
+def test_restart_training_skips_written_rows_and_tombstones_their_groups(harness, writer):
+    writer.group("old", 2, steps=2)
+    half = writer.group("half", 2, steps=1, complete=0)   # rows at or below the floor, no completion
+    writer.group("done", 2, steps=1)                       # the last terminal row sets the floor
+    harness.start(k=2, restart_training=True)
+    # rows of "half" after the floor must not make it ready with half its rows
+    for sid in half:
+        writer.step("half", sid, 2, completed=True, step_reward=1.0)
+    writer.group("new", 2, steps=2)
+    doc = harness.poll()
+    assert list(groups_of(doc)) == ["new"]
+    s = harness.stats()
+    assert s["groups"]["dropped"].get("restart_training", 0) >= 3
+    assert s["rows"]["dropped"]["late_rows_from_dropped_groups"] == 2
+    assert_balanced(s)
+
+
+def test_job_isolation_drop_in_a_does_not_blacklist_b(harness, writer):
+    # SPEC §7.8: dropped ids leaked across jobs.
+    harness.start(k=2, job="A")
+    writer.group("shared", 2, steps=1, complete=1, job="A")
+    writer.group("onlyA", 2, steps=1, job="A")
+    assert list(groups_of(harness.poll())) == ["onlyA"]
+    harness.start(k=2, job="B")  # job A ends: its pending "shared" is dropped
+    sa = harness.stats()
+    assert sa["job_session"] == "B"
+    writer.group("shared", 2, steps=1, job="B")
+    doc = harness.poll()
+    assert list(groups_of(doc)) == ["shared"]
+    assert {i["extra_info"]["session_id"] for i in doc["data"]["data"]}  # rows of job B only
+    assert harness.poll()["success"] is False
+
+
+def test_more_than_k_completed_are_all_served(harness, writer, caplog):
+    harness.start(k=2)
+    writer.group("g", 3, steps=1)
+    doc = harness.poll()
+    assert len({i["extra_info"]["session_id"] for i in doc["data"]["data"]}) == 3
+
+
+def test_incomplete_session_of_served_group_is_dropped_and_counted(harness, writer):
+    harness.start(k=2)
+    sessions = writer.group("g", 3, steps=2, complete=2)
+    doc = harness.poll()
+    served = {i["extra_info"]["session_id"] for i in doc["data"]["data"]}
+    assert served == set(sessions[:2])
+    s = harness.stats()
+    assert s["rows"]["dropped"]["incomplete_session_in_served_group"] == 2
+    writer.step("g", sessions[2], 3, completed=True)  # late row of a served group
+    harness.poll()
+    s = harness.stats()
+    assert s["rows"]["dropped"]["late_rows_from_served_groups"] == 1
+    assert_balanced(s)
+
+
+def test_duplicate_step_rows_are_both_served(harness, writer):
+    harness.start(k=1)
+    writer.step("g", "s", 1, created_at="2026-12-02 10:00:00+00:00")
+    writer.step("g", "s", 1, created_at="2026-12-02 10:00:01+00:00")
+    writer.step("g", "s", 2, completed=True, step_reward=1.0)
+    items = harness.poll()["data"]["data"]
+    assert [i["extra_info"]["steps"] for i in items] == [1, 1, 2]
+
+
+def test_terminal_reward_is_last_completed_row(harness, writer):
+    harness.start(k=1)
+    writer.step("g", "s", 1, completed=True, step_reward=0.2)
+    writer.step("g", "s", 2, completed=True, step_reward=0.9)
+    items = harness.poll()["data"]["data"]
+    assert [i["reward"] for i in items] == [0.9, 0.9]
+
+
+def test_non_trainable_rows_are_not_read(harness, writer):
+    harness.start(k=1)
+    writer.step("g", "s", 1, trainable=False)
+    writer.step("g", "s", 2, completed=True, step_reward=1.0)
+    items = harness.poll()["data"]["data"]
+    assert [i["extra_info"]["steps"] for i in items] == [2]
+
+
+@pytest.mark.parametrize("kind,reason", [
+    ("messages", "invalid_json_messages"), ("not_list", "messages_not_a_list"),
+    ("env_state", "invalid_json_env_state"), ("env_list", "env_state_not_an_object"),
+    ("nan", "invalid_json_messages"),
+])
+def test_malformed_row_drops_its_group_and_others_are_served(harness, writer, kind, reason):
+    harness.start(k=2)
+    writer.group("good1", 2, steps=2)
+    sessions = writer.group("bad", 2, steps=1, complete=0)
+    kw = {"messages": '[{"role": "user", "content": "x"}'} if kind == "messages" else \
+        {"messages": '{"role": "user"}'} if kind == "not_list" else \
+        {"env_state": "{not json"} if kind == "env_state" else \
+        {"env_state": "[1, 2]"} if kind == "env_list" else \
+        {"messages": '[{"role": "user", "content": NaN}]'}
+    writer.step("bad", sessions[0], 2, completed=True, step_reward=0.5, **kw)
+    writer.step("bad", sessions[1], 2, completed=True, step_reward=0.5)
+    writer.group("good2", 2, steps=1)
+    doc = harness.poll()
+    assert sorted(groups_of(doc)) == ["good1", "good2"]
+    s = harness.stats()
+    assert s["rows"]["rejected"] == {reason: 1}
+    assert s["rows"]["dropped"]["malformed_row"] == 3
+    assert s["groups"]["dropped"]["malformed_row"] == 1
+    assert_balanced(s)
+    writer.step("bad", sessions[0], 3)
+    harness.poll()
+    s = harness.stats()
+    assert s["rows"]["dropped"]["late_rows_from_dropped_groups"] == 1
+    assert_balanced(s)
+
+
+def test_row_without_group_id_is_rejected_and_taints_its_group(harness, writer):
+    harness.start(k=2)
+    writer.step("g", "s1", 1)
+    writer.step(None, "s1", 2)  # no group_id
+    writer.step("g", "s1", 3, completed=True, step_reward=1.0)
+    writer.step("g", "s2", 1, completed=True, step_reward=1.0)
+    writer.step(None, "lonely", 1, completed=True)
+    writer.group("ok", 2, steps=1)
+    doc = harness.poll()
+    assert list(groups_of(doc)) == ["ok"]
+    s = harness.stats()
+    assert s["rows"]["rejected"] == {"missing_group_id": 2}
+    assert s["groups"]["dropped"]["malformed_row"] == 1
+    assert_balanced(s)
+
+
+def test_polls_do_not_log_pending_state_at_info(harness, writer, caplog):
+    # SPEC §7.12: every poll logged the whole pending dictionary at INFO.
+    harness.start(k=4)
+    for g in range(20):
+        writer.group(f"p{g}", 4, steps=1, complete=1)
+    harness.settle()
+    caplog.set_level(logging.INFO, logger="rollout_buffer")
+    caplog.clear()
+    for _ in range(20):
+        harness.client.post("/get_rollout_data", json={})
+    assert [r for r in caplog.records if r.levelno >= logging.INFO] == []
+
+
+def test_error_shape_everywhere(harness):
+    c = harness.client
+    for r in (c.get("/nope"), c.get("/get_rollout_data"), c.post("/start_rollout", json={"job_session": ""})):
+        body = r.get_json()
+        assert set(body) >= {"ok", "error", "status"}
+        assert body["ok"] is False and body["status"] == r.status_code and body["error"]
+    assert c.get("/nope").status_code == 404
+    assert c.get("/get_rollout_data").status_code == 405
+
+
+def test_stats_identity_and_lag(harness, writer):
+    harness.start(k=2)
+    writer.group("a", 2, steps=2)
+    writer.group("b", 2, steps=2, complete=1)
+    harness.poll()
+    s = harness.stats()
+    assert s["rows"]["read"] == 8 and s["rows"]["served"] == 4 and s["rows"]["pending"] == 4
+    assert s["groups"]["pending"] == 1 and s["groups"]["served"] == 1
+    assert s["lag_rows"] == 0
+    assert s["accounting_balanced"] is True
+    assert json.dumps(s)
