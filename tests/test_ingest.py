@@ -1,0 +1,235 @@
+"""The reader and the accumulator under load: exactly-once delivery, Postgres commit order, a full drain."""
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+
+import psycopg
+import pytest
+
+from conftest import Writer, assert_balanced, groups_of, make_config, now_text
+from rollout_buffer import queries as q
+from rollout_buffer.accumulator import Accumulator
+from rollout_buffer.db import connect, to_pyformat
+from rollout_buffer.errors import StorageError
+from rollout_buffer.service import Reader
+
+
+def test_pyformat_translation_refuses_ambiguous_sql():
+    assert to_pyformat("SELECT a FROM t WHERE b = ? AND c = ?") == "SELECT a FROM t WHERE b = %s AND c = %s"
+    with pytest.raises(StorageError):
+        to_pyformat("SELECT a FROM t WHERE b LIKE '%x'")
+    with pytest.raises(StorageError):
+        to_pyformat("SELECT '?' FROM t")
+    for name in dir(q):  # every statement of the package translates
+        value = getattr(q, name)
+        if isinstance(value, str) and value.lstrip().upper().startswith(("SELECT", "INSERT", "UPDATE", "DELETE")):
+            to_pyformat(value)
+
+
+def test_accumulator_counts_balance_through_every_path():
+    clock = [0.0]
+    acc = Accumulator("j", 2, clock=lambda: clock[0])
+    rows = [(1, "a", "g1", 0), (2, "a", "g1", 1), (3, "b", "g1", 1), (4, "c", "g2", 0), (5, "x", None, 1)]
+    dec = acc.ingest(rows)
+    assert dec.newly_ready == 1 and [r.reason for r in dec.rows] == ["missing_group_id"]
+    takes = acc.take_ready(None)
+    assert [t.group_id for t in takes] == ["g1"]
+    acc.ingest([(6, "a", "g1", 0)])  # arrives while the group is being served
+    late = acc.commit(takes, {})
+    assert [(r.step_pk, r.reason) for r in late.rows] == [(6, "late_rows_from_served_groups")]
+    clock[0] = 100.0
+    expired = acc.expire(10.0)
+    assert [d.group_id for d in expired.drops] == ["g2"] and expired.drops[0].clear_sessions == ["c"]
+    acc.ingest([(7, "c", "g2", 1)])
+    s = acc.stats()["rows"]
+    assert s == {"read": 7, "served": 3, "dropped": {"late_rows_from_served_groups": 1, "incomplete_group_ttl": 1,
+                                                      "late_rows_from_dropped_groups": 1},
+                 "dropped_total": 3, "rejected": {"missing_group_id": 1}, "rejected_total": 1, "pending": 0}
+
+
+def test_ttl_is_measured_from_the_last_ingested_row():
+    clock = [0.0]
+    acc = Accumulator("j", 2, clock=lambda: clock[0])
+    acc.ingest([(1, "a", "g", 0)])
+    clock[0] = 8.0
+    acc.ingest([(2, "b", "g", 0)])
+    clock[0] = 12.0
+    assert not acc.expire(10.0).drops  # idle for 4 s only
+    clock[0] = 18.5
+    assert [d.reason for d in acc.expire(10.0).drops] == ["incomplete_group_ttl"]
+
+
+def test_postgres_out_of_order_commit_is_read_exactly_once(pg_url, harness_factory):
+    """Two writers: the larger id commits first and is ingested; the smaller one commits later."""
+    db = connect(pg_url)
+    for ddl in q.LAUNCHER_DDL["postgres"]:
+        db.execute(ddl)
+    db.close()
+    h = harness_factory(pg_url)
+    h.start(k=2, job="J")
+    msgs = json.dumps([{"role": "user", "content": "hi"}])
+
+    def row(sid, completed):
+        return (sid, 1, "env", "m", "g", "J", msgs, "r", 0.5, 0.5, None, completed, 0, completed, 1, now_text())
+
+    slow = psycopg.connect(pg_url, autocommit=False)
+    fast = psycopg.connect(pg_url, autocommit=True)
+    try:
+        sql = to_pyformat(q.INSERT_STEP) + " RETURNING id"
+        small = slow.execute(sql, row("s1", 1)).fetchone()[0]          # takes the smaller id, not committed
+        large = fast.execute(sql, row("s2", 1)).fetchone()[0]          # larger id, committed first
+        assert small < large
+        h.settle()                                                     # ingests `large` only
+        assert h.poll()["success"] is False
+        s = h.stats()
+        assert s["rows"]["read"] == 1
+        slow.commit()                                                  # now the smaller id appears
+        doc = h.poll()
+        items = doc["data"]["data"]
+        assert sorted(i["extra_info"]["step_pk"] for i in items) == [small, large]
+        for _ in range(5):
+            assert h.poll()["success"] is False
+        s = h.stats()
+        assert s["rows"]["read"] == 2 and s["rows"]["served"] == 2
+        assert s["cursor"] >= large
+        assert_balanced(s)
+    finally:
+        slow.close()
+        fast.close()
+
+
+def test_reader_cursor_waits_for_in_flight_transactions(pg_url):
+    db = connect(pg_url)
+    for ddl in q.LAUNCHER_DDL["postgres"]:
+        db.execute(ddl)
+    w = Writer(pg_url, job="J")
+    reader = Reader("J", 0, 1000)
+    slow = psycopg.connect(pg_url, autocommit=False)
+    try:
+        held = slow.execute(to_pyformat(q.INSERT_STEP) + " RETURNING id",
+                            ("s", 1, "e", "m", "g", "J", "[]", "r", 0, 0, None, 0, 0, 0, 1, now_text())).fetchone()[0]
+        later = [w.step("g", f"s{i}", 1) for i in range(3)]
+        seen = []
+        for _ in range(3):
+            seen += [r[0] for r in reader.read(db)]
+            reader.end_tick()
+        assert seen == later
+        assert reader.cursor < held  # cannot move past a transaction that may still commit
+        slow.commit()
+        for _ in range(3):
+            seen += [r[0] for r in reader.read(db)]
+            reader.end_tick()
+        assert sorted(seen) == sorted(later + [held]) and len(seen) == 4
+        assert reader.cursor == max(later)
+    finally:
+        slow.close()
+        w.close()
+        db.close()
+
+
+def test_many_concurrent_pollers_while_rows_are_written(db_url, harness_factory):
+    """SPEC §7.10: no lock in the original. Every group reaches exactly one poller, whole."""
+    h = harness_factory(db_url)
+    h.start(k=3, job="J")
+    n_groups = 60
+    got: list[tuple[str, list[dict]]] = []
+    got_lock = threading.Lock()
+    done = threading.Event()
+    errors: list[str] = []
+
+    def writer_thread():
+        w = Writer(db_url, job="J")
+        try:
+            for g in range(n_groups):
+                w.group(f"g{g:03d}", 3, steps=2)
+        finally:
+            w.close()
+            done.set()
+
+    def poller():
+        client = h.app.test_client()
+        empty_after_done = 0
+        while empty_after_done < 20:
+            r = client.post("/get_rollout_data", json={"max_groups": 2})
+            if r.status_code != 200:
+                errors.append(r.get_data(as_text=True))
+                return
+            doc = r.get_json()
+            groups = groups_of(doc)
+            with got_lock:
+                got.extend(groups.items())
+            if not groups and done.is_set():
+                empty_after_done += 1
+
+    threads = [threading.Thread(target=writer_thread)] + [threading.Thread(target=poller) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    ids = [g for g, _ in got]
+    assert len(ids) == len(set(ids)), "a group was delivered twice"
+    assert sorted(ids) == [f"g{g:03d}" for g in range(n_groups)]
+    for gid, items in got:
+        assert len(items) == 6 and len({i["extra_info"]["session_id"] for i in items}) == 3
+    pks = [i["extra_info"]["step_pk"] for _, items in got for i in items]
+    assert len(pks) == len(set(pks))
+    s = h.stats()
+    assert s["rows"]["served"] == n_groups * 6
+    assert_balanced(s)
+
+
+@pytest.mark.slow
+def test_drain_256_groups_of_8_sessions_of_4_steps_exactly(db_url, harness_factory, tmp_path):
+    """The contract's items, every group exactly once (256 x 8 x 4 = 8,192 rows)."""
+    db = connect(db_url)
+    rows = []
+    expected: dict[str, dict[str, list]] = {}
+    for g in range(256):
+        gid = f"group-{g:03d}"
+        for s in range(8):
+            sid = str(uuid.uuid4())
+            history = [{"role": "system", "content": "sys"}, {"role": "user", "content": f"task {g} ✓"}]
+            for step in range(1, 5):
+                last = step == 4
+                reward = round((g * 8 + s) / 2048.0, 6) if last else 0.0
+                rows.append((sid, step, "env", "m", gid, "J", json.dumps(history, ensure_ascii=False),
+                             f"answer {step}", reward, reward, json.dumps({"weight_version": g % 5}),
+                             int(last), 0, int(last), 1, now_text()))
+                expected.setdefault(gid, {}).setdefault(sid, []).append(
+                    (step, history + [{"role": "assistant", "content": f"answer {step}"}]))
+                history = history + [{"role": "assistant", "content": f"answer {step}"},
+                                     {"role": "user", "content": f"obs {step}"}]
+    # interleave sessions as a worker pool would
+    rows.sort(key=lambda r: (r[1], hash(r[0]) % 97))
+    with db.transaction():
+        db.executemany(q.INSERT_STEP, rows)
+    db.close()
+    h = harness_factory(db_url, max_response_bytes=4 * 1024 * 1024)
+    h.start(k=8, job="J")
+    seen: set[str] = set()
+    polls = 0
+    while len(seen) < 256 and polls < 200:
+        polls += 1
+        doc = h.poll()
+        for gid, items in groups_of(doc).items():
+            assert gid not in seen
+            seen.add(gid)
+            by_session: dict[str, list[dict]] = {}
+            for it in items:
+                by_session.setdefault(it["extra_info"]["session_id"], []).append(it)
+            assert set(by_session) == set(expected[gid])
+            for sid, its in by_session.items():
+                exp = expected[gid][sid]
+                assert [it["extra_info"]["steps"] for it in its] == [1, 2, 3, 4]
+                assert [it["messages"] for it in its] == [m for _, m in exp]
+                terminal = its[-1]["extra_info"]["step_reward"]
+                assert all(it["reward"] == terminal and it["extra_info"]["terminal_reward"] == terminal for it in its)
+                assert all(it["extra_info"]["weight_version"] == int(gid[-3:]) % 5 for it in its)
+    assert len(seen) == 256
+    assert polls > 1, "the byte budget should have split the backlog"
+    s = h.stats()
+    assert s["rows"]["read"] == 8192 and s["rows"]["served"] == 8192
+    assert_balanced(s)
