@@ -173,6 +173,8 @@ class Service:
         self._started = False
         self._closed = False
         self._tick_no = 0
+        self._ticks_done = 0
+        self._tick_done = threading.Condition()
         self._db_failing_since: float | None = None
         self._db_last_error: str | None = None
         self._db_error_logged_at = 0.0
@@ -223,6 +225,20 @@ class Service:
     def nudge(self) -> None:
         """Ask the background thread to run a tick now."""
         self._wake.set()
+
+    def sync(self, timeout: float = 10.0) -> bool:
+        """Wait until a full background tick has run after this call (tests, CLI). Only the loop
+        thread touches its connections, so this asks it rather than ticking here."""
+        with self._tick_done:
+            target = self._ticks_done + 2
+            deadline = time.monotonic() + timeout
+            while self._ticks_done < target:
+                self._wake.set()
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    return False
+                self._tick_done.wait(min(left, 0.05))
+        return True
 
     # -- connections -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -351,13 +367,16 @@ class Service:
                 self.tick()
             except Exception as exc:  # the loop must survive anything
                 self._db_failed(exc)
+            with self._tick_done:
+                self._ticks_done += 1
+                self._tick_done.notify_all()
             # skip missed ticks rather than bursting
             self._wake.wait(max(0.0, interval - (self.clock() - started)))
             self._wake.clear()
         self._close_loop_conns()
 
     def tick(self) -> None:
-        """One round: bootstrap, flush unsaved decisions, ingest, TTL, launcher, cursor."""
+        """One round (loop thread only): bootstrap, flush unsaved decisions, ingest, TTL, launcher, cursor."""
         with self._tick_lock:
             self._tick_no += 1
             try:

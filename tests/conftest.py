@@ -190,8 +190,7 @@ class Harness:
 
     def settle(self) -> None:
         """Run ingest ticks until the reader has caught up with what is written now."""
-        for _ in range(3):
-            self.service.tick()
+        assert self.service.sync(10), "the background thread did not tick"
 
     def poll(self, **body: Any) -> dict:
         self.settle()
