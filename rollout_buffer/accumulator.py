@@ -37,26 +37,16 @@ MISSING_GROUP = "missing_group_id"
 Row = tuple  # (step_pk, session_id, group_id, is_session_completed)
 
 
-class Session:
-    """The rows of one session seen so far."""
-
-    __slots__ = ("pks", "completed")
-
-    def __init__(self) -> None:
-        self.pks: list[int] = []
-        self.completed = False
-
-
 class Group:
     """One prompt group that is not decided yet."""
 
-    __slots__ = ("group_id", "sessions", "n_completed", "n_rows", "last_seen", "first_seen", "min_pk",
+    __slots__ = ("group_id", "sessions", "completed", "n_rows", "last_seen", "first_seen", "min_pk",
                  "taken")
 
     def __init__(self, group_id: str, now: float) -> None:
         self.group_id = group_id
-        self.sessions: dict[str, Session] = {}
-        self.n_completed = 0
+        self.sessions: dict[str, list[int]] = {}  # session -> its rows' pks (metadata only)
+        self.completed: set[str] = set()          # sessions that wrote their completed row
         self.n_rows = 0
         self.last_seen = now
         self.first_seen = now
@@ -67,7 +57,7 @@ class Group:
         return sorted(self.sessions)
 
     def all_pks(self) -> list[int]:
-        return sorted(pk for s in self.sessions.values() for pk in s.pks)
+        return sorted(pk for pks in self.sessions.values() for pk in pks)
 
 
 @dataclass
@@ -136,7 +126,6 @@ class Accumulator:
         self.ready: OrderedDict[str, Group] = OrderedDict()    # ready, first ready first
         self.taken: dict[str, Group] = {}                      # handed to a poll, not yet decided
         self.decided: dict[str, str] = {}                      # group_id -> served | dropped
-        self.session_group: dict[str, str] = {}                # session -> group, undecided groups
         self.tainted: set[str] = set()                         # sessions with a row lacking group_id
         self.rows_read = 0
         self.pending_rows = 0
@@ -172,9 +161,9 @@ class Accumulator:
                     self.rejected[MISSING_GROUP] += 1
                     out.rows.append(RowEvent(pk, "rejected", MISSING_GROUP, None, sid))
                     self.tainted.add(sid)
-                    other = self.session_group.get(sid)
-                    if other is not None and self._group(other).taken is None:
-                        self._drop(self._group(other), MALFORMED, out)
+                    other = self._group_of_session(sid)  # rare: a scan is fine
+                    if other is not None and other.taken is None:
+                        self._drop(other, MALFORMED, out)
                     continue
                 gid = str(gid)
                 status = self.decided.get(gid)
@@ -191,29 +180,32 @@ class Accumulator:
                 else:
                     self.pending.move_to_end(gid)
                 g.last_seen = now
-                s = g.sessions.get(sid)
-                if s is None:
-                    s = g.sessions[sid] = Session()
-                    self.session_group[sid] = gid
-                s.pks.append(pk)
+                pks = g.sessions.get(sid)
+                if pks is None:
+                    g.sessions[sid] = [pk]
+                else:
+                    pks.append(pk)
                 g.n_rows += 1
                 self.pending_rows += 1
                 if g.min_pk is None or pk < g.min_pk:
                     g.min_pk = pk
-                if completed and not s.completed:
-                    s.completed = True
-                    g.n_completed += 1
+                if completed:
+                    g.completed.add(sid)
                 if sid in self.tainted and g.taken is None:
                     self._drop(g, MALFORMED, out)
                     continue
-                if g.n_completed >= self.k and gid in self.pending:
+                if len(g.completed) >= self.k and gid in self.pending:
                     del self.pending[gid]
                     self.ready[gid] = g
                     out.newly_ready += 1
         return out
 
-    def _group(self, gid: str) -> Group:
-        return self.pending.get(gid) or self.ready.get(gid) or self.taken[gid]
+    def _group_of_session(self, sid: str) -> Group | None:
+        for d in (self.pending, self.ready, self.taken):
+            for g in d.values():
+                if sid in g.sessions:
+                    return g
+        return None
 
     def _drop(self, g: Group, reason: str, out: Decisions) -> None:
         """Decide an undecided group as dropped (lock held). Never a taken group: its poll decides it."""
@@ -222,8 +214,6 @@ class Accumulator:
         self.pending.pop(gid, None)
         self.ready.pop(gid, None)
         self.decided[gid] = DROPPED
-        for sid in g.sessions:
-            self.session_group.pop(sid, None)
         self.pending_rows -= g.n_rows
         self.dropped[reason] += g.n_rows
         self.groups_dropped[reason] += 1
@@ -282,9 +272,9 @@ class Accumulator:
             while self.ready and (max_groups is None or len(takes) < max_groups):
                 gid, g = self.ready.popitem(last=False)
                 completed, incomplete = {}, {}
-                for sid, s in g.sessions.items():
-                    (completed if s.completed else incomplete)[sid] = tuple(s.pks)
-                g.taken = {sid: len(s.pks) for sid, s in g.sessions.items()}
+                for sid, pks in g.sessions.items():
+                    (completed if sid in g.completed else incomplete)[sid] = tuple(pks)
+                g.taken = {sid: len(pks) for sid, pks in g.sessions.items()}
                 self.taken[gid] = g
                 takes.append(Take(gid, completed, incomplete))
         return takes
@@ -342,9 +332,8 @@ class Accumulator:
         """Remove a taken group from pending state; rows that arrived while taken become late rows."""
         assert g.taken is not None
         self.pending_rows -= g.n_rows
-        for sid, s in g.sessions.items():
-            self.session_group.pop(sid, None)
-            extra = s.pks[g.taken.get(sid, 0):]
+        for sid, pks in g.sessions.items():
+            extra = pks[g.taken.get(sid, 0):]
             for pk in extra:
                 self.dropped[late_reason] += 1
                 out.rows.append(RowEvent(pk, "dropped", late_reason, g.group_id, sid))
@@ -357,7 +346,7 @@ class Accumulator:
         with self.lock:
             self.k = k
             for gid, g in list(self.pending.items()):
-                if g.n_completed >= k:
+                if len(g.completed) >= k:
                     del self.pending[gid]
                     self.ready[gid] = g
                     n += 1
