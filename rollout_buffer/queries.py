@@ -242,6 +242,12 @@ GROUPS_AT_OR_BELOW = ("SELECT DISTINCT group_id, session_id FROM session_steps "
                       "WHERE job_id = ? AND is_trainable = 1 AND id <= ?")
 # Stats: trainable rows written but not read yet.
 COUNT_AFTER = "SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ?"
+# Whether the launcher has created its table yet (per backend: catalogs differ).
+HAS_STEPS_TABLE = {
+    "sqlite": "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'session_steps'",
+    "postgres": "SELECT COUNT(*) FROM pg_catalog.pg_tables WHERE tablename = 'session_steps' "
+                "AND schemaname = ANY (current_schemas(false))",
+}
 # Health: a trivial statement.
 PING = "SELECT 1"
 

@@ -60,6 +60,7 @@ class Reader:
         self.tick_max = start_after
         self.first_read_of_tick = True
         self.caught_up = False
+        self.drained = False  # the last read returned less than a batch: nothing more to read now
 
     def end_tick(self) -> None:
         self.tick_max = self.max_seen
@@ -73,7 +74,7 @@ class Reader:
             if horizon is not None and self.cursor < self.max_seen:
                 window = db.rows(q.READ_WINDOW, (self.job_id, self.cursor, self.max_seen))
             batch = db.rows(q.READ_AFTER, (self.job_id, self.max_seen, self.batch))
-        self.caught_up = len(batch) < self.batch
+        self.caught_up = self.drained = len(batch) < self.batch
         if horizon is None:
             if batch:
                 self.cursor = self.max_seen = batch[-1][0]
@@ -173,6 +174,8 @@ class Service:
         self._started = False
         self._closed = False
         self._tick_no = 0
+        self._tables_seen = False
+        self._tables_warned = False
         self._ticks_done = 0
         self._tick_done = threading.Condition()
         self._db_failing_since: float | None = None
@@ -289,6 +292,19 @@ class Service:
             raise StorageError(f"rollout_buffer_* tables are schema version {version}; this build knows "
                                f"{q.SCHEMA_VERSION}: upgrade rollout-buffer")
 
+    def launcher_tables_exist(self, src: Database) -> bool:
+        """True once session_steps exists (a fresh database has it only after the launcher starts)."""
+        if self._tables_seen:
+            return True
+        if int(src.scalar(q.HAS_STEPS_TABLE[src.backend]) or 0):
+            self._tables_seen = True
+            return True
+        if not self._tables_warned:
+            self._tables_warned = True
+            logger.warning("the launcher's table session_steps does not exist yet in %s; waiting for it "
+                           "(`rollout-buffer init-db --db URL` creates it)", _safe(self.config.db_url))
+        return False
+
     def _load_job(self, src: Database, st: Database, job_id: str, k: int, floor_pk: int,
                   start_after: int) -> JobState:
         """Build a JobState from the durable records of a job (fresh or resumed)."""
@@ -317,7 +333,7 @@ class Service:
         tainted = [r[0] for r in st.rows(q.TAINTED_SESSIONS, (job_id,))]
         acc.tainted.update(tainted)
         accounted = None
-        if decided or accounted_rows:
+        if (decided or accounted_rows) and self.launcher_tables_exist(src):
             upto = src.scalar(q.MAX_JOB_ID, (job_id,)) or 0
             row_pks = {int(r[0]) for r in st.rows(q.ROW_PKS_FROM, (job_id, start_after))}
             accounted = Accounted(job_id, int(upto), row_pks)
@@ -397,6 +413,9 @@ class Service:
             self._db_ok()
 
     def _ingest(self, src: Database, st: Database, js: JobState) -> None:
+        if not self.launcher_tables_exist(src):
+            js.reader.caught_up = True  # nothing can have been written
+            return
         deadline = self.clock() + 1.0
         while True:
             rows = js.reader.read(src)
@@ -404,7 +423,9 @@ class Service:
                 rows = js.accounted.filter(st, js.acc.decided, rows)
             if rows:
                 self._act(st, js.job_id, js.acc.ingest(rows))
-            if js.reader.caught_up or self.clock() > deadline or self._stop.is_set():
+            # drained, not caught_up: on Postgres the safe cursor only moves between ticks, so
+            # waiting for caught_up here re-read the window in a busy loop for the whole second.
+            if js.reader.drained or self.clock() > deadline or self._stop.is_set():
                 break
         js.reader.end_tick()
 
@@ -607,8 +628,9 @@ class Service:
             if dec.drops:
                 logger.warning("job %s ended: dropped %d undecided groups", prev.job_id, len(dec.drops))
         existing = st.fetchone(q.GET_JOB, (job_id,))
+        tables = self.launcher_tables_exist(src)
         if restart_training:
-            floor = int(src.scalar(q.MAX_TERMINAL_ID, (job_id,)) or 0)
+            floor = int(src.scalar(q.MAX_TERMINAL_ID, (job_id,)) or 0) if tables else 0
             start_after, low_water = floor, floor + 1
         elif existing is not None:
             floor = int(existing["floor_pk"])
