@@ -10,6 +10,8 @@ from __future__ import annotations
 import faulthandler
 import ipaddress
 import logging
+import math
+import os
 import sys
 
 from rollout_buffer.config import Config
@@ -26,7 +28,7 @@ preload_app = False
 max_requests = 0
 max_requests_jitter = 0
 timeout = 300  # a poll that builds a 256 MiB response must not be mistaken for a hung worker
-graceful_timeout = _config.graceful_timeout_s
+graceful_timeout = math.ceil(_config.graceful_timeout_s)  # gunicorn accepts only an int here
 keepalive = 75
 loglevel = _config.log_level.lower()
 
@@ -37,6 +39,10 @@ def on_starting(server) -> None:
     problems = []
     if cfg.workers != 1:
         problems.append(f"workers={cfg.workers} (WEB_CONCURRENCY, GUNICORN_CMD_ARGS or -w)")
+    # this file sets workers = 1, which silently wins over WEB_CONCURRENCY: refuse it explicitly
+    web_concurrency = os.environ.get("WEB_CONCURRENCY", "").strip()
+    if web_concurrency not in ("", "1"):
+        problems.append(f"WEB_CONCURRENCY={web_concurrency}")
     if cfg.preload_app:
         problems.append("preload_app=True")
     if cfg.worker_class_str != "gthread":
