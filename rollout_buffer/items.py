@@ -45,21 +45,6 @@ def _no_constants(name: str) -> Any:
 _decode = json.JSONDecoder(parse_constant=_no_constants).decode
 
 
-def parse_messages(text: Any) -> bool:
-    """Validate a stored messages column; returns True when the list is empty."""
-    if isinstance(text, (bytes, bytearray, memoryview)):
-        text = bytes(text).decode("utf-8")
-    if not isinstance(text, str):
-        raise Malformed("messages_not_text")
-    try:
-        value = _decode(text)
-    except ValueError:
-        raise Malformed("invalid_json_messages") from None
-    if not isinstance(value, list):
-        raise Malformed("messages_not_a_list")
-    return not value
-
-
 def weight_version(env_state: Any) -> int:
     """The policy version of env_state: 0 when absent or unusable, never an exception for that."""
     if env_state is None:
@@ -123,16 +108,31 @@ def uid(seed: bytes, pk: int) -> str:
 
 
 class GroupItems:
-    """One group's items as JSON text, plus what meta_info needs."""
+    """One group's items as a flat list of UTF-8 fragments, plus what meta_info needs.
 
-    __slots__ = ("group_id", "parts", "n_bytes", "rewards", "weight_versions")
+    Every item starts with ``,{"uid":`` (response_body drops the very first comma), so the
+    fragments of all groups are joined once, with no per-item copy of the stored history.
+    """
+
+    __slots__ = ("group_id", "parts", "n_items", "n_bytes", "rewards", "weight_versions")
 
     def __init__(self, group_id: str) -> None:
         self.group_id = group_id
-        self.parts: list[str] = []
+        self.parts: list[Any] = []
+        self.n_items = 0
         self.n_bytes = 0
         self.rewards: list[float] = []
         self.weight_versions: list[int] = []
+
+
+def _as_bytes(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise Malformed("messages_not_text")
 
 
 def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id: str) -> GroupItems:
@@ -151,7 +151,13 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
                     raise Malformed("row_vanished")
                 if str(row[GID]) != take.group_id or row[JOB] != job_id or not row[TRAINABLE]:
                     raise Malformed("row_changed")
-                empty = parse_messages(row[MESSAGES])
+                text = _as_bytes(row[MESSAGES])
+                try:
+                    value = _decode(text.decode("utf-8"))
+                except ValueError:  # UnicodeDecodeError is one too
+                    raise Malformed("invalid_json_messages") from None
+                if not isinstance(value, list):
+                    raise Malformed("messages_not_a_list")
                 wv = weight_version(row[ENV_STATE])
                 step_reward = finite(row[STEP_REWARD], "non_finite_step_reward")
                 ts = epoch(row[CREATED])
@@ -164,56 +170,59 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
                 key = (step_id, pk, step_reward)
                 if sid not in terminal or key[:2] > terminal[sid][:2]:
                     terminal[sid] = key
-            prepared.append((sid, step_id, pk, row, empty, wv, step_reward, ts, completed))
+            prepared.append((sid, step_id, pk, text, not value, row, wv, step_reward, ts, completed))
     if bad:
         err = Malformed(next(iter(bad.values())))
         err.bad = bad  # type: ignore[attr-defined]
         raise err
     prepared.sort(key=lambda p: (p[0], p[1], p[2]))
     out = GroupItems(take.group_id)
-    gid_json = _dumps_compact(take.group_id)
+    parts = out.parts
+    gid_json = _dumps_compact(take.group_id).encode()
     seen_steps: set[tuple[str, int]] = set()
-    sid_cache: dict[str, str] = {}
-    for sid, step_id, pk, row, empty, wv, step_reward, ts, completed in prepared:
+    prev_sid = None
+    sid_json = b""
+    n_bytes = 0
+    for sid, step_id, pk, text, empty, row, wv, step_reward, ts, completed in prepared:
         if (sid, step_id) in seen_steps:
-            logger.warning(
-                "group %s session %s has two rows for step %s (step_pk %s); serving both",
-                take.group_id, sid, step_id, pk)
+            logger.warning("group %s session %s has two rows for step %s (step_pk %s); serving both",
+                           take.group_id, sid, step_id, pk)
         seen_steps.add((sid, step_id))
+        if sid != prev_sid:
+            prev_sid = sid
+            sid_json = _dumps_compact(sid).encode()
         reward = terminal[sid][2]
-        text = row[MESSAGES]
-        if not isinstance(text, str):
-            text = bytes(text).decode("utf-8")
-        head = text.rstrip()[:-1]
+        end = len(text.rstrip()) - 1  # the stored list's closing bracket
         response = row[RESPONSE]
         if not isinstance(response, str):
             response = "" if response is None else str(response)
         truncated = bool(row[TRUNCATED])
-        sid_json = sid_cache.get(sid)
-        if sid_json is None:
-            sid_json = sid_cache[sid] = _dumps_compact(sid)
-        # extra_info, formatted directly (the same text json.dumps would give, faster)
-        extra = "".join((
-            '{"timestamp":', repr(ts), ',"steps":', str(step_id), ',"finish_reason":',
-            '"length"' if truncated else '"stop"', ',"session_id":', sid_json, ',"env_id":', sid_json,
-            ',"group_id":', gid_json, ',"weight_version":', str(wv), ',"truncated":',
-            "true" if truncated else "false", ',"step_pk":', str(pk), ',"is_session_completed":',
-            "true" if completed else "false", ',"step_reward":', repr(step_reward), ',"terminal_reward":',
-            repr(reward), "}"))
-        part = "".join((
-            '{"uid":"', uid(seed, pk), '","instance_id":', gid_json, ',"messages":', head,
-            "" if empty else ",", '{"role":"assistant","content":', _dumps_text(response), "}]",
-            ',"reward":', repr(reward), ',"extra_info":', extra, "}"))
-        out.parts.append(part)
-        out.n_bytes += len(part)
+        r = repr(reward).encode()
+        # the item, formatted directly (the same text json.dumps would give, much faster)
+        head = b"".join((
+            b',{"uid":"', uid(seed, pk).encode(), b'","instance_id":', gid_json, b',"messages":'))
+        tail = b"".join((
+            b'' if empty else b',', b'{"role":"assistant","content":', _dumps_text(response).encode(),
+            b'}],"reward":', r, b',"extra_info":{"timestamp":', repr(ts).encode(), b',"steps":',
+            str(step_id).encode(), b',"finish_reason":', b'"length"' if truncated else b'"stop"',
+            b',"session_id":', sid_json, b',"env_id":', sid_json, b',"group_id":', gid_json,
+            b',"weight_version":', str(wv).encode(), b',"truncated":', b"true" if truncated else b"false",
+            b',"step_pk":', str(pk).encode(), b',"is_session_completed":', b"true" if completed else b"false",
+            b',"step_reward":', repr(step_reward).encode(), b',"terminal_reward":', r, b"}}"))
+        parts.append(head)
+        parts.append(memoryview(text)[:end])
+        parts.append(tail)
+        n_bytes += len(head) + end + len(tail)
         out.rewards.append(reward)
         out.weight_versions.append(wv)
+    out.n_items = len(prepared)
+    out.n_bytes = n_bytes
     return out
 
 
 def response_body(groups: Iterable[GroupItems], meta_extra: dict[str, Any]) -> bytes:
     """The /get_rollout_data JSON body for the given groups (success when there is an item)."""
-    parts: list[str] = []
+    parts: list[Any] = []
     rewards: list[float] = []
     wvs: list[int] = []
     gids: list[str] = []
@@ -222,7 +231,7 @@ def response_body(groups: Iterable[GroupItems], meta_extra: dict[str, Any]) -> b
         rewards.extend(g.rewards)
         wvs.extend(g.weight_versions)
         gids.append(g.group_id)
-    n = len(parts)
+    n = len(rewards)
     meta = {
         "total_samples": n,
         "avg_reward": sum(rewards) / n if n else 0.0,
@@ -233,5 +242,8 @@ def response_body(groups: Iterable[GroupItems], meta_extra: dict[str, Any]) -> b
     meta.update(meta_extra)
     message = f"Successfully read {n} items" if n else "No data available to read"
     head = '{"success":%s,"message":%s,"data":{"data":[' % ("true" if n else "false", _dumps_compact(message))
-    tail = '],"meta_info":%s}}' % _dumps_compact(meta)
-    return "".join((head, ",".join(parts), tail)).encode("utf-8")
+    if parts:
+        parts[0] = parts[0][1:]  # the first item has no comma before it
+    parts.insert(0, head.encode())
+    parts.append(('],"meta_info":%s}}' % _dumps_compact(meta)).encode())
+    return b"".join(parts)

@@ -255,7 +255,13 @@ BODY_COLUMNS = ("id", "session_id", "step_id", "group_id", "messages", "response
                 "env_state", "is_truncated", "is_session_completed", "created_at", "job_id", "is_trainable")
 
 
-@lru_cache(maxsize=64)
-def fetch_bodies(n: int) -> str:
-    """Serving: full rows by primary key (n placeholders)."""
-    return (f"SELECT {', '.join(BODY_COLUMNS)} FROM session_steps WHERE id IN ({', '.join('?' * n)})")
+# messages comes back as UTF-8 bytes, so it is spliced into the response without a decode/encode
+# round trip (the only per-backend part of the statement).
+_MESSAGES_AS_BYTES = {"sqlite": "CAST(messages AS BLOB)", "postgres": "convert_to(messages, 'UTF8')"}
+
+
+@lru_cache(maxsize=128)
+def fetch_bodies(n: int, backend: str) -> str:
+    """Serving: full rows by primary key (n placeholders), messages as bytes."""
+    cols = [(_MESSAGES_AS_BYTES[backend] if c == "messages" else c) for c in BODY_COLUMNS]
+    return f"SELECT {', '.join(cols)} FROM session_steps WHERE id IN ({', '.join('?' * n)})"

@@ -750,7 +750,7 @@ class Service:
         out: dict[int, tuple] = {}
         for i in range(0, len(pks), FETCH_CHUNK):
             chunk = pks[i:i + FETCH_CHUNK]
-            for r in src.rows(q.fetch_bodies(len(chunk)), chunk):
+            for r in src.rows(q.fetch_bodies(len(chunk), src.backend), chunk):
                 out[r[0]] = r
         return out
 
@@ -779,11 +779,11 @@ class Service:
                         malformed_takes.append(t)
                         i += 1
                         continue
-                    if built and size + g.n_bytes + len(g.parts) > budget:
+                    if built and size + g.n_bytes > budget:
                         over = True
                         break
                     built.append((t, g))
-                    size += g.n_bytes + len(g.parts)
+                    size += g.n_bytes
                     i += 1
                 if over:
                     break
@@ -804,7 +804,7 @@ class Service:
             with st.transaction():
                 if built:
                     st.execute(q.INSERT_BATCH, (batch_id, js.job_id, request_id, seed.hex(),
-                                                json.dumps([t.group_id for t, _ in built]), sum(len(g.parts) for _, g in built),
+                                                json.dumps([t.group_id for t, _ in built]), sum(g.n_items for _, g in built),
                                                 len(body), now))
                 for t, _g in built:
                     inc = sorted(pk for p in t.incomplete.values() for pk in p)
