@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--groups", type=int, default=24, help="prompt groups the simulator runs")
     s.add_argument("--k", type=int, default=4, help="sessions per group")
     s.add_argument("--port", type=int, default=0, help="port (default: a free one)")
-    s.add_argument("--pace", type=float, default=0.005, help="simulator seconds between rows")
+    s.add_argument("--pace", type=float, default=0.02, help="simulator seconds between rows")
     s.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("stats", help="print GET /stats of a running service as a table")
