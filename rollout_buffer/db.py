@@ -34,6 +34,11 @@ def sqlite_path(url: str) -> str:
     return url[len("sqlite://"):]
 
 
+def redact(url: str) -> str:
+    """A database URL without its password, for logs and errors."""
+    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
+
+
 def connect(url: str, *, readonly: bool = False) -> "Database":
     """Open a connection for the calling thread."""
     if url.startswith("sqlite://"):
@@ -69,7 +74,7 @@ class Database:
     @property
     def safe_url(self) -> str:
         """The URL without a password."""
-        return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", self.url)
+        return redact(self.url)
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         """Run a statement; returns the affected row count."""

@@ -27,7 +27,7 @@ from . import accumulator as acc_mod
 from . import queries as q
 from .accumulator import Accumulator, Decisions, Take
 from .config import Config
-from .db import Database, connect
+from .db import Database, connect, redact
 from .errors import ApiError, ClosedError, StorageError
 from .items import GroupItems, Malformed, build_group, response_body
 from .proxy import ProxyNotifier
@@ -198,7 +198,7 @@ class Service:
         self.notifier.start()
         self._thread = threading.Thread(target=self._run, name="rollout-buffer-loop", daemon=True)
         self._thread.start()
-        logger.info("rollout-buffer service started (db %s)", _safe(self.config.db_url))
+        logger.info("rollout-buffer service started (db %s)", redact(self.config.db_url))
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the loop, the launcher (TERM, grace, KILL) and the notifier; idempotent."""
@@ -302,7 +302,7 @@ class Service:
         if not self._tables_warned:
             self._tables_warned = True
             logger.warning("the launcher's table session_steps does not exist yet in %s; waiting for it "
-                           "(`rollout-buffer init-db --db URL` creates it)", _safe(self.config.db_url))
+                           "(`rollout-buffer init-db --db URL` creates it)", redact(self.config.db_url))
         return False
 
     def _load_job(self, src: Database, st: Database, job_id: str, k: int, floor_pk: int,
@@ -946,12 +946,6 @@ def _launcher_summary(state: dict[str, Any]) -> dict[str, Any]:
 
 def _empty_body(meta_extra: dict[str, Any]) -> bytes:
     return response_body([], meta_extra)
-
-
-def _safe(url: str) -> str:
-    import re
-
-    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
 
 
 class RequestConnections:

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .errors import RolloutBufferError
+
 logger = logging.getLogger(__name__)
 
 RESTART_POLICIES = ("never", "on-failure")
@@ -33,7 +35,7 @@ _STOP_POLL_S = 0.05
 _KILL_WAIT_S = 5.0
 
 
-class LauncherError(Exception):
+class LauncherError(RolloutBufferError):
     """The launcher could not be started."""
 
 
