@@ -245,25 +245,6 @@ class Accumulator:
                     self._drop(g, reason, out)
         return out
 
-    def tombstone(self, groups: dict[str, list[str]], reason: str) -> Decisions:
-        """Decide the given undecided groups (with their known sessions) as dropped."""
-        out = Decisions()
-        with self.lock:
-            for gid, sessions in groups.items():
-                if gid in self.decided:
-                    continue
-                if gid in self.taken:
-                    continue  # a poll is serving it right now; it is decided by that poll
-                g = self.pending.get(gid) or self.ready.get(gid)
-                if g is None:
-                    self.decided[gid] = DROPPED
-                    self.groups_dropped[reason] += 1
-                    out.drops.append(Drop(gid, reason, [], sorted(set(sessions))))
-                else:
-                    self._drop(g, reason, out)
-                    out.drops[-1].clear_sessions = sorted(set(out.drops[-1].clear_sessions) | set(sessions))
-        return out
-
     # -- serving ----------------------------------------------------------------------------------
     def take_ready(self, max_groups: int | None) -> list[Take]:
         """Hand ready groups to a poll, first ready first; they stay undecided until commit/release."""
@@ -279,16 +260,23 @@ class Accumulator:
                 takes.append(Take(gid, completed, incomplete))
         return takes
 
-    def release(self, takes: list[Take]) -> None:
-        """Give taken groups back, at the front and in their order (the poll failed or ran out of budget)."""
+    def release(self, takes: list[Take]) -> Decisions:
+        """Give taken groups back, at the front and in their order (the poll failed or ran out of budget).
+
+        A group one of whose sessions wrote a row without group_id meanwhile is dropped instead."""
+        out = Decisions()
         with self.lock:
             for t in reversed(takes):
                 g = self.taken.pop(t.group_id, None)
                 if g is None:
-                    continue  # dropped meanwhile
+                    continue
                 g.taken = None
+                if self.tainted and not self.tainted.isdisjoint(g.sessions):
+                    self._drop(g, MALFORMED, out)
+                    continue
                 self.ready[t.group_id] = g
                 self.ready.move_to_end(t.group_id, last=False)
+        return out
 
     def commit(self, served: list[Take], malformed: dict[str, dict[int, str]]) -> Decisions:
         """The poll recorded its batch: decide served groups as served and malformed ones as dropped.
@@ -345,6 +333,10 @@ class Accumulator:
         n = 0
         with self.lock:
             self.k = k
+            for gid, g in list(self.ready.items()):
+                if len(g.completed) < k:  # K was raised: not ready any more
+                    del self.ready[gid]
+                    self.pending[gid] = g
             for gid, g in list(self.pending.items()):
                 if len(g.completed) >= k:
                     del self.pending[gid]

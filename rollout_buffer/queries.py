@@ -186,6 +186,10 @@ SAVE_LAUNCHER = ("UPDATE rollout_buffer_jobs SET launcher_pid = ?, launcher_pgid
 # Record a group's decision (the tombstone); a second decision for one group is an integrity error.
 INSERT_GROUP = ("INSERT INTO rollout_buffer_groups (job_id, group_id, status, reason, batch_id, n_served, "
                 "n_dropped, pks, clear_sessions, notified, resolved_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+# Record a drop; a decision already recorded (a retried COMMIT) is kept as it is.
+INSERT_GROUP_IF_ABSENT = INSERT_GROUP + " ON CONFLICT (job_id, group_id) DO NOTHING"
+# Whether given groups are decided (after a COMMIT whose outcome is unknown).
+GROUP_STATUS = "SELECT status FROM rollout_buffer_groups WHERE job_id = ? AND group_id = ?"
 # Every decided group of a job (tombstones to load on start).
 JOB_GROUP_STATUS = "SELECT group_id, status FROM rollout_buffer_groups WHERE job_id = ?"
 # The pks a decided group accounted for (rebuild after a crash).
@@ -237,9 +241,9 @@ READ_WINDOW = ("SELECT id, session_id, group_id, is_session_completed FROM sessi
 MAX_JOB_ID = "SELECT MAX(id) FROM session_steps WHERE job_id = ?"
 # restart_training: the job's last terminal row.
 MAX_TERMINAL_ID = "SELECT MAX(id) FROM session_steps WHERE job_id = ? AND is_terminal = 1"
-# restart_training: groups and sessions with trainable rows at or below the floor.
-GROUPS_AT_OR_BELOW = ("SELECT DISTINCT group_id, session_id FROM session_steps "
-                      "WHERE job_id = ? AND is_trainable = 1 AND id <= ?")
+# restart_training: trainable rows at or below the floor, with their groups and sessions.
+ROWS_AT_OR_BELOW = ("SELECT id, group_id, session_id FROM session_steps "
+                    "WHERE job_id = ? AND is_trainable = 1 AND id <= ?")
 # Stats: trainable rows written but not read yet.
 COUNT_AFTER = "SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ?"
 # Whether the launcher has created its table yet (per backend: catalogs differ).

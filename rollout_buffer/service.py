@@ -45,25 +45,37 @@ class Reader:
     On SQLite writers are serialised, so ids become visible in order and ``id > cursor`` is enough.
     On Postgres a smaller id can commit after a larger one. The reader keeps a *safe* cursor,
     below which every row is known to be visible, re-reads the window between it and the largest
-    id seen, and skips ids it already returned. The safe cursor moves up to the largest id seen at
-    the end of tick n-1 once every transaction that was running at the first read of tick n has
-    finished (the snapshot's xmin has passed that read's xmax).
+    id seen, and skips ids it already returned. At the first read of a tick it pairs that
+    snapshot's xmax with the largest id seen at the end of a tick at least ``HORIZON_LAG_S``
+    earlier; once the snapshot xmin passes that xmax, every transaction that could hold a smaller
+    id has finished (the lag covers the instant between an INSERT taking its id from the sequence
+    and getting its transaction id), and the safe cursor moves up to that id.
+
+    ``read`` does not move the cursor: ``advance`` does, once the caller has ingested the rows, so a
+    failure in between re-reads them instead of losing them.
     """
 
-    def __init__(self, job_id: str, start_after: int, batch: int) -> None:
+    HORIZON_LAG_S = 1.0
+
+    def __init__(self, job_id: str, start_after: int, batch: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.job_id = job_id
         self.cursor = start_after
         self.max_seen = start_after
         self.batch = batch
+        self.clock = clock
         self.seen: set[int] = set()
         self.horizons: collections.deque[tuple[int, int]] = collections.deque()
-        self.tick_max = start_after
+        self.tick_ends: collections.deque[tuple[float, int]] = collections.deque([(float("-inf"), start_after)])
         self.first_read_of_tick = True
         self.caught_up = False
         self.drained = False  # the last read returned less than a batch: nothing more to read now
+        self._staged: tuple | None = None
+        self._postgres = False
 
     def end_tick(self) -> None:
-        self.tick_max = self.max_seen
+        if self._postgres:
+            self.tick_ends.append((self.clock(), self.max_seen))
         self.first_read_of_tick = True
 
     def read(self, db: Database) -> list[tuple]:
@@ -74,28 +86,48 @@ class Reader:
             if horizon is not None and self.cursor < self.max_seen:
                 window = db.rows(q.READ_WINDOW, (self.job_id, self.cursor, self.max_seen))
             batch = db.rows(q.READ_AFTER, (self.job_id, self.max_seen, self.batch))
-        self.caught_up = self.drained = len(batch) < self.batch
+        drained = len(batch) < self.batch
         if horizon is None:
-            if batch:
-                self.cursor = self.max_seen = batch[-1][0]
+            self._staged = (batch, batch, drained, None)
             return batch
         new = [r for r in window if r[0] not in self.seen]
         new.extend(batch)
+        self._staged = (new, batch, drained, horizon)
+        return new
+
+    def advance(self) -> None:
+        """The rows of the last read were ingested: move past them."""
+        if self._staged is None:
+            return
+        new, batch, drained, horizon = self._staged
+        self._staged = None
+        self.drained = drained
         if batch:
             self.max_seen = batch[-1][0]
+        if horizon is None:
+            self.cursor = self.max_seen
+            self.caught_up = drained
+            return
+        self._postgres = True
         self.seen.update(r[0] for r in new)
         xmin, xmax = horizon
         if self.first_read_of_tick:
-            self.horizons.append((xmax, self.tick_max))
             self.first_read_of_tick = False
+            limit = self.clock() - self.HORIZON_LAG_S
+            paired = None
+            while self.tick_ends and self.tick_ends[0][0] <= limit:
+                paired = self.tick_ends.popleft()
+            if paired is not None:
+                self.tick_ends.appendleft(paired)  # still the newest old-enough end for the next tick
+                if not self.horizons or self.horizons[-1][1] < paired[1]:
+                    self.horizons.append((xmax, paired[1]))
         moved = False
         while self.horizons and xmin >= self.horizons[0][0]:
             self.cursor = max(self.cursor, self.horizons.popleft()[1])
             moved = True
         if moved:
             self.seen = {pk for pk in self.seen if pk > self.cursor}
-        self.caught_up = self.caught_up and self.cursor >= self.max_seen
-        return new
+        self.caught_up = drained and self.cursor >= self.max_seen
 
 
 class Accounted:
@@ -175,6 +207,7 @@ class Service:
         self._closed = False
         self._tick_no = 0
         self._tables_seen = False
+        self._serve_uncertain = False
         self._tables_warned = False
         self._ticks_done = 0
         self._tick_done = threading.Condition()
@@ -337,7 +370,7 @@ class Service:
             upto = src.scalar(q.MAX_JOB_ID, (job_id,)) or 0
             row_pks = {int(r[0]) for r in st.rows(q.ROW_PKS_FROM, (job_id, start_after))}
             accounted = Accounted(job_id, int(upto), row_pks)
-        reader = Reader(job_id, start_after, self.config.ingest_batch)
+        reader = Reader(job_id, start_after, self.config.ingest_batch, clock=self.clock)
         return JobState(job_id, k, floor_pk, acc, reader, accounted)
 
     def _bootstrap(self, src: Database, st: Database) -> None:
@@ -351,6 +384,8 @@ class Service:
             logger.info("resumed job %s (K=%s, reading from id %s; %s groups decided before)",
                         js.job_id, js.k, start_after, len(js.acc.decided))
             state = row["launcher_state"]
+            if state in ("exited", "stopped:requested", "gave_up") or (state or "").startswith("exited"):
+                js.launcher_finished_tick = self._tick_no  # it ended before the crash: drop after catch-up
             if row["launcher_pid"] and state == "running":
                 adopted = False
                 with contextlib.suppress(LauncherError):
@@ -421,8 +456,10 @@ class Service:
             rows = js.reader.read(src)
             if js.accounted is not None:
                 rows = js.accounted.filter(st, js.acc.decided, rows)
-            if rows:
-                self._act(st, js.job_id, js.acc.ingest(rows))
+            dec = js.acc.ingest(rows) if rows else None
+            js.reader.advance()  # only now: a failure above re-reads these rows next tick
+            if dec is not None:
+                self._act(st, js.job_id, dec)
             # drained, not caught_up: on Postgres the safe cursor only moves between ticks, so
             # waiting for caught_up here re-read the window in a busy loop for the whole second.
             if js.reader.drained or self.clock() > deadline or self._stop.is_set():
@@ -464,6 +501,9 @@ class Service:
         if not self._serve_lock.acquire(blocking=False):
             return  # a poll is deciding groups; save next time
         try:
+            with self._outbox_lock:
+                if self._outbox:
+                    return  # a poll queued decisions meanwhile: they must be recorded first
             cur = (js.reader.cursor, js.acc.low_water(js.reader.cursor))
             if cur != js.saved_cursor:
                 st.execute(q.SAVE_CURSOR, (cur[0], cur[1], time.time(), js.job_id))
@@ -473,16 +513,19 @@ class Service:
             self._serve_lock.release()
 
     # -- persisting and acting on decisions -----------------------------------------------------
+    @staticmethod
+    def _drop_record(job_id: str, d: acc_mod.Drop, now: float) -> tuple:
+        return (job_id, d.group_id, acc_mod.DROPPED, d.reason, None, 0, len(d.pks), ",".join(map(str, d.pks)),
+                json.dumps(d.clear_sessions), 0 if d.clear_sessions else 1, now)
+
     def _persist(self, st: Database, job_id: str, dec: Decisions) -> None:
+        """Record decisions; idempotent (a COMMIT that failed after it succeeded is retried harmlessly)."""
         now = time.time()
         with st.transaction():
-            for d in dec.drops:
-                st.execute(q.INSERT_GROUP, (job_id, d.group_id, acc_mod.DROPPED, d.reason, None, 0, len(d.pks),
-                                            ",".join(map(str, d.pks)), json.dumps(d.clear_sessions),
-                                            0 if d.clear_sessions else 1, now))
+            st.executemany(q.INSERT_GROUP_IF_ABSENT, [self._drop_record(job_id, d, now) for d in dec.drops])
             st.executemany(q.INSERT_ROW, [
-                (job_id, r.step_pk, r.outcome, r.reason, r.group_id, r.session_id,
-                 0 if (r.outcome == "dropped" and r.session_id) else 1, now) for r in dec.rows])
+                (job_id, r.step_pk, r.outcome, r.reason, r.group_id, r.session_id, 0 if r.session_id else 1, now)
+                for r in dec.rows])
 
     def _act(self, st: Database, job_id: str, dec: Decisions) -> None:
         """Persist decisions (or queue them when the database fails), then notify the proxy."""
@@ -519,7 +562,7 @@ class Service:
             if r.outcome == "rejected":
                 logger.warning("rejected row step_pk=%s of job %s (group %s): %s", r.step_pk, job_id,
                                r.group_id, r.reason)
-            elif r.session_id:
+            if r.session_id:
                 s, g, k = late.setdefault(r.reason, (set(), set(), []))
                 s.add(r.session_id)
                 if r.group_id:
@@ -589,6 +632,10 @@ class Service:
             src, st = conns.get()
             with self._tick_lock, self._serve_lock:
                 js = self._select_job(src, st, job_id, k, restart_training)
+                if self.config.launcher_kind != "none":
+                    # Until its own launcher runs, the finished one the loop sees is not this job's:
+                    # no launcher_exited drop for it (reset once the launcher is spawned).
+                    js.launcher_drop_done = True
             self.nudge()
             pid = None
             if self.config.launcher_kind != "none":
@@ -599,11 +646,11 @@ class Service:
                     logger.error("cannot start the launcher for job %s: %s", job_id, exc)
                     raise ApiError(500, f"the launcher could not be started: {exc}", job_session=job_id,
                                    argv=list(spec.argv)) from exc
+                js.launcher_finished_tick = None
+                js.launcher_drop_done = False
                 state = self.supervisor.state()
                 st.execute(q.SAVE_LAUNCHER, (state["pid"], state["pgid"], state["start_ticks"], "running",
                                              time.time(), job_id))
-                js.launcher_finished_tick = None
-                js.launcher_drop_done = False
             logger.info("rollout started: job %s, K=%s, restart_training=%s, launcher pid %s", job_id, k,
                         restart_training, pid)
             return 200, {"message": "Rollout started", "pid": pid, "job_session": job_id, "k": k,
@@ -638,23 +685,36 @@ class Service:
             start_after = max(floor, low_water - 1)
         else:
             floor, start_after, low_water = 0, 0, 1
+        tombstones = self._restart_tombstones(src, st, job_id, floor) if restart_training and floor > 0 else []
         now = time.time()
+        # The floor and the tombstones of the groups below it commit together: a crash in between
+        # would resume above the floor and serve those groups without their first rows.
         with st.transaction():
             st.execute(q.DEACTIVATE_JOBS, (now,))
             st.execute(q.UPSERT_JOB, (job_id, k, floor, start_after, low_water, now, now))
+            st.executemany(q.INSERT_GROUP_IF_ABSENT, [self._drop_record(job_id, d, now) for d in tombstones])
         js = self._load_job(src, st, job_id, k, floor, start_after)
-        if restart_training and floor > 0:
-            below: dict[str, list[str]] = {}
-            for gid, sid in src.rows(q.GROUPS_AT_OR_BELOW, (job_id, floor)):
-                if gid is not None:
-                    below.setdefault(str(gid), []).append(sid)
-            dec = js.acc.tombstone(below, acc_mod.RESTART_TRAINING)
-            self._act(st, job_id, dec)
-            if dec.drops:
-                logger.warning("restart_training: job %s reads after id %s; %d groups with rows at or below "
-                               "it are dropped", job_id, floor, len(dec.drops))
         self.current = js
+        if tombstones:
+            self._notify(job_id, Decisions(drops=tombstones))
+            logger.warning("restart_training: job %s reads after id %s; %d groups with rows at or below it are "
+                           "dropped", job_id, floor, len(tombstones))
         return js
+
+    def _restart_tombstones(self, src: Database, st: Database, job_id: str, floor: int) -> list[acc_mod.Drop]:
+        """Undecided groups with trainable rows at or below the floor, with those rows (counted as
+        read and dropped, so the job's accounting keeps them) and their sessions to clear."""
+        decided = {r[0] for r in st.rows(q.JOB_GROUP_STATUS, (job_id,))}
+        accounted = {int(r[0]) for r in st.rows(q.ROW_PKS_FROM, (job_id, 0))}
+        below: dict[str, tuple[list[int], set[str]]] = {}
+        for pk, gid, sid in src.rows(q.ROWS_AT_OR_BELOW, (job_id, floor)):
+            if gid is None or str(gid) in decided or int(pk) in accounted:
+                continue
+            pks, sids = below.setdefault(str(gid), ([], set()))
+            pks.append(int(pk))
+            sids.add(sid)
+        return [acc_mod.Drop(gid, acc_mod.RESTART_TRAINING, sorted(pks), sorted(sids))
+                for gid, (pks, sids) in below.items()]
 
     def stop_rollout(self) -> dict[str, Any]:
         """Stop the launcher (idempotent); the job stays selected and ready groups stay servable."""
@@ -720,6 +780,13 @@ class Service:
 
     def _get_rollout_data(self, conns: "RequestConnections", max_groups: int | None,
                           request_id: str | None) -> bytes:
+        if not self._bootstrapped.is_set():
+            # Until the active job is resumed from the database, "no data" would be a lie: a trainer
+            # would drop its request_id and the batch bound to it (already marked served) would be lost.
+            self.nudge()
+            if not self._bootstrapped.wait(2.0):
+                raise ApiError(503, "the service is still loading its state from the database: "
+                               f"{self._db_last_error or 'starting'}", retry_after=1)
         js = self.current
         if js is None:
             return _empty_body({})
@@ -754,7 +821,37 @@ class Service:
                 out[r[0]] = r
         return out
 
+    def _release(self, st: Database, js: JobState, takes: list[Take]) -> None:
+        """Give taken groups back to the ready queue (and record any that had to be dropped instead)."""
+        dec = js.acc.release(takes)
+        if dec:
+            with contextlib.suppress(StorageError):  # queued in the outbox on failure
+                self._act(st, js.job_id, dec)
+
+    def _reconcile(self, st: Database, js: JobState, takes: list[Take]) -> list[Take]:
+        """After a COMMIT whose outcome is unknown: groups the database already records as decided are
+        settled in memory (a client that retries its request_id gets that batch replayed), not re-served."""
+        keep = []
+        for t in takes:
+            status = st.scalar(q.GROUP_STATUS, (js.job_id, t.group_id))
+            if status is None:
+                keep.append(t)
+            else:
+                logger.warning("group %s of job %s was recorded as %s by a commit that reported an error; "
+                               "settling it without serving it again", t.group_id, js.job_id, status)
+                js.acc.commit([t], {})
+        self._serve_uncertain = False
+        return keep
+
     def _serve(self, src: Database, st: Database, js: JobState, takes: list[Take], request_id: str | None) -> bytes:
+        if self._serve_uncertain:
+            try:
+                takes = self._reconcile(st, js, takes)
+            except BaseException:
+                self._release(st, js, takes)
+                raise
+            if not takes:
+                return _empty_body({"job_session": js.job_id})
         seed = secrets.token_bytes(16)
         budget = self.config.max_response_bytes
         built: list[tuple[Take, GroupItems]] = []
@@ -788,19 +885,21 @@ class Service:
                 if over:
                     break
         except BaseException:
-            js.acc.release(takes)
+            self._release(st, js, takes)
             raise
         leftover = takes[i:]
-        js.acc.release(leftover)
+        self._release(st, js, leftover)
         done = [t for t, _ in built] + malformed_takes
         batch_id = uuid.uuid4().hex
         body = b""
-        if built:
-            meta = {"job_session": js.job_id, "batch_id": batch_id, "request_id": request_id, "replayed": False,
-                    "groups": len(built)}
-            body = response_body([g for _, g in built], meta)
-        now = time.time()
+        in_commit = False
         try:
+            if built:
+                meta = {"job_session": js.job_id, "batch_id": batch_id, "request_id": request_id,
+                        "replayed": False, "groups": len(built)}
+                body = response_body([g for _, g in built], meta)
+            now = time.time()
+            in_commit = True
             with st.transaction():
                 if built:
                     st.execute(q.INSERT_BATCH, (batch_id, js.job_id, request_id, seed.hex(),
@@ -822,7 +921,9 @@ class Service:
                     st.executemany(q.INSERT_ROW, [(js.job_id, pk, "rejected", reason, t.group_id, None, 1, now)
                                                   for pk, reason in bad.items()])
         except BaseException:
-            js.acc.release(done)
+            if in_commit:
+                self._serve_uncertain = True  # the COMMIT may have happened: check before serving again
+            self._release(st, js, done)
             raise
         dec = js.acc.commit(done, malformed)
         # commit() re-derives the malformed drops and rejected rows already recorded above; keep only
