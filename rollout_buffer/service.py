@@ -905,12 +905,14 @@ class Service:
                     st.execute(q.INSERT_BATCH, (batch_id, js.job_id, request_id, seed.hex(),
                                                 json.dumps([t.group_id for t, _ in built]), sum(g.n_items for _, g in built),
                                                 len(body), now))
+                served_records = []
                 for t, _g in built:
                     inc = sorted(pk for p in t.incomplete.values() for pk in p)
                     pks = sorted(t.served_pks + inc)
-                    st.execute(q.INSERT_GROUP, (js.job_id, t.group_id, acc_mod.SERVED, None, batch_id,
-                                                len(t.served_pks), len(inc), ",".join(map(str, pks)),
-                                                json.dumps(sorted(t.incomplete)), 0 if t.incomplete else 1, now))
+                    served_records.append((js.job_id, t.group_id, acc_mod.SERVED, None, batch_id,
+                                           len(t.served_pks), len(inc), ",".join(map(str, pks)),
+                                           json.dumps(sorted(t.incomplete)), 0 if t.incomplete else 1, now))
+                st.executemany(q.INSERT_GROUP, served_records)
                 for t in malformed_takes:
                     bad = malformed[t.group_id]
                     pks = sorted(pk for p in list(t.completed.values()) + list(t.incomplete.values())
