@@ -15,6 +15,7 @@ from typing import Any
 from flask import Blueprint, Response, current_app, g, request
 
 from .errors import ApiError
+from .items import iter_bytes
 from .metrics import render_metrics
 from .service import RequestConnections, Service
 
@@ -148,8 +149,10 @@ def get_rollout_data() -> Response:
     body = json_body()
     max_groups = parse_max_groups(body.get("max_groups"))
     request_id = parse_request_id(body.get("request_id"))
-    data = service().get_rollout_data(conns(), max_groups=max_groups, request_id=request_id)
-    return Response(data, status=200, mimetype="application/json")
+    chunks = service().get_rollout_data(conns(), max_groups=max_groups, request_id=request_id)
+    resp = Response(iter_bytes(chunks), status=200, mimetype="application/json")
+    resp.headers["Content-Length"] = str(sum(len(c) for c in chunks))
+    return resp
 
 
 @bp.post("/stop_rollout")

@@ -32,14 +32,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_init_db(args: argparse.Namespace) -> int:
     """Create the launcher's tables (and the buffer's own) if they are missing."""
-    from .db import connect
-    from .queries import LAUNCHER_DDL
+    from .db import connect, create_launcher_tables
     from .service import Service
 
     db = connect(args.db)
     try:
-        for ddl in LAUNCHER_DDL[db.backend]:
-            db.execute(ddl)
+        create_launcher_tables(db)
         Service.ensure_state_schema(db)
     finally:
         db.close()

@@ -48,6 +48,14 @@ def connect(url: str, *, readonly: bool = False) -> "Database":
     raise ConfigError(f"unsupported database URL {url!r}: expected sqlite:///path or postgresql://...")
 
 
+def create_launcher_tables(db: "Database") -> None:
+    """Create the launcher's two tables and their indexes if they are missing (init-db, tests)."""
+    from .queries import LAUNCHER_DDL
+
+    for ddl in LAUNCHER_DDL[db.backend]:
+        db.execute(ddl)
+
+
 class Database:
     """Common interface of both backends."""
 

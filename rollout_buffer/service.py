@@ -29,7 +29,7 @@ from .accumulator import Accumulator, Decisions, Take
 from .config import Config
 from .db import Database, connect, redact
 from .errors import ApiError, ClosedError, StorageError
-from .items import GroupItems, Malformed, build_group, response_body
+from .items import GroupItems, Malformed, build_group, response_chunks
 from .proxy import ProxyNotifier
 from .supervisor import LaunchSpec, LauncherError, Supervisor
 
@@ -770,8 +770,9 @@ class Service:
 
     # -- /get_rollout_data ------------------------------------------------------------------------
     def get_rollout_data(self, conns: "RequestConnections", *, max_groups: int | None,
-                         request_id: str | None) -> bytes:
-        """Serve ready groups (or replay the batch bound to request_id). Returns the JSON body."""
+                         request_id: str | None) -> list[Any]:
+        """Serve ready groups (or replay the batch bound to request_id). Returns the JSON body as
+        bytes-like chunks (sent one after the other, never concatenated)."""
         started = time.perf_counter()
         try:
             return self._get_rollout_data(conns, max_groups, request_id)
@@ -779,7 +780,7 @@ class Service:
             self._observe_poll(time.perf_counter() - started)
 
     def _get_rollout_data(self, conns: "RequestConnections", max_groups: int | None,
-                          request_id: str | None) -> bytes:
+                          request_id: str | None) -> list[Any]:
         if not self._bootstrapped.is_set():
             # Until the active job is resumed from the database, "no data" would be a lie: a trainer
             # would drop its request_id and the batch bound to it (already marked served) would be lost.
@@ -843,7 +844,8 @@ class Service:
         self._serve_uncertain = False
         return keep
 
-    def _serve(self, src: Database, st: Database, js: JobState, takes: list[Take], request_id: str | None) -> bytes:
+    def _serve(self, src: Database, st: Database, js: JobState, takes: list[Take],
+               request_id: str | None) -> list[Any]:
         if self._serve_uncertain:
             try:
                 takes = self._reconcile(st, js, takes)
@@ -857,7 +859,7 @@ class Service:
         built: list[tuple[Take, GroupItems]] = []
         malformed: dict[str, dict[int, str]] = {}
         malformed_takes: list[Take] = []
-        size = 0
+        buf = bytearray()
         i = 0
         try:
             while i < len(takes):
@@ -870,17 +872,17 @@ class Service:
                 over = False
                 for t in takes[i:j]:
                     try:
-                        g = build_group(t, rows, seed, js.job_id)
+                        g = build_group(t, rows, seed, js.job_id, buf)
                     except Malformed as exc:
                         malformed[t.group_id] = getattr(exc, "bad", {})
                         malformed_takes.append(t)
                         i += 1
                         continue
-                    if built and size + g.n_bytes > budget:
+                    if built and len(buf) > budget:
+                        del buf[g.start:]  # does not fit: it stays ready for the next poll
                         over = True
                         break
                     built.append((t, g))
-                    size += g.n_bytes
                     i += 1
                 if over:
                     break
@@ -891,20 +893,20 @@ class Service:
         self._release(st, js, leftover)
         done = [t for t, _ in built] + malformed_takes
         batch_id = uuid.uuid4().hex
-        body = b""
+        chunks: list[Any] = []
         in_commit = False
         try:
             if built:
                 meta = {"job_session": js.job_id, "batch_id": batch_id, "request_id": request_id,
                         "replayed": False, "groups": len(built)}
-                body = response_body([g for _, g in built], meta)
+                chunks = response_chunks([g for _, g in built], buf, meta)
             now = time.time()
             in_commit = True
             with st.transaction():
                 if built:
                     st.execute(q.INSERT_BATCH, (batch_id, js.job_id, request_id, seed.hex(),
                                                 json.dumps([t.group_id for t, _ in built]), sum(g.n_items for _, g in built),
-                                                len(body), now))
+                                                sum(map(len, chunks)), now))
                 served_records = []
                 for t, _g in built:
                     inc = sorted(pk for p in t.incomplete.values() for pk in p)
@@ -949,12 +951,12 @@ class Service:
             self.nudge()
         if not built:
             return _empty_body({"job_session": js.job_id})
-        logger.debug("served %d groups (%d bytes) of job %s; %d left ready", len(built), len(body), js.job_id,
+        logger.debug("served %d groups (%d bytes) of job %s; %d left ready", len(built), len(buf), js.job_id,
                      len(leftover))
         self.polls_with_data += 1
-        return body
+        return chunks
 
-    def _replay(self, src: Database, st: Database, js: JobState, batch: dict[str, Any]) -> bytes:
+    def _replay(self, src: Database, st: Database, js: JobState, batch: dict[str, Any]) -> list[Any]:
         age = time.time() - float(batch["created_at"])
         if age > self.config.replay_retention_s:
             raise ApiError(410, f"request_id {batch['request_id']!r} was answered {age:.0f} s ago, beyond the "
@@ -962,6 +964,7 @@ class Service:
                            "again. Use a fresh request_id for new data.", batch_id=batch["batch_id"])
         seed = bytes.fromhex(batch["seed"])
         groups: list[GroupItems] = []
+        buf = bytearray()
         for gid in json.loads(batch["group_ids"]):
             text = st.scalar(q.GROUP_PKS, (js.job_id, gid)) or ""
             pks = [int(p) for p in text.split(",") if p]
@@ -976,13 +979,13 @@ class Service:
                 (completed if r[1] in done_sessions else incomplete).setdefault(r[1], []).append(pk)
             take = Take(gid, {s: tuple(p) for s, p in completed.items()}, {s: tuple(p) for s, p in incomplete.items()})
             try:
-                groups.append(build_group(take, rows, seed, js.job_id))
+                groups.append(build_group(take, rows, seed, js.job_id, buf))
             except Malformed as exc:  # pragma: no cover - rows are immutable
                 raise ApiError(500, f"batch {batch['batch_id']} cannot be rebuilt: {exc}") from exc
         meta = {"job_session": js.job_id, "batch_id": batch["batch_id"], "request_id": batch["request_id"],
                 "replayed": True, "groups": len(groups)}
         logger.info("replayed batch %s for request_id %s", batch["batch_id"], batch["request_id"])
-        return response_body(groups, meta)
+        return response_chunks(groups, buf, meta)
 
     def _observe_poll(self, seconds: float) -> None:
         self.poll_count += 1
@@ -1047,8 +1050,8 @@ def _launcher_summary(state: dict[str, Any]) -> dict[str, Any]:
     return {k: state.get(k) for k in keys}
 
 
-def _empty_body(meta_extra: dict[str, Any]) -> bytes:
-    return response_body([], meta_extra)
+def _empty_body(meta_extra: dict[str, Any]) -> list[Any]:
+    return response_chunks([], bytearray(), meta_extra)
 
 
 class RequestConnections:

@@ -19,7 +19,7 @@ import pytest
 from rollout_buffer import queries as q
 from rollout_buffer.app import create_app
 from rollout_buffer.config import Config
-from rollout_buffer.db import connect
+from rollout_buffer.db import connect, create_launcher_tables
 
 PG_DSN = os.environ.get("ROLLOUT_BUFFER_TEST_PG", "postgresql://root@127.0.0.1:5432/test")
 SCRUB_PREFIXES = ("ROLLOUT_BUFFER_", "AIEVOBOX_", "AIEVOBOC_", "LLM_PROXY_")
@@ -89,13 +89,24 @@ def db_url(request: pytest.FixtureRequest, tmp_path) -> str:
         url = "sqlite://" + str(tmp_path / "launcher.db")
     else:
         url = request.getfixturevalue("pg_url")
+    make_launcher_db(url)
+    return url
+
+
+def make_launcher_db(url: str) -> None:
+    """Create the launcher's tables, as the launcher itself would."""
     db = connect(url)
     try:
-        for ddl in q.LAUNCHER_DDL[db.backend]:
-            db.execute(ddl)
+        create_launcher_tables(db)
     finally:
         db.close()
-    return url
+
+
+@pytest.fixture
+def lite_url(sqlite_url: str) -> str:
+    """A SQLite launcher database with the launcher's tables (where the backend does not matter)."""
+    make_launcher_db(sqlite_url)
+    return sqlite_url
 
 
 def now_text(offset_s: float = 0.0) -> str:

@@ -21,8 +21,7 @@ from typing import Any, Callable
 import pytest
 import requests
 
-from conftest import PG_DSN, Writer
-from rollout_buffer import queries as q
+from conftest import PG_DSN, Writer, make_launcher_db
 from rollout_buffer.db import connect
 from servers import Server, log_tail
 
@@ -32,16 +31,6 @@ K = 4
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
-
-
-def make_launcher_db(url: str) -> None:
-    """Create the launcher's tables, as the launcher itself would."""
-    db = connect(url)
-    try:
-        for ddl in q.LAUNCHER_DDL[db.backend]:
-            db.execute(ddl)
-    finally:
-        db.close()
 
 
 def complete_groups(url: str, job: str, k: int = K) -> dict[str, int]:

@@ -20,9 +20,7 @@ from typing import Iterator, Sequence
 import pytest
 import requests
 
-from conftest import Writer
-from rollout_buffer import queries as q
-from rollout_buffer.db import connect
+from conftest import Writer, make_launcher_db
 from servers import ROOT, free_port, log_tail, server_env
 
 pytestmark = pytest.mark.slow
@@ -36,16 +34,6 @@ def gunicorn_argv(*args: str) -> list[str]:
     if script.exists():
         return [str(script), *args]
     return [sys.executable, "-m", "gunicorn", *args]
-
-
-def make_launcher_db(url: str) -> None:
-    """Create the launcher's tables, as the launcher itself would."""
-    db = connect(url)
-    try:
-        for ddl in q.LAUNCHER_DDL[db.backend]:
-            db.execute(ddl)
-    finally:
-        db.close()
 
 
 def env_for(db_url: str, tmp_path: Path, port: int, **extra: str) -> dict[str, str]:

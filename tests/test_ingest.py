@@ -8,7 +8,7 @@ import uuid
 import psycopg
 import pytest
 
-from conftest import Writer, assert_balanced, groups_of, make_config, now_text
+from conftest import Writer, assert_balanced, groups_of, make_launcher_db, now_text
 from rollout_buffer import queries as q
 from rollout_buffer.accumulator import Accumulator
 from rollout_buffer.db import connect, to_pyformat
@@ -63,10 +63,7 @@ def test_ttl_is_measured_from_the_last_ingested_row():
 
 def test_postgres_out_of_order_commit_is_read_exactly_once(pg_url, harness_factory):
     """Two writers: the larger id commits first and is ingested; the smaller one commits later."""
-    db = connect(pg_url)
-    for ddl in q.LAUNCHER_DDL["postgres"]:
-        db.execute(ddl)
-    db.close()
+    make_launcher_db(pg_url)
     h = harness_factory(pg_url)
     h.start(k=2, job="J")
     msgs = json.dumps([{"role": "user", "content": "hi"}])
@@ -100,9 +97,8 @@ def test_postgres_out_of_order_commit_is_read_exactly_once(pg_url, harness_facto
 
 
 def test_reader_cursor_waits_for_in_flight_transactions(pg_url):
+    make_launcher_db(pg_url)
     db = connect(pg_url)
-    for ddl in q.LAUNCHER_DDL["postgres"]:
-        db.execute(ddl)
     w = Writer(pg_url, job="J")
     now = [0.0]
     reader = Reader("J", 0, 1000, clock=lambda: now[0])

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import Writer
+
 
 SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*\})? '
                     r'(-?[0-9.eE+-]+|\+Inf|-Inf|NaN)$')
@@ -83,16 +83,8 @@ def test_metrics_before_any_job(harness):
 
 
 @pytest.fixture
-def authed(sqlite_url, harness_factory):
-    Writer(sqlite_url).close()
-    from rollout_buffer.db import connect
-    from rollout_buffer import queries as q
-
-    db = connect(sqlite_url)
-    for ddl in q.LAUNCHER_DDL["sqlite"]:
-        db.execute(ddl)
-    db.close()
-    return harness_factory(sqlite_url, token="s3cret-token")
+def authed(lite_url, harness_factory):
+    return harness_factory(lite_url, token="s3cret-token")
 
 
 @pytest.mark.parametrize("method,path", [("post", "/start_rollout"), ("post", "/get_rollout_data"),

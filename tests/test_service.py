@@ -20,9 +20,7 @@ import pytest
 
 from conftest import Harness, Writer, assert_balanced, groups_of, make_config
 from fakes.fake_proxy import FakeProxy, closed_port
-from rollout_buffer import queries as q
 from rollout_buffer.config import Config
-from rollout_buffer.db import connect
 from rollout_buffer.service import Service
 
 TESTS = Path(__file__).resolve().parent
@@ -107,18 +105,6 @@ def proxy_sessions(proxy: FakeProxy, reason: str, *, delivered: bool = False) ->
 
 def proxy_groups(proxy: FakeProxy, reason: str) -> set[str]:
     return {g for b in proxy.calls if b["reason"] == reason for g in b["group_ids"]}
-
-
-@pytest.fixture
-def lite_url(sqlite_url: str) -> str:
-    """A SQLite launcher database with the launcher's tables (for tests where the backend does not matter)."""
-    db = connect(sqlite_url)
-    try:
-        for ddl in q.LAUNCHER_DDL[db.backend]:
-            db.execute(ddl)
-    finally:
-        db.close()
-    return sqlite_url
 
 
 @pytest.fixture
