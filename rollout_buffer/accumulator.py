@@ -127,6 +127,7 @@ class Accumulator:
         self.taken: dict[str, Group] = {}                      # handed to a poll, not yet decided
         self.decided: dict[str, str] = {}                      # group_id -> served | dropped
         self.tainted: set[str] = set()                         # sessions with a row lacking group_id
+        self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
         self.rows_read = 0
         self.pending_rows = 0
         self.served_rows = 0
@@ -154,6 +155,7 @@ class Accumulator:
         """Add new rows (distinct step_pks, each seen once)."""
         out = Decisions()
         with self.lock:
+            self.changes += 1
             now = self.clock()
             for pk, sid, gid, completed in rows:
                 self.rows_read += 1
@@ -211,6 +213,7 @@ class Accumulator:
         """Decide an undecided group as dropped (lock held). Never a taken group: its poll decides it."""
         gid = g.group_id
         assert g.taken is None, gid
+        self.changes += 1
         self.pending.pop(gid, None)
         self.ready.pop(gid, None)
         self.decided[gid] = DROPPED
@@ -250,6 +253,7 @@ class Accumulator:
         """Hand ready groups to a poll, first ready first; they stay undecided until commit/release."""
         takes: list[Take] = []
         with self.lock:
+            self.changes += 1
             while self.ready and (max_groups is None or len(takes) < max_groups):
                 gid, g = self.ready.popitem(last=False)
                 completed, incomplete = {}, {}
@@ -288,6 +292,7 @@ class Accumulator:
         """
         out = Decisions()
         with self.lock:
+            self.changes += 1
             for t in served:
                 g = self.taken.pop(t.group_id, None)
                 if g is None:

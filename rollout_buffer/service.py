@@ -177,6 +177,7 @@ class JobState:
         self.started_at = time.time()
         self.cursor_saved_at = 0.0
         self.saved_cursor: tuple[int, int] | None = None
+        self.saved_marker: tuple[int, int] | None = None
 
 
 class Service:
@@ -492,9 +493,13 @@ class Service:
             self._act(st, js.job_id, dec)
 
     def _save_cursor(self, st: Database, js: JobState) -> None:
+        """Persist the cursor and the low-water mark (at most once a second, only when they can have moved)."""
         now = self.clock()
         if now - js.cursor_saved_at < 1.0:
             return
+        marker = (js.reader.cursor, js.acc.changes)
+        if marker == js.saved_marker:
+            return  # idle: no O(groups) low-water scan, nothing to write
         with self._outbox_lock:
             if self._outbox:
                 return
@@ -509,6 +514,7 @@ class Service:
                 st.execute(q.SAVE_CURSOR, (cur[0], cur[1], time.time(), js.job_id))
                 js.saved_cursor = cur
             js.cursor_saved_at = now
+            js.saved_marker = marker
         finally:
             self._serve_lock.release()
 
