@@ -68,7 +68,7 @@ class Database:
         self.thread_id = threading.get_ident()
 
     # -- subclass hooks -----------------------------------------------------------------
-    def _run(self, sql: str, params: Sequence[Any], many: bool = False) -> Any:
+    def _run(self, sql: str, params: Sequence[Any], many: bool = False, binary: bool = False) -> Any:
         raise NotImplementedError
 
     def _begin(self) -> None:
@@ -96,10 +96,11 @@ class Database:
         if seq:
             self._run(sql, seq, many=True)
 
-    def rows(self, sql: str, params: Sequence[Any] = ()) -> list[tuple]:
-        """All result rows as tuples (the fast path)."""
+    def rows(self, sql: str, params: Sequence[Any] = (), *, binary: bool = False) -> list[tuple]:
+        """All result rows as tuples (the fast path); ``binary`` asks Postgres for binary results
+        (bytea arrives as raw bytes instead of hex text)."""
         self._check()
-        return self._run(sql, params).fetchall()
+        return self._run(sql, params, binary=binary).fetchall()
 
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         """All result rows as dicts keyed by column name."""
@@ -194,7 +195,7 @@ class SqliteDatabase(Database):
         except sqlite3.Error as exc:
             raise StorageError(f"cannot open SQLite database {self.path!r}: {exc}") from exc
 
-    def _run(self, sql: str, params: Sequence[Any], many: bool = False) -> Any:
+    def _run(self, sql: str, params: Sequence[Any], many: bool = False, binary: bool = False) -> Any:
         try:
             if many:
                 return self.conn.executemany(sql, params)
@@ -254,14 +255,14 @@ class PostgresDatabase(Database):
                 self._translated[sql] = out
         return out
 
-    def _run(self, sql: str, params: Sequence[Any], many: bool = False) -> Any:
+    def _run(self, sql: str, params: Sequence[Any], many: bool = False, binary: bool = False) -> Any:
         psycopg = self._psycopg
         try:
             cur = self.conn.cursor()
             if many:
                 cur.executemany(self._sql(sql), params)
             else:
-                cur.execute(self._sql(sql), params if params else None, prepare=False)
+                cur.execute(self._sql(sql), params if params else None, prepare=False, binary=binary)
             return cur
         except psycopg.IntegrityError as exc:
             raise IntegrityError(f"{exc} (in: {sql[:120]})") from exc

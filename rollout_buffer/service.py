@@ -824,7 +824,8 @@ class Service:
         out: dict[int, tuple] = {}
         for i in range(0, len(pks), FETCH_CHUNK):
             chunk = pks[i:i + FETCH_CHUNK]
-            for r in src.rows(q.fetch_bodies(len(chunk), src.backend), chunk):
+            for r in src.rows(q.fetch_bodies(len(chunk), src.backend), q.fetch_bodies_params(chunk, src.backend),
+                              binary=True):
                 out[r[0]] = r
         return out
 

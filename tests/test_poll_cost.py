@@ -27,10 +27,10 @@ class Counting:
 
         monkeypatch.setattr(service_mod, "connect", connect)
         for cls, run in real_run.items():
-            def counted(obj, sql, params, many=False, _run=run):
+            def counted(obj, sql, params, many=False, binary=False, _run=run):
                 if threading.current_thread().name != self.loop:
                     self.statements += 1
-                return _run(obj, sql, params, many)
+                return _run(obj, sql, params, many, binary)
 
             monkeypatch.setattr(cls, "_run", counted)
 
