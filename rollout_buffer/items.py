@@ -141,7 +141,7 @@ class _History:
     __slots__ = ("prefix", "empty")
 
     def __init__(self) -> None:
-        self.prefix: bytes | None = None  # the previous valid list without its closing bracket
+        self.prefix: memoryview | None = None  # the previous valid list without its closing bracket
         self.empty = True
 
     def check(self, text: bytes) -> tuple[int, bool]:
@@ -163,13 +163,13 @@ class _History:
                 items = self._list(b"[" + tail[1:]) if tail[:1] == b"," else None
                 ok = bool(items)
             if ok:
-                self.prefix = text[:end]
+                self.prefix = memoryview(text)[:end]
                 self.empty = self.empty and tail == b"]"
                 return end, self.empty
         value = self._list(text)
         if value is None:
             raise Malformed("messages_not_a_list")
-        self.prefix = text[:end]
+        self.prefix = memoryview(text)[:end]
         self.empty = not value
         return end, self.empty
 
