@@ -182,6 +182,9 @@ class _History:
         return value if isinstance(value, list) else None
 
 
+# env_state texts repeat a lot ({"weight_version": 3}): parse each distinct short one once.
+_WV_CACHE: dict[str, int] = {}
+
 _ITEM_TAIL = ('%s{"role":"assistant","content":%s}],"reward":%r,"extra_info":{"timestamp":%r,"steps":%d,'
               '"finish_reason":"%s","session_id":%s,"env_id":%s,"group_id":%s,"weight_version":%d,'
               '"truncated":%s,"step_pk":%d,"is_session_completed":%s,"step_reward":%r,"terminal_reward":%r}}')
@@ -222,7 +225,14 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
                 raise Malformed("row_changed")
             text = _as_bytes(row[MESSAGES])
             end, empty = history.check(text)
-            wv = weight_version(row[ENV_STATE])
+            env_state = row[ENV_STATE]
+            wv = _WV_CACHE.get(env_state) if isinstance(env_state, str) else None
+            if wv is None:
+                wv = weight_version(env_state)
+                if isinstance(env_state, str) and len(env_state) < 256:
+                    if len(_WV_CACHE) > 4096:
+                        _WV_CACHE.clear()
+                    _WV_CACHE[env_state] = wv
             step_reward = finite(row[STEP_REWARD], "non_finite_step_reward")
             ts = epoch(row[CREATED])
         except Malformed as exc:

@@ -271,6 +271,8 @@ def test_kill9_and_restart_serves_every_group_exactly_once(tmp_path, point):
             kill9_and_restart(srv)
         else:
             for _crash in range(2 if point == "twice_between_polls" else 1):
+                # the background ingest (or, after a restart, the resume) must have caught up first
+                wait_until(lambda: (t.stats().get("groups") or {}).get("ready", 0) >= 10, 15, "10 groups ready")
                 for _ in range(2):
                     assert t.poll(max_groups=5)["success"] is True
                 if point == "worker_only":
