@@ -65,7 +65,8 @@ def tail(path: str, n: int = 40) -> str:
         return "(no log)"
 
 
-def children(pid: int) -> list[int]:
+def _procs() -> list[tuple[int, list[str]]]:
+    """(pid, /proc/PID/stat fields after the command name) of every live, non-zombie process."""
     out = []
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -74,23 +75,17 @@ def children(pid: int) -> list[int]:
                     fields = fh.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(name))
+            if fields[0] != "Z":
+                out.append((int(name), fields))
     return out
+
+
+def children(pid: int) -> list[int]:
+    return [p for p, f in _procs() if int(f[1]) == pid]
 
 
 def group_members(pgid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                out.append(int(name))
-    return out
+    return [p for p, f in _procs() if int(f[2]) == pgid]
 
 
 def cmd_start(args: argparse.Namespace) -> int:
