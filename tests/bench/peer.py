@@ -165,7 +165,14 @@ def cmd_start(args: argparse.Namespace) -> int:
         if time.monotonic() > deadline:
             fail("the stand-in launcher did not start")
         time.sleep(0.05)
-    workers = children(server.pid)
+    def is_proxy(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                return b"fake_proxy.py" in fh.read()
+        except OSError:
+            return False
+
+    workers = [p for p in children(server.pid) if not is_proxy(p)]  # the gunicorn worker, not the proxy
     print(f"PID={server.pid}")
     print(f"URL={url}")
     print(f"MEM_PIDS={','.join(str(p) for p in [server.pid] + workers)}")
