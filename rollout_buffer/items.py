@@ -135,6 +135,10 @@ def _as_bytes(value: Any) -> bytes:
     raise Malformed("messages_not_text")
 
 
+# JSON's whitespace only: bytes.strip() would also drop \x0b and \x0c, which JSON forbids.
+_JSON_WS = b" \t\n\r"
+
+
 class _History:
     """Validates a session's growing histories: each step's list usually extends the previous one."""
 
@@ -151,10 +155,10 @@ class _History:
         tail is parsed: prefix + tail is a valid list exactly when ``[`` + the tail's elements is a
         non-empty valid list (or the tail is just the bracket). Otherwise the whole text is parsed.
         """
-        end = len(text.rstrip()) - 1
+        end = len(text.rstrip(_JSON_WS)) - 1
         prev = self.prefix
         if prev is not None and text.startswith(prev):
-            tail = text[len(prev):].strip()
+            tail = text[len(prev):].strip(_JSON_WS)
             if tail == b"]":
                 ok = True
             elif self.empty:

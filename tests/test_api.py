@@ -340,3 +340,33 @@ def test_stats_identity_and_lag(harness, writer):
     assert s["lag_rows"] == 0
     assert s["accounting_balanced"] is True
     assert json.dumps(s)
+
+
+@pytest.mark.parametrize("second", [
+    '[{"role": "user", "content": "q"}\x0c, {"role": "assistant", "content": "a1"}]',  # form feed: not JSON
+    '[{"role": "user", "content": "q"}, ]',                                            # trailing comma
+    '[{"role": "user", "content": "q"}, {"role": "assistant", "content": NaN}]',       # NaN in the new tail
+    '[{"role": "user", "content": "q"}]x',                                              # garbage after the list
+])
+def test_growing_history_is_validated_even_when_only_its_tail_is_new(harness, writer, second):
+    """The second step's history extends the first's byte for byte; a bad tail still drops the group."""
+    harness.start(k=1)
+    writer.step("g", "s", 1, messages='[{"role": "user", "content": "q"}]')
+    writer.step("g", "s", 2, completed=True, step_reward=1.0, messages=second)
+    writer.group("ok", 1, steps=2)
+    doc = harness.poll()
+    assert list(groups_of(doc)) == ["ok"]
+    s = harness.stats()
+    assert s["groups"]["dropped"] == {"malformed_row": 1} and s["rows"]["rejected_total"] == 1
+
+
+def test_growing_history_with_valid_tails_is_served_exactly(harness, writer):
+    harness.start(k=1)
+    h1 = '[ {"role": "user", "content": "q"} ]'
+    h2 = '[ {"role": "user", "content": "q"} ,\n {"role": "assistant", "content": "a1"}, {"role": "user", "content": "o1"}]'
+    h3 = h2[:-1] + '\t]'
+    for i, h in enumerate((h1, h2, h3), start=1):
+        writer.step("g", "s", i, completed=i == 3, step_reward=1.0 if i == 3 else 0.0, messages=h, response=f"r{i}")
+    items = harness.poll()["data"]["data"]
+    assert [i["messages"] for i in items] == [json.loads(h) + [{"role": "assistant", "content": f"r{n}"}]
+                                              for n, h in enumerate((h1, h2, h3), start=1)]
