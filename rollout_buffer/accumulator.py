@@ -18,6 +18,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from .db import BadText
+
 logger = logging.getLogger(__name__)
 
 SERVED = "served"
@@ -33,6 +35,7 @@ INCOMPLETE_IN_SERVED = "incomplete_session_in_served_group"
 LATE_DROPPED = "late_rows_from_dropped_groups"
 LATE_SERVED = "late_rows_from_served_groups"
 MISSING_GROUP = "missing_group_id"
+INVALID_GROUP = "invalid_utf8_group_id"
 
 Row = tuple  # (step_pk, session_id, group_id, is_session_completed)
 
@@ -159,9 +162,10 @@ class Accumulator:
             now = self.clock()
             for pk, sid, gid, completed in rows:
                 self.rows_read += 1
-                if gid is None or gid == "":
-                    self.rejected[MISSING_GROUP] += 1
-                    out.rows.append(RowEvent(pk, "rejected", MISSING_GROUP, None, sid))
+                if gid is None or gid == "" or isinstance(gid, BadText):
+                    reason = MISSING_GROUP if not isinstance(gid, BadText) else INVALID_GROUP
+                    self.rejected[reason] += 1
+                    out.rows.append(RowEvent(pk, "rejected", reason, None, sid))
                     self.tainted.add(sid)
                     other = self._group_of_session(sid)  # rare: a scan is fine
                     if other is not None and other.taken is None:

@@ -34,6 +34,21 @@ def sqlite_path(url: str) -> str:
     return url[len("sqlite://"):]
 
 
+class BadText(str):
+    """A TEXT value that was not valid UTF-8 in the database, decoded with replacement characters.
+
+    SQLite stores whatever bytes a writer gives it; decoding strictly would make every read that
+    touches such a row fail (one bad row would stop ingest or serving for good). The row is kept
+    and marked instead, so the caller can reject it with a reason."""
+
+
+def _sqlite_text(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return BadText(raw.decode("utf-8", "replace"))
+
+
 def redact(url: str) -> str:
     """A database URL without its password, for logs and errors."""
     return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
@@ -186,6 +201,7 @@ class SqliteDatabase(Database):
             else:
                 self.conn = sqlite3.connect(self.path, timeout=SQLITE_BUSY_TIMEOUT_S,
                                             isolation_level=None)
+            self.conn.text_factory = _sqlite_text
             self.conn.execute("PRAGMA busy_timeout=%d" % int(SQLITE_BUSY_TIMEOUT_S * 1000))
             if not readonly:
                 mode = self.conn.execute("PRAGMA journal_mode").fetchone()[0]

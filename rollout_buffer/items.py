@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from typing import Any, Iterator, Sequence
 
 from .accumulator import Take
+from .db import BadText
 
 logger = logging.getLogger(__name__)
 
@@ -225,6 +226,8 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
             prev_sid, history = sid, _History()
         assert history is not None
         try:
+            if any(isinstance(row[c], BadText) for c in (SID, GID, RESPONSE, ENV_STATE, CREATED, JOB)):
+                raise Malformed("invalid_utf8_text")
             if str(row[GID]) != take.group_id or row[JOB] != job_id or not row[TRAINABLE]:
                 raise Malformed("row_changed")
             text = _as_bytes(row[MESSAGES])

@@ -213,8 +213,8 @@ ROW_TOTALS = ("SELECT outcome, reason, COUNT(*) AS n FROM rollout_buffer_rows WH
 # pks accounted one by one at or above a pk (rebuild after a crash).
 ROW_PKS_FROM = "SELECT step_pk FROM rollout_buffer_rows WHERE job_id = ? AND step_pk >= ?"
 # Sessions that wrote a row without group_id (their groups are malformed).
-TAINTED_SESSIONS = ("SELECT DISTINCT session_id FROM rollout_buffer_rows WHERE job_id = ? AND reason = 'missing_group_id' "
-                    "AND session_id IS NOT NULL")
+TAINTED_SESSIONS = ("SELECT DISTINCT session_id FROM rollout_buffer_rows WHERE job_id = ? "
+                    "AND reason IN ('missing_group_id', 'invalid_utf8_group_id') AND session_id IS NOT NULL")
 # Late rows whose sessions the proxy has not confirmed clearing.
 UNNOTIFIED_ROWS = ("SELECT job_id, step_pk, reason, group_id, session_id FROM rollout_buffer_rows "
                    "WHERE notified = 0 AND session_id IS NOT NULL")

@@ -370,3 +370,30 @@ def test_growing_history_with_valid_tails_is_served_exactly(harness, writer):
     items = harness.poll()["data"]["data"]
     assert [i["messages"] for i in items] == [json.loads(h) + [{"role": "assistant", "content": f"r{n}"}]
                                               for n, h in enumerate((h1, h2, h3), start=1)]
+
+
+def test_invalid_utf8_text_drops_its_group_instead_of_failing_every_poll(lite_url, harness_factory):
+    """SQLite stores any bytes as TEXT; a strict decode would make every read touching the row fail."""
+    import sqlite3
+
+    from conftest import Writer, now_text
+    h = harness_factory(lite_url)
+    h.start(k=1)
+    w = Writer(lite_url)
+    w.group("ok1", 1, steps=1)
+    conn = sqlite3.connect(lite_url[len("sqlite://"):])
+    cols = ("session_id, step_id, env_name, llm_model, group_id, job_id, messages, response, step_reward, reward, "
+            "env_state, is_terminal, is_truncated, is_session_completed, is_trainable, created_at")
+    sql = f"INSERT INTO session_steps ({cols}) VALUES (?, 1, 'e', 'm', {{gid}}, 'job1', '[]', {{resp}}, 1, 1, NULL, 1, 0, 1, 1, ?)"
+    with conn:
+        conn.execute(sql.format(gid="'badresp'", resp="CAST(? AS TEXT)"), ("s-bad", b"caf\xe9", now_text()))
+        conn.execute(sql.format(gid="CAST(? AS TEXT)", resp="'r'"), ("s-badgid", b"g\xff", now_text()))
+    conn.close()
+    w.group("ok2", 1, steps=1)
+    w.close()
+    doc = h.poll()
+    assert sorted(groups_of(doc)) == ["ok1", "ok2"]
+    s = h.stats()
+    assert s["rows"]["rejected"] == {"invalid_utf8_text": 1, "invalid_utf8_group_id": 1}
+    assert s["groups"]["dropped"] == {"malformed_row": 1}
+    assert_balanced(s)
