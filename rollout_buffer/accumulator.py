@@ -268,6 +268,21 @@ class Accumulator:
                 takes.append(Take(gid, completed, incomplete))
         return takes
 
+    def retake(self, takes: list[Take]) -> list[Take]:
+        """Hand back exactly these earlier takes (released after a COMMIT that did happen after all),
+        so commit() settles them with their original snapshot. Returns those still undecided."""
+        found = []
+        with self.lock:
+            self.changes += 1
+            for t in takes:
+                g = self.ready.pop(t.group_id, None) or self.pending.pop(t.group_id, None)
+                if g is None:
+                    continue
+                g.taken = {sid: len(pks) for sid, pks in list(t.completed.items()) + list(t.incomplete.items())}
+                self.taken[t.group_id] = g
+                found.append(t)
+        return found
+
     def release(self, takes: list[Take]) -> Decisions:
         """Give taken groups back, at the front and in their order (the poll failed or ran out of budget).
 

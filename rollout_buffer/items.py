@@ -46,6 +46,9 @@ def _no_constants(name: str) -> Any:
 _decode = json.JSONDecoder(parse_constant=_no_constants).decode
 
 
+_MAX_VERSION = 2 ** 53
+
+
 def weight_version(env_state: Any) -> int:
     """The policy version of env_state: 0 when absent or unusable, never an exception for that."""
     if env_state is None:
@@ -62,14 +65,16 @@ def weight_version(env_state: Any) -> int:
     wv = env_state.get("weight_version")
     if isinstance(wv, bool) or wv is None:
         return 0
-    if isinstance(wv, (int, float)):
-        return int(wv) if math.isfinite(wv) else 0
     if isinstance(wv, str):
         try:
-            return int(float(wv.strip()))
-        except (ValueError, OverflowError):
+            wv = float(wv.strip())
+        except ValueError:
             return 0
-    return 0
+    if isinstance(wv, int) and abs(wv) <= _MAX_VERSION:
+        return wv
+    if isinstance(wv, float) and math.isfinite(wv) and abs(wv) <= _MAX_VERSION:
+        return int(wv)
+    return 0  # absent or unusable (not a number, or beyond what an average over items can hold)
 
 
 def epoch(created_at: Any) -> float:
@@ -77,11 +82,11 @@ def epoch(created_at: Any) -> float:
     if isinstance(created_at, datetime):
         d = created_at
     else:
-        if isinstance(created_at, bytes):
-            created_at = created_at.decode()
         try:
+            if isinstance(created_at, bytes):
+                created_at = created_at.decode()
             d = datetime.fromisoformat(str(created_at).strip())
-        except ValueError:
+        except ValueError:  # UnicodeDecodeError is one too
             raise Malformed("invalid_created_at") from None
     if d.tzinfo is None:
         d = d.replace(tzinfo=timezone.utc)
@@ -294,6 +299,18 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
     return out
 
 
+def _mean(values: list) -> float:
+    """The mean of finite numbers, never overflowing to inf (the body must stay valid JSON)."""
+    if not values:
+        return 0.0
+    n = len(values)
+    mean = math.fsum(v / n for v in values)
+    return max(-_FLOAT_MAX, min(_FLOAT_MAX, mean))
+
+
+_FLOAT_MAX = 1.7976931348623157e308
+
+
 def response_chunks(groups: Sequence[GroupItems], buf: bytearray, meta_extra: dict[str, Any]) -> list[Any]:
     """The /get_rollout_data JSON body as bytes-like chunks (success when there is an item)."""
     rewards: list[float] = []
@@ -304,9 +321,9 @@ def response_chunks(groups: Sequence[GroupItems], buf: bytearray, meta_extra: di
     n = len(rewards)
     meta = {
         "total_samples": n,
-        "avg_reward": sum(rewards) / n if n else 0.0,
+        "avg_reward": _mean(rewards),
         "finished_groups": sorted(g.group_id for g in groups),
-        "avg_weight_version": sum(wvs) / n if n else 0.0,
+        "avg_weight_version": _mean(wvs),
         "max_weight_version": max(wvs) if wvs else 0,
     }
     meta.update(meta_extra)

@@ -227,6 +227,8 @@ INSERT_BATCH = ("INSERT INTO rollout_buffer_batches (batch_id, job_id, request_i
                 "n_bytes, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
 # The batch bound to a request_id.
 BATCH_BY_REQUEST = "SELECT * FROM rollout_buffer_batches WHERE job_id = ? AND request_id = ?"
+# Whether a batch was recorded (after a COMMIT whose outcome is unknown).
+BATCH_EXISTS = "SELECT 1 FROM rollout_buffer_batches WHERE batch_id = ?"
 # Batches delivered for a job.
 COUNT_BATCHES = "SELECT COUNT(*) FROM rollout_buffer_batches WHERE job_id = ?"
 

@@ -208,7 +208,7 @@ class Service:
         self._closed = False
         self._tick_no = 0
         self._tables_seen = False
-        self._serve_uncertain = False
+        self._uncertain: tuple | None = None  # a serving COMMIT whose outcome is unknown
         self._tables_warned = False
         self._ticks_done = 0
         self._tick_done = threading.Condition()
@@ -808,6 +808,8 @@ class Service:
             assert js is not None
             try:
                 src, st = conns.get()
+                if self._uncertain is not None:
+                    self._reconcile(st, js)
                 if request_id is not None:
                     batch = st.fetchone(q.BATCH_BY_REQUEST, (js.job_id, request_id))
                     if batch is not None:
@@ -836,37 +838,52 @@ class Service:
             with contextlib.suppress(StorageError):  # queued in the outbox on failure
                 self._act(st, js.job_id, dec)
 
-    def _reconcile(self, st: Database, js: JobState, takes: list[Take]) -> list[Take]:
-        """After a COMMIT whose outcome is unknown: groups the database already records as decided are
-        settled in memory (a client that retries its request_id gets that batch replayed), not re-served."""
-        keep = []
-        for t in takes:
-            status = st.scalar(q.GROUP_STATUS, (js.job_id, t.group_id))
-            if status is None:
-                keep.append(t)
+    def _reconcile(self, st: Database, js: JobState) -> None:
+        """After a serving COMMIT whose outcome is unknown: if it did happen, settle its groups now
+        (a client that retries its request_id gets that batch replayed); never serve them again."""
+        job_id, batch_id, built_takes, malformed_takes, malformed = self._uncertain  # type: ignore[misc]
+        if job_id == js.job_id:
+            if batch_id is not None:
+                committed = st.scalar(q.BATCH_EXISTS, (batch_id,)) is not None
             else:
-                logger.warning("group %s of job %s was recorded as %s by a commit that reported an error; "
-                               "settling it without serving it again", t.group_id, js.job_id, status)
-                js.acc.commit([t], {})
-        self._serve_uncertain = False
-        return keep
+                committed = st.scalar(q.GROUP_STATUS, (job_id, malformed_takes[0].group_id)) is not None
+            if committed:
+                logger.warning("a serving commit of job %s reported an error but happened (batch %s, %d groups); "
+                               "settling its groups", job_id, batch_id, len(built_takes) + len(malformed_takes))
+                found = {t.group_id for t in js.acc.retake(built_takes + malformed_takes)}
+                self._after_commit(st, js, [t for t in built_takes if t.group_id in found],
+                                   [t for t in malformed_takes if t.group_id in found], malformed)
+        self._uncertain = None
+
+    def _after_commit(self, st: Database, js: JobState, built_takes: list[Take], malformed_takes: list[Take],
+                      malformed: dict[str, dict[int, str]]) -> None:
+        """Settle recorded groups in memory, record late rows, clear sessions at the proxy."""
+        dec = js.acc.commit(built_takes + malformed_takes, malformed)
+        # commit() re-derives the malformed drops and rejected rows already recorded; keep only the
+        # late rows (rows that arrived while the groups were being built) to record now.
+        late = Decisions(rows=[r for r in dec.rows if r.outcome == "dropped"])
+        if late.rows:
+            with contextlib.suppress(StorageError):  # queued in the outbox; the loop records it
+                self._act(st, js.job_id, late)
+        for t in built_takes:
+            if t.incomplete:
+                self.notifier.notify(acc_mod.INCOMPLETE_IN_SERVED, list(t.incomplete), [t.group_id],
+                                     [("g", js.job_id, t.group_id)])
+        for t in malformed_takes:
+            logger.warning("group %s of job %s dropped: malformed rows %s", t.group_id, js.job_id,
+                           malformed[t.group_id])
+            self.notifier.notify(acc_mod.MALFORMED, sorted(set(t.completed) | set(t.incomplete)), [t.group_id],
+                                 [("g", js.job_id, t.group_id)])
 
     def _serve(self, src: Database, st: Database, js: JobState, takes: list[Take],
                request_id: str | None) -> list[Any]:
-        if self._serve_uncertain:
-            try:
-                takes = self._reconcile(st, js, takes)
-            except BaseException:
-                self._release(st, js, takes)
-                raise
-            if not takes:
-                return _empty_body({"job_session": js.job_id})
         seed = secrets.token_bytes(16)
         budget = self.config.max_response_bytes
         built: list[tuple[Take, GroupItems]] = []
         malformed: dict[str, dict[int, str]] = {}
         malformed_takes: list[Take] = []
         buf = bytearray()
+        meta_size = 1024 + 2 * len(request_id or "")
         i = 0
         try:
             while i < len(takes):
@@ -885,7 +902,9 @@ class Service:
                         malformed_takes.append(t)
                         i += 1
                         continue
-                    if built and len(buf) > budget:
+                    # the body is buf plus a head and a meta_info tail that lists the group ids
+                    meta_size += len(t.group_id) + 8
+                    if built and len(buf) + meta_size > budget:
                         del buf[g.start:]  # does not fit: it stays ready for the next poll
                         over = True
                         break
@@ -932,28 +951,13 @@ class Service:
                     st.executemany(q.INSERT_ROW, [(js.job_id, pk, "rejected", reason, t.group_id, None, 1, now)
                                                   for pk, reason in bad.items()])
         except BaseException:
-            if in_commit:
-                self._serve_uncertain = True  # the COMMIT may have happened: check before serving again
+            if in_commit and done:
+                # the COMMIT may have happened: the next poll checks before serving anything
+                self._uncertain = (js.job_id, batch_id if built else None, [t for t, _ in built],
+                                   malformed_takes, malformed)
             self._release(st, js, done)
             raise
-        dec = js.acc.commit(done, malformed)
-        # commit() re-derives the malformed drops and rejected rows already recorded above; keep only
-        # the late rows (rows that arrived while the groups were being built) to record now.
-        late = Decisions(rows=[r for r in dec.rows if r.outcome == "dropped"])
-        if late.rows:
-            try:
-                self._act(st, js.job_id, late)
-            except StorageError:
-                pass  # queued in the outbox; the loop records it
-        for t, _g in built:
-            if t.incomplete:
-                self.notifier.notify(acc_mod.INCOMPLETE_IN_SERVED, list(t.incomplete), [t.group_id],
-                                     [("g", js.job_id, t.group_id)])
-        for t in malformed_takes:
-            logger.warning("group %s of job %s dropped: malformed rows %s", t.group_id, js.job_id,
-                           malformed[t.group_id])
-            self.notifier.notify(acc_mod.MALFORMED, sorted(set(t.completed) | set(t.incomplete)), [t.group_id],
-                                 [("g", js.job_id, t.group_id)])
+        self._after_commit(st, js, [t for t, _ in built], malformed_takes, malformed)
         if leftover:
             self.nudge()
         if not built:

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from conftest import assert_balanced, groups_of
+from conftest import Writer, assert_balanced, groups_of
 
 
 def test_complete_groups_are_served_whole_with_terminal_rewards(harness, writer):
@@ -397,3 +397,74 @@ def test_invalid_utf8_text_drops_its_group_instead_of_failing_every_poll(lite_ur
     assert s["rows"]["rejected"] == {"invalid_utf8_text": 1, "invalid_utf8_group_id": 1}
     assert s["groups"]["dropped"] == {"malformed_row": 1}
     assert_balanced(s)
+
+
+def test_a_commit_that_failed_after_it_happened_is_settled_not_served_again(harness, writer, monkeypatch):
+    """The serving COMMIT reaches the server but reports an error: the groups are recorded as decided.
+    The next polls must neither re-serve them nor 503 forever; the batch replays to its request_id."""
+    import contextlib
+
+    from rollout_buffer import db as db_mod
+    harness.start(k=1)
+    writer.step("bad", "sb", 1, completed=True, step_reward=1.0, messages="{not json")
+    for g in ("g1", "g2", "g3"):
+        writer.group(g, 1, steps=1)
+    harness.settle()
+    real = db_mod.Database.transaction
+    failed = []
+
+    @contextlib.contextmanager
+    def commit_then_raise(self):
+        with real(self) as db:
+            yield db
+        if not failed:
+            failed.append(1)
+            raise db_mod.StorageError("connection lost after COMMIT")
+
+    monkeypatch.setattr(db_mod.Database, "transaction", commit_then_raise)
+    r = harness.client.post("/get_rollout_data", json={"request_id": "R1"})
+    assert r.status_code == 503
+    monkeypatch.setattr(db_mod.Database, "transaction", real)
+    # the trainer retries its id: the recorded batch comes back
+    doc = harness.poll(request_id="R1")
+    assert doc["data"]["meta_info"]["replayed"] is True and sorted(groups_of(doc)) == ["g1", "g2", "g3"]
+    # a new id: nothing is served twice, and the service answers normally
+    for rid in ("R2", "R3"):
+        assert harness.poll(request_id=rid)["success"] is False
+    writer.group("g4", 1, steps=1)
+    assert list(groups_of(harness.poll())) == ["g4"]
+    s = harness.stats()
+    assert s["groups"]["served"] == 4 and s["groups"]["dropped"] == {"malformed_row": 1}
+    assert s["rows"]["rejected"] == {"invalid_json_messages": 1}
+    assert_balanced(s)
+
+
+def test_huge_but_finite_values_never_break_the_response(harness, writer):
+    harness.start(k=2)
+    sids = writer.group("huge", 2, steps=1, complete=0)
+    for sid in sids:
+        writer.step("huge", sid, 2, completed=True, step_reward=1e308, env_state={"weight_version": 10 ** 400})
+    doc = harness.poll()
+    meta = doc["data"]["meta_info"]
+    assert list(groups_of(doc)) == ["huge"] and meta["avg_reward"] == pytest.approx(1e308)
+    assert {i["extra_info"]["weight_version"] for i in doc["data"]["data"]} == {0, 1}
+
+
+def test_the_byte_budget_covers_the_whole_body(db_url, harness_factory):
+    h = harness_factory(db_url, max_response_bytes=4096)
+    h.start(k=1)
+    w = Writer(db_url)
+    for g in range(40):
+        w.step("group-with-a-rather-long-identifier-%03d" % g, f"s{g}", 1, completed=True, step_reward=1.0,
+               messages=[{"role": "user", "content": "x" * 40}])
+    w.close()
+    seen = set()
+    for _ in range(40):
+        h.settle()
+        r = h.client.post("/get_rollout_data", json={"request_id": "r" * 100 + str(len(seen))})
+        doc = r.get_json()
+        if not doc["success"]:
+            break
+        assert len(r.data) <= 4096, len(r.data)
+        seen |= set(groups_of(doc))
+    assert len(seen) == 40
