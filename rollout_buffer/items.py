@@ -120,13 +120,12 @@ class GroupItems:
     fragments into a large body, and no copy at the end); items are separated by commas.
     """
 
-    __slots__ = ("group_id", "start", "n_items", "n_bytes", "rewards", "weight_versions")
+    __slots__ = ("group_id", "start", "n_items", "rewards", "weight_versions")
 
     def __init__(self, group_id: str, start: int) -> None:
         self.group_id = group_id
         self.start = start
         self.n_items = 0
-        self.n_bytes = 0
         self.rewards: list[float] = []
         self.weight_versions: list[int] = []
 
@@ -295,7 +294,6 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
         out.rewards.append(reward)
         out.weight_versions.append(wv)
     out.n_items = len(prepared)
-    out.n_bytes = len(buf) - out.start
     return out
 
 

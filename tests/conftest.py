@@ -12,7 +12,7 @@ import os
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -248,3 +248,17 @@ def groups_of(doc: dict) -> dict[str, list[dict]]:
 def assert_balanced(stats: dict) -> None:
     r = stats["rows"]
     assert r["read"] == r["served"] + r["dropped_total"] + r["rejected_total"] + r["pending"], r
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 5.0,
+               what: str | Callable[[], str] = "condition") -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            what = what() if callable(what) else what
+            pytest.fail(f"{what} not reached within {timeout} s (last value {value!r})")
+        time.sleep(0.02)

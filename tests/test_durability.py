@@ -16,12 +16,12 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import requests
 
-from conftest import PG_DSN, Writer, make_launcher_db
+from conftest import PG_DSN, Writer, make_launcher_db, wait_until
 from rollout_buffer.db import connect
 from servers import Server, log_tail
 
@@ -83,17 +83,6 @@ def group_members(pgid: int) -> list[int]:
 
 def workers_of(master: int) -> list[int]:
     return [pid for pid, ppid, _pgrp in live_processes() if ppid == master]
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not reached within {timeout:g} s")
-        time.sleep(0.05)
 
 
 def kill9_and_restart(srv: Server) -> None:

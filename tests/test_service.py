@@ -14,11 +14,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
 
 import pytest
 
-from conftest import Harness, Writer, assert_balanced, groups_of, make_config
+from conftest import Harness, Writer, assert_balanced, groups_of, make_config, wait_until
 from fakes.fake_proxy import FakeProxy, closed_port
 from rollout_buffer.config import Config
 from rollout_buffer.service import Service
@@ -29,20 +28,6 @@ FAKE_LAUNCHER = TESTS / "fakes" / "fake_launcher.py"
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def wait_until(predicate: Callable[[], Any], timeout: float = 5.0,
-               what: str | Callable[[], str] = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            what = what() if callable(what) else what
-            pytest.fail(f"{what} not reached within {timeout} s (last value {value!r})")
-        time.sleep(0.02)
-
-
 def _stat(pid: int) -> tuple[str, int] | None:
     """(state, pgrp) of a process, or None when it is gone."""
     try:
