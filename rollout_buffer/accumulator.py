@@ -15,29 +15,13 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from .db import BadText
+from .model import (DROPPED, INCOMPLETE_IN_SERVED, INVALID_GROUP, LATE_DROPPED, LATE_SERVED, MALFORMED,
+                    MISSING_GROUP, REJECTED, ROW_DROPPED, SERVED, TTL, BadText, Decisions, Drop, Row, RowEvent,
+                    Take)
 
 logger = logging.getLogger(__name__)
-
-SERVED = "served"
-DROPPED = "dropped"
-
-# Reasons (SPEC §3).
-TTL = "incomplete_group_ttl"
-LAUNCHER_EXITED = "launcher_exited"
-RESTART_TRAINING = "restart_training"
-JOB_ENDED = "job_ended"
-MALFORMED = "malformed_row"
-INCOMPLETE_IN_SERVED = "incomplete_session_in_served_group"
-LATE_DROPPED = "late_rows_from_dropped_groups"
-LATE_SERVED = "late_rows_from_served_groups"
-MISSING_GROUP = "missing_group_id"
-INVALID_GROUP = "invalid_utf8_group_id"
-
-Row = tuple  # (step_pk, session_id, group_id, is_session_completed)
 
 
 class Group:
@@ -61,57 +45,6 @@ class Group:
 
     def all_pks(self) -> list[int]:
         return sorted(pk for pks in self.sessions.values() for pk in pks)
-
-
-@dataclass
-class Drop:
-    """A group decided as dropped: record it, clear its sessions at the proxy."""
-
-    group_id: str
-    reason: str
-    pks: list[int]
-    clear_sessions: list[str]
-
-
-@dataclass
-class RowEvent:
-    """A row accounted one by one: rejected, or late for a decided group."""
-
-    step_pk: int
-    outcome: str  # "rejected" | "dropped"
-    reason: str
-    group_id: str | None
-    session_id: str | None
-
-
-@dataclass
-class Decisions:
-    """What a call decided, for the caller to persist and notify after the lock is released."""
-
-    drops: list[Drop] = field(default_factory=list)
-    rows: list[RowEvent] = field(default_factory=list)
-    newly_ready: int = 0
-
-    def __bool__(self) -> bool:
-        return bool(self.drops or self.rows)
-
-    def extend(self, other: "Decisions") -> None:
-        self.drops.extend(other.drops)
-        self.rows.extend(other.rows)
-        self.newly_ready += other.newly_ready
-
-
-@dataclass
-class Take:
-    """A ready group handed to the server: the pks of its completed and incomplete sessions."""
-
-    group_id: str
-    completed: dict[str, tuple[int, ...]]
-    incomplete: dict[str, tuple[int, ...]]
-
-    @property
-    def served_pks(self) -> list[int]:
-        return [pk for pks in self.completed.values() for pk in pks]
 
 
 class Accumulator:
@@ -165,7 +98,7 @@ class Accumulator:
                 if gid is None or gid == "" or isinstance(gid, BadText):
                     reason = MISSING_GROUP if not isinstance(gid, BadText) else INVALID_GROUP
                     self.rejected[reason] += 1
-                    out.rows.append(RowEvent(pk, "rejected", reason, None, sid))
+                    out.rows.append(RowEvent(pk, REJECTED, reason, None, sid))
                     self.tainted.add(sid)
                     other = self._group_of_session(sid)  # rare: a scan is fine
                     if other is not None and other.taken is None:
@@ -176,7 +109,7 @@ class Accumulator:
                 if status is not None:
                     reason = LATE_SERVED if status == SERVED else LATE_DROPPED
                     self.dropped[reason] += 1
-                    out.rows.append(RowEvent(pk, "dropped", reason, gid, sid))
+                    out.rows.append(RowEvent(pk, ROW_DROPPED, reason, gid, sid))
                     continue
                 g = self.pending.get(gid)
                 if g is None:
@@ -324,7 +257,7 @@ class Accumulator:
                     n_all = sum(len(p) for p in t.completed.values()) + sum(len(p) for p in t.incomplete.values())
                     for pk, reason in bad.items():
                         self.rejected[reason] += 1
-                        out.rows.append(RowEvent(pk, "rejected", reason, t.group_id, None))
+                        out.rows.append(RowEvent(pk, REJECTED, reason, t.group_id, None))
                     self.dropped[MALFORMED] += n_all - len(bad)
                     pks = sorted(pk for p in list(t.completed.values()) + list(t.incomplete.values())
                                  for pk in p if pk not in bad)
@@ -348,7 +281,7 @@ class Accumulator:
             extra = pks[g.taken.get(sid, 0):]
             for pk in extra:
                 self.dropped[late_reason] += 1
-                out.rows.append(RowEvent(pk, "dropped", late_reason, g.group_id, sid))
+                out.rows.append(RowEvent(pk, ROW_DROPPED, late_reason, g.group_id, sid))
         g.taken = None
 
     # -- reading -------------------------------------------------------------------------------

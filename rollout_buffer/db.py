@@ -20,6 +20,7 @@ import threading
 from typing import Any, Iterator, Sequence
 
 from .errors import ClosedError, ConfigError, IntegrityError, StorageError
+from .model import BadText
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +33,6 @@ def sqlite_path(url: str) -> str:
     if not url.startswith("sqlite://"):
         raise ConfigError(f"not a sqlite URL: {url!r}")
     return url[len("sqlite://"):]
-
-
-class BadText(str):
-    """A TEXT value that was not valid UTF-8 in the database, decoded with replacement characters.
-
-    SQLite stores whatever bytes a writer gives it; decoding strictly would make every read that
-    touches such a row fail (one bad row would stop ingest or serving for good). The row is kept
-    and marked instead, so the caller can reject it with a reason."""
 
 
 def _sqlite_text(raw: bytes) -> str:

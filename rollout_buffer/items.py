@@ -18,8 +18,7 @@ import math
 from datetime import datetime, timezone
 from typing import Any, Iterator, Sequence
 
-from .accumulator import Take
-from .db import BadText
+from .model import BadText, Take
 
 logger = logging.getLogger(__name__)
 

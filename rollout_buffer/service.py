@@ -23,9 +23,10 @@ import time
 import uuid
 from typing import Any, Callable, Iterator
 
-from . import accumulator as acc_mod
+from . import model as acc_mod
 from . import queries as q
-from .accumulator import Accumulator, Decisions, Take
+from .accumulator import Accumulator
+from .model import Decisions, Take
 from .config import Config
 from .db import Database, connect, redact
 from .errors import ApiError, ClosedError, StorageError
