@@ -234,46 +234,68 @@ class Accumulator:
                 self.ready.move_to_end(t.group_id, last=False)
         return out
 
-    def commit(self, served: list[Take], malformed: dict[str, dict[int, str]]) -> Decisions:
-        """The poll recorded its batch: decide served groups as served and malformed ones as dropped.
+    def commit(self, plan: Decisions) -> Decisions:
+        """Apply a RECORDED serving plan to memory: its served groups become served and its drops
+        (malformed groups) dropped, with their rejected rows counted; nothing is derived again.
 
-        ``malformed`` maps group_id -> {step_pk: rejection reason}. Rows added to a group while it was
-        taken are late rows of a served group; incomplete sessions of a served group are dropped.
-        Returns the drops (malformed groups, and served groups' incomplete sessions as a Drop with
-        reason incomplete_session_in_served_group) and late rows.
+        Only groups this accumulator still holds as taken are settled (a plan applied twice counts
+        once). Rows added to a group while it was taken become late rows of the decided group:
+        returns them, as a new plan for the caller to record.
         """
         out = Decisions()
         with self.lock:
             self.changes += 1
-            for t in served:
+            settled: set[str] = set()
+            for s in plan.served:
+                g = self.taken.pop(s.group_id, None)
+                if g is None:
+                    continue
+                settled.add(s.group_id)
+                self._settle(g, out, LATE_SERVED)
+                self.decided[s.group_id] = SERVED
+                self.groups_served += 1
+                self.served_rows += len(s.take.served_pks)
+                n_inc = len(s.take.incomplete_pks)
+                if n_inc:
+                    self.dropped[INCOMPLETE_IN_SERVED] += n_inc
+            for d in plan.drops:
+                g = self.taken.pop(d.group_id, None)
+                if g is None:
+                    continue
+                settled.add(d.group_id)
+                self._settle(g, out, LATE_DROPPED)
+                self.decided[d.group_id] = DROPPED
+                self.groups_dropped[d.reason] += 1
+                self.dropped[d.reason] += len(d.pks)
+            for r in plan.rows:
+                if r.outcome == REJECTED and r.group_id in settled:
+                    self.rejected[r.reason] += 1
+        return out
+
+    def settle_decided(self, takes: list[Take], decided: dict[str, tuple[str, str | None]]) -> Decisions:
+        """Taken groups that another instance already decided ({group_id: (status, reason)}, from
+        its record in the store): take its word, count them as it decided, never serve them again.
+        Returns the late rows (rows that arrived while taken) for the caller to record."""
+        out = Decisions()
+        with self.lock:
+            self.changes += 1
+            for t in takes:
                 g = self.taken.pop(t.group_id, None)
                 if g is None:
                     continue
-                bad = malformed.get(t.group_id)
-                self._settle(g, t, out, LATE_SERVED if bad is None else LATE_DROPPED)
-                if bad is not None:
-                    self.decided[t.group_id] = DROPPED
-                    self.groups_dropped[MALFORMED] += 1
-                    n_all = sum(len(p) for p in t.completed.values()) + sum(len(p) for p in t.incomplete.values())
-                    for pk, reason in bad.items():
-                        self.rejected[reason] += 1
-                        out.rows.append(RowEvent(pk, REJECTED, reason, t.group_id, None))
-                    self.dropped[MALFORMED] += n_all - len(bad)
-                    pks = sorted(pk for p in list(t.completed.values()) + list(t.incomplete.values())
-                                 for pk in p if pk not in bad)
-                    out.drops.append(Drop(t.group_id, MALFORMED, pks,
-                                          sorted(set(t.completed) | set(t.incomplete))))
-                    continue
-                self.decided[t.group_id] = SERVED
-                self.groups_served += 1
-                n_served = sum(len(p) for p in t.completed.values())
-                n_inc = sum(len(p) for p in t.incomplete.values())
-                self.served_rows += n_served
-                if n_inc:
-                    self.dropped[INCOMPLETE_IN_SERVED] += n_inc
+                status, reason = decided[t.group_id]
+                self._settle(g, out, LATE_SERVED if status == SERVED else LATE_DROPPED)
+                self.decided[t.group_id] = status
+                if status == SERVED:
+                    self.groups_served += 1
+                    self.served_rows += len(t.served_pks)
+                    self.dropped[INCOMPLETE_IN_SERVED] += len(t.incomplete_pks)
+                else:
+                    self.groups_dropped[reason or MALFORMED] += 1
+                    self.dropped[reason or MALFORMED] += len(t.all_pks)
         return out
 
-    def _settle(self, g: Group, t: Take, out: Decisions, late_reason: str) -> None:
+    def _settle(self, g: Group, out: Decisions, late_reason: str) -> None:
         """Remove a taken group from pending state; rows that arrived while taken become late rows."""
         assert g.taken is not None
         self.pending_rows -= g.n_rows

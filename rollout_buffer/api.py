@@ -17,7 +17,8 @@ from flask import Blueprint, Response, current_app, g, request
 from .errors import ApiError
 from .items import iter_bytes
 from .metrics import render_metrics
-from .service import RequestConnections, Service
+from .connections import LazyPair
+from .service import Service
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ def service() -> Service:
     return current_app.extensions["rollout_buffer"]
 
 
-def conns() -> RequestConnections:
+def conns() -> LazyPair:
     """This request's database connections, opened on first use."""
     if "rb_conns" not in g:
         g.rb_conns = service().connection()
@@ -149,9 +150,10 @@ def get_rollout_data() -> Response:
     body = json_body()
     max_groups = parse_max_groups(body.get("max_groups"))
     request_id = parse_request_id(body.get("request_id"))
-    chunks = service().get_rollout_data(conns(), max_groups=max_groups, request_id=request_id)
-    resp = Response(iter_bytes(chunks), status=200, mimetype="application/json")
-    resp.headers["Content-Length"] = str(sum(len(c) for c in chunks))
+    body = service().get_rollout_data(conns(), max_groups=max_groups, request_id=request_id)
+    resp = Response(iter_bytes(body), status=200, mimetype="application/json")
+    resp.headers["Content-Length"] = str(sum(len(c) for c in body))
+    resp.call_on_close(body.close)  # a replay's rebuilt copy counts against the bound until sent
     return resp
 
 

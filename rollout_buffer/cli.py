@@ -33,12 +33,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_init_db(args: argparse.Namespace) -> int:
     """Create the launcher's tables (and the buffer's own) if they are missing."""
     from .db import connect, create_launcher_tables
-    from .service import Service
+    from .store import Store
 
     db = connect(args.db)
     try:
         create_launcher_tables(db)
-        Service.ensure_state_schema(db)
+        Store(db).ensure_schema()
     finally:
         db.close()
     print(f"tables ready in {db.safe_url}")

@@ -73,10 +73,8 @@ def render_metrics(service: "Service") -> str:
     out.lines.append(f"# HELP {name} Time to answer POST /get_rollout_data.")
     out.lines.append(f"# TYPE {name} histogram")
     cum = 0
-    from .service import POLL_BUCKETS
-
-    for b in list(POLL_BUCKETS) + [float("inf")]:
-        cum += service.poll_latency.get(b, 0)
+    for b, n in service.poll_stats()["buckets"].items():
+        cum += n
         out.sample(name + "_bucket", {"le": "+Inf" if math.isinf(b) else repr(b)}, cum)
     out.sample(name + "_sum", {}, float(polls["seconds_total"]))
     out.sample(name + "_count", {}, polls["count"])

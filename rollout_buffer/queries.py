@@ -176,6 +176,8 @@ UPSERT_JOB = ("INSERT INTO rollout_buffer_jobs (job_id, k, floor_pk, cursor_pk, 
               "ON CONFLICT (job_id) DO UPDATE SET k = excluded.k, floor_pk = excluded.floor_pk, "
               "cursor_pk = excluded.cursor_pk, low_water_pk = excluded.low_water_pk, active = 1, "
               "updated_at = excluded.updated_at")
+# Change a job's K (num_repeat_per_sample).
+SET_K = "UPDATE rollout_buffer_jobs SET k = ?, updated_at = ? WHERE job_id = ?"
 # Persist the ingest cursor and the low-water mark below which every row is accounted.
 SAVE_CURSOR = "UPDATE rollout_buffer_jobs SET cursor_pk = ?, low_water_pk = ?, updated_at = ? WHERE job_id = ?"
 # Record the launcher process of a job (for adoption after a crash).
@@ -188,8 +190,8 @@ INSERT_GROUP = ("INSERT INTO rollout_buffer_groups (job_id, group_id, status, re
                 "n_dropped, pks, clear_sessions, notified, resolved_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 # Record a drop; a decision already recorded (a retried COMMIT) is kept as it is.
 INSERT_GROUP_IF_ABSENT = INSERT_GROUP + " ON CONFLICT (job_id, group_id) DO NOTHING"
-# Whether given groups are decided (after a COMMIT whose outcome is unknown).
-GROUP_STATUS = "SELECT status FROM rollout_buffer_groups WHERE job_id = ? AND group_id = ?"
+# A group's stored decision (after a COMMIT whose outcome is unknown, or a conflict with another instance).
+GROUP_STATUS = "SELECT status, reason FROM rollout_buffer_groups WHERE job_id = ? AND group_id = ?"
 # Every decided group of a job (tombstones to load on start).
 JOB_GROUP_STATUS = "SELECT group_id, status FROM rollout_buffer_groups WHERE job_id = ?"
 # The pks a decided group accounted for (rebuild after a crash).
@@ -229,8 +231,6 @@ INSERT_BATCH = ("INSERT INTO rollout_buffer_batches (batch_id, job_id, request_i
 BATCH_BY_REQUEST = "SELECT * FROM rollout_buffer_batches WHERE job_id = ? AND request_id = ?"
 # Whether a batch was recorded (after a COMMIT whose outcome is unknown).
 BATCH_EXISTS = "SELECT 1 FROM rollout_buffer_batches WHERE batch_id = ?"
-# Batches delivered for a job.
-COUNT_BATCHES = "SELECT COUNT(*) FROM rollout_buffer_batches WHERE job_id = ?"
 
 # -- the launcher's rows ------------------------------------------------------------------------
 # Ingest: the metadata of the next trainable rows of a job, in id order.
@@ -254,8 +254,6 @@ HAS_STEPS_TABLE = {
     "postgres": "SELECT COUNT(*) FROM pg_catalog.pg_tables WHERE tablename = 'session_steps' "
                 "AND schemaname = ANY (current_schemas(false))",
 }
-# Health: a trivial statement.
-PING = "SELECT 1"
 
 BODY_COLUMNS = ("id", "session_id", "step_id", "group_id", "messages", "response", "step_reward",
                 "env_state", "is_truncated", "is_session_completed", "created_at", "job_id", "is_trainable")

@@ -11,9 +11,10 @@ import pytest
 from conftest import Writer, assert_balanced, groups_of, make_launcher_db, now_text
 from rollout_buffer import queries as q
 from rollout_buffer.accumulator import Accumulator
+from rollout_buffer.model import Decisions, Served
 from rollout_buffer.db import connect, to_pyformat
 from rollout_buffer.errors import StorageError
-from rollout_buffer.service import Reader
+from rollout_buffer.reader import Reader
 
 
 def test_pyformat_translation_refuses_ambiguous_sql():
@@ -37,7 +38,7 @@ def test_accumulator_counts_balance_through_every_path():
     takes = acc.take_ready(None)
     assert [t.group_id for t in takes] == ["g1"]
     acc.ingest([(6, "a", "g1", 0)])  # arrives while the group is being served
-    late = acc.commit(takes, {})
+    late = acc.commit(Decisions(served=[Served(t, "b1") for t in takes]))
     assert [(r.step_pk, r.reason) for r in late.rows] == [(6, "late_rows_from_served_groups")]
     clock[0] = 100.0
     expired = acc.expire(10.0)

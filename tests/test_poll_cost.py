@@ -7,7 +7,7 @@ import threading
 
 from conftest import groups_of
 from rollout_buffer import db as db_mod
-from rollout_buffer import service as service_mod
+from rollout_buffer import connections as service_mod
 
 
 class Counting:

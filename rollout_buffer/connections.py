@@ -1,0 +1,73 @@
+"""Connection pairs: the launcher's database (source) and the buffer's state database.
+
+Owns: opening and closing a (source, state) pair for one thread. They are the same connection
+unless a separate state database is configured. A pair belongs to one thread and never crosses
+a fork (STYLE §9.7): the loop thread keeps one, each request opens one lazily and closes it at
+teardown, and the notifier thread opens the state side when it needs it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from .config import Config
+from .db import Database, connect
+from .store import Store
+
+
+class Pair:
+    """A source and a state connection (one object when they share the database)."""
+
+    def __init__(self, config: Config) -> None:
+        self.src = connect(config.db_url)
+        self.st = self.src
+        if config.state_db_url and config.state_db_url != config.db_url:
+            try:
+                self.st = connect(config.state_db_url)
+            except BaseException:
+                self.src.close()
+                raise
+        self.store = Store(self.st)
+
+    def close(self) -> None:
+        self.src.close()
+        if self.st is not self.src:
+            self.st.close()
+
+
+@contextlib.contextmanager
+def state_connection(config: Config) -> Iterator[Database]:
+    """The state database alone, for one short piece of work (the notifier thread)."""
+    db = connect(config.state_db_url or config.db_url)
+    try:
+        yield db
+    finally:
+        db.close()
+
+
+class LazyPair:
+    """A pair opened on first use and closed by ``close()`` (one request, or the loop thread)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._pair: Pair | None = None
+
+    def get(self) -> Pair:
+        if self._pair is None:
+            self._pair = Pair(self.config)
+        return self._pair
+
+    @property
+    def opened(self) -> bool:
+        return self._pair is not None
+
+    def close(self) -> None:
+        if self._pair is not None:
+            pair, self._pair = self._pair, None
+            pair.close()
+
+    def __enter__(self) -> "LazyPair":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

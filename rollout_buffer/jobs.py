@@ -1,0 +1,146 @@
+"""The active job: resuming it from the store, selecting another, and ``restart_training``.
+
+Owns: :class:`JobState` (the accumulator, reader and restart filter of the active job) and the
+rules for where a job's reading (re)starts. The resume point never passes what the store
+promises is accounted (the low-water mark) nor what the reader knows is safe. It must not serve,
+and it does not run the loop: callers hold the tick and serve locks while it swaps the job.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from . import queries as q
+from .accumulator import Accumulator
+from .config import Config
+from .db import Database, redact
+from .model import JOB_ENDED, RESTART_TRAINING, Decisions, Drop
+from .notifications import Outbox
+from .reader import Accounted, Reader
+from .store import Store
+
+logger = logging.getLogger(__name__)
+
+
+class JobState:
+    """Everything the service holds for the active job."""
+
+    def __init__(self, job_id: str, k: int, floor_pk: int, acc: Accumulator, reader: Reader,
+                 accounted: Accounted | None) -> None:
+        self.job_id = job_id
+        self.k = k
+        self.floor_pk = floor_pk
+        self.acc = acc
+        self.reader = reader
+        self.accounted = accounted
+        # launcher_exited: the tick at which the launcher was seen finished, and whether its
+        # incomplete groups were dropped already.
+        self.launcher_finished_tick: int | None = None
+        self.launcher_drop_done = False
+        self.cursor_saved_at = 0.0
+        self.saved_cursor: tuple[int, int] | None = None
+        self.saved_marker: tuple[int, int] | None = None
+
+
+class Jobs:
+    """Holds the active job (``current``) and swaps it."""
+
+    def __init__(self, config: Config, outbox: Outbox, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.outbox = outbox
+        self.clock = clock
+        self.current: JobState | None = None
+        self._tables_seen = False
+        self._tables_warned = False
+
+    def launcher_tables_exist(self, src: Database) -> bool:
+        """True once session_steps exists (a fresh database has it only after the launcher starts)."""
+        if self._tables_seen:
+            return True
+        if int(src.scalar(q.HAS_STEPS_TABLE[src.backend]) or 0):
+            self._tables_seen = True
+            return True
+        if not self._tables_warned:
+            self._tables_warned = True
+            logger.warning("the launcher's table session_steps does not exist yet in %s; waiting for it "
+                           "(`rollout-buffer init-db --db URL` creates it)", redact(self.config.db_url))
+        return False
+
+    def load(self, src: Database, store: Store, job_id: str, k: int, floor_pk: int, start_after: int) -> JobState:
+        """Build a JobState from the durable records of a job (fresh or resumed)."""
+        totals = store.load_totals(job_id)
+        acc = Accumulator(job_id, k, clock=self.clock)
+        acc.load(totals.decided, totals.accounted_rows, totals.served_rows, dict(totals.dropped),
+                 dict(totals.rejected), totals.groups_served, dict(totals.groups_dropped))
+        acc.tainted.update(store.tainted_sessions(job_id))
+        accounted = None
+        if (totals.decided or totals.accounted_rows) and self.launcher_tables_exist(src):
+            upto = int(src.scalar(q.MAX_JOB_ID, (job_id,)) or 0)
+            accounted = Accounted(job_id, upto, store.row_pks_from(job_id, start_after))
+        reader = Reader(job_id, start_after, self.config.ingest_batch, clock=self.clock)
+        return JobState(job_id, k, floor_pk, acc, reader, accounted)
+
+    def resume(self, src: Database, store: Store) -> dict | None:
+        """At start: make the stored active job current again. Returns its stored row, or None."""
+        row = store.active_job()
+        if row is None or self.current is not None:
+            return row
+        start_after = max(int(row["floor_pk"]), int(row["low_water_pk"]) - 1)
+        js = self.load(src, store, row["job_id"], int(row["k"]), int(row["floor_pk"]), start_after)
+        self.current = js
+        logger.info("resumed job %s (K=%s, reading from id %s; %s groups decided before)",
+                    js.job_id, js.k, start_after, len(js.acc.decided))
+        return row
+
+    def select(self, src: Database, store: Store, job_id: str, k: int, restart_training: bool) -> JobState:
+        """Make job_id the active job (callers hold the tick and serve locks)."""
+        store.ensure_schema()
+        self.outbox.flush(store)
+        prev = self.current
+        if prev is not None and prev.job_id == job_id and not restart_training:
+            if prev.k != k:
+                prev.k = k
+                prev.acc.set_k(k)
+                store.set_k(job_id, k)
+            return prev
+        if prev is not None and prev.job_id != job_id:
+            plan = prev.acc.drop_all(JOB_ENDED, include_ready=True)
+            self.outbox.act(store, prev.job_id, plan)
+            if plan.drops:
+                logger.warning("job %s ended: dropped %d undecided groups", prev.job_id, len(plan.drops))
+        existing = store.get_job(job_id)
+        tables = self.launcher_tables_exist(src)
+        if restart_training:
+            floor = int(src.scalar(q.MAX_TERMINAL_ID, (job_id,)) or 0) if tables else 0
+            start_after, low_water = floor, floor + 1
+        elif existing is not None:
+            floor = int(existing["floor_pk"])
+            low_water = int(existing["low_water_pk"])
+            start_after = max(floor, low_water - 1)
+        else:
+            floor, start_after, low_water = 0, 0, 1
+        tombstones = self._restart_tombstones(src, store, job_id, floor) if restart_training and floor > 0 else []
+        store.activate_job(job_id, k, floor, start_after, low_water, tombstones)
+        js = self.load(src, store, job_id, k, floor, start_after)
+        self.current = js
+        if tombstones:
+            self.outbox.notify(job_id, Decisions(drops=tombstones))
+            logger.warning("restart_training: job %s reads after id %s; %d groups with rows at or below it are "
+                           "dropped", job_id, floor, len(tombstones))
+        return js
+
+    @staticmethod
+    def _restart_tombstones(src: Database, store: Store, job_id: str, floor: int) -> list[Drop]:
+        """Undecided groups with trainable rows at or below the floor, with those rows (counted as
+        read and dropped, so the job's accounting keeps them) and their sessions to clear."""
+        decided = set(store.decided_groups(job_id))
+        accounted = store.row_pks_from(job_id, 0)
+        below: dict[str, tuple[list[int], set[str]]] = {}
+        for pk, gid, sid in src.rows(q.ROWS_AT_OR_BELOW, (job_id, floor)):
+            if gid is None or str(gid) in decided or int(pk) in accounted:
+                continue
+            pks, sids = below.setdefault(str(gid), ([], set()))
+            pks.append(int(pk))
+            sids.add(sid)
+        return [Drop(gid, RESTART_TRAINING, sorted(pks), sorted(sids)) for gid, (pks, sids) in below.items()]

@@ -1,0 +1,157 @@
+"""The launcher of the active job: its argv from configuration, and its identity in the store.
+
+Owns: building the command (SPEC §5: an argv list from configuration plus the validated job id
+and K, never a shell string), starting, adopting and stopping it through the
+:class:`~rollout_buffer.supervisor.Supervisor`, and recording each change of its state with the
+job. It must not touch groups: what a finished launcher means for them (``launcher_exited``
+drops) is the loop's decision.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import Any
+
+from .config import Config
+from .db import redact
+from .errors import ApiError
+from .model import LauncherState
+from .store import LauncherRecord, Store
+from .supervisor import LaunchSpec, LauncherError, Supervisor
+
+logger = logging.getLogger(__name__)
+
+SUMMARY_KEYS = ("running", "pid", "exit_code", "restarts", "restart_policy", "stopped_by", "adopted",
+                "will_restart", "finished", "started_at", "exited_at", "log_path")
+
+
+def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
+    """The launcher command for a job, from configuration only (argv list, never a shell)."""
+    c = config
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    log_path = os.path.join(c.run_dir, f"launcher-{job_id}.log")
+    kind = c.launcher_kind
+    if kind == "command":
+        subs = {"job_id": job_id, "k": str(k), "db_url": c.db_url, "storage_type": c.storage_type}
+        argv = [a.format(**subs) if "{" in a else a for a in (c.launcher_cmd or ())]
+        if "--job-id" not in argv:
+            argv += ["--job-id", job_id]
+        if "--rl-group-size" not in argv:
+            argv += ["--rl-group-size", str(k)]
+        return LaunchSpec(tuple(argv), c.aievobox_root or None, env, log_path)
+    if kind == "simulate":
+        argv = [sys.executable, "-m", "rollout_buffer.simulate", "--db-path", c.db_url, "--storage-type",
+                c.storage_type, "--job-id", job_id, "--rl-group-size", str(k), "--pool-size",
+                str(c.pool_size), "--rl-epoch", str(c.rl_epoch)]
+        argv += list(c.simulate_args or ())
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH")) if p)
+        return LaunchSpec(tuple(argv), None, env, log_path)
+    root = c.aievobox_root or "."
+    if c.env_config:
+        env_args = ["--env-config", c.env_config]
+    elif c.env_root:
+        env_args = ["--env-root", c.env_root]
+    else:
+        raise ApiError(500, "the AIEvoBox launcher needs AIEVOBOX_ENV_CONFIG or AIEVOBOX_ENV_ROOT; neither is set")
+    proxy = f"http://{c.proxy_host}:{c.proxy_port}/v1" if c.proxy_host else "http://127.0.0.1:8000/v1"
+    argv = ["python3", os.path.join(root, "launcher.py"), "--mode", c.aievobox_mode, "--db-path", c.db_url,
+            "--storage-type", c.storage_type, *env_args, "--llm-base-url", proxy, "--llm-model",
+            c.rl_model, "--llm-temperature", str(c.llm_temperature), "--max-steps", str(c.max_steps),
+            "--message-cut", str(c.message_cut), "--pool-size", str(c.pool_size), "--multiplier",
+            str(c.multiplier), "--job-id", job_id, "--no-rebuild-table", "--rl-use-session-suffix-url",
+            "--rl-group-size", str(k), "--rl-epoch", str(c.rl_epoch), "--env-transport", c.env_transport,
+            "--env-http-timeout-s", "600"]
+    return LaunchSpec(tuple(argv), root, env, log_path)
+
+
+def shown_argv(argv: Any) -> list[str]:
+    """An argv as it may be shown (responses, logs): every database URL without its password."""
+    return [redact(str(a)) for a in argv]
+
+
+class Launcher:
+    """The active job's launcher process and its durable record."""
+
+    def __init__(self, config: Config, supervisor: Supervisor) -> None:
+        self.config = config
+        self.supervisor = supervisor
+
+    @property
+    def managed(self) -> bool:
+        """False with ROLLOUT_BUFFER_LAUNCHER=none: the launcher runs elsewhere."""
+        return self.config.launcher_kind != "none"
+
+    def state(self) -> dict[str, Any]:
+        return self.supervisor.state()
+
+    def summary(self) -> dict[str, Any]:
+        """What /health and /stats show of it."""
+        state = self.supervisor.state()
+        return {k: state.get(k) for k in SUMMARY_KEYS}
+
+    def record(self, store: Store, job_id: str, state: LauncherState) -> None:
+        """Store the current process identity with the job, in the given state."""
+        s = self.supervisor.state()
+        store.save_launcher(job_id, LauncherRecord(s["pid"], s["pgid"], s["start_ticks"], state))
+
+    def start(self, store: Store, job_id: str, k: int) -> int:
+        """Spawn the job's launcher and record it; a failure is a 500 that says why."""
+        spec = launch_spec(self.config, job_id, k)
+        try:
+            pid = self.supervisor.start(spec)
+        except LauncherError as exc:
+            logger.error("cannot start the launcher for job %s: %s", job_id, exc)
+            raise ApiError(500, f"the launcher could not be started: {exc}", job_session=job_id,
+                           argv=shown_argv(spec.argv)) from exc
+        self.record(store, job_id, LauncherState.RUNNING)
+        return pid
+
+    def adopt(self, store: Store, job_id: str, row: dict[str, Any]) -> bool | None:
+        """After a restart: adopt the job's recorded launcher if it still runs.
+
+        Returns True (adopted), False (it ended while the service was down: recorded as exited),
+        or None (nothing was running)."""
+        state = LauncherState.parse(row.get("launcher_state"))
+        if not row.get("launcher_pid") or state is not LauncherState.RUNNING:
+            return None
+        adopted = False
+        with contextlib.suppress(LauncherError):
+            adopted = self.supervisor.adopt(int(row["launcher_pid"]), int(row["launcher_pgid"]),
+                                            row["launcher_start_ticks"], None)
+        if not adopted:
+            logger.warning("launcher pid %s of job %s is gone: it ended while the service was down",
+                           row["launcher_pid"], job_id)
+            store.save_launcher(job_id, LauncherRecord(row["launcher_pid"], row["launcher_pgid"],
+                                                       row["launcher_start_ticks"], LauncherState.EXITED))
+        return adopted
+
+    def check(self, store: Store, job_id: str) -> None:
+        """Act on the supervisor's events (exits, restarts): record each new state."""
+        for ev in self.supervisor.poll():
+            kind = ev.get("event")
+            state = self.supervisor.state()
+            if kind in ("exited", "restarted", "gave_up"):
+                if state["running"]:
+                    label = LauncherState.RUNNING
+                elif state["stopped_by"] == "shutdown":
+                    label = LauncherState.STOPPED_SHUTDOWN
+                elif state["stopped_by"]:
+                    label = LauncherState.STOPPED_REQUESTED
+                else:
+                    label = LauncherState.EXITED
+                self.record(store, job_id, label)
+            if kind == "exited" and ev.get("exit_code") not in (0, None) and not ev.get("stopped_by"):
+                logger.error("launcher of job %s exited with code %s (log: %s)", job_id, ev.get("exit_code"),
+                             state.get("log_path"))
+
+    def finished(self) -> bool:
+        """The launcher has ended and will not be restarted (a shutdown of ours does not count)."""
+        state = self.supervisor.state()
+        return bool(self.managed and state["finished"] and state["stopped_by"] != "shutdown")
+
+    def stop(self, reason: str) -> dict[str, Any] | None:
+        return self.supervisor.stop(reason)

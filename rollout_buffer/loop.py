@@ -1,0 +1,237 @@
+"""The background loop (huey's shape) and the database health it measures.
+
+Owns: the ``rollout-buffer-loop`` thread and its connections, and what one tick does, in order:
+bootstrap (schema, resume the active job, adopt its launcher, queue unconfirmed notifications),
+record the outbox, ingest new rows, TTL drops, the launcher's fate (``launcher_exited``), and
+the durable cursor. It must not serve: a tick takes the serve lock only to save the cursor, and
+never waits for it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from .config import Config
+from .connections import LazyPair
+from .errors import StorageError
+from .jobs import JobState, Jobs
+from .launcher import Launcher
+from .model import LAUNCHER_EXITED, LauncherState
+from .notifications import Outbox
+from .store import Store
+
+logger = logging.getLogger(__name__)
+
+
+class Health:
+    """Whether background work against the database is failing, and since when."""
+
+    def __init__(self, config: Config, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.clock = clock
+        self.failing_since: float | None = None
+        self.last_error: str | None = None
+        self._logged_at = 0.0
+
+    def failed(self, exc: BaseException) -> None:
+        now = self.clock()
+        if self.failing_since is None:
+            self.failing_since = now
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        if now - self._logged_at > 30.0:
+            self._logged_at = now
+            if isinstance(exc, StorageError):
+                logger.error("background read failed (retrying): %s", exc)
+            else:
+                logger.exception("background tick failed (retrying)", exc_info=exc)
+
+    def ok(self) -> None:
+        if self.failing_since is not None:
+            logger.info("database reachable again after %.1f s", self.clock() - self.failing_since)
+        self.failing_since = None
+        self.last_error = None
+
+    def problem(self) -> str | None:
+        """An error message when background work has been failing too long, else None."""
+        since = self.failing_since
+        if since is not None and self.clock() - since >= self.config.db_unhealthy_after_s:
+            return self.last_error or "database unreachable"
+        return None
+
+
+class Loop:
+    """The background thread: one tick every interval, or sooner when nudged."""
+
+    def __init__(self, config: Config, *, jobs: Jobs, outbox: Outbox, launcher: Launcher, health: Health,
+                 tick_lock: threading.Lock, serve_lock: threading.Lock,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.jobs = jobs
+        self.outbox = outbox
+        self.launcher = launcher
+        self.health = health
+        self.tick_lock = tick_lock
+        self.serve_lock = serve_lock
+        self.clock = clock
+        self.bootstrapped = threading.Event()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._conns = LazyPair(config)
+        self._tick_no = 0
+        self._ticks_done = 0
+        self._tick_done = threading.Condition()
+
+    # -- thread ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="rollout-buffer-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.error("background thread %s still alive after %.0f s", self._thread.name, timeout)
+
+    @property
+    def alive(self) -> bool:
+        """True while the loop thread runs."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def nudge(self) -> None:
+        """Ask for a tick now."""
+        self._wake.set()
+
+    def sync(self, timeout: float = 10.0) -> bool:
+        """Wait until a full tick has run after this call (tests, CLI). Only the loop thread touches
+        its connections, so this asks it rather than ticking here."""
+        with self._tick_done:
+            target = self._ticks_done + 2
+            deadline = time.monotonic() + timeout
+            while self._ticks_done < target:
+                self._wake.set()
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    return False
+                self._tick_done.wait(min(left, 0.05))
+        return True
+
+    def _run(self) -> None:
+        interval = self.config.ingest_interval_s
+        if self.config.ttl_s > 0:
+            interval = min(interval, self.config.ttl_s / 10.0, 10.0)
+        while not self._stop.is_set():
+            started = self.clock()
+            try:
+                self.tick()
+            except Exception as exc:  # the loop must survive anything
+                self.health.failed(exc)
+            with self._tick_done:
+                self._ticks_done += 1
+                self._tick_done.notify_all()
+            # skip missed ticks rather than bursting
+            self._wake.wait(max(0.0, interval - (self.clock() - started)))
+            self._wake.clear()
+        self._conns.close()
+
+    # -- one tick ------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """One round (loop thread only): bootstrap, record the outbox, ingest, TTL, launcher, cursor."""
+        with self.tick_lock:
+            self._tick_no += 1
+            try:
+                pair = self._conns.get()
+                if not self.bootstrapped.is_set():
+                    self._bootstrap(pair.src, pair.store)
+                self.outbox.flush(pair.store)
+                js = self.jobs.current
+                if js is not None:
+                    self._ingest(pair.src, pair.store, js)
+                    self.outbox.act(pair.store, js.job_id, js.acc.expire(self.config.ttl_s))
+                    self._check_launcher(pair.store, js)
+                    self._save_cursor(pair.store, js)
+            except StorageError as exc:
+                self._conns.close()
+                self.health.failed(exc)
+                return
+            self.health.ok()
+
+    def _bootstrap(self, src, store: Store) -> None:
+        """First tick: create tables, resume the active job, adopt its launcher, queue notifications."""
+        store.ensure_schema()
+        row = self.jobs.resume(src, store)
+        js = self.jobs.current
+        if row is not None and js is not None and js.job_id == row["job_id"]:
+            state = LauncherState.parse(row["launcher_state"])
+            if state is not None and state.finished:
+                js.launcher_finished_tick = self._tick_no  # it ended before the crash: drop after catch-up
+            if self.launcher.adopt(store, js.job_id, row) is False:
+                js.launcher_finished_tick = self._tick_no
+        self.outbox.resend_unnotified(store)
+        self.bootstrapped.set()
+
+    def _ingest(self, src, store: Store, js: JobState) -> None:
+        if not self.jobs.launcher_tables_exist(src):
+            js.reader.caught_up = True  # nothing can have been written
+            return
+        deadline = self.clock() + 1.0
+        while True:
+            rows = js.reader.read(src)
+            if js.accounted is not None:
+                rows = js.accounted.filter(lambda gid: store.group_pks(js.job_id, gid), js.acc.decided, rows)
+            plan = js.acc.ingest(rows) if rows else None
+            js.reader.advance()  # only now: a failure above re-reads these rows next tick
+            if plan is not None:
+                self.outbox.act(store, js.job_id, plan)
+            # drained, not caught_up: on Postgres the safe cursor only moves between ticks, so
+            # waiting for caught_up here re-read the window in a busy loop for the whole second.
+            if js.reader.drained or self.clock() > deadline or self._stop.is_set():
+                break
+        js.reader.end_tick()
+
+    def _check_launcher(self, store: Store, js: JobState) -> None:
+        self.launcher.check(store, js.job_id)
+        if self.launcher.finished() and js.launcher_finished_tick is None:
+            js.launcher_finished_tick = self._tick_no
+        if (js.launcher_finished_tick is not None and not js.launcher_drop_done
+                and self._tick_no > js.launcher_finished_tick and js.reader.caught_up):
+            js.launcher_drop_done = True
+            plan = js.acc.drop_all(LAUNCHER_EXITED, include_ready=False)
+            if plan.drops:
+                logger.warning("launcher of job %s has exited: dropping %d incomplete groups",
+                               js.job_id, len(plan.drops))
+            self.outbox.act(store, js.job_id, plan)
+
+    def _save_cursor(self, store: Store, js: JobState) -> None:
+        """Persist the cursor and the low-water mark (at most once a second, only when they can have moved).
+
+        Never while a decision is unrecorded: the low-water mark would pass rows whose group's
+        decision exists only in memory."""
+        now = self.clock()
+        if now - js.cursor_saved_at < 1.0:
+            return
+        marker = (js.reader.cursor, js.acc.changes)
+        if marker == js.saved_marker or not self.outbox.empty():
+            return  # idle: no O(groups) low-water scan, nothing to write
+        if not self.serve_lock.acquire(blocking=False):
+            return  # a poll is deciding groups; save next time
+        try:
+            if not self.outbox.empty():
+                return  # a poll queued decisions meanwhile: they must be recorded first
+            cur = (js.reader.cursor, js.acc.low_water(js.reader.cursor))
+            if cur != js.saved_cursor:
+                store.save_cursor(js.job_id, *cur)
+                js.saved_cursor = cur
+            js.cursor_saved_at = now
+            js.saved_marker = marker
+        finally:
+            self.serve_lock.release()

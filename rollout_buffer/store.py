@@ -1,0 +1,207 @@
+"""The buffer's durable state: the ``rollout_buffer_*`` tables.
+
+Owns: their schema and version, loading a job's decisions and counters, recording a plan
+(:class:`~rollout_buffer.model.Decisions`) in ONE transaction, the cursor and low-water mark, the
+launcher identity, delivered batches, the notified flags, and retention. Every record is built
+here and only here. It must not touch the launcher's tables (it is handed only the state
+connection) and holds no in-memory state of its own: a :class:`Store` is a thin wrapper around one
+connection, cheap to build per thread or per request.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from . import queries as q
+from .db import Database
+from .errors import StorageError
+from .model import (DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED, Batch, Decisions, Drop,
+                    GroupKey, LauncherState, NotifyKey, RowKey, Served)
+
+
+@dataclass
+class JobTotals:
+    """A job's durable decisions and counters, to load into a fresh accumulator."""
+
+    decided: dict[str, str] = field(default_factory=dict)
+    served_rows: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    rejected: Counter = field(default_factory=Counter)
+    groups_served: int = 0
+    groups_dropped: Counter = field(default_factory=Counter)
+
+    @property
+    def accounted_rows(self) -> int:
+        return self.served_rows + sum(self.dropped.values()) + sum(self.rejected.values())
+
+
+@dataclass(frozen=True)
+class LauncherRecord:
+    """The launcher identity stored with a job (adopted after a crash only if it still matches)."""
+
+    pid: int | None
+    pgid: int | None
+    start_ticks: int | None
+    state: LauncherState
+
+
+@dataclass(frozen=True)
+class Unnotified:
+    """A recorded decision whose sessions the proxy has not confirmed clearing."""
+
+    reason: str
+    sessions: list[str]
+    group_ids: list[str]
+    key: NotifyKey
+
+
+def _group_record(job_id: str, d: Served | Drop, now: float) -> tuple:
+    """The one builder of a rollout_buffer_groups row (q.INSERT_GROUP's columns)."""
+    if isinstance(d, Served):
+        t = d.take
+        inc = t.incomplete_pks
+        pks = sorted(t.served_pks + inc)
+        clear = sorted(t.incomplete)
+        return (job_id, t.group_id, SERVED, None, d.batch_id, len(t.served_pks), len(inc),
+                ",".join(map(str, pks)), json.dumps(clear), 0 if clear else 1, now)
+    return (job_id, d.group_id, DROPPED, d.reason, None, 0, len(d.pks), ",".join(map(str, d.pks)),
+            json.dumps(d.clear_sessions), 0 if d.clear_sessions else 1, now)
+
+
+class Store:
+    """The ``rollout_buffer_*`` tables through one connection (the calling thread's)."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    # -- schema --------------------------------------------------------------------------------
+    def ensure_schema(self) -> None:
+        """Create the tables and indexes if missing and check the schema version."""
+        st = self.db
+        for ddl in q.STATE_DDL:
+            st.execute(ddl)
+        version = st.scalar(q.GET_META, ("schema_version",))
+        if version is None:
+            st.execute(q.PUT_META, ("schema_version", str(q.SCHEMA_VERSION)))
+        elif int(version) > q.SCHEMA_VERSION:
+            raise StorageError(f"rollout_buffer_* tables are schema version {version}; this build knows "
+                               f"{q.SCHEMA_VERSION}: upgrade rollout-buffer")
+
+    # -- jobs ----------------------------------------------------------------------------------
+    def active_job(self) -> dict[str, Any] | None:
+        return self.db.fetchone(q.ACTIVE_JOB)
+
+    def get_job(self, job_id: str) -> dict[str, Any] | None:
+        return self.db.fetchone(q.GET_JOB, (job_id,))
+
+    def activate_job(self, job_id: str, k: int, floor: int, start_after: int, low_water: int,
+                     tombstones: list[Drop]) -> None:
+        """Make job_id the only active job, with its floor and the tombstones below it, atomically
+        (a crash in between would resume above the floor and serve those groups half)."""
+        now = time.time()
+        with self.db.transaction():
+            self.db.execute(q.DEACTIVATE_JOBS, (now,))
+            self.db.execute(q.UPSERT_JOB, (job_id, k, floor, start_after, low_water, now, now))
+            self.db.executemany(q.INSERT_GROUP_IF_ABSENT, [_group_record(job_id, d, now) for d in tombstones])
+
+    def set_k(self, job_id: str, k: int) -> None:
+        self.db.execute(q.SET_K, (k, time.time(), job_id))
+
+    def save_cursor(self, job_id: str, cursor: int, low_water: int) -> None:
+        """Persist the ingest cursor and the low-water mark below which every row is accounted."""
+        self.db.execute(q.SAVE_CURSOR, (cursor, low_water, time.time(), job_id))
+
+    def save_launcher(self, job_id: str, rec: LauncherRecord) -> None:
+        self.db.execute(q.SAVE_LAUNCHER, (rec.pid, rec.pgid, rec.start_ticks, rec.state.value, time.time(), job_id))
+
+    def load_totals(self, job_id: str) -> JobTotals:
+        """Every decided group of the job and the rows each outcome accounted."""
+        t = JobTotals(decided=self.decided_groups(job_id))
+        for r in self.db.fetchall(q.GROUP_TOTALS, (job_id,)):
+            if r["status"] == SERVED:
+                t.groups_served += int(r["n_groups"])
+                t.served_rows += int(r["n_served"] or 0)
+                if r["n_dropped"]:
+                    t.dropped[INCOMPLETE_IN_SERVED] += int(r["n_dropped"])
+            else:
+                t.groups_dropped[r["reason"]] += int(r["n_groups"])
+                if r["n_dropped"]:
+                    t.dropped[r["reason"]] += int(r["n_dropped"])
+        for r in self.db.fetchall(q.ROW_TOTALS, (job_id,)):
+            (t.rejected if r["outcome"] == REJECTED else t.dropped)[r["reason"]] += int(r["n"])
+        return t
+
+    def tainted_sessions(self, job_id: str) -> list[str]:
+        """Sessions that wrote a row without a usable group_id (their groups are malformed)."""
+        return [r[0] for r in self.db.rows(q.TAINTED_SESSIONS, (job_id,))]
+
+    def row_pks_from(self, job_id: str, pk: int) -> set[int]:
+        """pks accounted one by one at or above pk."""
+        return {int(r[0]) for r in self.db.rows(q.ROW_PKS_FROM, (job_id, pk))}
+
+    def group_pks(self, job_id: str, group_id: str) -> list[int]:
+        """The pks a decided group accounted for."""
+        text = self.db.scalar(q.GROUP_PKS, (job_id, group_id)) or ""
+        return [int(p) for p in text.split(",") if p]
+
+    def group_decision(self, job_id: str, group_id: str) -> tuple[str, str | None] | None:
+        """(status, reason) of a decided group, or None when it is undecided."""
+        rows = self.db.rows(q.GROUP_STATUS, (job_id, group_id))
+        return (rows[0][0], rows[0][1]) if rows else None
+
+    def decided_groups(self, job_id: str) -> dict[str, str]:
+        """Every decided group of the job and its status."""
+        return {r[0]: r[1] for r in self.db.rows(q.JOB_GROUP_STATUS, (job_id,))}
+
+    # -- decisions ---------------------------------------------------------------------------
+    def record(self, job_id: str, plan: Decisions) -> None:
+        """Write a plan in one transaction: its batch, served groups, drops, accounted rows.
+
+        Drops and rows are idempotent (a COMMIT that reported an error after it happened is
+        retried harmlessly); a served group is strict: a second decision for it is an IntegrityError.
+        """
+        now = time.time()
+        st = self.db
+        with st.transaction():
+            b = plan.batch
+            if b is not None:
+                st.execute(q.INSERT_BATCH, (b.batch_id, b.job_id, b.request_id, b.seed.hex(), json.dumps(b.group_ids),
+                                            b.n_items, b.n_bytes, now))
+            st.executemany(q.INSERT_GROUP, [_group_record(job_id, s, now) for s in plan.served])
+            st.executemany(q.INSERT_GROUP_IF_ABSENT, [_group_record(job_id, d, now) for d in plan.drops])
+            st.executemany(q.INSERT_ROW, [
+                (job_id, r.step_pk, r.outcome, r.reason, r.group_id, r.session_id, 0 if r.session_id else 1, now)
+                for r in plan.rows])
+
+    # -- batches --------------------------------------------------------------------------------
+    def batch_for_request(self, job_id: str, request_id: str) -> tuple[Batch, float] | None:
+        """The batch bound to a request_id and when it was recorded (epoch seconds)."""
+        r = self.db.fetchone(q.BATCH_BY_REQUEST, (job_id, request_id))
+        if r is None:
+            return None
+        batch = Batch(r["batch_id"], r["job_id"], r["request_id"], bytes.fromhex(r["seed"]),
+                      json.loads(r["group_ids"]), int(r["n_items"]), int(r["n_bytes"]))
+        return batch, float(r["created_at"])
+
+    def batch_exists(self, batch_id: str) -> bool:
+        return self.db.scalar(q.BATCH_EXISTS, (batch_id,)) is not None
+
+    # -- the proxy's confirmations ----------------------------------------------------------------
+    def unnotified(self) -> Iterator[Unnotified]:
+        """Recorded decisions whose sessions the proxy has not confirmed clearing (all jobs)."""
+        for r in self.db.fetchall(q.UNNOTIFIED_GROUPS):
+            sessions = json.loads(r["clear_sessions"])
+            if sessions:
+                reason = r["reason"] if r["status"] == DROPPED else INCOMPLETE_IN_SERVED
+                yield Unnotified(reason, sessions, [r["group_id"]], GroupKey(r["job_id"], r["group_id"]))
+        for r in self.db.fetchall(q.UNNOTIFIED_ROWS):
+            yield Unnotified(r["reason"], [r["session_id"]], [r["group_id"]] if r["group_id"] else [],
+                             RowKey(r["job_id"], int(r["step_pk"])))
+
+    def mark_notified(self, keys: list[NotifyKey]) -> None:
+        with self.db.transaction():
+            self.db.executemany(q.MARK_GROUP_NOTIFIED, [tuple(k) for k in keys if isinstance(k, GroupKey)])
+            self.db.executemany(q.MARK_ROW_NOTIFIED, [tuple(k) for k in keys if isinstance(k, RowKey)])
