@@ -83,10 +83,13 @@ class Loop:
         self._tick_no = 0
         self._ticks_done = 0
         self._tick_done = threading.Condition()
+        self._last_tick_end: float | None = None
+        self._started_at = clock()
 
     # -- thread ------------------------------------------------------------------------------
     def start(self) -> None:
         self._stop.clear()
+        self._started_at = self.clock()
         self._thread = threading.Thread(target=self._run, name="rollout-buffer-loop", daemon=True)
         self._thread.start()
 
@@ -97,6 +100,16 @@ class Loop:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.error("background thread %s still alive after %.0f s", self._thread.name, timeout)
+
+    def tick_age(self) -> float:
+        """Seconds since the last tick completed (since the start before the first one)."""
+        last = self._last_tick_end
+        return self.clock() - (self._started_at if last is None else last)
+
+    @property
+    def stale_after(self) -> float:
+        """A tick older than this means the loop is stuck (a hung statement, a dead thread)."""
+        return max(10.0, 5 * self.config.ingest_interval_s)
 
     @property
     def alive(self) -> bool:
@@ -135,6 +148,7 @@ class Loop:
                 self.tick()
             except Exception as exc:  # the loop must survive anything
                 self.health.failed(exc)
+            self._last_tick_end = self.clock()
             with self._tick_done:
                 self._ticks_done += 1
                 self._tick_done.notify_all()
@@ -227,7 +241,10 @@ class Loop:
         try:
             if not self.outbox.empty():
                 return  # a poll queued decisions meanwhile: they must be recorded first
-            cur = (js.reader.cursor, js.acc.low_water(js.reader.cursor))
+            # Never past the reader's safe cursor: on Postgres a row below the smallest pending pk
+            # can still be in flight in an open transaction, and a resume above it would skip it.
+            cursor = js.reader.cursor
+            cur = (cursor, min(js.acc.low_water(cursor), cursor + 1))
             if cur != js.saved_cursor:
                 store.save_cursor(js.job_id, *cur)
                 js.saved_cursor = cur

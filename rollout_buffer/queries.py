@@ -229,6 +229,9 @@ INSERT_BATCH = ("INSERT INTO rollout_buffer_batches (batch_id, job_id, request_i
                 "n_bytes, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
 # The batch bound to a request_id.
 BATCH_BY_REQUEST = "SELECT * FROM rollout_buffer_batches WHERE job_id = ? AND request_id = ?"
+# request_ids of a job's batches recorded since a time (empty polls answer from memory).
+RECENT_REQUEST_IDS = ("SELECT request_id FROM rollout_buffer_batches WHERE job_id = ? AND created_at >= ? "
+                      "AND request_id IS NOT NULL")
 # Whether a batch was recorded (after a COMMIT whose outcome is unknown).
 BATCH_EXISTS = "SELECT 1 FROM rollout_buffer_batches WHERE batch_id = ?"
 

@@ -204,8 +204,13 @@ class Service:
         """What GET /health reports (no database access)."""
         js = self.jobs.current
         problem = self.health_state.problem()
+        age = self.loop.tick_age()
+        if problem is None and self._started and age > self.loop.stale_after:
+            problem = (f"the background loop has not completed a tick for {age:.0f} s (a statement may be stuck "
+                       "on a lock in the database)")
         return {
             "status": "healthy" if problem is None else "degraded",
+            "last_tick_age_s": round(age, 3),
             "aievobox_running": bool(self.supervisor.state()["running"]),
             "data_manager_initialized": js is not None,
             "job_session": js.job_id if js else None,

@@ -74,6 +74,34 @@ class Uncertain:
     takes: list[Take]
 
 
+class RequestIds:
+    """The request_ids of the active job that may be bound to a recorded batch.
+
+    Lets an empty poll with a fresh request_id (BufferClient always sends one) answer from memory:
+    only an id in this set, or any id before the set is loaded for the job, needs the store.
+    Loaded once per job from the batches inside the replay window, then kept in step by serving.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._job: str | None = None
+        self._ids: set[str] = set()
+
+    def may_be_bound(self, job_id: str, request_id: str) -> bool:
+        return self._job != job_id or request_id in self._ids
+
+    def load(self, store: Any, job_id: str) -> None:
+        """(Serve lock held.) Load the job's recent request_ids, once per job."""
+        if self._job != job_id:
+            since = time.time() - self.config.replay_retention_s
+            self._ids = set(store.recent_request_ids(job_id, since))
+            self._job = job_id
+
+    def add(self, job_id: str, request_id: str) -> None:
+        if self._job == job_id:
+            self._ids.add(request_id)
+
+
 class _Replay:
     """One batch being replayed: built once, shared by every concurrent retry of its request_id."""
 
@@ -144,6 +172,7 @@ class Serving:
         self.serve_lock = serve_lock
         self.stats = PollStats()
         self._uncertain: Uncertain | None = None
+        self._rids = RequestIds(config)
         self._replay_lock = threading.Lock()
         self._replaying: dict[str, _Replay] = {}  # batch_id -> its rebuilt body while it is being sent
 
@@ -172,7 +201,10 @@ class Serving:
         problem = self.health.problem()
         if problem:
             raise ApiError(503, f"the database is unreachable: {problem}", retry_after=3)
-        if request_id is None and not js.acc.ready:
+        # (with an id: a poll in flight may be binding this very id, so it is waited for)
+        if not js.acc.ready and (request_id is None or not js.acc.taken
+                                 and not self._rids.may_be_bound(js.job_id, request_id)):
+            # nothing to serve and nothing to replay: answered from memory, no database touched
             self.loop.nudge()
             return empty_body({"job_session": js.job_id})
         if not self.serve_lock.acquire(timeout=SERVE_LOCK_WAIT_S):
@@ -186,6 +218,7 @@ class Serving:
             if self._uncertain is not None:
                 self._reconcile(pair, js)
             if request_id is not None:
+                self._rids.load(pair.store, js.job_id)
                 replay = pair.store.batch_for_request(js.job_id, request_id)
             if replay is None:
                 return self._serve(pair, js, max_groups, request_id)
@@ -275,6 +308,8 @@ class Serving:
         """Record the plan, then apply it to memory and hand it to the outbox."""
         if not done:
             return
+        if plan.batch is not None and plan.batch.request_id is not None:
+            self._rids.add(js.job_id, plan.batch.request_id)  # before the COMMIT: a retry must look
         try:
             pair.store.record(js.job_id, plan)
         except IntegrityError:

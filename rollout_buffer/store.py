@@ -186,6 +186,10 @@ class Store:
                       json.loads(r["group_ids"]), int(r["n_items"]), int(r["n_bytes"]))
         return batch, float(r["created_at"])
 
+    def recent_request_ids(self, job_id: str, since: float) -> list[str]:
+        """request_ids bound to the job's batches recorded since an epoch time."""
+        return [r[0] for r in self.db.rows(q.RECENT_REQUEST_IDS, (job_id, since))]
+
     def batch_exists(self, batch_id: str) -> bool:
         return self.db.scalar(q.BATCH_EXISTS, (batch_id,)) is not None
 
