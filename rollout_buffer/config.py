@@ -162,7 +162,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("db_unhealthy_after_s", PREFIX + "DB_UNHEALTHY_AFTER_SECONDS", 5.0, _float(0.0),
             "polls answer 503 once background reads have failed for this long"),
     Setting("replay_retention_s", PREFIX + "REPLAY_RETENTION_SECONDS", 3600.0, _float(0.0),
-            "how long a request_id can be replayed; afterwards it answers 410"),
+            "how long a request_id can be replayed; afterwards it answers 410 (batches are deleted after twice this)"),
+    Setting("job_retention_s", PREFIX + "JOB_RETENTION_SECONDS", 7 * 86400.0, _float(),
+            "delete an ended job's decisions this long after it was last active (<= 0 keeps them forever); "
+            "selected again, it reads only rows written after the purge"),
     Setting("proxy_connect_timeout_s", PREFIX + "PROXY_CONNECT_TIMEOUT_SECONDS", 2.0, _float(0.001),
             "connect timeout for proxy notifications"),
     Setting("proxy_read_timeout_s", PREFIX + "PROXY_READ_TIMEOUT_SECONDS", 10.0, _float(0.001),
@@ -217,6 +220,7 @@ class Config:
     ingest_batch: int = 20000
     db_unhealthy_after_s: float = 5.0
     replay_retention_s: float = 3600.0
+    job_retention_s: float = 7 * 86400.0
     proxy_connect_timeout_s: float = 2.0
     proxy_read_timeout_s: float = 10.0
     token: str | None = None

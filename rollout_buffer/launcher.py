@@ -76,9 +76,10 @@ def shown_argv(argv: Any) -> list[str]:
 class Launcher:
     """The active job's launcher process and its durable record."""
 
-    def __init__(self, config: Config, supervisor: Supervisor) -> None:
+    def __init__(self, config: Config, supervisor: Supervisor, instance_id: str) -> None:
         self.config = config
         self.supervisor = supervisor
+        self.instance_id = instance_id  # recorded as the launcher's owner
 
     @property
     def managed(self) -> bool:
@@ -96,7 +97,7 @@ class Launcher:
     def record(self, store: Store, job_id: str, state: LauncherState) -> None:
         """Store the current process identity with the job, in the given state."""
         s = self.supervisor.state()
-        store.save_launcher(job_id, LauncherRecord(s["pid"], s["pgid"], s["start_ticks"], state))
+        store.save_launcher(job_id, LauncherRecord(s["pid"], s["pgid"], s["start_ticks"], state), self.instance_id)
 
     def start(self, store: Store, job_id: str, k: int) -> int:
         """Spawn the job's launcher and record it; a failure is a 500 that says why."""
@@ -126,8 +127,16 @@ class Launcher:
             logger.warning("launcher pid %s of job %s is gone: it ended while the service was down",
                            row["launcher_pid"], job_id)
             store.save_launcher(job_id, LauncherRecord(row["launcher_pid"], row["launcher_pgid"],
-                                                       row["launcher_start_ticks"], LauncherState.EXITED))
+                                                       row["launcher_start_ticks"], LauncherState.EXITED),
+                                row.get("launcher_owner"))
+        else:
+            self.record(store, job_id, LauncherState.RUNNING)  # ours now: the previous owner must not stop it
         return adopted
+
+    def owned_elsewhere(self, store: Store, job_id: str) -> bool:
+        """True when another instance has adopted this job's launcher since we started or adopted it."""
+        owner = store.launcher_owner(job_id)
+        return owner is not None and owner != self.instance_id
 
     def check(self, store: Store, job_id: str) -> None:
         """Act on the supervisor's events (exits, restarts): record each new state."""

@@ -13,9 +13,11 @@ import threading
 import time
 from typing import Callable
 
+from . import queries as q
 from .config import Config
 from .connections import LazyPair
-from .errors import StorageError
+from .db import Database
+from .errors import ConfigError, StorageError
 from .jobs import JobState, Jobs
 from .launcher import Launcher
 from .model import LAUNCHER_EXITED, LauncherState
@@ -23,6 +25,22 @@ from .notifications import Outbox
 from .store import Store
 
 logger = logging.getLogger(__name__)
+
+HOUSEKEEPING_S = 30.0
+
+
+def check_sequence(src: Database) -> None:
+    """Refuse a Postgres source whose id sequence caches values: the safe cursor assumes ids are
+    handed out in time order, and with CACHE n a backend can write an id far below ones already
+    committed by others, which the cursor would have passed (the row would never be read)."""
+    if src.backend != "postgres":
+        return
+    cache = src.scalar(q.HAS_STEPS_TABLE[src.backend]) and src.scalar(q.SEQUENCE_CACHE)
+    if cache and int(cache) > 1:
+        raise ConfigError(
+            f"the sequence of session_steps.id caches {int(cache)} values per connection, so ids are not handed "
+            "out in commit order and rows could be skipped; fix it with: ALTER TABLE session_steps ALTER COLUMN "
+            "id SET CACHE 1 (or ALTER SEQUENCE <its sequence> CACHE 1), then the service recovers by itself")
 
 
 class Health:
@@ -42,8 +60,8 @@ class Health:
         self.last_error = f"{type(exc).__name__}: {exc}"
         if now - self._logged_at > 30.0:
             self._logged_at = now
-            if isinstance(exc, StorageError):
-                logger.error("background read failed (retrying): %s", exc)
+            if isinstance(exc, (StorageError, ConfigError)):
+                logger.error("background work failed (retrying): %s", exc)
             else:
                 logger.exception("background tick failed (retrying)", exc_info=exc)
 
@@ -84,6 +102,7 @@ class Loop:
         self._ticks_done = 0
         self._tick_done = threading.Condition()
         self._last_tick_end: float | None = None
+        self._housekept_at = float("-inf")
         self._started_at = clock()
 
     # -- thread ------------------------------------------------------------------------------
@@ -173,15 +192,36 @@ class Loop:
                     self.outbox.act(pair.store, js.job_id, js.acc.expire(self.config.ttl_s))
                     self._check_launcher(pair.store, js)
                     self._save_cursor(pair.store, js)
-            except StorageError as exc:
+                self._housekeeping(pair.src, pair.store)
+            except (StorageError, ConfigError) as exc:
                 self._conns.close()
                 self.health.failed(exc)
                 return
             self.health.ok()
 
-    def _bootstrap(self, src, store: Store) -> None:
+    def _housekeeping(self, src: Database, store: Store) -> None:
+        """Every HOUSEKEEPING_S: check the source's sequence, and retention in small steps."""
+        now = self.clock()
+        if now - self._housekept_at < HOUSEKEEPING_S:
+            return
+        self._housekept_at = now
+        check_sequence(src)
+        wall = time.time()
+        store.prune_batches(wall - 2 * self.config.replay_retention_s)
+        if self.config.job_retention_s > 0:
+            for job in store.ended_jobs(wall - self.config.job_retention_s):
+                if store.purge_step(job["job_id"]) == 0:
+                    upto = int(src.scalar(q.MAX_JOB_ID, (job["job_id"],)) or 0)
+                    read = max(upto, int(job["cursor_pk"]), int(job["floor_pk"]), int(job["low_water_pk"]) - 1)
+                    store.mark_purged(job["job_id"], read)
+                    logger.info("purged the decisions of ended job %s (retention %.0f s)", job["job_id"],
+                                self.config.job_retention_s)
+                break  # one job a pass: small steps, never a long transaction
+
+    def _bootstrap(self, src: Database, store: Store) -> None:
         """First tick: create tables, resume the active job, adopt its launcher, queue notifications."""
         store.ensure_schema()
+        check_sequence(src)
         row = self.jobs.resume(src, store)
         js = self.jobs.current
         if row is not None and js is not None and js.job_id == row["job_id"]:

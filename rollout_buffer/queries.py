@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # -- the launcher's tables (SPEC §2); created only by `rollout-buffer init-db` and tests ------
 
@@ -155,7 +155,21 @@ STATE_DDL = (
     n_bytes BIGINT NOT NULL,
     created_at DOUBLE PRECISION NOT NULL,
     UNIQUE (job_id, request_id))""",
+    # What startup and retention scan: undelivered notifications, batches by age.
+    "CREATE INDEX IF NOT EXISTS rollout_buffer_groups_unnotified ON rollout_buffer_groups (notified) WHERE notified = 0",
+    "CREATE INDEX IF NOT EXISTS rollout_buffer_rows_unnotified ON rollout_buffer_rows (notified) WHERE notified = 0",
+    "CREATE INDEX IF NOT EXISTS rollout_buffer_batches_created ON rollout_buffer_batches (created_at)",
 )
+
+# Schema migrations: MIGRATIONS[v] brings a version-v schema to v + 1 (one transaction each).
+MIGRATIONS = {
+    1: (
+        # Which instance adopted or started the job's launcher (an instance never stops another's).
+        "ALTER TABLE rollout_buffer_jobs ADD COLUMN launcher_owner TEXT",
+        # When an ended job's decisions were purged (retention); NULL while they are kept.
+        "ALTER TABLE rollout_buffer_jobs ADD COLUMN purged_at DOUBLE PRECISION",
+    ),
+}
 
 # Read the schema version.
 GET_META = "SELECT value FROM rollout_buffer_meta WHERE key = ?"
@@ -180,9 +194,31 @@ UPSERT_JOB = ("INSERT INTO rollout_buffer_jobs (job_id, k, floor_pk, cursor_pk, 
 SET_K = "UPDATE rollout_buffer_jobs SET k = ?, updated_at = ? WHERE job_id = ?"
 # Persist the ingest cursor and the low-water mark below which every row is accounted.
 SAVE_CURSOR = "UPDATE rollout_buffer_jobs SET cursor_pk = ?, low_water_pk = ?, updated_at = ? WHERE job_id = ?"
-# Record the launcher process of a job (for adoption after a crash).
+# Record the launcher process of a job and the instance that owns it (for adoption after a crash).
 SAVE_LAUNCHER = ("UPDATE rollout_buffer_jobs SET launcher_pid = ?, launcher_pgid = ?, launcher_start_ticks = ?, "
-                 "launcher_state = ?, updated_at = ? WHERE job_id = ?")
+                 "launcher_state = ?, launcher_owner = ?, updated_at = ? WHERE job_id = ?")
+# The instance that owns a job's launcher.
+LAUNCHER_OWNER = "SELECT launcher_owner FROM rollout_buffer_jobs WHERE job_id = ?"
+
+# -- retention ----------------------------------------------------------------------------------
+# Batches recorded before a time, oldest first, a few at a time (past the replay window).
+PRUNE_BATCHES = ("DELETE FROM rollout_buffer_batches WHERE batch_id IN (SELECT batch_id FROM rollout_buffer_batches "
+                 "WHERE created_at < ? ORDER BY created_at LIMIT ?)")
+# Ended jobs, not active since a time, whose decisions are still kept.
+ENDED_JOBS = ("SELECT job_id, cursor_pk, low_water_pk, floor_pk FROM rollout_buffer_jobs WHERE active = 0 "
+              "AND updated_at < ? AND purged_at IS NULL ORDER BY updated_at LIMIT 10")
+# A few of an ended job's group decisions.
+PURGE_GROUPS = ("DELETE FROM rollout_buffer_groups WHERE job_id = ? AND group_id IN (SELECT group_id FROM "
+                "rollout_buffer_groups WHERE job_id = ? LIMIT ?)")
+# A few of an ended job's rows accounted one by one.
+PURGE_ROWS = ("DELETE FROM rollout_buffer_rows WHERE job_id = ? AND step_pk IN (SELECT step_pk FROM "
+              "rollout_buffer_rows WHERE job_id = ? LIMIT ?)")
+# A few of an ended job's batches.
+PURGE_BATCHES = ("DELETE FROM rollout_buffer_batches WHERE batch_id IN (SELECT batch_id FROM rollout_buffer_batches "
+                 "WHERE job_id = ? LIMIT ?)")
+# A purged job reads after everything it had read: selected again, it never re-reads old rows as new groups.
+MARK_PURGED = ("UPDATE rollout_buffer_jobs SET purged_at = ?, floor_pk = ?, cursor_pk = ?, low_water_pk = ? "
+               "WHERE job_id = ? AND active = 0")
 
 # -- groups -------------------------------------------------------------------------------------
 # Record a group's decision (the tombstone); a second decision for one group is an integrity error.
@@ -251,6 +287,9 @@ ROWS_AT_OR_BELOW = ("SELECT id, group_id, session_id FROM session_steps "
                     "WHERE job_id = ? AND is_trainable = 1 AND id <= ?")
 # Stats: trainable rows written but not read yet.
 COUNT_AFTER = "SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ?"
+# Postgres: how many values the sequence of session_steps.id caches per backend (must be 1).
+SEQUENCE_CACHE = ("SELECT seqcache FROM pg_catalog.pg_sequence WHERE seqrelid = "
+                  "pg_get_serial_sequence('session_steps', 'id')::regclass")
 # Whether the launcher has created its table yet (per backend: catalogs differ).
 HAS_STEPS_TABLE = {
     "sqlite": "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'session_steps'",

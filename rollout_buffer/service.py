@@ -59,7 +59,8 @@ class Service:
         self.outbox = Outbox(self.notifier, lambda: state_connection(config))
         self.jobs = Jobs(config, self.outbox, clock=clock)
         self.health_state = Health(config, clock)
-        self.launcher = Launcher(config, self.supervisor)
+        self.instance_id = uuid.uuid4().hex
+        self.launcher = Launcher(config, self.supervisor, self.instance_id)
         self.loop = Loop(config, jobs=self.jobs, outbox=self.outbox, launcher=self.launcher,
                          health=self.health_state, tick_lock=tick_lock, serve_lock=serve_lock, clock=clock)
         self.serving = Serving(config, jobs=self.jobs, outbox=self.outbox, loop=self.loop,
@@ -93,12 +94,22 @@ class Service:
             return
         self._closed = True
         self.loop.stop(timeout)
+        js = self.jobs.current
         if self.supervisor.state()["running"]:
-            self.supervisor.stop("shutdown")
-            js = self.jobs.current
-            if js is not None:
-                with contextlib.suppress(Exception), LazyPair(self.config) as conns:
-                    self.launcher.record(conns.get().store, js.job_id, LauncherState.STOPPED_SHUTDOWN)
+            with LazyPair(self.config) as conns:
+                store, elsewhere = None, False
+                with contextlib.suppress(StorageError):
+                    store = conns.get().store
+                    elsewhere = js is not None and self.launcher.owned_elsewhere(store, js.job_id)
+                if elsewhere:
+                    # a second instance (a rolling update) adopted it: its launcher now, not ours to kill
+                    logger.warning("not stopping launcher pid %s of job %s: another instance adopted it",
+                                   self.supervisor.state()["pid"], js.job_id)
+                else:
+                    self.supervisor.stop("shutdown")
+                    if js is not None and store is not None:
+                        with contextlib.suppress(StorageError):
+                            self.launcher.record(store, js.job_id, LauncherState.STOPPED_SHUTDOWN)
         self.notifier.stop()
         logger.info("rollout-buffer service stopped")
 

@@ -81,14 +81,23 @@ class Store:
     def ensure_schema(self) -> None:
         """Create the tables and indexes if missing and check the schema version."""
         st = self.db
-        for ddl in q.STATE_DDL:
-            st.execute(ddl)
-        version = st.scalar(q.GET_META, ("schema_version",))
-        if version is None:
-            st.execute(q.PUT_META, ("schema_version", str(q.SCHEMA_VERSION)))
-        elif int(version) > q.SCHEMA_VERSION:
+        with st.transaction():
+            for ddl in q.STATE_DDL:
+                st.execute(ddl)
+            if st.scalar(q.GET_META, ("schema_version",)) is None:
+                st.execute(q.PUT_META, ("schema_version", "1"))  # STATE_DDL is version 1's
+        version = int(st.scalar(q.GET_META, ("schema_version",)))
+        if version > q.SCHEMA_VERSION:
             raise StorageError(f"rollout_buffer_* tables are schema version {version}; this build knows "
                                f"{q.SCHEMA_VERSION}: upgrade rollout-buffer")
+        while version < q.SCHEMA_VERSION:
+            with st.transaction():
+                # re-read inside the transaction: another instance may have migrated meanwhile
+                if int(st.scalar(q.GET_META, ("schema_version",))) == version:
+                    for ddl in q.MIGRATIONS[version]:
+                        st.execute(ddl)
+                    st.execute(q.PUT_META, ("schema_version", str(version + 1)))
+            version = int(st.scalar(q.GET_META, ("schema_version",)))
 
     # -- jobs ----------------------------------------------------------------------------------
     def active_job(self) -> dict[str, Any] | None:
@@ -114,8 +123,13 @@ class Store:
         """Persist the ingest cursor and the low-water mark below which every row is accounted."""
         self.db.execute(q.SAVE_CURSOR, (cursor, low_water, time.time(), job_id))
 
-    def save_launcher(self, job_id: str, rec: LauncherRecord) -> None:
-        self.db.execute(q.SAVE_LAUNCHER, (rec.pid, rec.pgid, rec.start_ticks, rec.state.value, time.time(), job_id))
+    def save_launcher(self, job_id: str, rec: LauncherRecord, owner: str | None) -> None:
+        """Record the job's launcher process, its state and the instance that owns it."""
+        self.db.execute(q.SAVE_LAUNCHER, (rec.pid, rec.pgid, rec.start_ticks, rec.state.value, owner, time.time(),
+                                          job_id))
+
+    def launcher_owner(self, job_id: str) -> str | None:
+        return self.db.scalar(q.LAUNCHER_OWNER, (job_id,))
 
     def load_totals(self, job_id: str) -> JobTotals:
         """Every decided group of the job and the rows each outcome accounted."""
@@ -192,6 +206,25 @@ class Store:
 
     def batch_exists(self, batch_id: str) -> bool:
         return self.db.scalar(q.BATCH_EXISTS, (batch_id,)) is not None
+
+    # -- retention ---------------------------------------------------------------------------------
+    def prune_batches(self, before: float, limit: int = 500) -> int:
+        """Delete up to ``limit`` batches recorded before an epoch time; returns how many."""
+        return self.db.execute(q.PRUNE_BATCHES, (before, limit))
+
+    def ended_jobs(self, before: float) -> list[dict[str, Any]]:
+        """Ended jobs not active since an epoch time whose decisions are still kept."""
+        return self.db.fetchall(q.ENDED_JOBS, (before,))
+
+    def purge_step(self, job_id: str, limit: int = 500) -> int:
+        """Delete up to ``limit`` decisions of each kind of an ended job; returns how many."""
+        n = self.db.execute(q.PURGE_GROUPS, (job_id, job_id, limit))
+        n += self.db.execute(q.PURGE_ROWS, (job_id, job_id, limit))
+        return n + self.db.execute(q.PURGE_BATCHES, (job_id, limit))
+
+    def mark_purged(self, job_id: str, read_upto: int) -> None:
+        """The job's decisions are gone: should it be selected again, it reads only after read_upto."""
+        self.db.execute(q.MARK_PURGED, (time.time(), read_upto, read_upto, read_upto + 1, job_id))
 
     # -- the proxy's confirmations ----------------------------------------------------------------
     def unnotified(self) -> Iterator[Unnotified]:
