@@ -32,16 +32,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_init_db(args: argparse.Namespace) -> int:
     """Create the launcher's tables (and the buffer's own) if they are missing."""
-    from .db import connect, create_launcher_tables
-    from .store import Store
+    from .store import init_database
 
-    db = connect(args.db)
-    try:
-        create_launcher_tables(db)
-        Store(db).ensure_schema()
-    finally:
-        db.close()
-    print(f"tables ready in {db.safe_url}")
+    print(f"tables ready in {init_database(args.db)}")
     return 0
 
 

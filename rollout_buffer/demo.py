@@ -14,23 +14,18 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
-import io
 import json
 import logging
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, TextIO
 
-import requests
-
-from .cli import cmd_init_db
 from .client import BufferClient, BufferError, groups_of
+from .runner import ServerProcess, clean_env, free_port, log_tail
+from .store import init_database
 
 logger = logging.getLogger(__name__)
 
@@ -38,23 +33,11 @@ HEALTH_TIMEOUT_S = 30.0
 POLL_INTERVAL_S = 0.5
 STOP_WAIT_S = 15.0
 PROGRESS_EVERY_S = 2.0  # when stdout is not a terminal
-STRIP_PREFIXES = ("AIEVOBOX_", "ROLLOUT_BUFFER_", "LLM_PROXY_")
-STRIP_NAMES = ("STORAGE_TYPE", "BUFFER_SERVER_PORT", "WEB_CONCURRENCY", "GUNICORN_CMD_ARGS")
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def server_env(db_url: str, run_dir: str, *, groups: int, pace: float) -> dict[str, str]:
     """The server's environment: ours without any rollout-buffer setting, plus the demo's."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(STRIP_PREFIXES) and k not in STRIP_NAMES}
-    env.update({
+    return clean_env({
         "AIEVOBOX_DB_URL": db_url,
         "AIEVOBOX_RUN_DIR": run_dir,
         "ROLLOUT_BUFFER_LAUNCHER": "simulate",
@@ -62,63 +45,7 @@ def server_env(db_url: str, run_dir: str, *, groups: int, pace: float) -> dict[s
         "AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS": "60",
         "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "5",
         "ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS": "20",
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p),
     })
-    return env
-
-
-def log_tail(path: str, lines: int = 40) -> str:
-    """The last lines of a log file ('' when it cannot be read)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> str | None:
-    """Poll GET /health until it answers 200; None when ready, else why not."""
-    deadline = time.monotonic() + timeout
-    last = "no answer yet"
-    with requests.Session() as s:
-        while time.monotonic() < deadline:
-            code = proc.poll()
-            if code is not None:
-                return f"the server exited with code {code}"
-            try:
-                r = s.get(url + "/health", timeout=(1, 2))
-                if r.status_code == 200:
-                    return None
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
-            except requests.RequestException as exc:
-                last = f"{type(exc).__name__}"
-            time.sleep(0.1)
-    return f"GET /health not ready after {timeout:g} s ({last})"
-
-
-def stop_server(proc: subprocess.Popen, wait_s: float = STOP_WAIT_S) -> int | None:
-    """SIGTERM the server's process group, wait, then SIGKILL it. Returns the exit code."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(wait_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("server pid %s did not stop within %.0f s; killing it", proc.pid, wait_s)
-    try:  # anything left in the group (a stuck worker or launcher) is killed too
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        return proc.wait(5)
-    except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
-        return None
 
 
 class Progress:
@@ -244,22 +171,18 @@ def run_demo(args: argparse.Namespace) -> int:
     out = sys.stdout
 
     # The launcher's tables, so the service never reads before the simulator has created them.
-    with contextlib.redirect_stdout(io.StringIO()):
-        cmd_init_db(argparse.Namespace(db=db_url))
+    init_database(db_url)
 
     print(f"rollout-buffer demo: {groups} groups x K={k} sessions, simulated launcher (pace {pace:g} s/row)")
     print(f"  work dir {workdir}")
     print(f"  server   {url}  (log {server_log})")
-    argv = [sys.executable, "-m", "rollout_buffer", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    env = server_env(db_url, logs, groups=groups, pace=pace)
+    server = ServerProcess(port, server_env(db_url, logs, groups=groups, pace=pace), server_log, cwd=workdir)
     started = time.monotonic()
-    with open(server_log, "ab") as log:
-        proc = subprocess.Popen(argv, env=env, cwd=workdir, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+    server.spawn()
     client: BufferClient | None = None
     progress = Progress(out)
     try:
-        problem = wait_healthy(url, proc, HEALTH_TIMEOUT_S)
+        problem = server.wait_healthy(HEALTH_TIMEOUT_S)
         if problem:
             print(f"rollout-buffer demo: the server did not start: {problem}", file=sys.stderr)
             print(f"--- last lines of {server_log} ---\n{log_tail(server_log)}", file=sys.stderr)
@@ -315,7 +238,7 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         if client is not None:
             client.close()
-        code = stop_server(proc)
+        code = server.stop(wait_s=STOP_WAIT_S)
         if code not in (0, None, -signal.SIGTERM):
             print(f"rollout-buffer demo: the server exited with code {code} (see {server_log})", file=sys.stderr)
 

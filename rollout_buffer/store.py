@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from . import queries as q
-from .db import Database
+from .db import Database, connect, create_launcher_tables
 from .errors import StorageError
 from .model import (DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED, Batch, Decisions, Drop,
                     GroupKey, LauncherState, NotifyKey, RowKey, Served)
@@ -242,3 +242,15 @@ class Store:
         with self.db.transaction():
             self.db.executemany(q.MARK_GROUP_NOTIFIED, [tuple(k) for k in keys if isinstance(k, GroupKey)])
             self.db.executemany(q.MARK_ROW_NOTIFIED, [tuple(k) for k in keys if isinstance(k, RowKey)])
+
+
+def init_database(url: str) -> str:
+    """Create the launcher's tables and the buffer's own where missing (``init-db``, the demo).
+    Returns the URL without its password."""
+    db = connect(url)
+    try:
+        create_launcher_tables(db)
+        Store(db).ensure_schema()
+        return db.safe_url
+    finally:
+        db.close()

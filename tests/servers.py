@@ -15,54 +15,32 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Iterator, Mapping
 
 import pytest
-import requests
+
+from rollout_buffer.runner import ServerProcess, clean_env, free_port, log_tail
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRUB_PREFIXES = ("AIEVOBOX_", "AIEVOBOC_", "ROLLOUT_BUFFER_", "LLM_PROXY_")
-SCRUB_NAMES = ("STORAGE_TYPE", "BUFFER_SERVER_PORT", "WEB_CONCURRENCY", "GUNICORN_CMD_ARGS", "RL_MODEL",
-               "RL_EPOCH", "LLM_TEMPERATURE")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["ROOT", "Server", "free_port", "init_db", "log_tail", "serve", "server_env"]
 
 
 def server_env(db_url: str, run_dir: str | os.PathLike, *, launcher: str = "none",
                extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """os.environ without any service setting, plus the database, log dir, launcher and ``extra``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES) and k not in SCRUB_NAMES}
-    env.update({
+    env = clean_env({
         "AIEVOBOX_DB_URL": db_url,
         "AIEVOBOX_RUN_DIR": str(run_dir),
         "ROLLOUT_BUFFER_LAUNCHER": launcher,
         "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "5",
         "ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS": "20",
         "ROLLOUT_BUFFER_INGEST_INTERVAL_SECONDS": "0.05",
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-    })
+    }, package_parent=str(ROOT))
     env.update(extra or {})
     return env
-
-
-def log_tail(path: str | os.PathLike, lines: int = 60) -> str:
-    """The last lines of a log file ('' when missing)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
 
 
 class Server:
@@ -79,21 +57,22 @@ class Server:
         self.extra_env = dict(env or {})
         self.name = name
         self.log_path = self.workdir / f"{name}.log"
-        self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self._process: ServerProcess | None = None
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        """The master process while it runs (None once stopped)."""
+        return None if self._process is None else self._process.proc
 
     def start(self, timeout: float = 30.0) -> "Server":
         """Start the server and wait until GET /health answers 200 (pytest.fail otherwise)."""
-        assert self.proc is None, "already started"
+        assert self._process is None, "already started"
         env = server_env(self.db_url, self.workdir / "logs", launcher=self.launcher, extra=self.extra_env)
-        argv = [sys.executable, "-m", "rollout_buffer", "serve", "--host", "127.0.0.1", "--port", str(self.port)]
         self.starts += 1
-        with open(self.log_path, "ab") as log:
-            log.write(f"--- start #{self.starts}: {argv}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(argv, cwd=self.workdir, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        problem = self.wait_healthy(timeout)
+        self._process = ServerProcess(self.port, env, self.log_path, cwd=self.workdir)
+        self._process.spawn(f" #{self.starts}")
+        problem = self._process.wait_healthy(timeout)
         if problem is not None:
             self.stop()
             pytest.fail(f"rollout-buffer server did not start on {self.url}: {problem}\n"
@@ -102,42 +81,13 @@ class Server:
 
     def wait_healthy(self, timeout: float) -> str | None:
         """None once GET /health answers 200, else why it did not within ``timeout``."""
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        last = "no answer"
-        with requests.Session() as s:
-            while time.monotonic() < deadline:
-                code = self.proc.poll()
-                if code is not None:
-                    return f"the server exited with code {code}"
-                try:
-                    r = s.get(self.url + "/health", timeout=(1, 2))
-                    if r.status_code == 200:
-                        return None
-                    last = f"HTTP {r.status_code} {r.text[:200]}"
-                except requests.RequestException as exc:
-                    last = type(exc).__name__
-                time.sleep(0.05)
-        return f"/health not ready after {timeout:g} s ({last})"
+        assert self._process is not None
+        return self._process.wait_healthy(timeout)
 
     def stop(self, sig: int = signal.SIGTERM, wait_s: float = 15.0) -> int | None:
         """Signal the process group (SIGTERM by default), wait, then SIGKILL what is left."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            try:
-                proc.wait(wait_s)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        try:
-            return proc.wait(5)
-        except subprocess.TimeoutExpired:  # pragma: no cover
-            return None
+        process, self._process = self._process, None
+        return None if process is None else process.stop(sig, wait_s)
 
     def log(self) -> str:
         """The whole server log."""
