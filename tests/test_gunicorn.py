@@ -21,6 +21,7 @@ import pytest
 import requests
 
 from conftest import Writer, make_launcher_db
+from rollout_buffer import procfs
 from servers import ROOT, free_port, log_tail, server_env
 
 pytestmark = pytest.mark.slow
@@ -42,31 +43,8 @@ def env_for(db_url: str, tmp_path: Path, port: int, **extra: str) -> dict[str, s
                       extra={"BUFFER_SERVER_PORT": str(port), "ROLLOUT_BUFFER_HOST": "127.0.0.1", **extra})
 
 
-def stat_fields(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat fields after the command name (state is [0], ppid [1], pgrp [2]), or None."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            data = f.read()
-    except OSError:
-        return None
-    return data[data.rfind(")") + 2:].split()
-
-
-def live_pids() -> Iterator[tuple[int, list[str]]]:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = stat_fields(int(entry))
-            if fields is not None and fields[0] not in "ZX":
-                yield int(entry), fields
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes whose process group is ``pgid``."""
-    return [pid for pid, f in live_pids() if int(f[2]) == pgid]
-
-
-def children_of(pid: int) -> list[int]:
-    return [p for p, f in live_pids() if int(f[1]) == pid]
+group_members = procfs.group_members
+children_of = procfs.children
 
 
 def wait_until(predicate, timeout: float, what: str, log: Path | None = None) -> None:
@@ -272,9 +250,9 @@ def test_sigterm_to_the_master_stops_the_launcher_group_and_exits_0(tmp_path, mo
             wait_until(child_pid_file.exists, 10, "grandchild start", log)
         health = requests.get(srv.url + "/health", timeout=5).json()
         assert health["aievobox_running"] is True and health["launcher"]["pid"] == pid
-        fields = stat_fields(pid)
-        assert fields is not None
-        pgid = int(fields[2])
+        st = procfs.stat(pid)
+        assert st is not None
+        pgid = st.pgrp
         assert pgid == pid, "the launcher leads its own process group"
         assert pgid != os.getpgid(srv.pid), "the launcher is not in gunicorn's group"
         members = group_members(pgid)

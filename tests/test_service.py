@@ -20,6 +20,7 @@ import pytest
 from conftest import Harness, Writer, assert_balanced, groups_of, make_config, wait_until
 from fakes.fake_proxy import FakeProxy, closed_port
 from rollout_buffer.config import Config
+from rollout_buffer import procfs
 from rollout_buffer.service import Service
 
 TESTS = Path(__file__).resolve().parent
@@ -28,36 +29,9 @@ FAKE_LAUNCHER = TESTS / "fakes" / "fake_launcher.py"
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, pgrp) of a process, or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            data = f.read()
-    except OSError:
-        return None
-    rest = data[data.rfind(")") + 2:].split()
-    return rest[0], int(rest[2])
-
-
-def alive(pid: int) -> bool:
-    st = _stat(pid)
-    return st is not None and st[0] not in ("Z", "X")
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group, read from /proc."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            st = _stat(int(entry))
-            if st is not None and st[1] == pgid and st[0] not in ("Z", "X"):
-                out.append(int(entry))
-    return out
-
-
-def cmdline(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return [a.decode() for a in f.read().split(b"\0") if a]
+alive = procfs.alive
+group_members = procfs.group_members
+cmdline = procfs.cmdline
 
 
 def lines(path: Path) -> list[str]:

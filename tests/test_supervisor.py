@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from rollout_buffer import procfs
 from rollout_buffer.supervisor import (
     LaunchSpec,
     LauncherError,
@@ -37,14 +38,7 @@ class FakeClock:
         self.now += seconds
 
 
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            data = f.read()
-    except OSError:
-        return False
-    return data[data.rfind(")") + 2] not in "ZX"
+pid_alive = procfs.alive
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:

@@ -32,6 +32,8 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 BENCH = os.environ.get("BENCH_DIR", os.path.join(os.path.dirname(ROOT), "shared", "bench"))
+sys.path.insert(0, ROOT)
+from rollout_buffer import procfs  # noqa: E402  (stdlib only: works under any interpreter)
 
 
 def die(msg: str) -> None:
@@ -65,27 +67,9 @@ def tail(path: str, n: int = 40) -> str:
         return "(no log)"
 
 
-def _procs() -> list[tuple[int, list[str]]]:
-    """(pid, /proc/PID/stat fields after the command name) of every live, non-zombie process."""
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":
-                out.append((int(name), fields))
-    return out
+children = procfs.children
+group_members = procfs.group_members
 
-
-def children(pid: int) -> list[int]:
-    return [p for p, f in _procs() if int(f[1]) == pid]
-
-
-def group_members(pgid: int) -> list[int]:
-    return [p for p, f in _procs() if int(f[2]) == pgid]
 
 
 def cmd_start(args: argparse.Namespace) -> int:

@@ -1,0 +1,96 @@
+"""Reading processes from Linux's /proc: the one parser of ``/proc/<pid>/stat``.
+
+Owns: a process's state, parent, process group and start time, and the processes of a group
+or of a parent. The supervisor uses it to tell a launcher from a reused pid and to find what is
+left of its process group; the tests and benchmarks use it to watch real processes. It only reads.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterator, NamedTuple
+
+
+class ProcStat(NamedTuple):
+    """The fields of /proc/<pid>/stat that matter here."""
+
+    pid: int
+    state: str        # field 3: R, S, D, Z (zombie), X (dead), ...
+    ppid: int         # field 4
+    pgrp: int         # field 5
+    start_ticks: int  # field 22: start time in clock ticks since boot (pid + this = one process)
+
+    @property
+    def alive(self) -> bool:
+        """Running or sleeping: neither a zombie nor dead."""
+        return self.state not in ("Z", "X")
+
+
+def stat(pid: int) -> ProcStat | None:
+    """The process's stat, or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
+    rest = data[data.rfind(")") + 2:].split()
+    try:
+        return ProcStat(pid, rest[0], int(rest[1]), int(rest[2]), int(rest[19]))
+    except (IndexError, ValueError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """True if the process exists and is not a zombie."""
+    s = stat(pid)
+    return s is not None and s.alive
+
+
+def live() -> Iterator[ProcStat]:
+    """Every live (non-zombie) process."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return
+    for entry in entries:
+        if entry.isdigit():
+            s = stat(int(entry))
+            if s is not None and s.alive:
+                yield s
+
+
+def group_members(pgid: int) -> list[int]:
+    """The pids of live processes whose process group is ``pgid``."""
+    return [s.pid for s in live() if s.pgrp == pgid]
+
+
+def children(ppid: int) -> list[int]:
+    """The pids of live processes whose parent is ``ppid``."""
+    return [s.pid for s in live() if s.ppid == ppid]
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None if it is gone."""
+    s = stat(pid)
+    return s.start_ticks if s else None
+
+
+def ticks_to_epoch(ticks: int) -> float | None:
+    """A start time in ticks since boot as epoch seconds."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("btime "):
+                    return int(line.split()[1]) + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def cmdline(pid: int) -> list[str]:
+    """The process's argv ([] when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
