@@ -33,7 +33,6 @@ from .notifications import Outbox
 
 logger = logging.getLogger(__name__)
 
-NO_DATA = "No data available to read"
 FETCH_CHUNK = 900  # pks per body query (SQLite's default variable limit is far above)
 TAKE_STEP = 64  # groups taken from the ready queue at a time
 POLL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
