@@ -155,6 +155,9 @@ SETTINGS: tuple[Setting, ...] = (
             "seconds between TERM and KILL when stopping the launcher"),
     Setting("max_response_bytes", PREFIX + "MAX_RESPONSE_BYTES", 256 * 1024 * 1024, _int(1024),
             "byte budget of one /get_rollout_data response (at least one group is always sent)"),
+    Setting("max_group_bytes", PREFIX + "MAX_GROUP_BYTES", 1024 * 1024 * 1024, _int(1024),
+            "a group whose rows alone hold more bytes is dropped as group_too_large instead of being built "
+            "(bounds the memory one group can take)"),
     Setting("max_request_bytes", PREFIX + "MAX_REQUEST_BYTES", 1024 * 1024, _int(1024), "request body cap"),
     Setting("ingest_interval_s", PREFIX + "INGEST_INTERVAL_SECONDS", 0.2, _float(0.001),
             "how often the background thread reads new rows"),
@@ -215,6 +218,7 @@ class Config:
     restart_backoff_s: float = 2.0
     stop_grace_s: float = 10.0
     max_response_bytes: int = 256 * 1024 * 1024
+    max_group_bytes: int = 1024 * 1024 * 1024
     max_request_bytes: int = 1024 * 1024
     ingest_interval_s: float = 0.2
     ingest_batch: int = 20000

@@ -111,6 +111,23 @@ class Launcher:
         self.record(store, job_id, LauncherState.RUNNING)
         return pid
 
+    def resume_restart(self, store: Store, job_id: str, k: int, row: dict[str, Any]) -> bool:
+        """After a restart: a launcher whose on-failure restart was pending when the service went
+        down is started now (the backoff had begun; the restart count starts again)."""
+        if LauncherState.parse(row.get("launcher_state")) is not LauncherState.RESTART_PENDING or not self.managed:
+            return False
+        if self.config.restart_policy != "on-failure":
+            return False
+        logger.warning("the launcher of job %s was due for an on-failure restart when the service stopped; "
+                       "starting it now", job_id)
+        try:
+            self.start(store, job_id, k)
+        except ApiError as exc:
+            logger.error("could not restart the launcher of job %s: %s", job_id, exc.message)
+            self.record(store, job_id, LauncherState.EXITED)
+            return False
+        return True
+
     def adopt(self, store: Store, job_id: str, row: dict[str, Any]) -> bool | None:
         """After a restart: adopt the job's recorded launcher if it still runs.
 
@@ -146,6 +163,8 @@ class Launcher:
             if kind in ("exited", "restarted", "gave_up"):
                 if state["running"]:
                     label = LauncherState.RUNNING
+                elif state["will_restart"]:
+                    label = LauncherState.RESTART_PENDING
                 elif state["stopped_by"] == "shutdown":
                     label = LauncherState.STOPPED_SHUTDOWN
                 elif state["stopped_by"]:

@@ -226,9 +226,11 @@ class Loop:
         js = self.jobs.current
         if row is not None and js is not None and js.job_id == row["job_id"]:
             state = LauncherState.parse(row["launcher_state"])
-            if state is not None and state.finished:
+            if self.launcher.resume_restart(store, js.job_id, js.k, row):
+                pass
+            elif state is not None and (state.finished or state is LauncherState.RESTART_PENDING):
                 js.launcher_finished_tick = self._tick_no  # it ended before the crash: drop after catch-up
-            if self.launcher.adopt(store, js.job_id, row) is False:
+            elif self.launcher.adopt(store, js.job_id, row) is False:
                 js.launcher_finished_tick = self._tick_no
         self.outbox.resend_unnotified(store)
         self.bootstrapped.set()

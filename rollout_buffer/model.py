@@ -32,6 +32,7 @@ MISSING_GROUP = "missing_group_id"
 INVALID_GROUP = "invalid_utf8_group_id"
 INVALID_SESSION = "invalid_session_id"
 BUILD_FAILED = "build_failed"  # a row's build raised an unexpected error repeatedly
+GROUP_TOO_LARGE = "group_too_large"  # its rows alone exceed ROLLOUT_BUFFER_MAX_GROUP_BYTES
 
 # Rejection reasons that taint a session: its group can never be served whole.
 TAINTING = (MISSING_GROUP, INVALID_GROUP)
@@ -58,6 +59,7 @@ class LauncherState(str, enum.Enum):
     """What rollout_buffer_jobs.launcher_state holds."""
 
     RUNNING = "running"
+    RESTART_PENDING = "restart_pending"  # exited; the on-failure policy restarts it after a backoff
     EXITED = "exited"
     STOPPED_REQUESTED = "stopped:requested"
     STOPPED_SHUTDOWN = "stopped:shutdown"

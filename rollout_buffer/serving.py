@@ -25,10 +25,10 @@ from .config import Config
 from .connections import LazyPair, Pair
 from .db import Database
 from .errors import ApiError, IntegrityError, StorageError
-from .items import COMPLETED, SID, GroupItems, Malformed, build_group, response_chunks
+from .items import COMPLETED, MESSAGES, RESPONSE, SID, GroupItems, Malformed, build_group, response_chunks
 from .jobs import JobState, Jobs
 from .loop import Health, Loop
-from .model import MALFORMED, REJECTED, Batch, Decisions, Drop, RowEvent, Served, Take
+from .model import GROUP_TOO_LARGE, MALFORMED, REJECTED, Batch, Decisions, Drop, RowEvent, Served, Take
 from .notifications import Outbox
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ POLL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 SERVE_LOCK_WAIT_S = 8.0  # a poll behind a stuck one answers 503 rather than hang
 MAX_REPLAYS = 2  # distinct batches rebuilt and held at once (each up to the response budget)
 REPLAY_WAIT_S = 30.0
+MAX_KNOWN_IDS = 10000
 
 
 class PollStats:
@@ -84,7 +85,8 @@ class RequestIds:
     def __init__(self, config: Config) -> None:
         self.config = config
         self._job: str | None = None
-        self._ids: set[str] = set()
+        # request_id -> when this process recorded its batch (monotonic), None if loaded from the store
+        self._ids: dict[str, float | None] = {}
 
     def may_be_bound(self, job_id: str, request_id: str) -> bool:
         return self._job != job_id or request_id in self._ids
@@ -93,12 +95,21 @@ class RequestIds:
         """(Serve lock held.) Load the job's recent request_ids, once per job."""
         if self._job != job_id:
             since = time.time() - self.config.replay_retention_s
-            self._ids = set(store.recent_request_ids(job_id, since))
+            self._ids = dict.fromkeys(store.recent_request_ids(job_id, since))
             self._job = job_id
 
     def add(self, job_id: str, request_id: str) -> None:
         if self._job == job_id:
-            self._ids.add(request_id)
+            self._ids[request_id] = time.monotonic()
+            if len(self._ids) > 4 * MAX_KNOWN_IDS:  # ids past the replay window are forgotten
+                horizon = time.monotonic() - self.config.replay_retention_s
+                self._ids = {k: v for k, v in self._ids.items() if v is None or v >= horizon}
+
+    def age(self, request_id: str, recorded_at: float) -> float:
+        """Seconds since the batch was recorded: on the monotonic clock when this process recorded
+        it (a wall-clock step cannot shift the replay window), else by the stored wall time."""
+        mono = self._ids.get(request_id)
+        return time.monotonic() - mono if mono is not None else time.time() - recorded_at
 
 
 class _Replay:
@@ -144,6 +155,31 @@ def fetch_rows(src: Database, pks: list[int]) -> dict[int, tuple]:
                           binary=True):
             out[r[0]] = r
     return out
+
+
+def fetch_takes(src: Database, takes: list[Take], cap: int) -> tuple[dict[int, tuple], set[str]]:
+    """The body rows of the served sessions of ``takes``, and the groups whose rows alone exceed
+    ``cap`` bytes (stopped as soon as they do, so one huge group never holds more than the cap)."""
+    owner = {pk: t.group_id for t in takes for pk in t.served_pks}
+    pks = list(owner)
+    sizes: dict[str, int] = {}
+    too_large: set[str] = set()
+    out: dict[int, tuple] = {}
+    for i in range(0, len(pks), FETCH_CHUNK):
+        chunk = [pk for pk in pks[i:i + FETCH_CHUNK] if owner[pk] not in too_large]
+        if not chunk:
+            continue
+        for r in src.rows(q.fetch_bodies(len(chunk), src.backend), q.fetch_bodies_params(chunk, src.backend),
+                          binary=True):
+            gid = owner[r[0]]
+            size = sizes[gid] = sizes.get(gid, 0) + len(r[MESSAGES] or b"") + len(r[RESPONSE] or "")
+            if size > cap:
+                too_large.add(gid)
+            out[r[0]] = r
+        if too_large:
+            for pk in [pk for pk in out if owner[pk] in too_large]:
+                del out[pk]
+    return out, too_large
 
 
 def take_from_rows(group_id: str, pks: list[int], rows: dict[int, tuple]) -> Take:
@@ -250,8 +286,11 @@ class Serving:
                 if not takes:
                     break
                 taken.extend(takes)
-                rows = fetch_rows(pair.src, [pk for t in takes for pk in t.served_pks])
+                rows, too_large = fetch_takes(pair.src, takes, self.config.max_group_bytes)
                 for i, t in enumerate(takes):
+                    if t.group_id in too_large:
+                        malformed.append((t, {}))
+                        continue
                     try:
                         g = build_group(t, rows, seed, js.job_id, buf)
                     except Malformed as exc:
@@ -298,9 +337,14 @@ class Serving:
                                sum(g.n_items for _, g in built), 0)
             plan.served = [Served(t, batch_id) for t, _ in built]
         for t, bad in malformed:
-            plan.drops.append(Drop(t.group_id, MALFORMED, [pk for pk in t.all_pks if pk not in bad], t.sessions))
-            plan.rows.extend(RowEvent(pk, REJECTED, reason, t.group_id, None) for pk, reason in bad.items())
-            logger.warning("group %s of job %s dropped: malformed rows %s", t.group_id, job_id, bad)
+            reason = MALFORMED if bad else GROUP_TOO_LARGE
+            plan.drops.append(Drop(t.group_id, reason, [pk for pk in t.all_pks if pk not in bad], t.sessions))
+            plan.rows.extend(RowEvent(pk, REJECTED, why, t.group_id, None) for pk, why in bad.items())
+            if bad:
+                logger.warning("group %s of job %s dropped: malformed rows %s", t.group_id, job_id, bad)
+            else:
+                logger.warning("group %s of job %s dropped: its rows exceed ROLLOUT_BUFFER_MAX_GROUP_BYTES", t.group_id,
+                               job_id)
         return plan
 
     def _record(self, pair: Pair, js: JobState, plan: Decisions, done: list[Take]) -> None:
@@ -364,7 +408,7 @@ class Serving:
 
     # -- replay --------------------------------------------------------------------------------
     def _replay(self, pair: Pair, js: JobState, batch: Batch, recorded_at: float) -> Body:
-        age = time.time() - recorded_at
+        age = self._rids.age(batch.request_id or "", recorded_at)
         if age > self.config.replay_retention_s:
             raise ApiError(410, f"request_id {batch.request_id!r} was answered {age:.0f} s ago, beyond the "
                            f"replay window of {self.config.replay_retention_s:.0f} s; its batch cannot be sent "

@@ -468,3 +468,22 @@ def test_the_byte_budget_covers_the_whole_body(db_url, harness_factory):
         assert len(r.data) <= 4096, len(r.data)
         seen |= set(groups_of(doc))
     assert len(seen) == 40
+
+
+def test_a_group_too_large_to_build_is_dropped_and_others_are_served(db_url, harness_factory):
+    h = harness_factory(db_url, max_group_bytes=20_000)
+    h.start(k=2)
+    w = Writer(db_url)
+    try:
+        w.group("big", 2, steps=3, response="x" * 6000)  # 36 KB of responses: over the cap
+        w.group("small", 2, steps=2)
+    finally:
+        w.close()
+    h.settle()
+    doc = h.poll()
+    assert list(groups_of(doc)) == ["small"]
+    s = h.stats()
+    assert s["groups"]["dropped"] == {"group_too_large": 1}
+    assert s["rows"]["dropped"]["group_too_large"] == 6
+    assert_balanced(s)
+    assert h.poll()["success"] is False  # decided once, never retried
