@@ -161,7 +161,8 @@ class Trainer:
                 time.sleep(0.05)
             elif pause:
                 time.sleep(pause)
-        time.sleep(0.3)
+        # every row written has been read (so nothing else can become ready), then nothing more comes
+        wait_until(lambda: self.stats().get("lag_rows") == 0, 10, "the service caught up with the rows")
         assert self.poll()["success"] is False, "served more than expected"
 
     def stats(self) -> dict:
