@@ -65,6 +65,28 @@ def log_tail(path: str | os.PathLike, lines: int = 60) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+def live_processes() -> list[tuple[int, int, int]]:
+    """(pid, ppid, pgrp) of every live (non-zombie) process."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                data = f.read()
+        except OSError:
+            continue
+        fields = data[data.rfind(")") + 2:].split()
+        if fields[0] not in "ZX":
+            out.append((int(entry), int(fields[1]), int(fields[2])))
+    return out
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes in process group ``pgid``."""
+    return [pid for pid, _ppid, pgrp in live_processes() if pgrp == pgid]
+
+
 class Server:
     """One ``rollout-buffer serve`` subprocess (gunicorn master + worker) in its own process group."""
 

@@ -23,7 +23,7 @@ import requests
 
 from conftest import PG_DSN, Writer, make_launcher_db, wait_until
 from rollout_buffer.db import connect
-from servers import Server, log_tail
+from servers import Server, group_members, live_processes, log_tail
 
 pytestmark = pytest.mark.slow
 
@@ -57,28 +57,6 @@ def trainable_rows(url: str, job: str) -> int:
         return int(db.scalar("SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND is_trainable = 1", (job,)))
     finally:
         db.close()
-
-
-def live_processes() -> list[tuple[int, int, int]]:
-    """(pid, ppid, pgrp) of every live (non-zombie) process."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
-                data = f.read()
-        except OSError:
-            continue
-        fields = data[data.rfind(")") + 2:].split()
-        if fields[0] not in "ZX":
-            out.append((int(entry), int(fields[1]), int(fields[2])))
-    return out
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live processes in process group ``pgid``."""
-    return [pid for pid, _ppid, pgrp in live_processes() if pgrp == pgid]
 
 
 def workers_of(master: int) -> list[int]:
