@@ -439,6 +439,7 @@ class Trainer:
         self.http = requests.Session()
         self.pending: tuple[str, dict[str, Any]] | None = None  # a logical poll still to be answered
         self.received: dict[str, dict[str, Any]] = {}  # request_id -> first response with data
+        self.lost: dict[str, dict[str, Any]] = {}  # request_id -> an answer the test threw away
         self.served: dict[str, list[tuple[str, list[dict]]]] = {}  # group -> [(request_id, items)]
         self.errors: dict[str, int] = {}
         self.problems: list[str] = []
@@ -485,9 +486,16 @@ class Trainer:
             self.problems.append(f"request_id {rid}: a 200 without success: {str(doc)[:200]}")
             return None
         if not doc["success"]:
+            if rid in self.lost:
+                self.problems.append(f"request_id {rid}: its batch was recorded before the crash, and the retry "
+                                     f"answered {doc.get('message')!r}")
             return doc
         meta = doc["data"]["meta_info"]
         items = doc["data"]["data"]
+        if rid in self.lost and [i["uid"] for i in items] != [i["uid"] for i in self.lost[rid]["data"]["data"]]:
+            self.problems.append(f"request_id {rid}: the retry after the crash got other items than the batch "
+                                 f"recorded before it (groups {meta.get('finished_groups')} vs "
+                                 f"{self.lost[rid]['data']['meta_info'].get('finished_groups')})")
         if rid in self.received:
             first = self.received[rid]
             if [i["uid"] for i in items] != [i["uid"] for i in first["data"]["data"]]:
@@ -666,26 +674,35 @@ class Run:
         if mode == "idle":
             self._kill9(pgid)
         else:
-            if mode == "after_build":  # a batch is recorded only when a group is ready: wait for one (bounded)
-                end = time.monotonic() + 5
-                while time.monotonic() < end and not ((trainer.stats() or {}).get("groups") or {}).get("ready"):
-                    time.sleep(0.05)
+            # a batch is recorded only when a group is ready, and a poll with data takes longest: wait for one
+            end = time.monotonic() + 5
+            while time.monotonic() < end and not ((trainer.stats() or {}).get("groups") or {}).get("ready"):
+                time.sleep(0.05)
             rid, body = trainer.next_request()
             result: list[tuple[bool, Any]] = []
             th = threading.Thread(target=lambda: result.append(trainer.attempt(body)), daemon=True)
             th.start()
+            recorded = False
             if mode == "in_poll":
-                time.sleep(self.rng.uniform(0.0, 0.05))
-                note += "(answered first)" if result else ""
+                time.sleep(self.rng.uniform(0.0, 0.01))
             else:
                 end = time.monotonic() + 5
-                while time.monotonic() < end and th.is_alive() and not self.state.batch_for(rid):
+                while time.monotonic() < end and th.is_alive() and not recorded:
+                    recorded = bool(self.state.batch_for(rid))
                     time.sleep(0.002)
-                note += "(batch recorded)" if self.state.batch_for(rid) else "(no batch)"
-                note += "(answered first)" if result else ""
+                recorded = recorded or bool(self.state.batch_for(rid))
+                note += "(batch recorded)" if recorded else "(no batch)"
+            answered = bool(result)
             self._kill9(pgid)
+            note += "(answered before the kill)" if answered else "(in flight)"
             th.join(40)
-            trainer.settle(body, result[0] if result else (False, "no answer"))
+            outcome = result[0] if result else (False, "no answer")
+            if recorded and outcome[0]:
+                # The batch is durable and the server died right after: treat the answer as lost in
+                # transit, so the retry after the restart must replay exactly this batch.
+                trainer.lost[rid] = outcome[1]
+                outcome = (False, "answer dropped (lost in transit after the crash)")
+            trainer.settle(body, outcome)
         self.out.kills.append(note)
         self._start_server()
 
