@@ -77,7 +77,9 @@ class Settings:
     def hold_range(self) -> tuple[float, float]:
         # A held SQLite write transaction blocks every other writer, the service's state writes
         # included (busy timeout 5 s): keep it short. Postgres writers only block nobody.
-        return (0.5, 1.5) if self.backend == "sqlite" else (1.0, 4.0)
+        # Postgres holds outlast the safe cursor's one-second pairing, so a kill can land while the
+        # durable low-water mark could already have passed the row in flight (issue 14, scenario 1).
+        return (0.5, 1.5) if self.backend == "sqlite" else (2.0, 7.0)
 
 
 def rerun_hint(s: Settings) -> str:
@@ -198,6 +200,13 @@ def make_plan(s: Settings, rng: random.Random, writer: int, url: str, log_path: 
     if writer == 0:  # the same group id in another job: must never be read for ours
         stream.insert(rng.randrange(len(stream)), _row(s, rng, gids[0], _hex_id(rng), 1, completed=True,
                                                         job=OTHER_JOB))
+    lead: list[dict[str, Any]] = []
+    if s.backend == "postgres" and writer == 0:
+        # The leading hold: the first session of the run, held open while everything after it is
+        # written, read, served and the cursor saved. A kill during it is issue 14's scenario 1.
+        first = json.dumps(stream[0]["session_id"])
+        lead = [r for r in stream if json.dumps(r["session_id"]) == first]
+        stream = [r for r in stream if json.dumps(r["session_id"]) != first]
     last_index: dict[Any, int] = {}
     for i, row in enumerate(stream):
         last_index[json.dumps(row["session_id"])] = i
@@ -214,6 +223,8 @@ def make_plan(s: Settings, rng: random.Random, writer: int, url: str, log_path: 
         txns.append({"delay_s": round(rng.uniform(0.0, 0.25), 3), "hold_s": round(hold, 3), "rows": rows,
                      "detach": bool(hold and ends_here and s.backend == "postgres" and rng.random() < 0.7)})
         i += n
+    if lead:
+        txns.insert(0, {"delay_s": 0.0, "hold_s": 7.0, "rows": lead, "detach": True})
     return {"backend": s.backend, "url": url, "log_path": log_path, "txns": txns, "kinds": kinds}
 
 
@@ -574,6 +585,7 @@ class Run:
         self.srv: Server | None = None
         self.writers: list[subprocess.Popen] = []
         self.plans: list[dict[str, Any]] = []
+        self.app_name = f"rbtest-fault-{os.getpid()}-{id(self):x}"  # finds our writers in pg_stat_activity
 
     # ---- driving
 
@@ -609,14 +621,19 @@ class Run:
         for w in range(self.s.writers):
             plan = make_plan(self.s, random.Random(self.rng.getrandbits(64)), w, self.url,
                              str(self.workdir / f"writer{w}.jsonl"))
+            plan["app_name"] = self.app_name
             self.plans.append(plan)
         write_s = max(plan_duration(p) for p in self.plans)
         # the fault schedule, all drawn before anything runs
-        modes = ["in_poll", "after_build"] + [self.rng.choice(["idle", "in_poll", "after_build"])
-                                              for _ in range(self.s.kills - 2)]
+        must = ["in_poll", "after_build"] + (["in_hold"] if self.s.backend == "postgres" else [])
+        modes = must + [self.rng.choice(["idle", "in_poll", "after_build"] + must[2:])
+                        for _ in range(self.s.kills - len(must))]
         self.rng.shuffle(modes)
         span = max(write_s, 2.0 * self.s.kills)
         kill_at = sorted(self.rng.uniform(0.5, span) for _ in modes)
+        if self.s.backend == "postgres":  # the first kill lands in the leading hold (see make_plan)
+            modes.insert(0, modes.pop(modes.index("in_hold")))
+            kill_at[0] = min(kill_at[0], 3.0)
         proxy_events = []
         t = 0.0
         while t < span:
@@ -672,6 +689,19 @@ class Run:
         pgid = self.srv.proc.pid
         note = mode
         if mode == "idle":
+            self._kill9(pgid)
+        elif mode == "in_hold":
+            # wait (bounded) until a writer has held a transaction open for a few seconds
+            end = time.monotonic() + 10
+            held = False
+            while time.monotonic() < end and not held:
+                held = bool(self.state.query(
+                    "SELECT 1 FROM pg_stat_activity WHERE application_name = ? AND state = 'idle in transaction' "
+                    "AND now() - xact_start > interval '2.5 seconds'", (self.app_name,)))
+                if not held:
+                    trainer.poll()
+                    time.sleep(0.05)
+            note += "(a transaction held 2.5 s)" if held else "(no long hold seen)"
             self._kill9(pgid)
         else:
             # a batch is recorded only when a group is ready, and a poll with data takes longest: wait for one

@@ -39,7 +39,7 @@ def decode(value: Any) -> tuple[Any, str | None]:
 class Conn:
     """One connection on either backend, with explicit transactions."""
 
-    def __init__(self, url: str, backend: str) -> None:
+    def __init__(self, url: str, backend: str, app_name: str = "fault_writer") -> None:
         self.backend = backend
         if backend == "sqlite":
             import sqlite3
@@ -51,7 +51,7 @@ class Conn:
         else:
             import psycopg
 
-            self.conn = psycopg.connect(url, autocommit=True)
+            self.conn = psycopg.connect(url, autocommit=True, application_name=app_name)
         self.open = False
 
     def begin(self) -> None:
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
     with open(argv[1], encoding="utf-8") as f:
         plan = json.load(f)
     backend = plan["backend"]
-    main_conn = Conn(plan["url"], backend)
+    main_conn = Conn(plan["url"], backend, plan.get("app_name", "fault_writer"))
     side_conn: Conn | None = None
     detached: tuple[float, int, list[int]] | None = None  # (commit at, txn index, pks) on side_conn
     log = open(plan["log_path"], "a", encoding="utf-8")
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
         time.sleep(txn["delay_s"])
         settle_detached()
         if txn.get("detach") and detached is None and backend == "postgres":
-            side_conn = side_conn or Conn(plan["url"], backend)
+            side_conn = side_conn or Conn(plan["url"], backend, plan.get("app_name", "fault_writer"))
             side_conn.begin()
             pks = [side_conn.insert(r) for r in txn["rows"]]
             detached = (time.monotonic() + txn["hold_s"], index, pks)
