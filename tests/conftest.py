@@ -7,6 +7,7 @@ Each Postgres test gets a fresh schema, selected through the URL's ``options=-cs
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -60,10 +61,9 @@ def require_pg() -> None:
         pytest.skip(msg)
 
 
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A fresh schema on the Postgres server, as a URL whose search_path selects it."""
-    require_pg()
+@contextlib.contextmanager
+def fresh_pg_schema() -> Iterator[str]:
+    """A new schema on the Postgres server (dropped on exit), as a URL whose search_path selects it."""
     import psycopg
 
     schema = "rbt_" + uuid.uuid4().hex[:16]
@@ -75,6 +75,14 @@ def pg_url() -> Iterator[str]:
     finally:
         with psycopg.connect(PG_DSN, autocommit=True) as conn:
             conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh schema on the Postgres server, as a URL whose search_path selects it."""
+    require_pg()
+    with fresh_pg_schema() as url:
+        yield url
 
 
 @pytest.fixture

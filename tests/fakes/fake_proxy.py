@@ -4,7 +4,9 @@ Runs ``http.server.ThreadingHTTPServer`` in a daemon thread on port 0 (or a port
 reserved with :func:`closed_port`, to bring a "down" proxy up later). Knobs: ``status``
 (what to answer), ``script`` (statuses answered first, one per request, e.g. ``[503, 503]``),
 ``hold_s`` (hold each request that long before answering, to simulate a hung proxy; ``close()``
-releases held requests at once).
+releases held requests at once). :meth:`FakeProxy.set_mode` switches a running proxy between
+``"up"``, ``"down"`` (the socket is closed: connection refused) and ``"hung"`` (requests are read
+and recorded, then held without an answer until the mode changes, when they are dropped).
 """
 from __future__ import annotations
 
@@ -46,17 +48,45 @@ class FakeProxy:
         self._calls: list[dict[str, Any]] = []
         self._answers: list[tuple[int, dict[str, Any]]] = []
         self._released = threading.Event()
+        self._unhung = threading.Event()
+        self._unhung.set()
         self._changed = threading.Condition()
-        self._server = _Server(("127.0.0.1", port), self._handler_class())
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name=f"fake-proxy-{self.port}", daemon=True)
-        self._thread.start()
+        self._port = port
+        self.mode = "up"
+        self._listen()
         self._closed = False
+
+    def _listen(self) -> None:
+        self._server = _Server(("127.0.0.1", self._port), self._handler_class())
+        self._port = self._server.server_address[1]  # port 0 becomes the real one, kept for "up" again
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name=f"fake-proxy-{self._port}", daemon=True)
+        self._thread.start()
+
+    def _unlisten(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5)
+
+    def set_mode(self, mode: str) -> None:
+        """Switch to ``"up"``, ``"down"`` (not listening) or ``"hung"`` (never answers); see the module doc."""
+        assert mode in ("up", "down", "hung"), mode
+        if mode == self.mode or self._closed:
+            return
+        if self.mode == "down":
+            self._listen()  # HTTPServer sets SO_REUSEADDR, so the same port binds again at once
+        if mode == "down":
+            self._unlisten()
+        if mode == "hung":
+            self._unhung.clear()
+        else:
+            self._unhung.set()  # held requests are dropped unanswered
+        self.mode = mode
 
     @property
     def port(self) -> int:
-        """The port the server listens on."""
-        return self._server.server_address[1]
+        """The port the server listens on (also while it is down)."""
+        return self._port
 
     @property
     def url(self) -> str:
@@ -92,9 +122,9 @@ class FakeProxy:
             return
         self._closed = True
         self._released.set()
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5)
+        self._unhung.set()
+        if self.mode != "down":
+            self._unlisten()
 
     def __enter__(self) -> FakeProxy:
         return self
@@ -139,6 +169,10 @@ class FakeProxy:
                     self._reply(400, b'{"error": "bad json"}')
                     return
                 status = fake._record(body)
+                if not fake._unhung.is_set():
+                    fake._unhung.wait()
+                    self.close_connection = True  # a hung proxy never answers
+                    return
                 if fake.hold_s > 0 and fake._released.wait(fake.hold_s):
                     self.close_connection = True  # closing: drop the connection unanswered
                     return
