@@ -171,6 +171,14 @@ class Database:
         """(xmin, xmax) of the current snapshot where writers can commit out of id order, else None."""
         return None
 
+    def answers(self) -> bool:
+        """True when a trivial statement succeeds: the server is there and this connection works (so
+        a failure just before was about the statement or its data, not the database)."""
+        try:
+            return self.scalar("SELECT 1") == 1
+        except StorageError:
+            return False
+
     def __enter__(self) -> "Database":
         return self
 

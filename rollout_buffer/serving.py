@@ -28,7 +28,7 @@ from .errors import ApiError, IntegrityError, StorageError
 from .items import COMPLETED, MESSAGES, RESPONSE, SID, GroupItems, Malformed, build_group, response_chunks
 from .jobs import JobState, Jobs
 from .loop import Health, Loop
-from .model import GROUP_TOO_LARGE, MALFORMED, REJECTED, Batch, Decisions, Drop, RowEvent, Served, Take
+from .model import BUILD_FAILED, GROUP_TOO_LARGE, MALFORMED, REJECTED, Batch, Decisions, Drop, RowEvent, Served, Take
 from .notifications import Outbox
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ SERVE_LOCK_WAIT_S = 8.0  # a poll behind a stuck one answers 503 rather than han
 MAX_REPLAYS = 2  # distinct batches rebuilt and held at once (each up to the response budget)
 REPLAY_WAIT_S = 30.0
 MAX_KNOWN_IDS = 10000
+MAX_BUILD_FAILURES = 3  # a group whose build fails unexpectedly this often is dropped (build_failed)
 
 
 class PollStats:
@@ -208,6 +209,7 @@ class Serving:
         self.stats = PollStats()
         self._uncertain: Uncertain | None = None
         self._rids = RequestIds(config)
+        self._failures: dict[tuple[str, str], int] = {}
         self._replay_lock = threading.Lock()
         self._replaying: dict[str, _Replay] = {}  # batch_id -> its rebuilt body while it is being sent
 
@@ -274,9 +276,10 @@ class Serving:
         budget = self.config.max_response_bytes
         buf = bytearray()
         built: list[tuple[Take, GroupItems]] = []
-        malformed: list[tuple[Take, dict[int, str]]] = []
+        refused: list[tuple[Take, str, dict[int, str]]] = []  # dropped instead: (take, reason, bad rows)
         meta_size = 1024 + 2 * json_len(request_id or "")
         leftover: list[Take] = []
+        retry: list[Take] = []  # failed for an unexpected reason: back to the queue after this poll
         taken: list[Take] = []
         try:
             full = False
@@ -286,15 +289,25 @@ class Serving:
                 if not takes:
                     break
                 taken.extend(takes)
-                rows, too_large = fetch_takes(pair.src, takes, self.config.max_group_bytes)
+                rows, too_large, unreadable = self._fetch(pair, takes)
                 for i, t in enumerate(takes):
                     if t.group_id in too_large:
-                        malformed.append((t, {}))
+                        refused.append((t, GROUP_TOO_LARGE, {}))
                         continue
+                    start = len(buf)
                     try:
+                        if t.group_id in unreadable:
+                            raise unreadable[t.group_id]
                         g = build_group(t, rows, seed, js.job_id, buf)
                     except Malformed as exc:
-                        malformed.append((t, exc.bad))
+                        refused.append((t, MALFORMED, exc.bad))
+                        continue
+                    except Exception as exc:  # noqa: BLE001 - a poison pill must not block every poll
+                        del buf[start:]
+                        if self._failed(js, t, exc):
+                            refused.append((t, BUILD_FAILED, {}))
+                        else:
+                            retry.append(t)
                         continue
                     # the body is buf plus a head and a meta_info tail that lists the group ids
                     meta_size += json_len(t.group_id) + 1
@@ -307,8 +320,8 @@ class Serving:
         except BaseException:
             js.acc.release(taken)
             raise
-        self._release(pair, js, leftover)
-        plan = self._plan(js.job_id, seed, request_id, built, malformed)
+        self._release(pair, js, leftover + retry)
+        plan = self._plan(js.job_id, seed, request_id, built, refused)
         chunks: list[Any] = []
         if built:
             assert plan.batch is not None
@@ -317,7 +330,7 @@ class Serving:
                 "replayed": False, "groups": len(built)})
             plan = Decisions(drops=plan.drops, rows=plan.rows, served=plan.served,
                              batch=Batch(**{**plan.batch.__dict__, "n_bytes": sum(map(len, chunks))}))
-        self._record(pair, js, plan, [t for t, _ in built] + [t for t, _ in malformed])
+        self._record(pair, js, plan, [t for t, _ in built] + [t for t, _, _ in refused])
         if leftover:
             self.loop.nudge()
         if not built:
@@ -328,24 +341,54 @@ class Serving:
 
     @staticmethod
     def _plan(job_id: str, seed: bytes, request_id: str | None, built: list[tuple[Take, GroupItems]],
-              malformed: list[tuple[Take, dict[int, str]]]) -> Decisions:
-        """The one decision of a poll: its batch, served groups, malformed groups and their bad rows."""
+              refused: list[tuple[Take, str, dict[int, str]]]) -> Decisions:
+        """The one decision of a poll: its batch, served groups, refused groups and their bad rows."""
         plan = Decisions()
         if built:
             batch_id = uuid.uuid4().hex
             plan.batch = Batch(batch_id, job_id, request_id, seed, [t.group_id for t, _ in built],
                                sum(g.n_items for _, g in built), 0)
             plan.served = [Served(t, batch_id) for t, _ in built]
-        for t, bad in malformed:
-            reason = MALFORMED if bad else GROUP_TOO_LARGE
+        for t, reason, bad in refused:
             plan.drops.append(Drop(t.group_id, reason, [pk for pk in t.all_pks if pk not in bad], t.sessions))
             plan.rows.extend(RowEvent(pk, REJECTED, why, t.group_id, None) for pk, why in bad.items())
-            if bad:
-                logger.warning("group %s of job %s dropped: malformed rows %s", t.group_id, job_id, bad)
-            else:
-                logger.warning("group %s of job %s dropped: its rows exceed ROLLOUT_BUFFER_MAX_GROUP_BYTES", t.group_id,
-                               job_id)
+            logger.warning("group %s of job %s dropped (%s)%s", t.group_id, job_id, reason,
+                           f": malformed rows {bad}" if bad else "")
         return plan
+
+    def _failed(self, js: JobState, t: Take, exc: Exception) -> bool:
+        """Count an unexpected build failure of a group; True once it has failed MAX_BUILD_FAILURES times."""
+        key = (js.job_id, t.group_id)
+        n = self._failures[key] = self._failures.get(key, 0) + 1
+        logger.error("building group %s of job %s failed (%d of %d tries): %s: %s", t.group_id, js.job_id, n,
+                     MAX_BUILD_FAILURES, type(exc).__name__, exc, exc_info=n == 1)
+        if n >= MAX_BUILD_FAILURES:
+            del self._failures[key]
+            return True
+        return False
+
+    def _fetch(self, pair: Pair, takes: list[Take]) -> tuple[dict[int, tuple], set[str], dict[str, Exception]]:
+        """fetch_takes, and when a fetch fails while the database answers: the groups whose own rows
+        cannot be read (a value the driver cannot decode), each with its error."""
+        cap = self.config.max_group_bytes
+        try:
+            rows, too_large = fetch_takes(pair.src, takes, cap)
+            return rows, too_large, {}
+        except StorageError:
+            if not pair.src.answers():
+                raise
+        rows, too_large, unreadable = {}, set(), {}
+        for t in takes:  # one group at a time, to find the poison
+            try:
+                r, big = fetch_takes(pair.src, [t], cap)
+            except StorageError as exc:
+                if not pair.src.answers():
+                    raise
+                unreadable[t.group_id] = exc
+                continue
+            rows.update(r)
+            too_large |= big
+        return rows, too_large, unreadable
 
     def _record(self, pair: Pair, js: JobState, plan: Decisions, done: list[Take]) -> None:
         """Record the plan, then apply it to memory and hand it to the outbox."""

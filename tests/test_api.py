@@ -487,3 +487,32 @@ def test_a_group_too_large_to_build_is_dropped_and_others_are_served(db_url, har
     assert s["rows"]["dropped"]["group_too_large"] == 6
     assert_balanced(s)
     assert h.poll()["success"] is False  # decided once, never retried
+
+
+def test_a_group_whose_build_keeps_failing_is_dropped_after_bounded_tries(harness, writer, monkeypatch):
+    from rollout_buffer import serving
+
+    real = serving.build_group
+
+    def build(take, *a, **kw):
+        if take.group_id == "poison":
+            raise RuntimeError("an unexpected failure nobody anticipated")
+        return real(take, *a, **kw)
+
+    monkeypatch.setattr(serving, "build_group", build)
+    harness.start(k=2)
+    writer.group("poison", 2, steps=2)
+    harness.settle()
+    served: list[str] = []
+    for i in range(serving.MAX_BUILD_FAILURES):
+        writer.group(f"ok{i}", 2, steps=1)
+        harness.settle()
+        doc = harness.poll()
+        assert doc["success"] is True, doc  # the other groups keep being served, never a 500
+        served += list(groups_of(doc))
+    assert sorted(served) == [f"ok{i}" for i in range(serving.MAX_BUILD_FAILURES)]
+    s = harness.stats()
+    assert s["groups"]["dropped"] == {"build_failed": 1}
+    assert s["rows"]["dropped"]["build_failed"] == 4
+    assert_balanced(s)
+    assert harness.poll()["success"] is False  # decided: never retried again
