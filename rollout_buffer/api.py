@@ -135,6 +135,30 @@ def parse_request_id(v: Any) -> str | None:
     return v
 
 
+MAX_WAIT_S = 60.0
+
+
+def parse_wait_s(v: Any) -> float:
+    """wait_s: seconds to long-poll, a number from 0 to 60; default 0 (answer at once)."""
+    if v is None:
+        return 0.0
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= MAX_WAIT_S:
+        raise ApiError(400, f"wait_s={v!r} is invalid: expected a number of seconds from 0 to {MAX_WAIT_S:g}",
+                       field="wait_s")
+    return float(v)
+
+
+def parse_min_groups(v: Any) -> int:
+    """min_groups: with wait_s, answer once this many groups are ready; an int >= 1, default 1."""
+    if v is None:
+        return 1
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        v = int(v)
+    if not _is_int(v) or v < 1:
+        raise ApiError(400, f"min_groups={v!r} is invalid: expected an integer >= 1", field="min_groups")
+    return v
+
+
 @bp.post("/start_rollout")
 def start_rollout() -> tuple[dict[str, Any], int]:
     body = json_body()
@@ -150,7 +174,10 @@ def get_rollout_data() -> Response:
     body = json_body()
     max_groups = parse_max_groups(body.get("max_groups"))
     request_id = parse_request_id(body.get("request_id"))
-    body = service().get_rollout_data(conns(), max_groups=max_groups, request_id=request_id)
+    wait_s = parse_wait_s(body.get("wait_s"))
+    min_groups = parse_min_groups(body.get("min_groups"))
+    body = service().get_rollout_data(conns(), max_groups=max_groups, request_id=request_id, wait_s=wait_s,
+                                      min_groups=min_groups)
     resp = Response(iter_bytes(body), status=200, mimetype="application/json")
     resp.headers["Content-Length"] = str(sum(len(c) for c in body))
     resp.call_on_close(body.close)  # a replay's rebuilt copy counts against the bound until sent

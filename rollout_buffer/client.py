@@ -137,11 +137,12 @@ class BufferClient:
         return f"BufferClient({self.url!r})"
 
     # -- plumbing -------------------------------------------------------------------------------------
-    def _once(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
-        """One attempt: the parsed JSON body of a 2xx, BufferError for 4xx, _Transient otherwise."""
+    def _once(self, method: str, path: str, body: dict[str, Any] | None, read_timeout: float) -> Any:
+        """One attempt: the parsed JSON body of a 2xx, BufferError for 4xx, _Transient otherwise
+        (429, too many replays at once, is transient too: it says when to retry)."""
         try:
             resp = self.session.request(method, self.url + path, json=body,
-                                        timeout=(CONNECT_TIMEOUT_S, self.timeout))
+                                        timeout=(CONNECT_TIMEOUT_S, read_timeout))
         except requests.exceptions.ConnectTimeout as exc:
             raise _Transient(f"connect timeout: {exc}", sent=False) from exc
         except requests.exceptions.ConnectionError as exc:
@@ -149,8 +150,8 @@ class BufferClient:
             sent = "NewConnectionError" not in repr(exc) and "refused" not in str(exc).lower()
             raise _Transient(f"connection error: {exc}", sent=sent) from exc
         except requests.exceptions.Timeout as exc:
-            raise _Transient(f"read timeout after {self.timeout:g} s: {exc}") from exc
-        if resp.status_code >= 500:
+            raise _Transient(f"read timeout after {read_timeout:g} s: {exc}") from exc
+        if resp.status_code >= 500 or resp.status_code == 429:
             message, _ = _error_message(resp)
             raise _Transient(f"HTTP {resp.status_code}: {message}", status=resp.status_code,
                              retry_after=_retry_after(resp.headers.get("Retry-After")))
@@ -172,7 +173,7 @@ class BufferClient:
         return base * (0.5 + random.random() / 2)  # jitter: many trainers must not retry in lockstep
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
-              retry_if_sent: bool = True, retry_500: bool = True) -> Any:
+              retry_if_sent: bool = True, retry_500: bool = True, wait_s: float = 0.0) -> Any:
         """Call with retries. ``retry_if_sent=False``: retry only what surely did not take effect.
 
         ``retry_500=False``: an HTTP 500 (a deterministic server-side failure, such as a launcher
@@ -181,7 +182,8 @@ class BufferClient:
         last: _Transient | None = None
         for attempt in range(self.retries + 1):
             try:
-                return self._once(method, path, body)
+                # a long-poll may take wait_s before its first byte
+                return self._once(method, path, body, self.timeout + wait_s)
             except _Transient as exc:
                 last = exc
                 if exc.status == 500 and not retry_500:
@@ -227,28 +229,35 @@ class BufferClient:
         """POST /stop_rollout: stop the launcher (idempotent); ready groups stay servable."""
         return self._call("POST", "/stop_rollout", {})
 
-    def get_rollout_data(self, max_groups: int | None = None, request_id: str | None = None) -> dict[str, Any]:
+    def get_rollout_data(self, max_groups: int | None = None, request_id: str | None = None, *,
+                         wait_s: float = 0.0, min_groups: int | None = None) -> dict[str, Any]:
         """POST /get_rollout_data; returns the raw response document.
 
         One logical call = one request_id (a fresh uuid4 hex unless given), reused for every retry,
         so a response lost in transit is replayed rather than lost. ``success`` is false (with
-        "No data available to read") when no group is ready.
+        "No data available to read") when no group is ready. With ``wait_s`` the server holds the
+        poll until ``min_groups`` (default 1) groups are ready or ``wait_s`` has passed (long-poll).
         """
         body: dict[str, Any] = {}
         if max_groups is not None:
             body["max_groups"] = max_groups
+        if wait_s:
+            body["wait_s"] = wait_s
+            if min_groups is not None:
+                body["min_groups"] = min_groups
         if self.use_request_id:
             body["request_id"] = request_id or uuid.uuid4().hex
         elif request_id is not None:
             body["request_id"] = request_id
-        return self._call("POST", "/get_rollout_data", body)
+        return self._call("POST", "/get_rollout_data", body, wait_s=wait_s)
 
     def iter_groups(self, n: int | None = None, *, max_groups: int | None = None, poll_interval: float = 3.0,
-                    timeout: float | None = None) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+                    timeout: float | None = None, wait_s: float = 30.0) -> Iterator[tuple[str, list[dict[str, Any]]]]:
         """Yield complete groups as ``(group_id, items)`` in the order served.
 
-        Items of a response are grouped by ``instance_id`` (order preserved). After an empty
-        answer it sleeps ``poll_interval``. Stops after ``n`` groups (never when None); raises
+        Items of a response are grouped by ``instance_id`` (order preserved). Each poll long-polls
+        up to ``wait_s`` (0 for the original server, which does not know it); after an empty
+        answer without long-poll it sleeps ``poll_interval``. Stops after ``n`` groups (never when None); raises
         TimeoutError when ``timeout`` seconds pass first. Each poll asks for at most the groups
         still wanted, so no group is taken from the server and not yielded; groups of a response
         the caller stops consuming midway are, however, marked served on the server.
@@ -265,13 +274,19 @@ class BufferClient:
             if n is not None:
                 left = n - yielded
                 want = left if want is None or want <= 0 else min(want, left)
-            doc = self.get_rollout_data(max_groups=want)
+            wait = wait_s if deadline is None else min(wait_s, max(0.0, deadline - time.monotonic()))
+            asked = time.monotonic()
+            doc = self.get_rollout_data(max_groups=want, wait_s=wait)
             groups = groups_of(doc) if doc.get("success") else []
-            if not groups:
+            # an empty answer well before wait_s: no long-poll there (the original server, or every
+            # waiting slot taken), so pause as the original client does instead of spinning
+            if not groups and time.monotonic() - asked < wait / 2 or not groups and wait <= 0:
                 pause = poll_interval
                 if deadline is not None:
                     pause = min(pause, max(0.0, deadline - time.monotonic()))
                 time.sleep(pause)
+                continue
+            if not groups:
                 continue
             for i, (gid, items) in enumerate(groups):
                 if gid in seen:

@@ -158,6 +158,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_group_bytes", PREFIX + "MAX_GROUP_BYTES", 1024 * 1024 * 1024, _int(1024),
             "a group whose rows alone hold more bytes is dropped as group_too_large instead of being built "
             "(bounds the memory one group can take)"),
+    Setting("max_waiting_polls", PREFIX + "MAX_WAITING_POLLS", 8, _int(0, 1024),
+            "long-polls (wait_s > 0) that may wait at once; more answer at once"),
     Setting("max_request_bytes", PREFIX + "MAX_REQUEST_BYTES", 1024 * 1024, _int(1024), "request body cap"),
     Setting("ingest_interval_s", PREFIX + "INGEST_INTERVAL_SECONDS", 0.2, _float(0.001),
             "how often the background thread reads new rows"),
@@ -219,6 +221,7 @@ class Config:
     stop_grace_s: float = 10.0
     max_response_bytes: int = 256 * 1024 * 1024
     max_group_bytes: int = 1024 * 1024 * 1024
+    max_waiting_polls: int = 8
     max_request_bytes: int = 1024 * 1024
     ingest_interval_s: float = 0.2
     ingest_batch: int = 20000

@@ -79,7 +79,9 @@ def post_fork(server, worker) -> None:
 
 def post_worker_init(worker) -> None:
     """The app is loaded in this worker: start the service (background thread, notifier)."""
-    worker.wsgi.extensions["rollout_buffer"].start()
+    service = worker.wsgi.extensions["rollout_buffer"]
+    service.set_shutdown_probe(lambda: not worker.alive)  # SIGTERM: waiting long-polls answer at once
+    service.start()
 
 
 def worker_exit(server, worker) -> None:

@@ -79,6 +79,42 @@ class Health:
         return None
 
 
+class ReadySignal:
+    """Wakes long-polls: the loop notifies it when groups become ready; stop and shutdown interrupt it.
+
+    A waiting poll holds no lock of the service and burns no CPU: it sleeps on this condition
+    (in short slices, so a gunicorn shutdown seen through ``should_stop`` ends it promptly)."""
+
+    SLICE_S = 0.25
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._interrupts = 0
+        self.closed = False
+
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def interrupt(self, close: bool = False) -> None:
+        """Answer every waiting poll now (``/stop_rollout``, shutdown)."""
+        with self._cond:
+            self._interrupts += 1
+            self.closed = self.closed or close
+            self._cond.notify_all()
+
+    def wait(self, ready: Callable[[], bool], timeout: float, should_stop: Callable[[], bool]) -> None:
+        """Return once ``ready()``, after ``timeout``, on an interrupt, or when ``should_stop()``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            seen = self._interrupts
+            while not ready() and not self.closed and seen == self._interrupts and not should_stop():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(min(left, self.SLICE_S))
+
+
 class Loop:
     """The background thread: one tick every interval, or sooner when nudged."""
 
@@ -98,6 +134,7 @@ class Loop:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._conns = LazyPair(config)
+        self.ready_signal = ReadySignal()
         self._tick_no = 0
         self._ticks_done = 0
         self._tick_done = threading.Condition()
@@ -247,6 +284,8 @@ class Loop:
             plan = js.acc.ingest(rows) if rows else None
             js.reader.advance()  # only now: a failure above re-reads these rows next tick
             if plan is not None:
+                if plan.newly_ready:
+                    self.ready_signal.notify()
                 self.outbox.act(store, js.job_id, plan)
             # drained, not caught_up: on Postgres the safe cursor only moves between ticks, so
             # waiting for caught_up here re-read the window in a busy loop for the whole second.

@@ -93,6 +93,7 @@ class Service:
         if self._closed:
             return
         self._closed = True
+        self.loop.ready_signal.interrupt(close=True)
         self.loop.stop(timeout)
         js = self.jobs.current
         if self.supervisor.state()["running"]:
@@ -134,9 +135,15 @@ class Service:
         return launch_spec(self.config, job_id, k)
 
     # -- the API's calls -----------------------------------------------------------------------
-    def get_rollout_data(self, conns: LazyPair, *, max_groups: int | None, request_id: str | None) -> Body:
-        """Serve ready groups (or replay the batch bound to request_id)."""
-        return self.serving.get_rollout_data(conns, max_groups=max_groups, request_id=request_id)
+    def get_rollout_data(self, conns: LazyPair, *, max_groups: int | None, request_id: str | None,
+                         wait_s: float = 0.0, min_groups: int = 1) -> Body:
+        """Serve ready groups (or replay the batch bound to request_id), long-polling up to wait_s."""
+        return self.serving.get_rollout_data(conns, max_groups=max_groups, request_id=request_id, wait_s=wait_s,
+                                             min_groups=min_groups)
+
+    def set_shutdown_probe(self, probe: Callable[[], bool]) -> None:
+        """gunicorn's worker tells whether it is shutting down (SIGTERM): waiting polls answer then."""
+        self.serving.should_stop = probe
 
     def start_rollout(self, conns: LazyPair, *, k: int, restart_training: bool,
                       job_session: str | None) -> tuple[int, dict[str, Any]]:
@@ -204,6 +211,7 @@ class Service:
         Takes no service lock: the supervisor's own makes it safe, and a stuck database or a
         /start_rollout in progress must not keep the launcher running past its grace."""
         before = self.supervisor.state()
+        self.loop.ready_signal.interrupt()  # waiting polls answer now, with whatever is ready
         self.supervisor.stop("requested")
         self.nudge()
         js = self.jobs.current

@@ -209,20 +209,51 @@ class Serving:
         self.stats = PollStats()
         self._uncertain: Uncertain | None = None
         self._rids = RequestIds(config)
+        self._waiting_lock = threading.Lock()
+        self._waiting = 0
+        self.should_stop: Callable[[], bool] = lambda: False  # gunicorn's "worker is shutting down"
         self._failures: dict[tuple[str, str], int] = {}
         self._replay_lock = threading.Lock()
         self._replaying: dict[str, _Replay] = {}  # batch_id -> its rebuilt body while it is being sent
 
-    def get_rollout_data(self, conns: LazyPair, *, max_groups: int | None, request_id: str | None) -> Body:
+    def get_rollout_data(self, conns: LazyPair, *, max_groups: int | None, request_id: str | None,
+                         wait_s: float = 0.0, min_groups: int = 1) -> Body:
         """Serve ready groups (or replay the batch bound to request_id); the caller sends the body
-        and then calls its close()."""
+        and then calls its close(). With ``wait_s`` > 0, first wait (holding no lock) until
+        ``min_groups`` groups are ready, or ``wait_s`` has passed, or the service stops."""
         started = time.perf_counter()
         body = None
         try:
+            if wait_s > 0:
+                self._long_poll(wait_s, min(min_groups, max_groups or min_groups), request_id)
             body = self._poll(conns, max_groups, request_id)
             return body
         finally:
             self.stats.observe(time.perf_counter() - started, bool(body is not None and body.groups))
+
+    def _long_poll(self, wait_s: float, min_groups: int, request_id: str | None) -> None:
+        """Wait for ready groups; at most MAX_WAITING_POLLS wait at once (the others answer now)."""
+        if not self.loop.bootstrapped.is_set():
+            return  # _poll answers 503 while loading
+        js = self.jobs.current
+        if js is None or len(js.acc.ready) >= min_groups:
+            return
+        if request_id is not None and self._rids.may_be_bound(js.job_id, request_id):
+            return  # possibly a retry of an answered poll: its replay is due at once
+        with self._waiting_lock:
+            if self._waiting >= self.config.max_waiting_polls:
+                return
+            self._waiting += 1
+        try:
+            self.loop.ready_signal.wait(lambda: self.jobs.current is not js or len(js.acc.ready) >= min_groups,
+                                        wait_s, self.should_stop)
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
+
+    @property
+    def waiting_polls(self) -> int:
+        return self._waiting
 
     def _poll(self, conns: LazyPair, max_groups: int | None, request_id: str | None) -> Body:
         if not self.loop.bootstrapped.is_set():
