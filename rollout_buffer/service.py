@@ -251,7 +251,8 @@ class Service:
                                "launcher": self.launcher.summary(),
                                "proxy_notifications": self.notifier.pending(),
                                "database": "ok" if problem is None else problem,
-                               "polls": {k: polls[k] for k in ("count", "with_data", "seconds_total")}}
+                               "polls": {**{k: polls[k] for k in ("count", "with_data", "seconds_total")},
+                                         "waiting": self.serving.waiting_polls}}
         if js is None:
             return out
         s = js.acc.stats()

@@ -89,6 +89,9 @@ class RequestIds:
         # request_id -> when this process recorded its batch (monotonic), None if loaded from the store
         self._ids: dict[str, float | None] = {}
 
+    def loaded(self, job_id: str) -> bool:
+        return self._job == job_id
+
     def may_be_bound(self, job_id: str, request_id: str) -> bool:
         return self._job != job_id or request_id in self._ids
 
@@ -225,21 +228,29 @@ class Serving:
         body = None
         try:
             if wait_s > 0:
-                self._long_poll(wait_s, min(min_groups, max_groups or min_groups), request_id)
+                self._long_poll(conns, wait_s, min(min_groups, max_groups or min_groups), request_id)
             body = self._poll(conns, max_groups, request_id)
             return body
         finally:
             self.stats.observe(time.perf_counter() - started, bool(body is not None and body.groups))
 
-    def _long_poll(self, wait_s: float, min_groups: int, request_id: str | None) -> None:
+    def _long_poll(self, conns: LazyPair, wait_s: float, min_groups: int, request_id: str | None) -> None:
         """Wait for ready groups; at most MAX_WAITING_POLLS wait at once (the others answer now)."""
         if not self.loop.bootstrapped.is_set():
             return  # _poll answers 503 while loading
         js = self.jobs.current
         if js is None or len(js.acc.ready) >= min_groups:
             return
-        if request_id is not None and self._rids.may_be_bound(js.job_id, request_id):
-            return  # possibly a retry of an answered poll: its replay is due at once
+        if request_id is not None:
+            if not self._rids.loaded(js.job_id) and self.serve_lock.acquire(timeout=SERVE_LOCK_WAIT_S):
+                try:
+                    self._rids.load(conns.get().store, js.job_id)
+                except StorageError:
+                    return  # _poll answers 503
+                finally:
+                    self.serve_lock.release()
+            if self._rids.may_be_bound(js.job_id, request_id):
+                return  # possibly a retry of an answered poll: its replay is due at once
         with self._waiting_lock:
             if self._waiting >= self.config.max_waiting_polls:
                 return
