@@ -18,7 +18,7 @@ from collections import Counter, OrderedDict
 from typing import Callable, Iterable
 
 from .model import (DROPPED, INCOMPLETE_IN_SERVED, INVALID_GROUP, LATE_DROPPED, LATE_SERVED, MALFORMED,
-                    MISSING_GROUP, REJECTED, ROW_DROPPED, SERVED, TTL, BadText, Decisions, Drop, Row, RowEvent,
+                    INVALID_SESSION, MISSING_GROUP, REJECTED, ROW_DROPPED, SERVED, TTL, BadText, Decisions, Drop, Row, RowEvent,
                     Take)
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,8 @@ class Accumulator:
         self.taken: dict[str, Group] = {}                      # handed to a poll, not yet decided
         self.decided: dict[str, str] = {}                      # group_id -> served | dropped
         self.tainted: set[str] = set()                         # sessions with a row lacking group_id
+        self.tainted_groups: set[str] = set()                  # groups with a row lacking a session_id
+        self.session_group: dict[str, str] = {}                # session -> its undecided group (O(1) lookups)
         self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
         self.rows_read = 0
         self.pending_rows = 0
@@ -95,12 +97,15 @@ class Accumulator:
             now = self.clock()
             for pk, sid, gid, completed in rows:
                 self.rows_read += 1
+                if not isinstance(sid, str) or isinstance(sid, BadText) or not sid:
+                    self._reject_session(pk, gid, out)
+                    continue
                 if gid is None or gid == "" or isinstance(gid, BadText):
                     reason = MISSING_GROUP if not isinstance(gid, BadText) else INVALID_GROUP
                     self.rejected[reason] += 1
                     out.rows.append(RowEvent(pk, REJECTED, reason, None, sid))
                     self.tainted.add(sid)
-                    other = self._group_of_session(sid)  # rare: a scan is fine
+                    other = self._undecided(self.session_group.get(sid))  # O(1): the session index
                     if other is not None and other.taken is None:
                         self._drop(other, MALFORMED, out)
                     continue
@@ -122,6 +127,7 @@ class Accumulator:
                 pks = g.sessions.get(sid)
                 if pks is None:
                     g.sessions[sid] = [pk]
+                    self.session_group[sid] = gid
                 else:
                     pks.append(pk)
                 g.n_rows += 1
@@ -130,7 +136,7 @@ class Accumulator:
                     g.min_pk = pk
                 if completed:
                     g.completed.add(sid)
-                if sid in self.tainted and g.taken is None:
+                if (sid in self.tainted or gid in self.tainted_groups) and g.taken is None:
                     self._drop(g, MALFORMED, out)
                     continue
                 if len(g.completed) >= self.k and gid in self.pending:
@@ -139,17 +145,30 @@ class Accumulator:
                     out.newly_ready += 1
         return out
 
-    def _group_of_session(self, sid: str) -> Group | None:
-        for d in (self.pending, self.ready, self.taken):
-            for g in d.values():
-                if sid in g.sessions:
-                    return g
-        return None
+    def _undecided(self, gid: str | None) -> Group | None:
+        if gid is None:
+            return None
+        return self.pending.get(gid) or self.ready.get(gid) or self.taken.get(gid)
+
+    def _reject_session(self, pk: int, gid: object, out: Decisions) -> None:
+        """A row whose session_id is not text (a BLOB, NULL, a number, invalid UTF-8): it cannot be
+        served nor cleared at the proxy. Its group can never be served whole: it is dropped now, or
+        as soon as it appears, or (taken by a poll) when the poll gives it back."""
+        self.rejected[INVALID_SESSION] += 1
+        ok_gid = str(gid) if isinstance(gid, str) and gid and not isinstance(gid, BadText) else None
+        out.rows.append(RowEvent(pk, REJECTED, INVALID_SESSION, ok_gid, None))
+        if ok_gid is None or ok_gid in self.decided:
+            return
+        self.tainted_groups.add(ok_gid)
+        g = self._undecided(ok_gid)
+        if g is not None and g.taken is None:
+            self._drop(g, MALFORMED, out)
 
     def _drop(self, g: Group, reason: str, out: Decisions) -> None:
         """Decide an undecided group as dropped (lock held). Never a taken group: its poll decides it."""
         gid = g.group_id
         assert g.taken is None, gid
+        drop = Drop(gid, reason, g.all_pks(), g.session_ids())  # first: nothing is mutated if this fails
         self.changes += 1
         self.pending.pop(gid, None)
         self.ready.pop(gid, None)
@@ -157,7 +176,15 @@ class Accumulator:
         self.pending_rows -= g.n_rows
         self.dropped[reason] += g.n_rows
         self.groups_dropped[reason] += 1
-        out.drops.append(Drop(gid, reason, g.all_pks(), g.session_ids()))
+        self._forget(g)
+        out.drops.append(drop)
+
+    def _forget(self, g: Group) -> None:
+        """A group was decided: drop it from the session index (O(its sessions))."""
+        for sid in g.sessions:
+            if self.session_group.get(sid) == g.group_id:
+                del self.session_group[sid]
+        self.tainted_groups.discard(g.group_id)
 
     # -- dropping -------------------------------------------------------------------------------
     def expire(self, ttl_s: float) -> Decisions:
@@ -227,7 +254,7 @@ class Accumulator:
                 if g is None:
                     continue
                 g.taken = None
-                if self.tainted and not self.tainted.isdisjoint(g.sessions):
+                if (self.tainted and not self.tainted.isdisjoint(g.sessions)) or t.group_id in self.tainted_groups:
                     self._drop(g, MALFORMED, out)
                     continue
                 self.ready[t.group_id] = g
@@ -299,6 +326,7 @@ class Accumulator:
         """Remove a taken group from pending state; rows that arrived while taken become late rows."""
         assert g.taken is not None
         self.pending_rows -= g.n_rows
+        self._forget(g)
         for sid, pks in g.sessions.items():
             extra = pks[g.taken.get(sid, 0):]
             for pk in extra:
@@ -312,10 +340,16 @@ class Accumulator:
         n = 0
         with self.lock:
             self.k = k
+            moved = False
             for gid, g in list(self.ready.items()):
                 if len(g.completed) < k:  # K was raised: not ready any more
                     del self.ready[gid]
                     self.pending[gid] = g
+                    moved = True
+            if moved:
+                # expire() walks pending oldest activity first and stops at the first live group:
+                # groups put back must take their place by idle time, not at the end (rare: K changed)
+                self.pending = OrderedDict(sorted(self.pending.items(), key=lambda kv: kv[1].last_seen))
             for gid, g in list(self.pending.items()):
                 if len(g.completed) >= k:
                     del self.pending[gid]

@@ -30,11 +30,13 @@ _dumps_text = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
 
 
 class Malformed(Exception):
-    """A row that cannot be turned into an item."""
+    """A row that cannot be turned into an item; ``bad`` maps each such row's step_pk to its reason
+    (build_group fills it for the whole group)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, bad: dict[int, str] | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
+        self.bad: dict[int, str] = dict(bad or {})
 
 
 def _no_constants(name: str) -> Any:
@@ -57,6 +59,8 @@ def weight_version(env_state: Any) -> int:
             env_state = _decode(env_state)
         except ValueError:
             raise Malformed("invalid_json_env_state") from None
+        except RecursionError:  # valid JSON nested deeper than the decoder's stack
+            raise Malformed("json_too_deep_env_state") from None
     if env_state is None:
         return 0
     if not isinstance(env_state, dict):
@@ -187,6 +191,8 @@ class _History:
             value = _decode(text.decode("utf-8"))
         except ValueError:  # UnicodeDecodeError is one too
             raise Malformed("invalid_json_messages") from None
+        except RecursionError:  # valid JSON nested deeper than the decoder's stack
+            raise Malformed("json_too_deep_messages") from None
         return value if isinstance(value, list) else None
 
 
@@ -202,8 +208,8 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
                 buf: bytearray) -> GroupItems:
     """Append the items of one served group to ``buf``, sorted by (session_id, step_id, step_pk).
 
-    Raises Malformed with ``.bad`` = {step_pk: reason} for every row that cannot become an item;
-    then nothing was appended.
+    Raises Malformed whose ``bad`` maps every row that cannot become an item to its reason; then
+    nothing was appended.
     """
     bad: dict[int, str] = {}
     ordered = []
@@ -231,6 +237,8 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
         try:
             if any(isinstance(row[c], BadText) for c in (SID, GID, RESPONSE, ENV_STATE, CREATED, JOB)):
                 raise Malformed("invalid_utf8_text")
+            if not isinstance(row[RESPONSE], (str, type(None))):  # a BLOB or a number where text belongs
+                raise Malformed("response_not_text")
             if str(row[GID]) != take.group_id or row[JOB] != job_id or not row[TRAINABLE]:
                 raise Malformed("row_changed")
             text = _as_bytes(row[MESSAGES])
@@ -256,9 +264,7 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
                 terminal[sid] = key
         prepared.append((sid, step_id, pk, text, end, empty, row, wv, step_reward, ts, completed))
     if bad:
-        err = Malformed(next(iter(bad.values())))
-        err.bad = bad  # type: ignore[attr-defined]
-        raise err
+        raise Malformed(next(iter(bad.values())), bad)
     out = GroupItems(take.group_id, len(buf))
     gid_json = _dumps_compact(take.group_id)
     gid_bytes = gid_json.encode()

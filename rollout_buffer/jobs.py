@@ -74,6 +74,7 @@ class Jobs:
         acc.load(totals.decided, totals.accounted_rows, totals.served_rows, dict(totals.dropped),
                  dict(totals.rejected), totals.groups_served, dict(totals.groups_dropped))
         acc.tainted.update(store.tainted_sessions(job_id))
+        acc.tainted_groups.update(g for g in store.tainted_groups(job_id) if g not in totals.decided)
         accounted = None
         if (totals.decided or totals.accounted_rows) and self.launcher_tables_exist(src):
             upto = int(src.scalar(q.MAX_JOB_ID, (job_id,)) or 0)

@@ -253,6 +253,9 @@ ROW_PKS_FROM = "SELECT step_pk FROM rollout_buffer_rows WHERE job_id = ? AND ste
 # Sessions that wrote a row without group_id (their groups are malformed).
 TAINTED_SESSIONS = ("SELECT DISTINCT session_id FROM rollout_buffer_rows WHERE job_id = ? "
                     "AND reason IN ('missing_group_id', 'invalid_utf8_group_id') AND session_id IS NOT NULL")
+# Groups with a row whose session_id is not text (they can never be served whole).
+TAINTED_GROUPS = ("SELECT DISTINCT group_id FROM rollout_buffer_rows WHERE job_id = ? "
+                  "AND reason = 'invalid_session_id' AND group_id IS NOT NULL")
 # Late rows whose sessions the proxy has not confirmed clearing.
 UNNOTIFIED_ROWS = ("SELECT job_id, step_pk, reason, group_id, session_id FROM rollout_buffer_rows "
                    "WHERE notified = 0 AND session_id IS NOT NULL")

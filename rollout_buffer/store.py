@@ -152,6 +152,10 @@ class Store:
         """Sessions that wrote a row without a usable group_id (their groups are malformed)."""
         return [r[0] for r in self.db.rows(q.TAINTED_SESSIONS, (job_id,))]
 
+    def tainted_groups(self, job_id: str) -> list[str]:
+        """Groups with a row whose session_id was not text (they are dropped when they appear)."""
+        return [r[0] for r in self.db.rows(q.TAINTED_GROUPS, (job_id,))]
+
     def row_pks_from(self, job_id: str, pk: int) -> set[int]:
         """pks accounted one by one at or above pk."""
         return {int(r[0]) for r in self.db.rows(q.ROW_PKS_FROM, (job_id, pk))}

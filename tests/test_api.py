@@ -516,3 +516,18 @@ def test_a_group_whose_build_keeps_failing_is_dropped_after_bounded_tries(harnes
     assert s["rows"]["dropped"]["build_failed"] == 4
     assert_balanced(s)
     assert harness.poll()["success"] is False  # decided: never retried again
+
+
+def test_deeply_nested_rows_drop_their_group_and_others_are_served(harness, writer):
+    harness.start(k=2)
+    deep = "[" * 3000 + "]" * 3000
+    writer.group("deep2", 2, steps=1, messages=deep)
+    writer.group("deep3", 2, steps=1, env_state='{"a":' * 3000 + "1" + "}" * 3000)
+    writer.group("fine", 2, steps=1)
+    doc = harness.poll()
+    assert "fine" in groups_of(doc) and not {"deep2", "deep3"} & set(groups_of(doc))
+    s = harness.stats()
+    assert s["rows"]["rejected"].get("json_too_deep_messages") == 2
+    assert s["rows"]["rejected"].get("json_too_deep_env_state") == 2
+    assert s["groups"]["dropped"].get("malformed_row") == 2
+    assert_balanced(s)

@@ -1,4 +1,4 @@
-"""The reader and the accumulator under load: exactly-once delivery, Postgres commit order, a full drain."""
+"""The reader under load: exactly-once delivery, Postgres commit order, a full drain."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,6 @@ import pytest
 
 from conftest import Writer, assert_balanced, groups_of, make_launcher_db, now_text
 from rollout_buffer import queries as q
-from rollout_buffer.accumulator import Accumulator
-from rollout_buffer.model import Decisions, Served
 from rollout_buffer.db import connect, to_pyformat
 from rollout_buffer.errors import StorageError
 from rollout_buffer.reader import Reader
@@ -27,39 +25,6 @@ def test_pyformat_translation_refuses_ambiguous_sql():
         value = getattr(q, name)
         if isinstance(value, str) and value.lstrip().upper().startswith(("SELECT", "INSERT", "UPDATE", "DELETE")):
             to_pyformat(value)
-
-
-def test_accumulator_counts_balance_through_every_path():
-    clock = [0.0]
-    acc = Accumulator("j", 2, clock=lambda: clock[0])
-    rows = [(1, "a", "g1", 0), (2, "a", "g1", 1), (3, "b", "g1", 1), (4, "c", "g2", 0), (5, "x", None, 1)]
-    dec = acc.ingest(rows)
-    assert dec.newly_ready == 1 and [r.reason for r in dec.rows] == ["missing_group_id"]
-    takes = acc.take_ready(None)
-    assert [t.group_id for t in takes] == ["g1"]
-    acc.ingest([(6, "a", "g1", 0)])  # arrives while the group is being served
-    late = acc.commit(Decisions(served=[Served(t, "b1") for t in takes]))
-    assert [(r.step_pk, r.reason) for r in late.rows] == [(6, "late_rows_from_served_groups")]
-    clock[0] = 100.0
-    expired = acc.expire(10.0)
-    assert [d.group_id for d in expired.drops] == ["g2"] and expired.drops[0].clear_sessions == ["c"]
-    acc.ingest([(7, "c", "g2", 1)])
-    s = acc.stats()["rows"]
-    assert s == {"read": 7, "served": 3, "dropped": {"late_rows_from_served_groups": 1, "incomplete_group_ttl": 1,
-                                                      "late_rows_from_dropped_groups": 1},
-                 "dropped_total": 3, "rejected": {"missing_group_id": 1}, "rejected_total": 1, "pending": 0}
-
-
-def test_ttl_is_measured_from_the_last_ingested_row():
-    clock = [0.0]
-    acc = Accumulator("j", 2, clock=lambda: clock[0])
-    acc.ingest([(1, "a", "g", 0)])
-    clock[0] = 8.0
-    acc.ingest([(2, "b", "g", 0)])
-    clock[0] = 12.0
-    assert not acc.expire(10.0).drops  # idle for 4 s only
-    clock[0] = 18.5
-    assert [d.reason for d in acc.expire(10.0).drops] == ["incomplete_group_ttl"]
 
 
 def test_postgres_out_of_order_commit_is_read_exactly_once(pg_url, harness_factory):
@@ -250,16 +215,6 @@ def test_reader_rereads_rows_that_were_not_ingested(db_url):
     finally:
         w.close()
         db.close()
-
-
-def test_raising_k_makes_ready_groups_pending_again():
-    acc = Accumulator("j", 2)
-    acc.ingest([(1, "a", "g", 1), (2, "b", "g", 1)])
-    assert acc.has_ready()
-    acc.set_k(3)
-    assert not acc.has_ready() and acc.stats()["groups"]["pending"] == 1
-    acc.ingest([(3, "c", "g", 1)])
-    assert acc.has_ready()
 
 
 def test_restart_training_counts_the_rows_below_the_floor(harness, writer):

@@ -76,3 +76,15 @@ def test_uids_are_uuid4_shaped_and_depend_on_seed_and_pk():
     for u in (a, b, c):
         parsed = uuid.UUID(u)
         assert parsed.version == 4 and parsed.variant == uuid.RFC_4122 and str(parsed) == u
+
+
+def test_json_nested_deeper_than_the_decoder_is_a_malformed_row_not_a_crash():
+    from rollout_buffer.items import weight_version
+
+    deep = "[" * 5000 + "]" * 5000
+    with pytest.raises(Malformed) as info:
+        _History().check(deep.encode())
+    assert info.value.reason == "json_too_deep_messages"
+    with pytest.raises(Malformed) as info:
+        weight_version('{"a":' * 5000 + "1" + "}" * 5000)
+    assert info.value.reason == "json_too_deep_env_state"

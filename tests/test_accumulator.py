@@ -1,0 +1,131 @@
+"""The accumulator alone (unit tier): grouping, accounting, hostile rows, TTL order, the cost of a
+row and of a poll. No I/O: a fake clock, rows as tuples (step_pk, session_id, group_id, completed)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from rollout_buffer.accumulator import Accumulator
+from rollout_buffer.model import Decisions, Served
+
+
+class CountingDict(OrderedDict):
+    """A dict that counts how often it is iterated (a scan of all undecided groups shows up here)."""
+
+    scans = 0
+
+    def values(self):
+        CountingDict.scans += 1
+        return super().values()
+
+    def items(self):
+        CountingDict.scans += 1
+        return super().items()
+
+    def __iter__(self):
+        CountingDict.scans += 1
+        return super().__iter__()
+
+
+def test_accumulator_counts_balance_through_every_path():
+    clock = [0.0]
+    acc = Accumulator("j", 2, clock=lambda: clock[0])
+    rows = [(1, "a", "g1", 0), (2, "a", "g1", 1), (3, "b", "g1", 1), (4, "c", "g2", 0), (5, "x", None, 1)]
+    dec = acc.ingest(rows)
+    assert dec.newly_ready == 1 and [r.reason for r in dec.rows] == ["missing_group_id"]
+    takes = acc.take_ready(None)
+    assert [t.group_id for t in takes] == ["g1"]
+    acc.ingest([(6, "a", "g1", 0)])  # arrives while the group is being served
+    late = acc.commit(Decisions(served=[Served(t, "b1") for t in takes]))
+    assert [(r.step_pk, r.reason) for r in late.rows] == [(6, "late_rows_from_served_groups")]
+    clock[0] = 100.0
+    expired = acc.expire(10.0)
+    assert [d.group_id for d in expired.drops] == ["g2"] and expired.drops[0].clear_sessions == ["c"]
+    acc.ingest([(7, "c", "g2", 1)])
+    s = acc.stats()["rows"]
+    assert s == {"read": 7, "served": 3, "dropped": {"late_rows_from_served_groups": 1, "incomplete_group_ttl": 1,
+                                                      "late_rows_from_dropped_groups": 1},
+                 "dropped_total": 3, "rejected": {"missing_group_id": 1}, "rejected_total": 1, "pending": 0}
+
+
+def test_ttl_is_measured_from_the_last_ingested_row():
+    clock = [0.0]
+    acc = Accumulator("j", 2, clock=lambda: clock[0])
+    acc.ingest([(1, "a", "g", 0)])
+    clock[0] = 8.0
+    acc.ingest([(2, "b", "g", 0)])
+    clock[0] = 12.0
+    assert not acc.expire(10.0).drops  # idle for 4 s only
+    clock[0] = 18.5
+    assert [d.reason for d in acc.expire(10.0).drops] == ["incomplete_group_ttl"]
+
+
+def test_a_non_text_session_id_is_rejected_and_its_group_dropped():
+    acc = Accumulator("j", 2)
+    plan = acc.ingest([(1, "a", "g1", 1), (2, b"blob-session", "g1", 1), (3, "c", "g2", 1), (4, "d", "g2", 1)])
+    assert [(r.step_pk, r.reason, r.session_id) for r in plan.rows] == [(2, "invalid_session_id", None)]
+    assert [(d.group_id, d.reason, d.clear_sessions) for d in plan.drops] == [("g1", "malformed_row", ["a"])]
+    assert plan.newly_ready == 1  # g2 is not blocked
+    assert [t.group_id for t in acc.take_ready(None)] == ["g2"]
+    # a later row of the tainted group is a late row of a dropped group, never a new group
+    late = acc.ingest([(5, "e", "g1", 1)])
+    assert [r.reason for r in late.rows] == ["late_rows_from_dropped_groups"]
+
+
+def test_a_non_text_session_id_for_a_group_not_seen_yet_drops_it_when_it_appears():
+    acc = Accumulator("j", 1)
+    plan = acc.ingest([(1, None, "g1", 1)])
+    assert [r.reason for r in plan.rows] == ["invalid_session_id"] and not plan.drops
+    plan = acc.ingest([(2, "a", "g1", 1)])
+    assert [d.group_id for d in plan.drops] == ["g1"] and plan.newly_ready == 0
+    assert acc.stats()["rows"]["read"] == 2 and not acc.ready
+
+
+def test_rows_without_group_id_cost_no_scan_of_the_undecided_groups():
+    acc = Accumulator("j", 2)
+    acc.ingest([(i + 1, f"s{i}", f"g{i}", 0) for i in range(10_000)])
+    acc.pending = CountingDict(acc.pending)
+    acc.ready = CountingDict(acc.ready)
+    acc.taken = CountingDict(acc.taken)
+    CountingDict.scans = 0
+    # 10,000 rows without a group: 5,000 of sessions that have a group (which is dropped), 5,000 unknown
+    rows = [(20_000 + i, f"s{i}" if i % 2 else f"x{i}", None, 1) for i in range(10_000)]
+    plan = acc.ingest(rows)
+    assert CountingDict.scans == 0
+    assert len(plan.rows) == 10_000 and len(plan.drops) == 5_000
+    assert all(d.reason == "malformed_row" for d in plan.drops)
+
+
+def test_raising_k_keeps_the_ttl_whatever_the_queue_order():
+    clock = [0.0]
+    acc = Accumulator("j", 2, clock=lambda: clock[0])
+    acc.ingest([(1, "a", "old", 1), (2, "b", "old", 1)])  # ready at t=0 with K=2
+    for t in range(1, 60):
+        clock[0] = float(t)
+        acc.ingest([(100 + t, f"s{t}", f"busy{t}", 0)])  # newer activity, pending
+    clock[0] = 65.0
+    acc.set_k(3)  # "old" goes back to pending, idle since t=0
+    clock[0] = 70.0
+    dropped = [d.group_id for d in acc.expire(60.0).drops]
+    assert "old" in dropped  # idle 70 s with a TTL of 60 s: dropped at the first check
+
+
+def test_a_poll_costs_what_it_serves_not_the_backlog():
+    acc = Accumulator("j", 1)
+    acc.ingest([(i + 1, f"s{i}", f"g{i}", 1) for i in range(50_000)])
+    acc.ready = CountingDict(acc.ready)
+    CountingDict.scans = 0
+    takes = acc.take_ready(10)
+    assert len(takes) == 10
+    acc.release(takes[8:])
+    assert CountingDict.scans == 0
+    assert list(acc.ready)[:2] == [t.group_id for t in takes[8:]]  # back at the front, in order
+
+
+def test_raising_k_makes_ready_groups_pending_again():
+    acc = Accumulator("j", 2)
+    acc.ingest([(1, "a", "g", 1), (2, "b", "g", 1)])
+    assert acc.has_ready()
+    acc.set_k(3)
+    assert not acc.has_ready() and acc.stats()["groups"]["pending"] == 1
+    acc.ingest([(3, "c", "g", 1)])
+    assert acc.has_ready()
