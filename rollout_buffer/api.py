@@ -11,6 +11,7 @@ import logging
 import math
 import re
 from typing import Any
+from urllib.parse import urlsplit
 
 from flask import Blueprint, Response, current_app, g, request
 
@@ -48,6 +49,20 @@ def _close_conns(exc: BaseException | None) -> None:
 
 
 @bp.before_app_request
+def _same_origin() -> None:
+    """Refuse a browser's cross-site request: without a token, any page a user opens could POST
+    text/plain to /start_rollout or take groups. Browsers say where a request comes from
+    (Sec-Fetch-Site, Origin); trainers and curl send neither, and are never refused here."""
+    site = request.headers.get("Sec-Fetch-Site", "")
+    origin = request.headers.get("Origin")
+    if site == "cross-site" or (origin and origin != "null" and urlsplit(origin).netloc != request.host):
+        raise ApiError(403, "cross-site browser requests are refused; call the API from the trainer or from "
+                       "this service's own page")
+    if origin == "null" and request.method != "GET":
+        raise ApiError(403, "requests from an opaque origin are refused")
+
+
+@bp.before_app_request
 def _auth() -> None:
     token = service().config.token
     if token is None or request.path == "/health":
@@ -69,6 +84,8 @@ def json_body() -> dict[str, Any]:
         body = json.loads(raw, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON ({exc}); expected a JSON object") from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply; expected a small, flat JSON object") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"request body is a JSON {type(body).__name__}; expected a JSON object")
     return body
@@ -110,6 +127,8 @@ def parse_job_session(v: Any) -> str | None:
     if not isinstance(v, str) or not JOB_SESSION_RE.fullmatch(v):
         raise ApiError(400, f"job_session={v!r} is invalid: expected 1-64 characters of A-Z a-z 0-9 . _ -",
                        field="job_session")
+    if v.startswith("-"):  # the launcher's argparse would read it as an option: --job-id -rf
+        raise ApiError(400, f"job_session={v!r} is invalid: it must not start with '-'", field="job_session")
     return v
 
 

@@ -16,6 +16,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from .db import redact
 from .errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -241,10 +242,18 @@ class Config:
         kind = url_kind(self.db_url, "AIEVOBOX_DB_URL")
         if kind != self.storage_type:
             raise ConfigError(
-                f"STORAGE_TYPE={self.storage_type} does not match AIEVOBOX_DB_URL={self.db_url!r} "
+                f"STORAGE_TYPE={self.storage_type} does not match AIEVOBOX_DB_URL={redact(self.db_url)!r} "
                 f"(a {kind} URL); set both to the same backend")
         if self.state_db_url is not None:
             url_kind(self.state_db_url, PREFIX + "STATE_DB_URL")
+        for arg in self.launcher_cmd or ():
+            try:
+                arg.format(job_id="job", k="1", db_url="sqlite:///x", storage_type="sqlite")
+            except (KeyError, ValueError, IndexError, AttributeError) as exc:
+                raise ConfigError(
+                    f"{PREFIX}LAUNCHER_CMD argument {arg!r} is not a valid template ({type(exc).__name__}: {exc}): "
+                    "expected only {job_id}, {k}, {db_url}, {storage_type}; write a literal brace as {{ or }}"
+                ) from None
         if self.graceful_timeout_s <= self.stop_grace_s:
             raise ConfigError(
                 f"{PREFIX}GRACEFUL_TIMEOUT_SECONDS={self.graceful_timeout_s} must exceed "
@@ -282,8 +291,8 @@ class Config:
         env = os.environ if environ is None else environ
         unknown = sorted(k for k in env if k.startswith(PREFIX) and k not in _KNOWN_ENV)
         if unknown:
-            raise ConfigError(
-                f"unknown setting {unknown[0]}={env[unknown[0]]!r}; known {PREFIX}* settings: "
+            raise ConfigError(  # the value is not shown: a misspelt token or URL is a secret too
+                f"unknown setting {unknown[0]}; known {PREFIX}* settings: "
                 + ", ".join(sorted(s.env for s in SETTINGS if s.env.startswith(PREFIX))))
         values: dict[str, Any] = {}
         for s in SETTINGS:
@@ -300,7 +309,7 @@ class Config:
             try:
                 values[s.field] = s.parse(raw)
             except ValueError as exc:
-                raise ConfigError(f"{name}={raw!r} is invalid: expected {exc}") from None
+                raise ConfigError(redact(f"{name}={raw!r} is invalid: expected {exc}")) from None
         values.update(overrides)
         root = values.get("aievobox_root")
         if values.get("db_url") is None:
@@ -308,12 +317,26 @@ class Config:
                                               else os.path.abspath("rollout_buffer.db"))
         if values.get("run_dir") is None:
             values["run_dir"] = os.path.join(root, "logs") if root else os.path.abspath("logs")
+        # A relative SQLite path is resolved once, where the launcher resolves it (its cwd is
+        # AIEVOBOX_ROOT when set): the service and the launcher must name the same file.
+        base = os.path.abspath(root) if root else os.getcwd()
+        for key in ("db_url", "state_db_url"):
+            if values.get(key):
+                values[key] = absolute_sqlite_url(values[key], base)
         if values.get("storage_type") is None:
             values["storage_type"] = url_kind(values["db_url"], "AIEVOBOX_DB_URL")
         if values.get("proxy_host") and values.get("proxy_port") is None:
             raise ConfigError(f"LLM_PROXY_HOST={values['proxy_host']!r} is set but LLM_PROXY_PORT is not: "
                               "expected both (or neither, to disable proxy notifications)")
         return cls(**values)
+
+
+def absolute_sqlite_url(url: str, base: str) -> str:
+    """'sqlite://rel/path' -> 'sqlite:///<base>/rel/path'; any other URL unchanged."""
+    if isinstance(url, str) and url.startswith("sqlite://") and not url.startswith("sqlite:///") \
+            and len(url) > len("sqlite://"):
+        return "sqlite://" + os.path.normpath(os.path.join(base, url[len("sqlite://"):]))
+    return url
 
 
 def url_kind(url: str, name: str = "database URL") -> str:
@@ -324,8 +347,8 @@ def url_kind(url: str, name: str = "database URL") -> str:
         return "sqlite"
     if url.startswith(("postgresql://", "postgres://")):
         return "postgres"
-    raise ConfigError(f"{name}={url!r} is invalid: expected sqlite:///abs/path, sqlite://relative/path "
-                      "or postgresql://user@host:port/db")
+    raise ConfigError(redact(f"{name}={url!r} is invalid: expected sqlite:///abs/path, sqlite://relative/path "
+                             "or postgresql://user@host:port/db"))
 
 
 def settings_table() -> str:

@@ -38,7 +38,7 @@ class Pair:
 @contextlib.contextmanager
 def state_connection(config: Config) -> Iterator[Database]:
     """The state database alone, for one short piece of work (the notifier thread)."""
-    db = connect(config.state_db_url or config.db_url)
+    db = connect(config.effective_state_db_url)
     try:
         yield db
     finally:

@@ -42,9 +42,24 @@ def _sqlite_text(raw: bytes) -> str:
         return BadText(raw.decode("utf-8", "replace"))
 
 
-def redact(url: str) -> str:
-    """A database URL without its password, for logs and errors."""
-    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)
+_SECRET_KEY = r"(?:[A-Za-z_]*password)"
+_REDACTIONS = (
+    # userinfo of a URL: scheme://user:secret@host (the secret may be percent-encoded)
+    (re.compile(r"(://[^:/@\s?#]*):[^/\s]*@"), r"\1:***@"),
+    # a query parameter: ?password=secret&... or &sslpassword=secret
+    (re.compile(r"([?&]" + _SECRET_KEY + r"=)[^&#\s'\"]*", re.I), r"\1***"),
+    # a key=value DSN: password=secret, password = 'se cret', password="x"
+    (re.compile(r"(\b" + _SECRET_KEY + r"\s*=\s*)('(?:[^'\\]|\\.)*'|\"[^\"]*\"|[^\s'\"&]+)", re.I), r"\1***"),
+)
+
+
+def redact(text: str) -> str:
+    """A database URL or DSN, or any text holding one (an error message, an argv), without its
+    password, in every form libpq accepts: userinfo, a ``password``/``sslpassword`` query parameter,
+    a key=value DSN (quoted or not). For logs, errors and responses."""
+    for pattern, repl in _REDACTIONS:
+        text = pattern.sub(repl, text)
+    return text
 
 
 def connect(url: str, *, readonly: bool = False) -> "Database":
@@ -262,7 +277,7 @@ class PostgresDatabase(Database):
         try:
             self.conn = psycopg.connect(url, autocommit=True, connect_timeout=PG_CONNECT_TIMEOUT_S)
         except psycopg.Error as exc:
-            raise StorageError(f"cannot connect to Postgres {self.safe_url}: {exc}") from exc
+            raise StorageError(redact(f"cannot connect to Postgres {self.safe_url}: {exc}")) from exc
 
     def _sql(self, sql: str) -> str:
         out = self._translated.get(sql)
@@ -284,7 +299,7 @@ class PostgresDatabase(Database):
         except psycopg.IntegrityError as exc:
             raise IntegrityError(f"{exc} (in: {sql[:120]})") from exc
         except psycopg.Error as exc:
-            raise StorageError(f"Postgres error on {self.safe_url}: {exc} (in: {sql[:120]})") from exc
+            raise StorageError(redact(f"Postgres error on {self.safe_url}: {exc} (in: {sql[:120]})")) from exc
 
     def _begin(self) -> None:
         self._run("BEGIN", ())

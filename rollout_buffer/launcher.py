@@ -19,10 +19,11 @@ from .db import redact
 from .errors import ApiError
 from .model import LauncherState
 from .store import LauncherRecord, Store
-from .supervisor import LaunchSpec, LauncherError, Supervisor
+from .supervisor import LaunchSpec, LauncherError, Supervisor, shown
 
 logger = logging.getLogger(__name__)
 
+LAUNCHER_ENV_DROP = ("ROLLOUT_BUFFER_TOKEN",)
 SUMMARY_KEYS = ("running", "pid", "exit_code", "restarts", "restart_policy", "stopped_by", "adopted",
                 "will_restart", "finished", "started_at", "exited_at", "log_path")
 
@@ -30,13 +31,14 @@ SUMMARY_KEYS = ("running", "pid", "exit_code", "restarts", "restart_policy", "st
 def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
     """The launcher command for a job, from configuration only (argv list, never a shell)."""
     c = config
-    env = dict(os.environ)
+    # the service's own secrets stay with the service: the launcher needs none of them
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV_DROP}
     env["PYTHONUNBUFFERED"] = "1"
     log_path = os.path.join(c.run_dir, f"launcher-{job_id}.log")
     kind = c.launcher_kind
     if kind == "command":
         subs = {"job_id": job_id, "k": str(k), "db_url": c.db_url, "storage_type": c.storage_type}
-        argv = [a.format(**subs) if "{" in a else a for a in (c.launcher_cmd or ())]
+        argv = [a.format(**subs) for a in (c.launcher_cmd or ())]  # templates are validated by Config
         if "--job-id" not in argv:
             argv += ["--job-id", job_id]
         if "--rl-group-size" not in argv:
@@ -66,11 +68,6 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
             "--rl-group-size", str(k), "--rl-epoch", str(c.rl_epoch), "--env-transport", c.env_transport,
             "--env-http-timeout-s", "600"]
     return LaunchSpec(tuple(argv), root, env, log_path)
-
-
-def shown_argv(argv: Any) -> list[str]:
-    """An argv as it may be shown (responses, logs): every database URL without its password."""
-    return [redact(str(a)) for a in argv]
 
 
 class Launcher:
@@ -105,9 +102,9 @@ class Launcher:
         try:
             pid = self.supervisor.start(spec)
         except LauncherError as exc:
-            logger.error("cannot start the launcher for job %s: %s", job_id, exc)
-            raise ApiError(500, f"the launcher could not be started: {exc}", job_session=job_id,
-                           argv=shown_argv(spec.argv)) from exc
+            logger.error("cannot start the launcher for job %s: %s", job_id, redact(str(exc)))
+            raise ApiError(500, f"the launcher could not be started: {redact(str(exc))}", job_session=job_id,
+                           argv=shown(spec.argv)) from exc
         self.record(store, job_id, LauncherState.RUNNING)
         return pid
 

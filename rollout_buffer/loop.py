@@ -16,7 +16,7 @@ from typing import Callable
 from . import queries as q
 from .config import Config
 from .connections import LazyPair
-from .db import Database
+from .db import Database, redact
 from .errors import ConfigError, StorageError
 from .jobs import JobState, Jobs
 from .launcher import Launcher
@@ -57,7 +57,7 @@ class Health:
         now = self.clock()
         if self.failing_since is None:
             self.failing_since = now
-        self.last_error = f"{type(exc).__name__}: {exc}"
+        self.last_error = redact(f"{type(exc).__name__}: {exc}")  # /health shows it, unauthenticated
         if now - self._logged_at > 30.0:
             self._logged_at = now
             if isinstance(exc, (StorageError, ConfigError)):

@@ -20,8 +20,9 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+from .db import redact
 from .errors import RolloutBufferError
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,12 @@ class LaunchSpec:
     cwd: str | None
     env: dict[str, str] | None
     log_path: str
+
+
+def shown(argv: Sequence[str]) -> list[str]:
+    """An argv as it may be shown in logs and answers: database URLs without their password (the
+    process itself gets the real one)."""
+    return [redact(str(a)) for a in argv]
 
 
 def _read_stat(pid: int) -> tuple[str, int, int] | None:
@@ -187,7 +194,7 @@ class Supervisor:
             self._restarts = 0
             self._restart_at = None
             self._stopped_by = None
-        logger.info("launcher started: pid %s, argv %s", pid, list(spec.argv))
+        logger.info("launcher started: pid %s, argv %s", pid, shown(spec.argv))
         return pid
 
     def adopt(
@@ -336,7 +343,7 @@ class Supervisor:
         try:
             log.write(
                 f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting launcher: "
-                f"{list(spec.argv)}\n".encode()
+                f"{shown(spec.argv)}\n".encode()
             )
             log.flush()
             proc = subprocess.Popen(
@@ -524,6 +531,6 @@ class Supervisor:
                 self._ever_started and not self._running and not self._stopping
                 and not will_restart
             ),
-            "argv": list(self._spec.argv) if self._spec is not None else None,
+            "argv": shown(self._spec.argv) if self._spec is not None else None,
             "log_path": self._spec.log_path if self._spec is not None else None,
         }

@@ -33,7 +33,7 @@ def test_defaults_with_aievobox_root(tmp_path):
     ({"STORAGE_TYPE": "postgres"}, "does not match AIEVOBOX_DB_URL"),
     ({"AIEVOBOX_DB_URL": "mysql://x"}, "AIEVOBOX_DB_URL='mysql://x' is invalid"),
     ({"ROLLOUT_BUFFER_RESTART_POLICY": "always"}, "expected one of never, on-failure"),
-    ({"ROLLOUT_BUFFER_TTL": "5"}, "unknown setting ROLLOUT_BUFFER_TTL='5'"),
+    ({"ROLLOUT_BUFFER_TTL": "5"}, "unknown setting ROLLOUT_BUFFER_TTL;"),
     ({"LLM_PROXY_HOST": "h"}, "LLM_PROXY_PORT is not"),
     ({"ROLLOUT_BUFFER_LAUNCHER_CMD": "a 'b"}, "ROLLOUT_BUFFER_LAUNCHER_CMD"),
     ({"ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "100"}, "must exceed"),
