@@ -9,7 +9,8 @@ Behaviour is chosen with ``--mode``:
   written to ``--child-pid-file``), ignore SIGTERM, and sleep (or, with ``--sleep`` > 0,
   exit 3 after that long, leaving the grandchild behind).
 
-``--marker FILE`` appends a line with our pid on start so tests can count starts. Unknown
+``--marker FILE`` appends a line with our pid on start so tests can count starts; ``--dump FILE``
+writes our argv and environment as JSON. Unknown
 arguments (the real launcher's ``--job-id``, ``--rl-group-size``, ...) are accepted and
 ignored.
 """
@@ -33,7 +34,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--marker", default=None)
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--child-pid-file", default=None)
+    parser.add_argument("--dump", default=None, help="write our argv and environment here as JSON")
     args, _unknown = parser.parse_known_args(argv)
+    if args.dump:
+        import json
+
+        with open(args.dump, "w", encoding="utf-8") as f:
+            json.dump({"argv": sys.argv, "env": dict(os.environ)}, f)
 
     # Install the handler before announcing the start, so a test that saw the marker knows
     # SIGTERM is already ignored.
