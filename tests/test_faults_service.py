@@ -7,7 +7,8 @@ real SQLite files and Postgres, real launcher processes):
 - 15: replays are bounded in memory (one shared copy) and in number (429 + Retry-After);
 - 16: a backlog drain without max_groups costs what each poll serves;
 - 17: an instance never kills a launcher another instance on the host has adopted;
-- 18: a /start_rollout right after a restart waits for the resume, then says "already running".
+- 18: a /start_rollout right after a restart waits for the resume, then says "already running";
+  and a bootstrap retried after it adopted the launcher keeps it (found while testing 17/18).
 
 Only observable conditions are waited for. The database counting of scenario 7 patches the
 database classes and every module that imported ``connect``, so it does not depend on which
@@ -532,3 +533,41 @@ def test_start_rollout_right_after_a_restart_waits_for_the_resume(tmp_path):
             if lock is not None:
                 lock.close()
 
+
+def test_a_bootstrap_retried_after_the_adoption_keeps_the_adopted_launcher(pg_url, tmp_path):
+    """The first bootstrap adopts the launcher, then fails recording it (its backend is killed while
+    it waits on a row lock); the retried bootstrap must not take its own adoption for a dead launcher."""
+    import psycopg
+
+    with two_instances(pg_url, tmp_path) as two, psycopg.connect(pg_url, autocommit=True) as holder, \
+            psycopg.connect(pg_url, autocommit=True) as monitor:
+        pid = two.start_launcher(two.first)
+        w = Writer(pg_url)
+        w.group("pending", 2, complete=1)
+        wait_until(lambda: stats(two.first.url)["groups"]["pending"] == 1, 10, "the group read")
+        two.first.stop(signal.SIGKILL)
+        assert alive(pid)
+
+        holder.execute("BEGIN")
+        holder.execute("SELECT * FROM rollout_buffer_jobs WHERE job_id = 'job1' FOR UPDATE")
+        two.second.start()
+
+        def blocked_update() -> int | None:
+            # (not from the holder: a transaction sees pg_stat_activity as of its first look)
+            row = monitor.execute(
+                "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE "
+                "'UPDATE rollout_buffer_jobs SET launcher_pid%'").fetchone()
+            return row[0] if row else None
+        backend = wait_until(blocked_update, 15, "the bootstrap recording the adopted launcher")
+        monitor.execute("SELECT pg_terminate_backend(%s)", (backend,))
+        holder.execute("ROLLBACK")
+
+        served_after(two.second, w)
+        w.close()
+        state = monitor.execute("SELECT launcher_state FROM rollout_buffer_jobs WHERE job_id = 'job1'").fetchone()
+        assert state[0] == "running", f"the running launcher was recorded as {state[0]!r}"
+        assert "is gone" not in two.second.log()
+        s = stats(two.second.url)
+        assert s["groups"]["dropped"].get("launcher_exited", 0) == 0, s["groups"]
+        assert s["groups"]["pending"] == 1, s["groups"]
+        assert alive(pid)
