@@ -133,6 +133,12 @@ class Launcher:
         state = LauncherState.parse(row.get("launcher_state"))
         if not row.get("launcher_pid") or state is not LauncherState.RUNNING:
             return None
+        current = self.supervisor.state()
+        if current["running"] and current["pid"] == int(row["launcher_pid"]):
+            # A bootstrap retried after it had adopted this very process but failed to record it:
+            # the supervisor's refusal to adopt twice must not be taken for a launcher that is gone.
+            self.record(store, job_id, LauncherState.RUNNING)
+            return True
         adopted = False
         with contextlib.suppress(LauncherError):
             adopted = self.supervisor.adopt(int(row["launcher_pid"]), int(row["launcher_pgid"]),
