@@ -531,3 +531,32 @@ def test_deeply_nested_rows_drop_their_group_and_others_are_served(harness, writ
     assert s["rows"]["rejected"].get("json_too_deep_env_state") == 2
     assert s["groups"]["dropped"].get("malformed_row") == 2
     assert_balanced(s)
+
+
+def test_a_deeply_nested_request_body_is_a_400_not_a_500(harness):
+    body = "[" * 100_000 + "]" * 100_000  # 200 KB: under the 1 MiB cap
+    for path in ("/get_rollout_data", "/start_rollout", "/stop_rollout"):
+        r = harness.client.post(path, data=body)
+        assert r.status_code == 400, (path, r.status_code)
+        assert "nested too deeply" in r.get_json()["error"]
+
+
+def test_a_job_session_that_argparse_would_read_as_an_option_is_refused(harness):
+    for job in ("-rf", "--job-id", "-"):
+        r = harness.client.post("/start_rollout", json={"job_session": job})
+        assert r.status_code == 400 and "must not start with '-'" in r.get_json()["error"], job
+    assert harness.client.post("/start_rollout", json={"job_session": "a-b_c.d"}).status_code == 200
+
+
+def test_cross_site_browser_requests_are_refused_and_clients_are_not(harness):
+    harness.start(k=2)
+    hostile = [{"Sec-Fetch-Site": "cross-site"}, {"Origin": "http://evil.example"}, {"Origin": "null"}]
+    for headers in hostile:
+        r = harness.client.post("/start_rollout", data='{"job_session":"x"}', headers=headers,
+                                content_type="text/plain")
+        assert r.status_code == 403, headers
+        assert r.get_json()["status"] == 403
+    same = harness.client.post("/get_rollout_data", json={}, headers={"Origin": "http://localhost",
+                                                                      "Sec-Fetch-Site": "same-origin"})
+    assert same.status_code == 200
+    assert harness.client.post("/get_rollout_data", json={}).status_code == 200  # no headers: a trainer

@@ -37,6 +37,9 @@ def test_defaults_with_aievobox_root(tmp_path):
     ({"LLM_PROXY_HOST": "h"}, "LLM_PROXY_PORT is not"),
     ({"ROLLOUT_BUFFER_LAUNCHER_CMD": "a 'b"}, "ROLLOUT_BUFFER_LAUNCHER_CMD"),
     ({"ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "100"}, "must exceed"),
+    ({"ROLLOUT_BUFFER_LAUNCHER_CMD": "run --x {"}, "is not a valid template"),
+    ({"ROLLOUT_BUFFER_LAUNCHER_CMD": "run --job {jobid}"}, "expected only {job_id}, {k}, {db_url}, {storage_type}"),
+    ({"ROLLOUT_BUFFER_TOKN": "secret-token"}, "unknown setting ROLLOUT_BUFFER_TOKN;"),
 ])
 def test_bad_values_name_the_variable(env, needle):
     with pytest.raises(ConfigError) as exc:
@@ -66,3 +69,24 @@ def test_readme_settings_table_is_current():
     with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as fh:
         readme = fh.read()
     assert settings_table() in readme, "regenerate the README table with `rollout-buffer settings`"
+
+
+def test_an_unknown_setting_is_named_without_its_value():
+    with pytest.raises(ConfigError) as info:
+        Config.from_env({"ROLLOUT_BUFFER_TOKN": "secret-token"})
+    assert "secret-token" not in str(info.value)
+
+
+def test_a_valid_launcher_template_and_literal_braces_pass():
+    c = Config.from_env({"ROLLOUT_BUFFER_LAUNCHER_CMD": "run --job {job_id} --json {{}}"})
+    assert c.launcher_cmd == ("run", "--job", "{job_id}", "--json", "{{}}")
+
+
+def test_a_relative_sqlite_url_is_resolved_once_where_the_launcher_resolves_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    root = tmp_path / "aievobox"
+    c = Config.from_env({"AIEVOBOX_DB_URL": "sqlite://rl/rl.db", "AIEVOBOX_ROOT": str(root)})
+    assert c.db_url == f"sqlite://{root}/rl/rl.db"  # the launcher runs in AIEVOBOX_ROOT
+    c = Config.from_env({"AIEVOBOX_DB_URL": "sqlite://data/x.db", "ROLLOUT_BUFFER_STATE_DB_URL": "sqlite://st.db"})
+    assert c.db_url == f"sqlite://{tmp_path}/data/x.db" and c.state_db_url == f"sqlite://{tmp_path}/st.db"
+    assert Config.from_env({"AIEVOBOX_DB_URL": "sqlite:///abs/x.db"}).db_url == "sqlite:///abs/x.db"
