@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -49,6 +50,30 @@ class LaunchSpec:
     cwd: str | None
     env: dict[str, str] | None
     log_path: str
+
+
+LOG_MAX_BYTES = 64 << 20  # launcher-<job>.log is rotated past this size ...
+LOG_KEEP = 3               # ... keeping this many old files (.1 newest)
+LOG_CHECK_EVERY_S = 10.0
+
+
+def rotate_log(path: str, max_bytes: int = LOG_MAX_BYTES, keep: int = LOG_KEEP) -> bool:
+    """Rotate a log that a running process appends to: copy it to ``.1`` (shifting older copies)
+    and truncate it in place. The process's descriptor is O_APPEND, so it goes on writing at the
+    new end; renaming would leave it writing into the rotated file. Returns True if rotated."""
+    try:
+        if os.path.getsize(path) <= max_bytes:
+            return False
+        for i in range(keep - 1, 0, -1):
+            if os.path.exists(f"{path}.{i}"):
+                os.replace(f"{path}.{i}", f"{path}.{i + 1}")
+        with open(path, "rb") as src, open(f"{path}.1", "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        os.truncate(path, 0)
+    except OSError as exc:
+        logger.warning("could not rotate %s: %s", path, exc)
+        return False
+    return True
 
 
 def shown(argv: Sequence[str]) -> list[str]:
@@ -175,6 +200,7 @@ class Supervisor:
         self._restarts = 0
         self._restart_at: float | None = None
         self._events: list[dict[str, Any]] = []
+        self._log_checked_at = float("-inf")
 
     # -- public API -------------------------------------------------------------------
 
@@ -266,6 +292,10 @@ class Supervisor:
             events, self._events = self._events, []
         if orphan_pgid is not None:
             self._kill_orphans(orphan_pgid)
+        spec = self._spec
+        if spec is not None and self._clock() - self._log_checked_at >= LOG_CHECK_EVERY_S:
+            self._log_checked_at = self._clock()
+            rotate_log(spec.log_path)
         for event in events:
             logger.info("launcher event: %s", event)
         return events
@@ -337,6 +367,7 @@ class Supervisor:
             log_dir = os.path.dirname(spec.log_path)
             if log_dir:
                 os.makedirs(log_dir, exist_ok=True)
+            rotate_log(spec.log_path)
             log = open(spec.log_path, "ab")
         except OSError as exc:
             raise LauncherError(f"cannot open launcher log {spec.log_path!r}: {exc}") from exc

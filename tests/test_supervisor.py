@@ -377,3 +377,23 @@ def test_state_is_json_serialisable(make_supervisor, spec):
     assert isinstance(running["started_at"], float)
     assert running["start_ticks"] == process_start_ticks(running["pid"])
     json.dumps(sup.stop())
+
+
+def test_a_launcher_log_is_rotated_while_the_launcher_appends_to_it(tmp_path):
+    from rollout_buffer.supervisor import rotate_log
+
+    log = tmp_path / "launcher-j.log"
+    with open(log, "ab") as out:  # the child keeps its own copy of the O_APPEND descriptor
+        writer = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                                   "for i in range(400):\n    print('x' * 99, flush=True); time.sleep(0.001)\n"],
+                                  stdout=out, stderr=subprocess.STDOUT)
+    rotations = 0
+    try:
+        while writer.poll() is None:
+            rotations += rotate_log(str(log), max_bytes=10_000, keep=2)
+    finally:
+        writer.wait(30)
+    assert rotations >= 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["launcher-j.log", "launcher-j.log.1", "launcher-j.log.2"]
+    assert log.stat().st_size <= 10_000 + 100 * 50  # truncated in place: the writer went on at the new end
+    assert (tmp_path / "launcher-j.log.1").read_bytes().startswith(b"x" * 99)  # whole lines, no hole of zeros
