@@ -16,7 +16,7 @@ import json
 import logging
 import math
 from datetime import datetime, timezone
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from .model import BadText, Take
 
@@ -300,6 +300,26 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
         out.weight_versions.append(wv)
     out.n_items = len(prepared)
     return out
+
+
+class Body(list):
+    """The chunks of a /get_rollout_data body (sent one after the other, never joined), how many
+    groups it carries, and what to run once it has been sent (or abandoned)."""
+
+    def __init__(self, chunks: list[Any], groups: int = 0, on_close: Callable[[], None] | None = None) -> None:
+        super().__init__(chunks)
+        self.groups = groups
+        self._on_close = on_close
+
+    def close(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+
+def empty_body(meta_extra: dict[str, Any]) -> Body:
+    """A body with no item ("No data available to read")."""
+    return Body(response_chunks([], bytearray(), meta_extra))
 
 
 def _mean(values: list) -> float:

@@ -20,12 +20,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import queries as q
 from .config import Config
 from .connections import LazyPair, Pair
-from .db import Database
 from .errors import ApiError, IntegrityError, StorageError
-from .items import COMPLETED, MESSAGES, RESPONSE, SID, GroupItems, Malformed, build_group, response_chunks
+from .fetch import fetch_takes
+from .items import Body, GroupItems, Malformed, build_group, empty_body, response_chunks
+from .replay import Replayer, RequestIds
 from .jobs import JobState, Jobs
 from .loop import Health, Loop
 from .model import BUILD_FAILED, GROUP_TOO_LARGE, MALFORMED, REJECTED, Batch, Decisions, Drop, RowEvent, Served, Take
@@ -33,13 +33,9 @@ from .notifications import Outbox
 
 logger = logging.getLogger(__name__)
 
-FETCH_CHUNK = 900  # pks per body query (SQLite's default variable limit is far above)
 TAKE_STEP = 64  # groups taken from the ready queue at a time
 POLL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 SERVE_LOCK_WAIT_S = 8.0  # a poll behind a stuck one answers 503 rather than hang
-MAX_REPLAYS = 2  # distinct batches rebuilt and held at once (each up to the response budget)
-REPLAY_WAIT_S = 30.0
-MAX_KNOWN_IDS = 10000
 MAX_BUILD_FAILURES = 3  # a group whose build fails unexpectedly this often is dropped (build_failed)
 
 
@@ -75,127 +71,9 @@ class Uncertain:
     takes: list[Take]
 
 
-class RequestIds:
-    """The request_ids of the active job that may be bound to a recorded batch.
-
-    Lets an empty poll with a fresh request_id (BufferClient always sends one) answer from memory:
-    only an id in this set, or any id before the set is loaded for the job, needs the store.
-    Loaded once per job from the batches inside the replay window, then kept in step by serving.
-    """
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self._job: str | None = None
-        # request_id -> when this process recorded its batch (monotonic), None if loaded from the store
-        self._ids: dict[str, float | None] = {}
-
-    def loaded(self, job_id: str) -> bool:
-        return self._job == job_id
-
-    def may_be_bound(self, job_id: str, request_id: str) -> bool:
-        return self._job != job_id or request_id in self._ids
-
-    def load(self, store: Any, job_id: str) -> None:
-        """(Serve lock held.) Load the job's recent request_ids, once per job."""
-        if self._job != job_id:
-            since = time.time() - self.config.replay_retention_s
-            self._ids = dict.fromkeys(store.recent_request_ids(job_id, since))
-            self._job = job_id
-
-    def add(self, job_id: str, request_id: str) -> None:
-        if self._job == job_id:
-            self._ids[request_id] = time.monotonic()
-            if len(self._ids) > 4 * MAX_KNOWN_IDS:  # ids past the replay window are forgotten
-                horizon = time.monotonic() - self.config.replay_retention_s
-                self._ids = {k: v for k, v in self._ids.items() if v is None or v >= horizon}
-
-    def age(self, request_id: str, recorded_at: float) -> float:
-        """Seconds since the batch was recorded: on the monotonic clock when this process recorded
-        it (a wall-clock step cannot shift the replay window), else by the stored wall time."""
-        mono = self._ids.get(request_id)
-        return time.monotonic() - mono if mono is not None else time.time() - recorded_at
-
-
-class _Replay:
-    """One batch being replayed: built once, shared by every concurrent retry of its request_id."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.chunks: list[Any] = []
-        self.error: BaseException | None = None
-        self.refs = 0
-
-
-class Body(list):
-    """The chunks of a /get_rollout_data body (sent one after the other, never joined), how many
-    groups it carries, and what to run once it has been sent (or abandoned)."""
-
-    def __init__(self, chunks: list[Any], groups: int = 0, on_close: Callable[[], None] | None = None) -> None:
-        super().__init__(chunks)
-        self.groups = groups
-        self._on_close = on_close
-
-    def close(self) -> None:
-        on_close, self._on_close = self._on_close, None
-        if on_close is not None:
-            on_close()
-
-
-def empty_body(meta_extra: dict[str, Any]) -> Body:
-    return Body(response_chunks([], bytearray(), meta_extra))
-
-
 def json_len(value: str) -> int:
     """Bytes of a string as meta_info encodes it (ASCII-escaped JSON), not its length in characters."""
     return len(json.dumps(value))
-
-
-def fetch_rows(src: Database, pks: list[int]) -> dict[int, tuple]:
-    """The body columns (queries.BODY_COLUMNS) of the given rows, by pk."""
-    out: dict[int, tuple] = {}
-    for i in range(0, len(pks), FETCH_CHUNK):
-        chunk = pks[i:i + FETCH_CHUNK]
-        for r in src.rows(q.fetch_bodies(len(chunk), src.backend), q.fetch_bodies_params(chunk, src.backend),
-                          binary=True):
-            out[r[0]] = r
-    return out
-
-
-def fetch_takes(src: Database, takes: list[Take], cap: int) -> tuple[dict[int, tuple], set[str]]:
-    """The body rows of the served sessions of ``takes``, and the groups whose rows alone exceed
-    ``cap`` bytes (stopped as soon as they do, so one huge group never holds more than the cap)."""
-    owner = {pk: t.group_id for t in takes for pk in t.served_pks}
-    pks = list(owner)
-    sizes: dict[str, int] = {}
-    too_large: set[str] = set()
-    out: dict[int, tuple] = {}
-    for i in range(0, len(pks), FETCH_CHUNK):
-        chunk = [pk for pk in pks[i:i + FETCH_CHUNK] if owner[pk] not in too_large]
-        if not chunk:
-            continue
-        for r in src.rows(q.fetch_bodies(len(chunk), src.backend), q.fetch_bodies_params(chunk, src.backend),
-                          binary=True):
-            gid = owner[r[0]]
-            size = sizes[gid] = sizes.get(gid, 0) + len(r[MESSAGES] or b"") + len(r[RESPONSE] or "")
-            if size > cap:
-                too_large.add(gid)
-            out[r[0]] = r
-        if too_large:
-            for pk in [pk for pk in out if owner[pk] in too_large]:
-                del out[pk]
-    return out, too_large
-
-
-def take_from_rows(group_id: str, pks: list[int], rows: dict[int, tuple]) -> Take:
-    """Rebuild a served group's Take from its recorded pks: sessions with a completed row are complete."""
-    done = {r[SID] for r in rows.values() if r[COMPLETED]}
-    completed: dict[str, list[int]] = {}
-    incomplete: dict[str, list[int]] = {}
-    for pk in pks:
-        r = rows.get(pk)
-        if r is not None:
-            (completed if r[SID] in done else incomplete).setdefault(r[SID], []).append(pk)
-    return Take(group_id, {s: tuple(p) for s, p in completed.items()}, {s: tuple(p) for s, p in incomplete.items()})
 
 
 class Serving:
@@ -216,8 +94,7 @@ class Serving:
         self._waiting = 0
         self.should_stop: Callable[[], bool] = lambda: False  # gunicorn's "worker is shutting down"
         self._failures: dict[tuple[str, str], int] = {}
-        self._replay_lock = threading.Lock()
-        self._replaying: dict[str, _Replay] = {}  # batch_id -> its rebuilt body while it is being sent
+        self.replayer = Replayer(config, self._rids)
 
     def get_rollout_data(self, conns: LazyPair, *, max_groups: int | None, request_id: str | None,
                          wait_s: float = 0.0, min_groups: int = 1) -> Body:
@@ -310,7 +187,7 @@ class Serving:
             raise ApiError(503, f"the database is unreachable: {exc}", retry_after=3) from exc
         finally:
             self.serve_lock.release()
-        return self._replay(conns.get(), js, *replay)
+        return self.replayer.replay(conns.get(), js, *replay)
 
     # -- serve -------------------------------------------------------------------------------------
     def _serve(self, pair: Pair, js: JobState, max_groups: int | None, request_id: str | None) -> Body:
@@ -492,56 +369,3 @@ class Serving:
             self._apply(pair, js, u.plan)
 
     # -- replay --------------------------------------------------------------------------------
-    def _replay(self, pair: Pair, js: JobState, batch: Batch, recorded_at: float) -> Body:
-        age = self._rids.age(batch.request_id or "", recorded_at)
-        if age > self.config.replay_retention_s:
-            raise ApiError(410, f"request_id {batch.request_id!r} was answered {age:.0f} s ago, beyond the "
-                           f"replay window of {self.config.replay_retention_s:.0f} s; its batch cannot be sent "
-                           "again. Use a fresh request_id for new data.", batch_id=batch.batch_id)
-        with self._replay_lock:
-            r = self._replaying.get(batch.batch_id)
-            builder = r is None
-            if builder:
-                if len(self._replaying) >= MAX_REPLAYS:
-                    raise ApiError(429, f"{MAX_REPLAYS} batches are being replayed already; retry this "
-                                   "request_id shortly", retry_after=2)
-                r = self._replaying[batch.batch_id] = _Replay()
-            r.refs += 1
-        if builder:
-            try:
-                r.chunks = self._rebuild(pair, js, batch)
-            except BaseException as exc:
-                r.error = exc
-            r.done.set()
-        elif not r.done.wait(REPLAY_WAIT_S):
-            self._unref(batch.batch_id, r)
-            raise ApiError(503, "the batch of this request_id is still being rebuilt; retry", retry_after=2)
-        if r.error is not None:
-            self._unref(batch.batch_id, r)
-            if isinstance(r.error, StorageError):
-                raise ApiError(503, f"the database is unreachable: {r.error}", retry_after=3) from r.error
-            raise r.error
-        logger.info("replayed batch %s for request_id %s", batch.batch_id, batch.request_id)
-        # one rebuilt copy per batch, shared by concurrent retries and held until the last is sent
-        return Body(r.chunks, len(batch.group_ids), on_close=lambda: self._unref(batch.batch_id, r))
-
-    def _unref(self, batch_id: str, r: "_Replay") -> None:
-        with self._replay_lock:
-            r.refs -= 1
-            if r.refs == 0 and self._replaying.get(batch_id) is r:
-                del self._replaying[batch_id]
-
-    def _rebuild(self, pair: Pair, js: JobState, batch: Batch) -> list[Any]:
-        """The body of a recorded batch, from the immutable rows with the batch's seed (same uids)."""
-        groups: list[GroupItems] = []
-        buf = bytearray()
-        for gid in batch.group_ids:
-            pks = pair.store.group_pks(js.job_id, gid)
-            rows = fetch_rows(pair.src, pks)
-            try:
-                groups.append(build_group(take_from_rows(gid, pks, rows), rows, batch.seed, js.job_id, buf))
-            except Malformed as exc:  # pragma: no cover - rows are immutable
-                raise ApiError(500, f"batch {batch.batch_id} cannot be rebuilt: {exc}") from exc
-        return response_chunks(groups, buf, {"job_session": js.job_id, "batch_id": batch.batch_id,
-                                             "request_id": batch.request_id, "replayed": True, "groups": len(groups)})
-

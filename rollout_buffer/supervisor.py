@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import threading
@@ -23,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from . import processes, procfs
 from .db import redact
 from .errors import RolloutBufferError
 
@@ -30,11 +30,6 @@ logger = logging.getLogger(__name__)
 
 RESTART_POLICIES = ("never", "on-failure")
 
-# How often stop() looks at the process while it waits, and how long it waits for the
-# process group to vanish after SIGKILL (KILL cannot be ignored, so this only covers
-# processes stuck in uninterruptible sleep).
-_STOP_POLL_S = 0.05
-_KILL_WAIT_S = 5.0
 
 
 class LauncherError(RolloutBufferError):
@@ -52,100 +47,10 @@ class LaunchSpec:
     log_path: str
 
 
-LOG_MAX_BYTES = 64 << 20  # launcher-<job>.log is rotated past this size ...
-LOG_KEEP = 3               # ... keeping this many old files (.1 newest)
-LOG_CHECK_EVERY_S = 10.0
-
-
-def rotate_log(path: str, max_bytes: int = LOG_MAX_BYTES, keep: int = LOG_KEEP) -> bool:
-    """Rotate a log that a running process appends to: copy it to ``.1`` (shifting older copies)
-    and truncate it in place. The process's descriptor is O_APPEND, so it goes on writing at the
-    new end; renaming would leave it writing into the rotated file. Returns True if rotated."""
-    try:
-        if os.path.getsize(path) <= max_bytes:
-            return False
-        for i in range(keep - 1, 0, -1):
-            if os.path.exists(f"{path}.{i}"):
-                os.replace(f"{path}.{i}", f"{path}.{i + 1}")
-        with open(path, "rb") as src, open(f"{path}.1", "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-        os.truncate(path, 0)
-    except OSError as exc:
-        logger.warning("could not rotate %s: %s", path, exc)
-        return False
-    return True
-
-
 def shown(argv: Sequence[str]) -> list[str]:
     """An argv as it may be shown in logs and answers: database URLs without their password (the
     process itself gets the real one)."""
     return [redact(str(a)) for a in argv]
-
-
-def _read_stat(pid: int) -> tuple[str, int, int] | None:
-    """Return ``(state, pgrp, starttime)`` from ``/proc/<pid>/stat``, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read().decode("ascii", "replace")
-    except OSError:
-        return None
-    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
-    rest = data[data.rfind(")") + 2 :].split()
-    try:
-        # rest[0] is field 3 (state), rest[2] field 5 (pgrp), rest[19] field 22 (starttime).
-        return rest[0], int(rest[2]), int(rest[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def process_start_ticks(pid: int) -> int | None:
-    """Return the start time of ``pid`` in clock ticks since boot (field 22 of
-    ``/proc/<pid>/stat``), or None if there is no such process.
-
-    Together with the pid it identifies a process across pid reuse.
-    """
-    stat = _read_stat(pid)
-    return stat[2] if stat else None
-
-
-def group_alive(pgid: int) -> list[int]:
-    """Return the pids of live (non-zombie) processes whose process group is ``pgid``."""
-    pids: list[int] = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return pids
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        stat = _read_stat(int(entry))
-        if stat and stat[1] == pgid and stat[0] not in ("Z", "X"):
-            pids.append(int(entry))
-    return pids
-
-
-def _ticks_to_epoch(start_ticks: int) -> float | None:
-    """Convert a process start time in ticks since boot to an epoch timestamp."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("btime "):
-                    return int(line.split()[1]) + start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _killpg(pgid: int, sig: int) -> bool:
-    """Send ``sig`` to a process group; return False if the group no longer exists."""
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        logger.error("no permission to send signal %s to launcher process group %s", sig, pgid)
-        return False
-    return True
 
 
 class Supervisor:
@@ -234,7 +139,7 @@ class Supervisor:
         code is unknown (None) when it ends. Raises :class:`LauncherError` if a launcher is
         already running.
         """
-        stat = _read_stat(pid)
+        stat = procfs.stat(pid)
         with self._lock:
             if self._running or self._stopping:
                 raise LauncherError(
@@ -242,9 +147,9 @@ class Supervisor:
                 )
             if (
                 stat is None
-                or stat[0] in ("Z", "X")
-                or stat[1] != pgid
-                or (start_ticks is not None and stat[2] != start_ticks)
+                or not stat.alive
+                or stat.pgrp != pgid
+                or (start_ticks is not None and stat.start_ticks != start_ticks)
             ):
                 logger.info(
                     "not adopting launcher pid %s (pgid %s): not alive or not the same process",
@@ -257,8 +162,8 @@ class Supervisor:
             self._running = True
             self._pid = pid
             self._pgid = pgid
-            self._start_ticks = stat[2]
-            self._started_at = _ticks_to_epoch(stat[2])
+            self._start_ticks = stat.start_ticks
+            self._started_at = procfs.ticks_to_epoch(stat.start_ticks)
             self._exit_code = None
             self._exited_at = None
             self._stopped_by = None
@@ -293,9 +198,9 @@ class Supervisor:
         if orphan_pgid is not None:
             self._kill_orphans(orphan_pgid)
         spec = self._spec
-        if spec is not None and self._clock() - self._log_checked_at >= LOG_CHECK_EVERY_S:
+        if spec is not None and self._clock() - self._log_checked_at >= processes.LOG_CHECK_EVERY_S:
             self._log_checked_at = self._clock()
-            rotate_log(spec.log_path)
+            processes.rotate_log(spec.log_path)
         for event in events:
             logger.info("launcher event: %s", event)
         return events
@@ -311,7 +216,7 @@ class Supervisor:
             if self._stopping:
                 # Another thread is stopping it: wait for that to finish.
                 self._stopped_cond.wait_for(
-                    lambda: not self._stopping, timeout=self.stop_grace_s + _KILL_WAIT_S + 5
+                    lambda: not self._stopping, timeout=self.stop_grace_s + processes.KILL_WAIT_S + 5
                 )
                 return self._state_locked()
             if not self._ever_started:
@@ -367,7 +272,7 @@ class Supervisor:
             log_dir = os.path.dirname(spec.log_path)
             if log_dir:
                 os.makedirs(log_dir, exist_ok=True)
-            rotate_log(spec.log_path)
+            processes.rotate_log(spec.log_path)
             log = open(spec.log_path, "ab")
         except OSError as exc:
             raise LauncherError(f"cannot open launcher log {spec.log_path!r}: {exc}") from exc
@@ -407,7 +312,7 @@ class Supervisor:
         self._running = True
         self._pid = proc.pid
         self._pgid = proc.pid  # start_new_session: the child leads its own group
-        self._start_ticks = process_start_ticks(proc.pid)
+        self._start_ticks = procfs.start_ticks(proc.pid)
         self._started_at = time.time()
         self._exit_code = None
         self._exited_at = None
@@ -419,12 +324,12 @@ class Supervisor:
             code = self._proc.poll()
             return code is not None, code
         assert self._pid is not None
-        stat = _read_stat(self._pid)
+        stat = procfs.stat(self._pid)
         alive = (
             stat is not None
-            and stat[0] not in ("Z", "X")
-            and stat[1] == self._pgid
-            and stat[2] == self._start_ticks
+            and stat.alive
+            and stat.pgrp == self._pgid
+            and stat.start_ticks == self._start_ticks
         )
         return not alive, None
 
@@ -483,65 +388,18 @@ class Supervisor:
 
         Its workers would otherwise keep running unwatched, next to a restarted launcher.
         """
-        members = group_alive(pgid)
+        members = procfs.group_members(pgid)
         if members:
             logger.warning(
                 "launcher group %s left %d process(es) behind %s; killing them",
                 pgid, len(members), members,
             )
-            _killpg(pgid, signal.SIGKILL)
+            processes.killpg(pgid, signal.SIGKILL)
 
-    def _terminate(
-        self,
-        proc: subprocess.Popen[bytes] | None,
-        pid: int,
-        pgid: int,
-        start_ticks: int | None,
-    ) -> int | None:
-        """TERM, wait, KILL the launcher's group and wait until it is gone (without the lock).
-
-        Returns the exit code, None when it is unknown (adopted launcher).
-        """
-
-        def leader_gone() -> bool:
-            if proc is not None:
-                return proc.poll() is not None
-            stat = _read_stat(pid)
-            return stat is None or stat[0] in ("Z", "X") or stat[2] != start_ticks
-
-        def all_gone() -> bool:
-            return leader_gone() and not group_alive(pgid)
-
-        if proc is None:
-            # Not our child: make sure a reused pid is not mistaken for the launcher. A pid
-            # still in use as a pgid is never handed out again, so if the leader's pid now
-            # belongs to another process, the original group is gone.
-            stat = _read_stat(pid)
-            if stat is not None and stat[2] != start_ticks:
-                logger.info("adopted launcher pid %s is gone (pid reused)", pid)
-                return None
-
-        if _killpg(pgid, signal.SIGTERM):
-            deadline = time.monotonic() + self.stop_grace_s
-            while not all_gone() and time.monotonic() < deadline:
-                time.sleep(_STOP_POLL_S)
-        if not all_gone():
-            logger.warning(
-                "launcher pid %s did not exit within %ss of SIGTERM; sending SIGKILL to group %s",
-                pid, self.stop_grace_s, pgid,
-            )
-            _killpg(pgid, signal.SIGKILL)
-            deadline = time.monotonic() + _KILL_WAIT_S
-            while not all_gone() and time.monotonic() < deadline:
-                time.sleep(_STOP_POLL_S)
-            if not all_gone():
-                logger.error(
-                    "launcher process group %s still has processes %s after SIGKILL",
-                    pgid, group_alive(pgid),
-                )
-        if proc is not None:
-            return proc.poll()
-        return None
+    def _terminate(self, proc: subprocess.Popen[bytes] | None, pid: int, pgid: int,
+                   start_ticks: int | None) -> int | None:
+        """TERM, grace, KILL the launcher's group (without the lock); its exit code, None if unknown."""
+        return processes.terminate_group(proc, pid, pgid, start_ticks, self.stop_grace_s)
 
     def _state_locked(self) -> dict[str, Any]:
         will_restart = self._restart_at is not None

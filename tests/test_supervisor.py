@@ -18,8 +18,6 @@ from rollout_buffer.supervisor import (
     LaunchSpec,
     LauncherError,
     Supervisor,
-    group_alive,
-    process_start_ticks,
 )
 
 FAKE_LAUNCHER = Path(__file__).parent / "fakes" / "fake_launcher.py"
@@ -233,7 +231,7 @@ def test_stop_kills_a_launcher_that_ignores_term(make_supervisor, spec, tmp_path
     state = sup.stop("shutdown")
     assert state["exit_code"] == -signal.SIGKILL
     assert state["stopped_by"] == "shutdown"
-    assert group_alive(pid) == []
+    assert procfs.group_members(pid) == []
 
 
 def test_stop_kills_the_whole_process_group(make_supervisor, spec, tmp_path):
@@ -243,11 +241,11 @@ def test_stop_kills_the_whole_process_group(make_supervisor, spec, tmp_path):
     wait_for(child_file.exists)
     grandchild = int(child_file.read_text())
     assert pid_alive(grandchild)
-    assert sorted(group_alive(pid)) == sorted([pid, grandchild])
+    assert sorted(procfs.group_members(pid)) == sorted([pid, grandchild])
     state = sup.stop()
     assert state["exit_code"] == -signal.SIGKILL
     assert not pid_alive(grandchild)
-    assert group_alive(pid) == []
+    assert procfs.group_members(pid) == []
 
 
 def test_orphans_of_an_exited_launcher_are_killed(make_supervisor, spec, tmp_path):
@@ -259,7 +257,7 @@ def test_orphans_of_an_exited_launcher_are_killed(make_supervisor, spec, tmp_pat
     assert events[-1]["exit_code"] == 3
     grandchild = int(child_file.read_text())
     wait_for(lambda: not pid_alive(grandchild))
-    assert group_alive(pid) == []
+    assert procfs.group_members(pid) == []
 
 
 def test_stop_is_idempotent(make_supervisor, spec):
@@ -314,7 +312,7 @@ def test_adopt_watches_a_launcher_we_did_not_spawn(make_supervisor, own_procs, t
     )
     own_procs.append(proc)
     wait_for(marker.exists)
-    ticks = process_start_ticks(proc.pid)
+    ticks = procfs.start_ticks(proc.pid)
     assert ticks is not None
 
     sup = make_supervisor(restart_policy="on-failure")
@@ -347,7 +345,7 @@ def test_stop_of_an_adopted_launcher(make_supervisor, own_procs, tmp_path):
     own_procs.append(proc)
     wait_for(marker.exists)
     sup = make_supervisor()
-    assert sup.adopt(proc.pid, proc.pid, process_start_ticks(proc.pid), None) is True
+    assert sup.adopt(proc.pid, proc.pid, procfs.start_ticks(proc.pid), None) is True
     state = sup.stop()
     assert state["exit_code"] is None and state["stopped_by"] == "requested"
     assert proc.wait(timeout=5) == -signal.SIGTERM
@@ -375,12 +373,12 @@ def test_state_is_json_serialisable(make_supervisor, spec):
     assert running["argv"][1] == str(FAKE_LAUNCHER)
     assert running["log_path"].endswith("launcher.log")
     assert isinstance(running["started_at"], float)
-    assert running["start_ticks"] == process_start_ticks(running["pid"])
+    assert running["start_ticks"] == procfs.start_ticks(running["pid"])
     json.dumps(sup.stop())
 
 
 def test_a_launcher_log_is_rotated_while_the_launcher_appends_to_it(tmp_path):
-    from rollout_buffer.supervisor import rotate_log
+    from rollout_buffer.processes import rotate_log
 
     log = tmp_path / "launcher-j.log"
     with open(log, "ab") as out:  # the child keeps its own copy of the O_APPEND descriptor
