@@ -25,6 +25,7 @@ from .config import Config
 from .connections import LazyPair, Pair
 from .db import Database
 from .errors import ApiError, IntegrityError, StorageError
+from .history import History
 from .items import COMPLETED, MESSAGES, RESPONSE, SID, GroupItems, Malformed, build_group, response_chunks
 from .jobs import JobState, Jobs
 from .loop import Health, Loop
@@ -198,8 +199,9 @@ class Serving:
     """Answers polls for the active job."""
 
     def __init__(self, config: Config, *, jobs: Jobs, outbox: Outbox, loop: Loop, health: Health,
-                 serve_lock: threading.Lock) -> None:
+                 serve_lock: threading.Lock, history: History | None = None) -> None:
         self.config = config
+        self.history = history or History()  # the status page's last batches and serve rate
         self.jobs = jobs
         self.outbox = outbox
         self.loop = loop
@@ -270,6 +272,7 @@ class Serving:
 
     # -- serve -------------------------------------------------------------------------------------
     def _serve(self, pair: Pair, js: JobState, max_groups: int | None, request_id: str | None) -> Body:
+        started = time.perf_counter()
         seed = secrets.token_bytes(16)
         budget = self.config.max_response_bytes
         buf = bytearray()
@@ -324,7 +327,10 @@ class Serving:
             return empty_body({"job_session": js.job_id})
         logger.debug("served %d groups (%d bytes) of job %s; %d left ready", len(built), len(buf), js.job_id,
                      len(leftover))
-        return Body(chunks, len(built))
+        assert plan.batch is not None
+        entry = self.history.batch(plan.batch.batch_id, groups=len(built), items=plan.batch.n_items,
+                                   n_bytes=plan.batch.n_bytes, build_s=time.perf_counter() - started)
+        return Body(chunks, len(built), on_close=lambda: self.history.sent(entry))
 
     @staticmethod
     def _plan(job_id: str, seed: bytes, request_id: str | None, built: list[tuple[Take, GroupItems]],
