@@ -18,6 +18,7 @@ from flask import Blueprint, Response, current_app, g, request
 from .errors import ApiError
 from .items import iter_bytes
 from .metrics import render_metrics
+from .page import page_html, status_document
 from .connections import LazyPair
 from .service import Service
 
@@ -65,7 +66,8 @@ def _same_origin() -> None:
 @bp.before_app_request
 def _auth() -> None:
     token = service().config.token
-    if token is None or request.path == "/health":
+    # the status page's HTML holds no data: it must load without the token, to ask for it
+    if token is None or request.path in ("/health", "/"):
         return
     header = request.headers.get("Authorization", "")
     scheme, _, given = header.partition(" ")
@@ -222,3 +224,18 @@ def stats() -> dict[str, Any]:
 @bp.get("/metrics")
 def metrics() -> Response:
     return Response(render_metrics(service()), mimetype="text/plain; version=0.0.4; charset=utf-8")
+
+
+@bp.get("/")
+def status_page() -> Response:
+    resp = Response(page_html(), mimetype="text/html; charset=utf-8")
+    # nothing external, ever: the page only talks to this service
+    resp.headers["Content-Security-Policy"] = ("default-src 'none'; script-src 'unsafe-inline'; "
+                                               "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:")
+    resp.headers["Cache-Control"] = "no-store"
+    return resp
+
+
+@bp.get("/status")
+def status() -> dict[str, Any]:
+    return status_document(service(), conns())

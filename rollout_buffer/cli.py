@@ -1,4 +1,4 @@
-"""Command line: ``rollout-buffer serve | init-db | demo | stats | settings``."""
+"""Command line: ``rollout-buffer serve | init-db | demo | stats | export | settings``."""
 from __future__ import annotations
 
 import argparse
@@ -48,9 +48,27 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from .client import BufferClient, format_stats
 
     client = BufferClient(args.url, token=args.token or os.environ.get("ROLLOUT_BUFFER_TOKEN"))
+    if args.watch:
+        from .client import BufferError
+        from .progress import watch
+
+        def render() -> str:
+            try:
+                stats = client.stats()
+            except BufferError as exc:  # keep watching: the service may come back
+                return f"  cannot read {args.url}/stats: {exc}"
+            return json.dumps(stats, indent=1) if args.json else format_stats(stats)
+        return watch(render, sys.stdout, interval=args.interval, count=args.count, title=f"rollout-buffer {args.url}")
     stats = client.stats()
     print(json.dumps(stats, indent=1) if args.json else format_stats(stats))
     return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write every decided group of a job as JSONL (see README "Export format")."""
+    from .export import main_export
+
+    return main_export(args.db, args.state_db, args.job, args.out, args.what)
 
 
 def cmd_settings(args: argparse.Namespace) -> int:
@@ -84,7 +102,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("url", nargs="?", default="http://127.0.0.1:18889")
     s.add_argument("--token", help="bearer token (default $ROLLOUT_BUFFER_TOKEN)")
     s.add_argument("--json", action="store_true", help="print the raw JSON")
+    s.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
+    s.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch")
+    s.add_argument("--count", type=int, default=0, help="with --watch: stop after this many refreshes (0 = never)")
     s.set_defaults(func=cmd_stats)
+    s = sub.add_parser("export", help="write every served and dropped group of a job as JSONL (.gz: gzipped)")
+    s.add_argument("--db", required=True, help="the launcher database URL (as AIEVOBOX_DB_URL)")
+    s.add_argument("--state-db", help="the buffer's state database, when ROLLOUT_BUFFER_STATE_DB_URL is set")
+    s.add_argument("--job", required=True, help="the job (job_session)")
+    s.add_argument("--out", required=True, help="output file; gzipped when it ends in .gz")
+    s.add_argument("--what", choices=("served", "dropped", "all"), default="all",
+                   help="served groups, dropped groups and rejected rows, or all")
+    s.set_defaults(func=cmd_export)
     s = sub.add_parser("settings", help="print every setting as a markdown table")
     s.set_defaults(func=cmd_settings)
     args = p.parse_args(argv)

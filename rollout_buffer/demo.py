@@ -24,6 +24,7 @@ import time
 from typing import Any, TextIO
 
 from .client import BufferClient, BufferError, groups_of
+from .progress import Progress
 from .runner import ServerProcess, clean_env, free_port, log_tail
 from .store import init_database
 
@@ -32,7 +33,6 @@ logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 30.0
 POLL_INTERVAL_S = 0.5
 STOP_WAIT_S = 15.0
-PROGRESS_EVERY_S = 2.0  # when stdout is not a terminal
 
 
 def server_env(db_url: str, run_dir: str, *, groups: int, pace: float) -> dict[str, str]:
@@ -46,40 +46,6 @@ def server_env(db_url: str, run_dir: str, *, groups: int, pace: float) -> dict[s
         "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "5",
         "ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS": "20",
     })
-
-
-class Progress:
-    """A live progress line: rewritten with '\\r' on a terminal, else one line every few seconds."""
-
-    def __init__(self, out: TextIO) -> None:
-        self.out = out
-        self.tty = out.isatty()
-        self.last = 0.0
-        self.width = 0
-        self.last_text = ""
-        self.shown = ""
-
-    def show(self, text: str, force: bool = False) -> None:
-        now = time.monotonic()
-        if force and text == self.shown:
-            return
-        self.last_text = text
-        if self.tty:
-            pad = max(0, self.width - len(text))
-            self.out.write("\r" + text + " " * pad)
-            self.width = len(text)
-            self.out.flush()
-        elif force or now - self.last >= PROGRESS_EVERY_S:
-            self.last = now
-            self.shown = text
-            self.out.write(text + "\n")
-            self.out.flush()
-
-    def end(self) -> None:
-        if self.tty and self.width:
-            self.out.write("\n")
-            self.out.flush()
-            self.width = 0
 
 
 class Checker:

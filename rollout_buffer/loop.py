@@ -18,6 +18,7 @@ from .config import Config
 from .connections import LazyPair
 from .db import Database, redact
 from .errors import ConfigError, StorageError
+from .history import History
 from .jobs import JobState, Jobs
 from .launcher import Launcher
 from .model import LAUNCHER_EXITED, LauncherState
@@ -120,8 +121,9 @@ class Loop:
 
     def __init__(self, config: Config, *, jobs: Jobs, outbox: Outbox, launcher: Launcher, health: Health,
                  tick_lock: threading.Lock, serve_lock: threading.Lock,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, history: History | None = None) -> None:
         self.config = config
+        self.history = history or History()  # the status page's ingest rate
         self.jobs = jobs
         self.outbox = outbox
         self.launcher = launcher
@@ -282,6 +284,8 @@ class Loop:
             if js.accounted is not None:
                 rows = js.accounted.filter(lambda gid: store.group_pks(js.job_id, gid), js.acc.decided, rows)
             plan = js.acc.ingest(rows) if rows else None
+            if rows:
+                self.history.ingested(len(rows))
             js.reader.advance()  # only now: a failure above re-reads these rows next tick
             if plan is not None:
                 if plan.newly_ready:

@@ -321,3 +321,42 @@ def fetch_bodies(n: int, backend: str) -> str:
 def fetch_bodies_params(pks: list[int], backend: str) -> list:
     """The parameters of fetch_bodies(len(pks), backend)."""
     return [pks] if backend == "postgres" else pks
+
+
+# -- export (rollout-buffer export): a job's decisions, streamed a page at a time -------------------
+# Keyset pages in byte order of group_id on both backends ("C" collation on Postgres), so the
+# groups and the rows accounted one by one can be merged by group_id in constant memory.
+EXPORT_GROUPS = {
+    "sqlite": ("SELECT group_id, status, reason, batch_id, pks, resolved_at FROM rollout_buffer_groups "
+               "WHERE job_id = ? AND group_id > ? ORDER BY group_id LIMIT ?"),
+    "postgres": ('SELECT group_id, status, reason, batch_id, pks, resolved_at FROM rollout_buffer_groups '
+                 'WHERE job_id = ? AND group_id COLLATE "C" > ? ORDER BY group_id COLLATE "C" LIMIT ?'),
+}
+# Export: the rows accounted one by one that belong to a group (rejected and late rows), by (group_id, step_pk).
+EXPORT_GROUP_ROWS = {
+    "sqlite": ("SELECT group_id, step_pk, outcome, reason FROM rollout_buffer_rows WHERE job_id = ? "
+               "AND group_id IS NOT NULL AND (group_id > ? OR (group_id = ? AND step_pk > ?)) "
+               "ORDER BY group_id, step_pk LIMIT ?"),
+    "postgres": ('SELECT group_id, step_pk, outcome, reason FROM rollout_buffer_rows WHERE job_id = ? '
+                 'AND group_id IS NOT NULL AND (group_id COLLATE "C" > ? OR (group_id = ? AND step_pk > ?)) '
+                 'ORDER BY group_id COLLATE "C", step_pk LIMIT ?'),
+}
+# Export: rejected rows with no usable group (missing or undecodable group_id), by step_pk.
+EXPORT_ORPHAN_ROWS = ("SELECT step_pk, outcome, reason, recorded_at FROM rollout_buffer_rows WHERE job_id = ? "
+                      "AND group_id IS NULL AND step_pk > ? ORDER BY step_pk LIMIT ?")
+# Export: how many records a job has (for the progress bar).
+EXPORT_COUNT_GROUPS = "SELECT COUNT(*) FROM rollout_buffer_groups WHERE job_id = ?"
+EXPORT_COUNT_ORPHANS = "SELECT COUNT(*) FROM rollout_buffer_rows WHERE job_id = ? AND group_id IS NULL"
+# Export: the newest jobs (to name them when an unknown one is asked for).
+EXPORT_RECENT_JOBS = "SELECT job_id FROM rollout_buffer_jobs ORDER BY started_at DESC LIMIT 10"
+# Export: the uid seed of a delivered batch (gone once the batch is pruned).
+BATCH_SEED = "SELECT seed FROM rollout_buffer_batches WHERE batch_id = ?"
+# Export: the launcher columns a replay needs beyond BODY_COLUMNS.
+EXPORT_EXTRA_COLUMNS = ("env_name", "llm_model", "reward", "is_terminal")
+
+
+@lru_cache(maxsize=128)
+def fetch_export_rows(n: int, backend: str) -> str:
+    """Export: fetch_bodies' columns (items are built from them) plus EXPORT_EXTRA_COLUMNS."""
+    head, sep, tail = fetch_bodies(n, backend).partition(" FROM session_steps ")
+    return f"{head}, {', '.join(EXPORT_EXTRA_COLUMNS)}{sep}{tail}"

@@ -27,6 +27,7 @@ from .config import Config
 from .connections import LazyPair, state_connection
 from .db import redact
 from .errors import ApiError, ClosedError, StorageError
+from .history import History
 from .jobs import JobState, Jobs
 from .launcher import Launcher, launch_spec
 from .loop import Health, Loop
@@ -61,10 +62,12 @@ class Service:
         self.health_state = Health(config, clock)
         self.instance_id = uuid.uuid4().hex
         self.launcher = Launcher(config, self.supervisor, self.instance_id)
+        self.history = History()  # recent rates and batches, for the status page
         self.loop = Loop(config, jobs=self.jobs, outbox=self.outbox, launcher=self.launcher,
-                         health=self.health_state, tick_lock=tick_lock, serve_lock=serve_lock, clock=clock)
+                         health=self.health_state, tick_lock=tick_lock, serve_lock=serve_lock, clock=clock,
+                         history=self.history)
         self.serving = Serving(config, jobs=self.jobs, outbox=self.outbox, loop=self.loop,
-                               health=self.health_state, serve_lock=serve_lock)
+                               health=self.health_state, serve_lock=serve_lock, history=self.history)
         self._started = False
         self._closed = False
 

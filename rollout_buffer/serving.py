@@ -24,6 +24,7 @@ from .config import Config
 from .connections import LazyPair, Pair
 from .errors import ApiError, IntegrityError, StorageError
 from .fetch import fetch_takes
+from .history import History
 from .items import Body, GroupItems, Malformed, build_group, empty_body, response_chunks
 from .replay import Replayer, RequestIds
 from .jobs import JobState, Jobs
@@ -80,8 +81,9 @@ class Serving:
     """Answers polls for the active job."""
 
     def __init__(self, config: Config, *, jobs: Jobs, outbox: Outbox, loop: Loop, health: Health,
-                 serve_lock: threading.Lock) -> None:
+                 serve_lock: threading.Lock, history: History | None = None) -> None:
         self.config = config
+        self.history = history or History()  # the status page's last batches and serve rate
         self.jobs = jobs
         self.outbox = outbox
         self.loop = loop
@@ -191,6 +193,7 @@ class Serving:
 
     # -- serve -------------------------------------------------------------------------------------
     def _serve(self, pair: Pair, js: JobState, max_groups: int | None, request_id: str | None) -> Body:
+        started = time.perf_counter()
         seed = secrets.token_bytes(16)
         budget = self.config.max_response_bytes
         buf = bytearray()
@@ -256,7 +259,10 @@ class Serving:
             return empty_body({"job_session": js.job_id})
         logger.debug("served %d groups (%d bytes) of job %s; %d left ready", len(built), len(buf), js.job_id,
                      len(leftover))
-        return Body(chunks, len(built))
+        assert plan.batch is not None
+        entry = self.history.batch(plan.batch.batch_id, groups=len(built), items=plan.batch.n_items,
+                                   n_bytes=plan.batch.n_bytes, build_s=time.perf_counter() - started)
+        return Body(chunks, len(built), on_close=lambda: self.history.sent(entry))
 
     @staticmethod
     def _plan(job_id: str, seed: bytes, request_id: str | None, built: list[tuple[Take, GroupItems]],

@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None,
                    help="random seed for the run's shape (session ids are always fresh uuid4s)")
     s.add_argument("--quiet", action="store_true", help="print only the final SIMULATE line")
+    s.add_argument("--from-export", metavar="FILE", default=None,
+                   help="write the records of a `rollout-buffer export` file (JSONL, .gz or plain) back as this "
+                        "job's rows, at --pace, instead of simulating (see rollout_buffer.from_export)")
     return p
 
 
@@ -388,12 +391,15 @@ class Simulator:
         if not force and now - self.last_progress < 2.0:
             return
         self.last_progress = now
+        print(self.progress_line(self.rows / max(now - self.t0, 1e-9)), flush=True)
+
+    def progress_line(self, rate: float) -> str:
+        """The text of a progress line (``rate`` in rows/s)."""
         total = len(self.groups) * self.args.rl_group_size
         done = self.completed_sessions + self.failed_sessions
-        rate = self.rows / max(now - self.t0, 1e-9)
-        print(f"simulate: job {self.args.job_id}: {self.rows} rows, sessions {done}/{total} done "
-              f"({self.completed_sessions} completed, {self.failed_sessions} failed), "
-              f"{rate:.0f} rows/s, weight_version {self.rows // WEIGHT_VERSION_EVERY}", flush=True)
+        return (f"simulate: job {self.args.job_id}: {self.rows} rows, sessions {done}/{total} done "
+                f"({self.completed_sessions} completed, {self.failed_sessions} failed), "
+                f"{rate:.0f} rows/s, weight_version {self.rows // WEIGHT_VERSION_EVERY}")
 
     def run(self) -> None:
         a, rng = self.args, self.rng
@@ -466,7 +472,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         print(exc, file=sys.stderr, flush=True)
         return 2
-    sim = Simulator(args, url)
+    if args.from_export is not None:
+        from .from_export import ExportReplayer  # it builds on Simulator: imported here, not at the top
+
+        sim: Simulator = ExportReplayer(args, url)
+    else:
+        sim = Simulator(args, url)
     previous = {sig: signal.signal(sig, sim.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     if unknown and not args.quiet:
         print(f"simulate: ignoring launcher arguments {unknown}", flush=True)
@@ -482,6 +493,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RolloutBufferError as exc:
         print(f"simulate: error: {exc}", file=sys.stderr, flush=True)
         code = 1
+    except OSError as exc:  # --from-export FILE cannot be read
+        print(f"simulate: error: {exc}", file=sys.stderr, flush=True)
+        code = 2
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

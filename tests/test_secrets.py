@@ -76,7 +76,7 @@ def test_a_database_error_on_health_and_a_failed_start_show_no_password(tmp_path
     # a server that refuses connections: the error text names the URL, never the password
     url = f"postgresql://root:{PW}@127.0.0.1:1/test?password={PW}"
     srv = Server(url, tmp_path / "srv", launcher="auto", env={
-        "ROLLOUT_BUFFER_LAUNCHER_CMD": "/nonexistent/launcher --db-path {{db_url}}",
+        "ROLLOUT_BUFFER_LAUNCHER_CMD": "/nonexistent/launcher --db-path {db_url}",
         "ROLLOUT_BUFFER_DB_UNHEALTHY_AFTER_SECONDS": "0.1",
     })
     srv.start()

@@ -1,0 +1,88 @@
+"""Recent activity for the status page: 15 minutes of ingest and serve rates, the last 20 batches.
+
+Owns: an in-memory ring of 10-second buckets (rows ingested, groups and items served) and the
+last batches a poll sent (groups, items, bytes, build and send time). The loop records ingest,
+serving records each batch; the status page reads a snapshot. Nothing here is durable (a restart
+starts an empty history) and nothing does I/O: every critical section is a few additions.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Callable
+
+BUCKET_S = 10.0
+WINDOW_S = 15 * 60.0
+BATCHES_KEPT = 20
+
+
+class _Bucket:
+    __slots__ = ("index", "rows", "groups", "items")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.rows = 0
+        self.groups = 0
+        self.items = 0
+
+
+class History:
+    """Per-10-second counters over the last 15 minutes and the last 20 batches (thread-safe)."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._buckets: collections.deque[_Bucket] = collections.deque(maxlen=int(WINDOW_S / BUCKET_S))
+        self._batches: collections.deque[dict[str, Any]] = collections.deque(maxlen=BATCHES_KEPT)
+
+    def _bucket(self, now: float) -> _Bucket:
+        """(Lock held.) The bucket of ``now``, appended when it is a new one."""
+        index = int(now // BUCKET_S)
+        if not self._buckets or self._buckets[-1].index != index:
+            self._buckets.append(_Bucket(index))
+        return self._buckets[-1]
+
+    def ingested(self, rows: int) -> None:
+        """Rows the loop read (one call per read, never per row)."""
+        now = self.clock()
+        with self._lock:
+            self._bucket(now).rows += rows
+
+    def batch(self, batch_id: str, *, groups: int, items: int, n_bytes: int, build_s: float) -> dict[str, Any]:
+        """A batch was recorded and is about to be sent; returns its entry for :meth:`sent`."""
+        now = self.clock()
+        entry = {"batch_id": batch_id, "at": time.time(), "groups": groups, "items": items, "bytes": n_bytes,
+                 "build_s": round(build_s, 6), "send_s": None, "_t": now}
+        with self._lock:
+            b = self._bucket(now)
+            b.groups += groups
+            b.items += items
+            self._batches.append(entry)
+        return entry
+
+    def sent(self, entry: dict[str, Any]) -> None:
+        """The batch's response was sent (or abandoned): its send time is now known."""
+        took = self.clock() - entry["_t"]
+        with self._lock:
+            entry["send_s"] = round(took, 6)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Rates per bucket, oldest first, over the whole window (empty buckets are zeros), and the
+        last batches, newest first."""
+        now = self.clock()
+        with self._lock:
+            by_index = {b.index: (b.rows, b.groups, b.items) for b in self._buckets}
+            batches = [{k: v for k, v in e.items() if k != "_t"} for e in reversed(self._batches)]
+        last = int(now // BUCKET_S)
+        n = int(WINDOW_S / BUCKET_S)
+        series: dict[str, list[float]] = {"ingest_rows_per_s": [], "served_groups_per_s": [], "served_items_per_s": []}
+        for index in range(last - n + 1, last + 1):
+            rows, groups, items = by_index.get(index, (0, 0, 0))
+            # the current bucket is partial: its rate is over the seconds it has run
+            span = (now - index * BUCKET_S) if index == last else BUCKET_S
+            span = max(span, 1.0)
+            series["ingest_rows_per_s"].append(round(rows / span, 3))
+            series["served_groups_per_s"].append(round(groups / span, 3))
+            series["served_items_per_s"].append(round(items / span, 3))
+        return {"bucket_s": BUCKET_S, "window_s": WINDOW_S, "rates": series, "batches": batches}

@@ -1,0 +1,193 @@
+"""``rollout-buffer export`` and its reverse, ``simulate --from-export``, on SQLite and Postgres.
+
+A job with served groups (one with an incomplete session), a TTL drop, a malformed row (its group
+dropped), a row without a group (rejected) and a late row is served to a trainer through the API
+while the service runs; the export (the real command, plain and gzip; and in small pages in
+process) is checked record by record against the database, and its served items against what the
+trainer received. The round trip writes an export back into a new job and drains it.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import Writer, groups_of, wait_until
+from rollout_buffer import export as export_mod
+from rollout_buffer.db import connect
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = "exp-job"
+
+
+@pytest.fixture
+def harness(db_url, harness_factory):
+    """The service, with a TTL short enough to drop the incomplete group during the test."""
+    return harness_factory(db_url, ttl_s=1.5)
+
+
+def _job(harness, writer: Writer) -> dict[str, list[dict]]:
+    """Write and serve the job; returns the trainer's items by group."""
+    harness.start(k=2, job=JOB)
+    writer.job = JOB
+    writer.group("g-served-a", 2, steps=3)
+    writer.group("g-served-b", 3, steps=2, complete=2)  # its third session is incomplete
+    writer.group("g-ttl", 2, steps=2, complete=1)
+    bad = writer.group("g-bad", 2, steps=2)
+    writer.step("g-bad", bad[0], 3, messages="{not json", completed=False)
+    writer.step(None, "orphan-session", 1, completed=True, step_reward=0.3)
+    got: dict[str, list[dict]] = {}
+    doc = harness.poll(request_id=uuid.uuid4().hex)
+    got.update(groups_of(doc))
+    writer.step("g-served-a", "late-session", 1, completed=True)  # after its group was served
+    wait_until(lambda: harness.stats()["groups"]["dropped"].get("incomplete_group_ttl") == 1, 10, "the TTL drop")
+    harness.settle()
+    s = harness.stats()
+    assert sorted(got) == ["g-served-a", "g-served-b"]
+    assert s["groups"]["dropped"] == {"incomplete_group_ttl": 1, "malformed_row": 1}, s
+    assert s["rows"]["rejected"] == {"missing_group_id": 1, "invalid_json_messages": 1}, s
+    assert s["rows"]["dropped"]["late_rows_from_served_groups"] == 1, s
+    return got
+
+
+def _export_cli(db_url: str, out: Path, what: str = "all") -> list[dict]:
+    r = subprocess.run([sys.executable, "-m", "rollout_buffer", "export", "--db", db_url, "--job", JOB,
+                        "--out", str(out), "--what", what], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "exported" in r.stdout and "export [" in r.stderr  # the progress line, also off a terminal
+    assert not Path(str(out) + ".partial").exists()
+    return list(export_mod.read_export(str(out)))
+
+
+def _check_against_db(db_url: str, records: list[dict], trainer: dict[str, list[dict]]) -> None:
+    """Every record holds what the database holds, and served items are what the trainer got."""
+    db = connect(db_url)
+    try:
+        groups = {r["group_id"]: r for r in db.fetchall(
+            "SELECT * FROM rollout_buffer_groups WHERE job_id = ?", (JOB,))}
+        accounted = {int(r["step_pk"]): r for r in db.fetchall(
+            "SELECT * FROM rollout_buffer_rows WHERE job_id = ?", (JOB,))}
+        steps = {int(r["id"]): r for r in db.fetchall("SELECT * FROM session_steps WHERE job_id = ?", (JOB,))}
+    finally:
+        db.close()
+    by_group = {r["group_id"]: r for r in records}
+    orphans = [r for r in records if r["group_id"] is None]
+    assert set(by_group) - {None} == set(groups)
+    assert len(orphans) == sum(1 for r in accounted.values() if r["group_id"] is None) == 1
+    seen_pks: set[int] = set()
+    for rec in records:
+        assert rec["job_id"] == JOB and rec["missing_step_pks"] == []
+        pks = [st["step_pk"] for s in rec["sessions"] for st in s["steps"]]
+        seen_pks.update(pks)
+        if rec["group_id"] is None:
+            row = accounted[pks[0]]
+            assert (rec["status"], rec["reason"], rec["decided_at"]) == ("rejected", row["reason"], row["recorded_at"])
+            assert rec["sessions"][0]["steps"][0]["outcome"] == "rejected"
+            continue
+        g = groups[rec["group_id"]]
+        assert (rec["status"], rec["reason"], rec["batch_id"], rec["decided_at"]) == (
+            g["status"], g["reason"], g["batch_id"], g["resolved_at"])
+        mine = {pk for pk, r in accounted.items() if r["group_id"] == rec["group_id"]}
+        assert sorted(pks) == sorted({int(p) for p in g["pks"].split(",")} | mine)
+        for s in rec["sessions"]:
+            done = [st for st in s["steps"] if st["completed"]]
+            assert s["terminal_reward"] == (done[-1]["step_reward"] if done else None)
+            for st in s["steps"]:
+                row = steps[st["step_pk"]]
+                assert (s["session_id"], st["step_id"], st["response"], st["step_reward"], st["env_state"]) == (
+                    row["session_id"], row["step_id"], row["response"], row["step_reward"], row["env_state"])
+                if st["messages"] is None:
+                    assert st["messages_text"] == row["messages"] == "{not json"
+                    assert (st["outcome"], st["reason"]) == ("rejected", "invalid_json_messages")
+                else:
+                    assert st["messages"] == json.loads(row["messages"])
+                if st["step_pk"] in accounted and accounted[st["step_pk"]]["outcome"] == "dropped":
+                    assert st["reason"] == "late_rows_from_served_groups"
+                assert st["weight_version"] == json.loads(row["env_state"])["weight_version"]
+        if rec["status"] == "served":
+            assert rec["uids"] == "as_served"
+            assert rec["items"] == trainer[rec["group_id"]]  # same uids, same everything
+        else:
+            assert "items" not in rec
+    assert seen_pks == set(steps), "every row of the job is in the export"
+    ttl = by_group["g-ttl"]
+    assert ttl["reason"] == "incomplete_group_ttl" and [s["completed"] for s in ttl["sessions"]] == [True, False]
+    served_b = by_group["g-served-b"]
+    assert sorted(st["reason"] or "" for s in served_b["sessions"] for st in s["steps"]) == [
+        "", "", "", "", "incomplete_session_in_served_group", "incomplete_session_in_served_group"]
+
+
+def test_export_of_served_dropped_and_rejected_rows(harness, writer, db_url, tmp_path):
+    trainer = _job(harness, writer)
+    plain = _export_cli(db_url, tmp_path / "job.jsonl")
+    gz = _export_cli(db_url, tmp_path / "job.jsonl.gz")
+    assert gzip.open(tmp_path / "job.jsonl.gz").read() == (tmp_path / "job.jsonl").read_bytes()
+    assert plain == gz
+    assert [r["group_id"] for r in plain] == ["g-bad", "g-served-a", "g-served-b", "g-ttl", None]
+    _check_against_db(db_url, plain, trainer)
+    served = _export_cli(db_url, tmp_path / "served.jsonl", "served")
+    assert [r["group_id"] for r in served] == ["g-served-a", "g-served-b"]
+    dropped = _export_cli(db_url, tmp_path / "dropped.jsonl", "dropped")
+    assert [r["group_id"] for r in dropped] == ["g-bad", "g-ttl", None]
+
+
+def test_export_pages_merge_in_constant_memory(harness, writer, db_url, tmp_path, monkeypatch):
+    # pages of 2 make every keyset page boundary and the groups/rows merge run
+    trainer = _job(harness, writer)
+    monkeypatch.setattr(export_mod, "PAGE", 2)
+    db = connect(db_url)
+    try:
+        summary = export_mod.export(db, db, JOB, str(tmp_path / "p.jsonl"))
+    finally:
+        db.close()
+    records = list(export_mod.read_export(str(tmp_path / "p.jsonl")))
+    assert summary.records == len(records) == 5
+    _check_against_db(db_url, records, trainer)
+
+
+def test_export_of_an_unknown_job_names_the_known_ones(harness, writer, db_url, tmp_path):
+    _job(harness, writer)
+    r = subprocess.run([sys.executable, "-m", "rollout_buffer", "export", "--db", db_url, "--job", "nope",
+                        "--out", str(tmp_path / "x.jsonl")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "no job 'nope'" in r.stderr and JOB in r.stderr
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+def _session_shapes(items: list[dict]) -> list[tuple]:
+    """A group's sessions without their ids: (terminal reward, [(step, messages, response)...])."""
+    by: dict[str, list[dict]] = {}
+    for it in items:
+        by.setdefault(it["extra_info"]["session_id"], []).append(it)
+    return sorted((its[0]["reward"], [(i["extra_info"]["steps"], json.dumps(i["messages"]),
+                                       i["extra_info"]["step_reward"], i["extra_info"]["truncated"]) for i in its])
+                  for its in by.values())
+
+
+def test_round_trip_export_replay_drain(harness, writer, db_url, tmp_path):
+    trainer = _job(harness, writer)
+    out = tmp_path / "all.jsonl.gz"
+    _export_cli(db_url, out)
+    r = subprocess.run([sys.executable, "-m", "rollout_buffer.simulate", "--from-export", str(out),
+                        "--db-path", db_url, "--job-id", "replayed", "--pace", "0"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.splitlines()[-1][len("SIMULATE "):])
+    assert summary["records"] == 5 and summary["groups"] == 4
+    harness.start(k=2, job="replayed")
+    again: dict[str, list[dict]] = {}
+    for _ in range(5):
+        doc = harness.poll()
+        if doc["success"]:
+            again.update(groups_of(doc))
+    assert sorted(again) == sorted(trainer)
+    for gid, items in trainer.items():
+        assert _session_shapes(again[gid]) == _session_shapes(items)
+    s = harness.stats()
+    # the malformed row is malformed again, the row without a group rejected again
+    assert s["rows"]["rejected"] == {"missing_group_id": 1, "invalid_json_messages": 1}, s
+    assert s["groups"]["dropped"].get("malformed_row") == 1, s
