@@ -4,7 +4,7 @@ Owns: the export format (README "Export format", one record per line) and stream
 record per decided group (served or dropped), plus one per rejected row that has no usable group;
 each carries its sessions and their steps as the launcher wrote them, every row with its outcome
 and reason, and for a served group its items exactly as the trainer got them: rebuilt from the
-immutable rows with the batch's uid seed, as a replayed poll is (``serving.take_from_rows`` then
+immutable rows with the batch's uid seed, as a replayed poll is (``fetch.take_from_rows`` then
 ``items.build_group``), so the uids are the same.
 
 Memory is constant in the job's size: decided groups and the rows accounted one by one are read
@@ -33,7 +33,7 @@ from .items import (COMPLETED, CREATED, ENV_STATE, GID, MESSAGES, RESPONSE, SID,
                     Malformed, build_group, epoch, weight_version)
 from .model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
 from .progress import Progress, bar
-from .serving import take_from_rows
+from .fetch import take_from_rows
 
 WHAT = ("served", "dropped", "all")
 PAGE = 500

@@ -34,7 +34,8 @@ from .loop import Health, Loop
 from .model import LauncherState
 from .notifications import Outbox
 from .proxy import ProxyNotifier
-from .serving import Body, Serving
+from .items import Body
+from .serving import Serving
 from .supervisor import LaunchSpec, Supervisor
 
 logger = logging.getLogger(__name__)
