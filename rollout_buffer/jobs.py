@@ -7,6 +7,7 @@ and it does not run the loop: callers hold the tick and serve locks while it swa
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Callable
@@ -15,6 +16,7 @@ from . import queries as q
 from .accumulator import Accumulator
 from .config import Config
 from .db import Database, redact
+from .errors import StorageError
 from .model import JOB_ENDED, RESTART_TRAINING, Decisions, Drop
 from .notifications import Outbox
 from .reader import Accounted, Reader
@@ -41,6 +43,20 @@ class JobState:
         self.cursor_saved_at = 0.0
         self.saved_cursor: tuple[int, int] | None = None
         self.saved_marker: tuple[int, int] | None = None
+
+
+    def stats(self, src: Database | None) -> dict:
+        """The job's accounting and gauges for /stats; ``src`` (if given) for the lag (rows not read yet)."""
+        s = self.acc.stats()
+        s["cursor"] = self.reader.cursor
+        s["floor_pk"] = self.floor_pk
+        s["lag_rows"] = None
+        if src is not None:
+            with contextlib.suppress(StorageError):
+                s["lag_rows"] = int(src.scalar(q.COUNT_AFTER, (self.job_id, self.reader.max_seen)) or 0)
+        r = s["rows"]
+        s["accounting_balanced"] = r["read"] == r["served"] + r["dropped_total"] + r["rejected_total"] + r["pending"]
+        return s
 
 
 class Jobs:

@@ -16,7 +16,7 @@ from typing import Any
 
 from .config import Config
 from .db import redact
-from .errors import ApiError
+from .errors import ApiError, StorageError
 from .model import LauncherState
 from .store import LauncherRecord, Store
 from .supervisor import LaunchSpec, LauncherError, Supervisor, shown
@@ -178,6 +178,22 @@ class Launcher:
             if kind == "exited" and ev.get("exit_code") not in (0, None) and not ev.get("stopped_by"):
                 logger.error("launcher of job %s exited with code %s (log: %s)", job_id, ev.get("exit_code"),
                              state.get("log_path"))
+
+    def stop_for_shutdown(self, conns: Any, job_id: str | None) -> None:
+        """The service shuts down: stop the launcher (TERM, grace, KILL) and record it, unless
+        another instance has adopted it meanwhile (a rolling update): then it is not ours to kill."""
+        store, elsewhere = None, False
+        with contextlib.suppress(StorageError):
+            store = conns.get().store
+            elsewhere = job_id is not None and self.owned_elsewhere(store, job_id)
+        if elsewhere:
+            logger.warning("not stopping launcher pid %s of job %s: another instance adopted it",
+                           self.supervisor.state()["pid"], job_id)
+            return
+        self.supervisor.stop("shutdown")
+        if job_id is not None and store is not None:
+            with contextlib.suppress(StorageError):
+                self.record(store, job_id, LauncherState.STOPPED_SHUTDOWN)
 
     def finished(self) -> bool:
         """The launcher has ended and will not be restarted (a shutdown of ours does not count)."""

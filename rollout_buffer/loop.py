@@ -169,6 +169,13 @@ class Loop:
         """A tick older than this means the loop is stuck (a hung statement, a dead thread)."""
         return max(10.0, 5 * self.config.ingest_interval_s)
 
+    def stuck(self) -> str | None:
+        """Why the loop looks stuck, or None."""
+        age = self.tick_age()
+        if age <= self.stale_after:
+            return None
+        return f"the background loop has not completed a tick for {age:.0f} s (a statement may be stuck on a lock)"
+
     @property
     def alive(self) -> bool:
         """True while the loop thread runs."""

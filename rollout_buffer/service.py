@@ -22,19 +22,17 @@ import time
 import uuid
 from typing import Any, Callable
 
-from . import queries as q
 from .config import Config
 from .connections import LazyPair, state_connection
 from .db import redact
 from .errors import ApiError, ClosedError, StorageError
 from .history import History
+from .items import Body
 from .jobs import JobState, Jobs
 from .launcher import Launcher, launch_spec
 from .loop import Health, Loop
-from .model import LauncherState
 from .notifications import Outbox
 from .proxy import ProxyNotifier
-from .items import Body
 from .serving import Serving
 from .supervisor import LaunchSpec, Supervisor
 
@@ -57,7 +55,7 @@ class Service:
             backoff_s=config.restart_backoff_s, stop_grace_s=config.stop_grace_s)
         self.notifier = ProxyNotifier(
             base_url=config.proxy_url, connect_timeout=config.proxy_connect_timeout_s,
-            read_timeout=config.proxy_read_timeout_s, on_delivered=self._on_delivered)
+            read_timeout=config.proxy_read_timeout_s, on_delivered=lambda *a: self.outbox.on_delivered(*a))
         self.outbox = Outbox(self.notifier, lambda: state_connection(config))
         self.jobs = Jobs(config, self.outbox, clock=clock)
         self.health_state = Health(config, clock)
@@ -71,9 +69,6 @@ class Service:
                                health=self.health_state, serve_lock=serve_lock, history=self.history)
         self._started = False
         self._closed = False
-
-    def _on_delivered(self, *args: Any) -> None:
-        self.outbox.on_delivered(*args)
 
     @property
     def current(self) -> JobState | None:
@@ -102,19 +97,7 @@ class Service:
         js = self.jobs.current
         if self.supervisor.state()["running"]:
             with LazyPair(self.config) as conns:
-                store, elsewhere = None, False
-                with contextlib.suppress(StorageError):
-                    store = conns.get().store
-                    elsewhere = js is not None and self.launcher.owned_elsewhere(store, js.job_id)
-                if elsewhere:
-                    # a second instance (a rolling update) adopted it: its launcher now, not ours to kill
-                    logger.warning("not stopping launcher pid %s of job %s: another instance adopted it",
-                                   self.supervisor.state()["pid"], js.job_id)
-                else:
-                    self.supervisor.stop("shutdown")
-                    if js is not None and store is not None:
-                        with contextlib.suppress(StorageError):
-                            self.launcher.record(store, js.job_id, LauncherState.STOPPED_SHUTDOWN)
+                self.launcher.stop_for_shutdown(conns, js.job_id if js else None)
         self.notifier.stop()
         logger.info("rollout-buffer service stopped")
 
@@ -226,14 +209,10 @@ class Service:
     def health(self) -> dict[str, Any]:
         """What GET /health reports (no database access)."""
         js = self.jobs.current
-        problem = self.health_state.problem()
-        age = self.loop.tick_age()
-        if problem is None and self._started and age > self.loop.stale_after:
-            problem = (f"the background loop has not completed a tick for {age:.0f} s (a statement may be stuck "
-                       "on a lock in the database)")
+        problem = self.health_state.problem() or (self.loop.stuck() if self._started else None)
         return {
             "status": "healthy" if problem is None else "degraded",
-            "last_tick_age_s": round(age, 3),
+            "last_tick_age_s": round(self.loop.tick_age(), 3),
             "aievobox_running": bool(self.supervisor.state()["running"]),
             "data_manager_initialized": js is not None,
             "job_session": js.job_id if js else None,
@@ -257,23 +236,6 @@ class Service:
                                "database": "ok" if problem is None else problem,
                                "polls": {**{k: polls[k] for k in ("count", "with_data", "seconds_total")},
                                          "waiting": self.serving.waiting_polls}}
-        if js is None:
-            return out
-        s = js.acc.stats()
-        s["cursor"] = js.reader.cursor
-        s["floor_pk"] = js.floor_pk
-        lag = None
-        if conns is not None:
-            with contextlib.suppress(StorageError):
-                lag = lag_rows(conns.get().src, js)
-        s["lag_rows"] = lag
-        r = s["rows"]
-        s["accounting_balanced"] = r["read"] == r["served"] + r["dropped_total"] + r["rejected_total"] + r["pending"]
-        out.update(s)
+        if js is not None:
+            out.update(js.stats(conns.get().src if conns is not None else None))
         return out
-
-
-
-def lag_rows(src: Any, js: JobState) -> int:
-    """Trainable rows of the job written but not read yet."""
-    return int(src.scalar(q.COUNT_AFTER, (js.job_id, js.reader.max_seen)) or 0)
