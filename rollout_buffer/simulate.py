@@ -55,49 +55,27 @@ from typing import Any, Sequence
 from . import db as dbmod
 from .errors import IntegrityError, RolloutBufferError, StorageError
 from .queries import INSERT_ENV, INSERT_STEP, LAUNCHER_DDL
+from .workload import LLM_MODEL, SYSTEM_PROMPTS, Group, Session, Text
 
-ENV_NAMES = ("alfworld", "webshop", "sokoban", "math500", "textcraft", "osgym")
-LLM_MODEL = "simulated"
-SYSTEM_PROMPTS = {
-    name: f"You are an agent acting in the {name} environment. Think step by step, then "
-          f"reply with exactly one action in the form 'Action: <command>'."
-    for name in ENV_NAMES
-}
 WEIGHT_VERSION_EVERY = 50      # weight_version = rows written // this
 WRITE_ATTEMPTS = 6             # tries per write on StorageError (database locked, connection lost)
 SLEEP_SLICE_S = 0.05           # granularity of the --pace sleep, so SIGTERM is seen promptly
 
-_VOCAB = ("the a to of and you see go take open room door key box table north south east west "
-          "drawer shelf apple knife lamp put on in with from item price buy search click back "
-          "next answer compute sum value step check look inventory café naïve 数据 环境 → —").split()
 
 
-def _nonneg_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+def _bounded(kind: type, lo: float, hi: float | None = None) -> Any:
+    """An argparse type: a number of ``kind`` within [lo, hi]."""
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not (value >= lo and (hi is None or value <= hi)):
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} "
+                                             f">= {lo:g}{'' if hi is None else f' and <= {hi:g}'}, got {text!r}")
+        return value
+    return parse
 
 
-def _pos_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
-def _rate(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction within [0, 1], got {text!r}")
-    return value
-
-
-def _nonneg_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0.0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
+_nonneg_int, _pos_int = _bounded(int, 0), _bounded(int, 1)
+_rate, _nonneg_float = _bounded(float, 0.0, 1.0), _bounded(float, 0.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,59 +123,12 @@ def normalise_url(db_path: str, storage_type: str | None) -> str:
         kind = "sqlite" if db_path.startswith("sqlite://") else "postgres"
         if storage_type and storage_type.replace("postgresql", "postgres") != kind:
             print(f"simulate: warning: --storage-type {storage_type} disagrees with --db-path "
-                  f"({kind}); using {kind}", file=sys.stderr, flush=True)
+                  f"({kind}); using {kind}", file=sys.stderr, flush=True)  # never the URL: it may hold a password
         return db_path
     if storage_type in ("postgres", "postgresql"):
-        raise SystemExit(f"simulate: --db-path {db_path!r} is not a postgresql:// URL "
+        raise SystemExit(f"simulate: --db-path {dbmod.redact(db_path)!r} is not a postgresql:// URL "
                          "but --storage-type is postgres")
     return "sqlite://" + os.path.abspath(db_path)
-
-
-class Text:
-    """Cheap pseudo-natural text from a seeded generator."""
-
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-
-    def words(self, n_bytes: float) -> str:
-        rng, out, size = self.rng, [], 0
-        target = max(1, int(n_bytes))
-        while size < target:
-            w = rng.choice(_VOCAB)
-            if rng.random() < 0.07:
-                w += "."
-            out.append(w)
-            size += len(w.encode()) + 1
-        return " ".join(out)
-
-
-class Session:
-    __slots__ = ("group", "session_id", "history", "step", "rows_planned", "completes",
-                 "truncated", "terminal_reward", "cum_reward")
-
-    def __init__(self, group: "Group", session_id: str) -> None:
-        self.group = group
-        self.session_id = session_id
-        self.history: list[dict[str, str]] = []
-        self.step = 0
-        self.rows_planned = 0
-        self.completes = True
-        self.truncated = False
-        self.terminal_reward = 0.0
-        self.cum_reward = 0.0
-
-
-class Group:
-    __slots__ = ("index", "task_idx", "env_name", "group_id", "task", "sessions", "completed")
-
-    def __init__(self, index: int, task_idx: int) -> None:
-        self.index = index
-        self.task_idx = task_idx
-        self.env_name = ENV_NAMES[task_idx % len(ENV_NAMES)]
-        self.group_id = str(uuid.uuid5(uuid.NAMESPACE_OID, f"{self.env_name}:{task_idx}"))
-        self.task = ""
-        self.sessions: list[Session] = []
-        self.completed = 0
 
 
 class Stop(Exception):
