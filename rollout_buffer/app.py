@@ -65,7 +65,8 @@ def create_app(config: Config | None = None, *, service: Service | None = None) 
             message = f"method {request.method} is not allowed on {request.path}"
         elif exc.code == 404:
             message = (f"no such endpoint: {request.path}; endpoints are POST /start_rollout, "
-                       "POST /get_rollout_data, POST /stop_rollout, GET /health, GET /stats, GET /metrics")
+                       "POST /get_rollout_data, POST /stop_rollout, GET /health, GET /stats, GET /metrics, "
+                       "GET / (the status page), GET /status")
         return error_response(exc.code or 500, message)
 
     @app.errorhandler(Exception)
