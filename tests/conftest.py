@@ -1,32 +1,14 @@
-"""Shared fixtures: scrubbed environment, a database per test on both backends, launcher-style rows.
-
-Postgres (``postgresql://root@127.0.0.1:5432/test`` unless ``ROLLOUT_BUFFER_TEST_PG`` names
-another) is probed once with a 2 s timeout. When no server answers, Postgres tests skip with a
-reason naming the DSN -- except when ``CI`` is set, where they fail: CI must run them.
-Each Postgres test gets a fresh schema, selected through the URL's ``options=-csearch_path``.
-"""
+"""Fixtures: a scrubbed environment, a database per test on both backends, a writer of launcher-style
+rows, a started service with its Flask test client. The helpers they use live in support.py."""
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import time
-import uuid
-from datetime import datetime, timezone
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
 
-from rollout_buffer import queries as q
-from rollout_buffer.app import create_app
-from rollout_buffer.config import Config
-from rollout_buffer.db import connect, create_launcher_tables
-
-PG_DSN = os.environ.get("ROLLOUT_BUFFER_TEST_PG", "postgresql://root@127.0.0.1:5432/test")
-SCRUB_PREFIXES = ("ROLLOUT_BUFFER_", "AIEVOBOX_", "AIEVOBOC_", "LLM_PROXY_")
-SCRUB_NAMES = ("STORAGE_TYPE", "BUFFER_SERVER_PORT", "RL_MODEL", "RL_EPOCH", "LLM_TEMPERATURE",
-               "WEB_CONCURRENCY", "GUNICORN_CMD_ARGS")
-_pg_state: dict[str, Any] = {}
+from rollout_buffer.runner import SCRUB_NAMES, SCRUB_PREFIXES
+from support import Harness, Writer, fresh_pg_schema, make_config, make_launcher_db, require_pg
 
 
 @pytest.fixture(autouse=True)
@@ -36,45 +18,6 @@ def _scrub_env(monkeypatch: pytest.MonkeyPatch) -> None:
             if name == "ROLLOUT_BUFFER_TEST_PG":
                 continue
             monkeypatch.delenv(name, raising=False)
-
-
-def pg_available() -> str | None:
-    """None when Postgres answers, else the reason."""
-    if "error" not in _pg_state:
-        try:
-            import psycopg
-
-            with psycopg.connect(PG_DSN, connect_timeout=2) as conn:
-                conn.execute("SELECT 1")
-            _pg_state["error"] = None
-        except Exception as exc:  # noqa: BLE001 - any failure means "not available"
-            _pg_state["error"] = f"{type(exc).__name__}: {exc}"
-    return _pg_state["error"]
-
-
-def require_pg() -> None:
-    err = pg_available()
-    if err is not None:
-        msg = f"Postgres at {PG_DSN} does not answer ({err})"
-        if os.environ.get("CI"):
-            pytest.fail(msg + "; CI must run the Postgres tests")
-        pytest.skip(msg)
-
-
-@contextlib.contextmanager
-def fresh_pg_schema() -> Iterator[str]:
-    """A new schema on the Postgres server (dropped on exit), as a URL whose search_path selects it."""
-    import psycopg
-
-    schema = "rbt_" + uuid.uuid4().hex[:16]
-    with psycopg.connect(PG_DSN, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    sep = "&" if "?" in PG_DSN else "?"
-    try:
-        yield f"{PG_DSN}{sep}options=-csearch_path%3D{schema}"
-    finally:
-        with psycopg.connect(PG_DSN, autocommit=True) as conn:
-            conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 @pytest.fixture
@@ -101,15 +44,6 @@ def db_url(request: pytest.FixtureRequest, tmp_path) -> str:
     return url
 
 
-def make_launcher_db(url: str) -> None:
-    """Create the launcher's tables, as the launcher itself would."""
-    db = connect(url)
-    try:
-        create_launcher_tables(db)
-    finally:
-        db.close()
-
-
 @pytest.fixture
 def lite_url(sqlite_url: str) -> str:
     """A SQLite launcher database with the launcher's tables (where the backend does not matter)."""
@@ -117,113 +51,11 @@ def lite_url(sqlite_url: str) -> str:
     return sqlite_url
 
 
-def now_text(offset_s: float = 0.0) -> str:
-    """created_at as the launcher writes it: tz-aware ISO text."""
-    return datetime.fromtimestamp(time.time() + offset_s, timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f+00:00")
-
-
-class Writer:
-    """Inserts rows into session_steps exactly as the launcher does (INSERT only)."""
-
-    def __init__(self, url: str, job: str = "job1") -> None:
-        self.url = url
-        self.job = job
-        self.db = connect(url)
-
-    def step(self, group: str | None, session: str, step_id: int, *, completed: bool = False,
-             step_reward: float = 0.0, truncated: bool = False, trainable: bool = True,
-             messages: Any = None, response: str | None = None, env_state: Any = "default",
-             job: str | None = None, created_at: str | None = None, reward: float = 0.0) -> int:
-        if messages is None:
-            messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": f"task {group}"}]
-            for i in range(1, step_id):
-                messages += [{"role": "assistant", "content": f"a{i}"}, {"role": "user", "content": f"o{i}"}]
-        if not isinstance(messages, str):
-            messages = json.dumps(messages, ensure_ascii=False)
-        if env_state == "default":
-            env_state = json.dumps({"weight_version": step_id})
-        elif env_state is not None and not isinstance(env_state, str):
-            env_state = json.dumps(env_state)
-        row = (session, step_id, "env", "model", group, job or self.job, messages,
-               response if response is not None else f"answer {session[:6]} {step_id}",
-               step_reward, reward, env_state, 1 if completed else 0, 1 if truncated else 0,
-               1 if completed else 0, 1 if trainable else 0, created_at or now_text())
-        self.db.execute(q.INSERT_STEP, row)
-        return int(self.db.scalar("SELECT MAX(id) FROM session_steps"))
-
-    def session(self, group: str, session: str, steps: int, *, reward: float = 0.5, complete: bool = True,
-                **kw: Any) -> list[int]:
-        """All rows of one session; the last one completed with the terminal reward."""
-        pks = []
-        for s in range(1, steps + 1):
-            last = s == steps
-            pks.append(self.step(group, session, s, completed=last and complete,
-                                 step_reward=reward if (last and complete) else 0.0, **kw))
-        return pks
-
-    def group(self, group: str, k: int, steps: int = 2, *, complete: int | None = None,
-              **kw: Any) -> list[str]:
-        """K sessions of a group, `complete` of them (default all) completing."""
-        sessions = [f"{group}-s{i}-{uuid.uuid4().hex[:8]}" for i in range(k)]
-        n_complete = k if complete is None else complete
-        for i, sid in enumerate(sessions):
-            self.session(group, sid, steps, reward=round(0.1 * (i + 1), 3), complete=i < n_complete, **kw)
-        return sessions
-
-    def close(self) -> None:
-        self.db.close()
-
-
 @pytest.fixture
 def writer(db_url: str) -> Iterator[Writer]:
     w = Writer(db_url)
     yield w
     w.close()
-
-
-def make_config(db_url: str, tmp_path, **overrides: Any) -> Config:
-    """A test Config: no launcher, logs in tmp_path, fast ingest."""
-    base: dict[str, Any] = dict(db_url=db_url, launcher="none", run_dir=str(tmp_path / "logs"),
-                                ingest_interval_s=0.02)
-    base.update(overrides)
-    return Config.from_env({}, **base)
-
-
-class Harness:
-    """A started service with its Flask test client."""
-
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.app = create_app(config)
-        self.service = self.app.extensions["rollout_buffer"]
-        self.client = self.app.test_client()
-        self.service.start()
-        assert self.service.wait_ready(15), "service did not bootstrap"
-
-    def start(self, k: int = 4, job: str = "job1", **kw: Any) -> dict:
-        body = {"num_repeat_per_sample": k, "job_session": job}
-        body.update(kw)
-        r = self.client.post("/start_rollout", json=body)
-        assert r.status_code == 200, r.get_json()
-        return r.get_json()
-
-    def settle(self) -> None:
-        """Run ingest ticks until the reader has caught up with what is written now."""
-        assert self.service.sync(10), "the background thread did not tick"
-
-    def poll(self, **body: Any) -> dict:
-        self.settle()
-        r = self.client.post("/get_rollout_data", json=body)
-        assert r.status_code == 200, r.get_data(as_text=True)[:500]
-        return r.get_json()
-
-    def stats(self) -> dict:
-        r = self.client.get("/stats")
-        assert r.status_code == 200
-        return r.get_json()
-
-    def stop(self) -> None:
-        self.service.stop()
 
 
 @pytest.fixture
@@ -243,30 +75,3 @@ def harness_factory(tmp_path) -> Iterator[Any]:
 @pytest.fixture
 def harness(db_url: str, harness_factory: Any) -> Harness:
     return harness_factory(db_url)
-
-
-def groups_of(doc: dict) -> dict[str, list[dict]]:
-    """Items of a /get_rollout_data response by instance_id."""
-    out: dict[str, list[dict]] = {}
-    for item in doc["data"]["data"]:
-        out.setdefault(item["instance_id"], []).append(item)
-    return out
-
-
-def assert_balanced(stats: dict) -> None:
-    r = stats["rows"]
-    assert r["read"] == r["served"] + r["dropped_total"] + r["rejected_total"] + r["pending"], r
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float = 5.0,
-               what: str | Callable[[], str] = "condition") -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            what = what() if callable(what) else what
-            pytest.fail(f"{what} not reached within {timeout} s (last value {value!r})")
-        time.sleep(0.02)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from conftest import Writer, assert_balanced, groups_of
+from support import Writer, assert_balanced, groups_of, now_text
 
 
 def test_complete_groups_are_served_whole_with_terminal_rewards(harness, writer):
@@ -376,7 +376,6 @@ def test_invalid_utf8_text_drops_its_group_instead_of_failing_every_poll(lite_ur
     """SQLite stores any bytes as TEXT; a strict decode would make every read touching the row fail."""
     import sqlite3
 
-    from conftest import Writer, now_text
     h = harness_factory(lite_url)
     h.start(k=1)
     w = Writer(lite_url)

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import requests
 
-from conftest import PG_DSN, Writer, make_launcher_db, wait_until
+from support import PG_DSN, Writer, make_launcher_db, wait_until
 from rollout_buffer.db import connect
 from rollout_buffer import procfs
 from servers import Server, log_tail

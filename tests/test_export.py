@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Writer, groups_of, wait_until
+from support import Writer, groups_of, wait_until
 from rollout_buffer import export as export_mod
 from rollout_buffer.db import connect
 

@@ -34,7 +34,7 @@ from typing import Any, Iterator
 import pytest
 import requests
 
-from conftest import Writer, groups_of, make_launcher_db, wait_until
+from support import Harness, Writer, groups_of, make_launcher_db, wait_until
 from rollout_buffer import db as db_mod
 from rollout_buffer.accumulator import Accumulator
 from rollout_buffer.config import Config
@@ -348,7 +348,6 @@ def test_batches_past_twice_the_replay_window_are_deleted_in_the_background(db_u
 def test_an_ended_job_is_purged_and_selecting_it_again_serves_only_new_groups(lite_url, harness_factory,
                                                                               monkeypatch, tmp_path):
     _fast_housekeeping(monkeypatch)
-    from conftest import Harness
     config = Config.from_env({"ROLLOUT_BUFFER_JOB_RETENTION_SECONDS": "1"}, db_url=lite_url, launcher="none",
                              run_dir=str(tmp_path / "logs"), ingest_interval_s=0.02)
     h = Harness(config)

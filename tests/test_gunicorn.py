@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import pytest
 import requests
 
-from conftest import Writer, make_launcher_db
+from support import Writer, make_launcher_db
 from rollout_buffer import procfs
 from servers import ROOT, free_port, log_tail, server_env
 

@@ -8,7 +8,7 @@ import uuid
 import psycopg
 import pytest
 
-from conftest import Writer, assert_balanced, groups_of, make_launcher_db, now_text
+from support import Writer, assert_balanced, groups_of, make_launcher_db, now_text
 from rollout_buffer import queries as q
 from rollout_buffer.db import connect, to_pyformat
 from rollout_buffer.errors import StorageError

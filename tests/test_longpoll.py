@@ -9,7 +9,7 @@ import time
 
 import requests
 
-from conftest import groups_of, wait_until
+from support import groups_of, wait_until
 from servers import Server
 
 

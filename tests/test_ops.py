@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import Writer
+from support import Writer
 from servers import serve
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 import pytest
 import requests
 
-from conftest import Writer
+from support import Writer
 from servers import serve
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from conftest import groups_of
+from support import groups_of
 from rollout_buffer import db as db_mod
 from rollout_buffer import connections as service_mod
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from conftest import PG_DSN, require_pg, wait_until
+from support import PG_DSN, require_pg, wait_until
 from rollout_buffer.db import redact
 from servers import Server
 

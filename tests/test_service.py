@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Harness, Writer, assert_balanced, groups_of, make_config, wait_until
+from support import Harness, Writer, assert_balanced, groups_of, make_config, wait_until
 from fakes.fake_proxy import FakeProxy, closed_port
 from rollout_buffer.config import Config
 from rollout_buffer import procfs
@@ -403,7 +403,7 @@ def test_misspelled_multiplier_is_read_with_a_warning(tmp_path, lite_url, caplog
 WRITING_LAUNCHER = """\
 import argparse, json, os, sys
 sys.path[:0] = [{repo!r}, {tests!r}]
-from conftest import Writer
+from support import Writer
 p = argparse.ArgumentParser()
 p.add_argument("--db-path"); p.add_argument("--job-id"); p.add_argument("--rl-group-size", type=int)
 p.add_argument("--out")

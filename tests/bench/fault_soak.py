@@ -22,7 +22,7 @@ TESTS = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(TESTS), str(TESTS.parent)]
 
 import faultlib  # noqa: E402 - after the path setup
-from conftest import fresh_pg_schema  # noqa: E402
+from support import fresh_pg_schema  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
