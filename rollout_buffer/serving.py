@@ -23,7 +23,7 @@ from typing import Any, Callable
 from .config import Config
 from .connections import LazyPair, Pair
 from .errors import ApiError, IntegrityError, StorageError
-from .fetch import fetch_takes
+from .fetch import FETCH_CHUNK, fetch_takes
 from .history import History
 from .items import Body, GroupItems, Malformed, build_group, empty_body, response_chunks
 from .replay import Replayer, RequestIds
@@ -211,34 +211,44 @@ class Serving:
                 if not takes:
                     break
                 taken.extend(takes)
-                rows, too_large, unreadable = self._fetch(pair, takes)
-                for i, t in enumerate(takes):
-                    if t.group_id in too_large:
-                        refused.append((t, GROUP_TOO_LARGE, {}))
-                        continue
-                    start = len(buf)
-                    try:
-                        if t.group_id in unreadable:
-                            raise unreadable[t.group_id]
-                        g = build_group(t, rows, seed, js.job_id, buf)
-                    except Malformed as exc:
-                        refused.append((t, MALFORMED, exc.bad))
-                        continue
-                    except Exception as exc:  # noqa: BLE001 - a poison pill must not block every poll
-                        del buf[start:]
-                        if self._failed(js, t, exc):
-                            refused.append((t, BUILD_FAILED, {}))
-                        else:
-                            retry.append(t)
-                        continue
-                    # the body is buf plus a head and a meta_info tail that lists the group ids
-                    meta_size += json_len(t.group_id) + 1
-                    if built and len(buf) + meta_size > budget:
-                        del buf[g.start:]  # does not fit: it stays ready for the next poll
-                        leftover = takes[i:]
-                        full = True
-                        break
-                    built.append((t, g))
+                # bodies are read a few hundred rows at a time (FETCH_CHUNK), as they are built, so
+                # a poll holds the rows of a few groups, not of every group it takes
+                i = 0
+                while i < len(takes) and not full:
+                    j, n = i, 0
+                    while j < len(takes) and (j == i or n + len(takes[j].served_pks) <= FETCH_CHUNK):
+                        n += len(takes[j].served_pks)
+                        j += 1
+                    rows, too_large, unreadable = self._fetch(pair, takes[i:j])
+                    for t in takes[i:j]:
+                        i += 1
+                        if t.group_id in too_large:
+                            refused.append((t, GROUP_TOO_LARGE, {}))
+                            continue
+                        start = len(buf)
+                        try:
+                            if t.group_id in unreadable:
+                                raise unreadable[t.group_id]
+                            g = build_group(t, rows, seed, js.job_id, buf)
+                        except Malformed as exc:
+                            refused.append((t, MALFORMED, exc.bad))
+                            continue
+                        except Exception as exc:  # noqa: BLE001 - a poison pill must not block every poll
+                            del buf[start:]
+                            if self._failed(js, t, exc):
+                                refused.append((t, BUILD_FAILED, {}))
+                            else:
+                                retry.append(t)
+                            continue
+                        # the body is buf plus a head and a meta_info tail that lists the group ids
+                        meta_size += json_len(t.group_id) + 1
+                        if built and len(buf) + meta_size > budget:
+                            del buf[g.start:]  # does not fit: it stays ready for the next poll
+                            leftover = takes[i - 1:]
+                            full = True
+                            break
+                        built.append((t, g))
+                    del rows
         except BaseException:
             js.acc.release(taken)
             raise
