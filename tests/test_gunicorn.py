@@ -22,6 +22,7 @@ import requests
 
 from support import Writer, make_launcher_db
 from rollout_buffer import procfs
+from rollout_buffer.runner import ServerProcess
 from servers import ROOT, free_port, log_tail, server_env
 
 pytestmark = pytest.mark.slow
@@ -57,51 +58,30 @@ def wait_until(predicate, timeout: float, what: str, log: Path | None = None) ->
 
 
 class Proc:
-    """A server subprocess in its own session; stopped with killpg TERM, wait, KILL."""
+    """A server subprocess in its own session (rollout_buffer.runner, as every real-server test and the
+    demo use), with pytest's failure on a server that does not come up."""
 
     def __init__(self, argv: Sequence[str], cwd: Path, env: dict[str, str], port: int, log: Path) -> None:
         self.argv = list(argv)
-        self.url = f"http://127.0.0.1:{port}"
         self.log = log
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(self.argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self._process = ServerProcess(port, env, log, cwd=cwd, argv=argv)
+        self.url = self._process.url
+        self._process.spawn()
+        self.proc = self._process.proc
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        last = "no answer"
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                last = f"exited with code {self.proc.returncode}"
-                break
-            try:
-                r = requests.get(self.url + "/health", timeout=(1, 2))
-                if r.status_code == 200:
-                    return
-                last = f"HTTP {r.status_code}"
-            except requests.RequestException as exc:
-                last = type(exc).__name__
-            time.sleep(0.05)
-        self.stop()
-        pytest.fail(f"{self.argv} did not serve /health on {self.url}: {last}\n--- {self.log} ---\n"
-                    f"{log_tail(self.log)}")
+        problem = self._process.wait_healthy(timeout)
+        if problem is not None:
+            self.stop()
+            pytest.fail(f"{self.argv} did not serve /health on {self.url}: {problem}\n--- {self.log} ---\n"
+                        f"{log_tail(self.log)}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
+        self._process.stop(wait_s=20)
 
 
 @contextlib.contextmanager
