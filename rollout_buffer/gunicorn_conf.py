@@ -22,7 +22,9 @@ _config = Config.from_env()
 wsgi_app = "rollout_buffer.app:create_app()"
 bind = [f"{_config.host}:{_config.port}"]
 workers = 1
-worker_class = "gthread"
+# gthread, with request heads read in the event loop so that stalled clients never hold a thread
+worker_class = "rollout_buffer.gunicorn_worker.HeadFirstWorker"
+WORKER_CLASS = worker_class
 threads = _config.threads
 preload_app = False
 max_requests = 0
@@ -45,8 +47,9 @@ def on_starting(server) -> None:
         problems.append(f"WEB_CONCURRENCY={web_concurrency}")
     if cfg.preload_app:
         problems.append("preload_app=True")
-    if cfg.worker_class_str != "gthread":
-        problems.append(f"worker_class={cfg.worker_class_str}")
+    if cfg.worker_class_str != WORKER_CLASS:
+        problems.append(f"worker_class={cfg.worker_class_str} (rollout-buffer runs {WORKER_CLASS}, a gthread "
+                        "worker that reads request heads without tying up a thread)")
     if cfg.max_requests:
         problems.append(f"max_requests={cfg.max_requests}")
     if problems:

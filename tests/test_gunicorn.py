@@ -150,7 +150,7 @@ def test_plain_gunicorn_from_the_repository_root_serves(tmp_path):
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(30) == 0
     text = (tmp_path / "gunicorn.log").read_text()
-    assert "Using worker: gthread" in text
+    assert "Using worker: rollout_buffer.gunicorn_worker.HeadFirstWorker" in text
     assert "rollout-buffer service started" in text and "rollout-buffer service stopped" in text
 
 
@@ -167,7 +167,7 @@ def test_rollout_buffer_serve_runs_gunicorn_with_our_settings(tmp_path):
         assert len(children_of(srv.pid)) == 1
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(30) == 0
-    assert "Using worker: gthread" in (tmp_path / "serve.log").read_text()
+    assert "Using worker: rollout_buffer.gunicorn_worker.HeadFirstWorker" in (tmp_path / "serve.log").read_text()
 
 
 # -- refusing settings that would split the state -----------------------------------------------------------
