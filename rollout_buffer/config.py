@@ -167,6 +167,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("ingest_batch", PREFIX + "INGEST_BATCH", 20000, _int(1), "rows per read"),
     Setting("db_unhealthy_after_s", PREFIX + "DB_UNHEALTHY_AFTER_SECONDS", 5.0, _float(0.0),
             "polls answer 503 once background reads have failed for this long"),
+    Setting("statement_timeout_s", PREFIX + "STATEMENT_TIMEOUT_SECONDS", 8.0, _float(0.0),
+            "Postgres statement_timeout of the service's connections (0 = none): a stuck statement fails "
+            "instead of hanging polls and the loop"),
+    Setting("lock_timeout_s", PREFIX + "LOCK_TIMEOUT_SECONDS", 2.0, _float(0.0),
+            "Postgres lock_timeout of the service's connections (0 = none): a table locked by ALTER TABLE, "
+            "VACUUM FULL or TRUNCATE answers 503 within seconds"),
     Setting("replay_retention_s", PREFIX + "REPLAY_RETENTION_SECONDS", 3600.0, _float(0.0),
             "how long a request_id can be replayed; afterwards it answers 410 (batches are deleted after twice this)"),
     Setting("job_retention_s", PREFIX + "JOB_RETENTION_SECONDS", 7 * 86400.0, _float(),
@@ -227,6 +233,8 @@ class Config:
     ingest_interval_s: float = 0.2
     ingest_batch: int = 20000
     db_unhealthy_after_s: float = 5.0
+    statement_timeout_s: float = 8.0
+    lock_timeout_s: float = 2.0
     replay_retention_s: float = 3600.0
     job_retention_s: float = 7 * 86400.0
     proxy_connect_timeout_s: float = 2.0

@@ -15,15 +15,21 @@ from .db import Database, connect
 from .store import Store
 
 
+def service_connect(config: Config, url: str) -> Database:
+    """A connection of the service itself: with its statement and lock timeouts."""
+    return connect(url, statement_timeout_s=config.statement_timeout_s, lock_timeout_s=config.lock_timeout_s,
+                   durable=True)
+
+
 class Pair:
     """A source and a state connection (one object when they share the database)."""
 
     def __init__(self, config: Config) -> None:
-        self.src = connect(config.db_url)
+        self.src = service_connect(config, config.db_url)
         self.st = self.src
         if config.state_db_url and config.state_db_url != config.db_url:
             try:
-                self.st = connect(config.state_db_url)
+                self.st = service_connect(config, config.state_db_url)
             except BaseException:
                 self.src.close()
                 raise
@@ -38,7 +44,7 @@ class Pair:
 @contextlib.contextmanager
 def state_connection(config: Config) -> Iterator[Database]:
     """The state database alone, for one short piece of work (the notifier thread)."""
-    db = connect(config.effective_state_db_url)
+    db = service_connect(config, config.effective_state_db_url)
     try:
         yield db
     finally:

@@ -62,12 +62,16 @@ def redact(text: str) -> str:
     return text
 
 
-def connect(url: str, *, readonly: bool = False) -> "Database":
-    """Open a connection for the calling thread."""
+def connect(url: str, *, readonly: bool = False, statement_timeout_s: float | None = None,
+            lock_timeout_s: float | None = None, durable: bool = False) -> "Database":
+    """Open a connection for the calling thread. The service passes statement and lock timeouts
+    (Postgres), so that a stuck statement or a table locked by someone else (ALTER TABLE, VACUUM
+    FULL, TRUNCATE) fails in seconds instead of hanging a poll or the loop. ``durable``: SQLite
+    commits survive a power loss too (synchronous=FULL), for the service's own few writes."""
     if url.startswith("sqlite://"):
-        return SqliteDatabase(url, readonly=readonly)
+        return SqliteDatabase(url, readonly=readonly, durable=durable)
     if url.startswith(("postgresql://", "postgres://")):
-        return PostgresDatabase(url)
+        return PostgresDatabase(url, statement_timeout_s=statement_timeout_s, lock_timeout_s=lock_timeout_s)
     raise ConfigError(f"unsupported database URL {url!r}: expected sqlite:///path or postgresql://...")
 
 
@@ -119,24 +123,33 @@ class Database:
         if seq:
             self._run(sql, seq, many=True)
 
+    def _fetch(self, cur: Any, how: str, sql: str) -> Any:
+        """cur.fetchall()/fetchone(): values are decoded here, so driver errors can happen here too."""
+        try:
+            return cur.fetchall() if how == "all" else cur.fetchone()
+        except self._driver_errors as exc:
+            raise StorageError(redact(f"{self.backend} error reading the results of {sql[:120]}: {exc}")) from exc
+
+    _driver_errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
+
     def rows(self, sql: str, params: Sequence[Any] = (), *, binary: bool = False) -> list[tuple]:
         """All result rows as tuples (the fast path); ``binary`` asks Postgres for binary results
         (bytea arrives as raw bytes instead of hex text)."""
         self._check()
-        return self._run(sql, params, binary=binary).fetchall()
+        return self._fetch(self._run(sql, params, binary=binary), "all", sql)
 
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         """All result rows as dicts keyed by column name."""
         self._check()
         cur = self._run(sql, params)
         names = [d[0] for d in cur.description]
-        return [dict(zip(names, row)) for row in cur.fetchall()]
+        return [dict(zip(names, row)) for row in self._fetch(cur, "all", sql)]
 
     def fetchone(self, sql: str, params: Sequence[Any] = ()) -> dict[str, Any] | None:
         """The first result row as a dict, or None."""
         self._check()
         cur = self._run(sql, params)
-        row = cur.fetchone()
+        row = self._fetch(cur, "one", sql)
         if row is None:
             return None
         return dict(zip([d[0] for d in cur.description], row))
@@ -144,7 +157,7 @@ class Database:
     def scalar(self, sql: str, params: Sequence[Any] = ()) -> Any:
         """The first column of the first row, or None."""
         self._check()
-        row = self._run(sql, params).fetchone()
+        row = self._fetch(self._run(sql, params), "one", sql)
         return None if row is None else row[0]
 
     @contextlib.contextmanager
@@ -206,7 +219,7 @@ class SqliteDatabase(Database):
 
     backend = "sqlite"
 
-    def __init__(self, url: str, *, readonly: bool = False) -> None:
+    def __init__(self, url: str, *, readonly: bool = False, durable: bool = False) -> None:
         super().__init__()
         self.url = url
         self.path = sqlite_path(url)
@@ -223,7 +236,9 @@ class SqliteDatabase(Database):
                 mode = self.conn.execute("PRAGMA journal_mode").fetchone()[0]
                 if mode != "wal":
                     self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA synchronous=NORMAL")
+            # NORMAL in WAL mode survives a crash of the process but not of the machine; the service's
+            # decisions must survive both (a batch the trainer has must stay recorded as served)
+            self.conn.execute("PRAGMA synchronous=FULL" if durable else "PRAGMA synchronous=NORMAL")
         except sqlite3.Error as exc:
             raise StorageError(f"cannot open SQLite database {self.path!r}: {exc}") from exc
 
@@ -259,6 +274,27 @@ def to_pyformat(sql: str) -> str:
     return sql.replace("?", "%s")
 
 
+def _tolerant_timestamps(conn: Any) -> None:
+    """Load a timestamp Python cannot hold ('infinity', a year after 9999) as its text instead of
+    failing the whole query: the row is then rejected by items.epoch (invalid_created_at) and only
+    its group is dropped, instead of every read that touches it failing for good."""
+    from psycopg.types import datetime as pgdt
+
+    def tolerant(base: type) -> type:
+        class Tolerant(base):  # type: ignore[misc, valid-type]
+            def load(self, data: Any) -> Any:
+                try:
+                    return super().load(data)
+                except Exception:  # noqa: BLE001 - DataError and friends: out of Python's range
+                    raw = bytes(data)
+                    return raw.decode("utf-8", "replace") if self.format == 0 else f"unrepresentable:{raw.hex()}"
+        return Tolerant
+
+    for name, oid in (("TimestamptzLoader", "timestamptz"), ("TimestamptzBinaryLoader", "timestamptz"),
+                      ("TimestampLoader", "timestamp"), ("TimestampBinaryLoader", "timestamp")):
+        conn.adapters.register_loader(oid, tolerant(getattr(pgdt, name)))
+
+
 class PostgresDatabase(Database):
     """psycopg 3 in autocommit mode; ``transaction()`` issues BEGIN / COMMIT / ROLLBACK."""
 
@@ -266,16 +302,29 @@ class PostgresDatabase(Database):
     _begin_read_sql = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
     _translated: dict[str, str] = {}
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, statement_timeout_s: float | None = None,
+                 lock_timeout_s: float | None = None) -> None:
         super().__init__()
         self.url = url
         try:
             import psycopg
+            from psycopg.conninfo import conninfo_to_dict
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise StorageError("Postgres needs psycopg 3: pip install 'psycopg[binary]'") from exc
         self._psycopg = psycopg
+        self._driver_errors = (psycopg.Error,)
         try:
-            self.conn = psycopg.connect(url, autocommit=True, connect_timeout=PG_CONNECT_TIMEOUT_S)
+            params = conninfo_to_dict(url)
+            # the timeouts go into the startup packet's options, next to any the URL carries
+            extra = [f"-c {name}={int(value * 1000)}" for name, value in
+                     (("statement_timeout", statement_timeout_s), ("lock_timeout", lock_timeout_s)) if value]
+            if extra:
+                params["options"] = " ".join(filter(None, [params.get("options"), *extra]))
+            # prepare_threshold=None: no server-side prepared statements, which break behind a
+            # transaction-pooling PgBouncer (the next transaction may land on another server connection)
+            self.conn = psycopg.connect(autocommit=True, connect_timeout=PG_CONNECT_TIMEOUT_S,
+                                        prepare_threshold=None, **params)
+            _tolerant_timestamps(self.conn)
         except psycopg.Error as exc:
             raise StorageError(redact(f"cannot connect to Postgres {self.safe_url}: {exc}")) from exc
 

@@ -1,0 +1,70 @@
+"""The DB-API shim against the real backends: timeouts, values the driver cannot decode, options."""
+from __future__ import annotations
+
+import time
+
+import psycopg
+import pytest
+
+from rollout_buffer.connections import service_connect
+from rollout_buffer.config import Config
+from rollout_buffer.db import connect
+from rollout_buffer.errors import StorageError
+from support import Writer, assert_balanced, groups_of, make_launcher_db
+
+
+def test_a_locked_table_fails_fast_instead_of_hanging(pg_url, tmp_path):
+    make_launcher_db(pg_url)
+    config = Config.from_env({}, db_url=pg_url, run_dir=str(tmp_path), lock_timeout_s=1.0, statement_timeout_s=3.0)
+    db = service_connect(config, pg_url)
+    assert db.scalar("SHOW lock_timeout") == "1s" and db.scalar("SHOW statement_timeout") == "3s"
+    assert db.scalar("SELECT COUNT(*) FROM session_steps") == 0  # the URL's search_path is kept
+    locker = psycopg.connect(pg_url, autocommit=False)
+    try:
+        locker.execute("LOCK TABLE session_steps IN ACCESS EXCLUSIVE MODE")
+        t0 = time.monotonic()
+        with pytest.raises(StorageError, match="lock timeout"):
+            db.rows("SELECT id FROM session_steps")
+        assert time.monotonic() - t0 < 3.0
+        with pytest.raises(StorageError, match="statement timeout"):
+            db.scalar("SELECT pg_sleep(10)")
+    finally:
+        locker.rollback()
+        locker.close()
+        db.close()
+    plain = connect(pg_url)  # without timeouts (the simulator, export): the server's defaults
+    try:
+        assert plain.scalar("SHOW lock_timeout") == "0"
+    finally:
+        plain.close()
+
+
+@pytest.mark.parametrize("created_at", ["infinity", "20000-01-01 00:00:00+00"])
+def test_a_timestamp_python_cannot_hold_drops_its_group_only(pg_url, harness_factory, created_at):
+    make_launcher_db(pg_url)
+    h = harness_factory(pg_url)
+    h.start(k=2)
+    w = Writer(pg_url)
+    try:
+        bad = w.group("bad", 2, steps=2)
+        w.step("bad", bad[0], 3, created_at=created_at)  # a row of a served session with that time
+        w.step("bad", bad[0], 4, completed=True, step_reward=0.7)
+        w.group("good", 2, steps=2)
+    finally:
+        w.close()
+    doc = h.poll()
+    assert list(groups_of(doc)) == ["good"]
+    s = h.stats()
+    assert s["rows"]["rejected"] == {"invalid_created_at": 1}
+    assert s["groups"]["dropped"] == {"malformed_row": 1}
+    assert_balanced(s)
+    assert h.poll()["success"] is False
+
+
+def test_sqlite_service_connections_are_durable(lite_url, tmp_path):
+    config = Config.from_env({}, db_url=lite_url, run_dir=str(tmp_path))
+    db = service_connect(config, lite_url)
+    try:
+        assert db.scalar("PRAGMA synchronous") == 2  # FULL
+    finally:
+        db.close()
