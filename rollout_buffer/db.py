@@ -19,7 +19,7 @@ import sqlite3
 import threading
 from typing import Any, Iterator, Sequence
 
-from .errors import ClosedError, ConfigError, IntegrityError, StorageError
+from .errors import ClosedError, ConfigError, DataError, IntegrityError, StorageError
 from .model import BadText
 
 logger = logging.getLogger(__name__)
@@ -128,7 +128,11 @@ class Database:
         try:
             return cur.fetchall() if how == "all" else cur.fetchone()
         except self._driver_errors as exc:
-            raise StorageError(redact(f"{self.backend} error reading the results of {sql[:120]}: {exc}")) from exc
+            kind = DataError if self._is_data_error(exc) else StorageError
+            raise kind(redact(f"{self.backend} error reading the results of {sql[:120]}: {exc}")) from exc
+
+    def _is_data_error(self, exc: BaseException) -> bool:
+        return False
 
     _driver_errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
 
@@ -348,10 +352,15 @@ class PostgresDatabase(Database):
         except psycopg.IntegrityError as exc:
             raise IntegrityError(f"{exc} (in: {sql[:120]})") from exc
         except psycopg.Error as exc:
-            raise StorageError(redact(f"Postgres error on {self.safe_url}: {exc} (in: {sql[:120]})")) from exc
+            kind = DataError if self._is_data_error(exc) else StorageError
+            raise kind(redact(f"Postgres error on {self.safe_url}: {exc} (in: {sql[:120]})")) from exc
 
     def _begin(self) -> None:
         self._run("BEGIN", ())
+
+    def _is_data_error(self, exc: BaseException) -> bool:
+        """SQLSTATE class 22 (data exception), e.g. a timestamp out of range while loading a row."""
+        return isinstance(exc, self._psycopg.DataError)
 
     def snapshot_horizon(self) -> tuple[int, int] | None:
         row = self.rows("SELECT pg_snapshot_xmin(pg_current_snapshot())::text, "

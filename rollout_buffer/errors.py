@@ -16,7 +16,19 @@ class ConfigError(RolloutBufferError):
 
 
 class StorageError(RolloutBufferError):
-    """The database could not be reached or refused a statement."""
+    """The database could not be reached or refused a statement.
+
+    ``about_data`` is True when the statement failed on a value it read (a driver or server data
+    error), not on the database being unreachable, locked or slow: only then can a retry with
+    other rows succeed."""
+
+    about_data = False
+
+
+class DataError(StorageError):
+    """A statement failed on a value it read (SQLSTATE class 22, or a value the driver cannot load)."""
+
+    about_data = True
 
 
 class IntegrityError(StorageError):

@@ -309,15 +309,16 @@ class Serving:
         try:
             rows, too_large = fetch_takes(pair.src, takes, cap)
             return rows, too_large, {}
-        except StorageError:
-            if not pair.src.answers():
+        except StorageError as exc:
+            # narrow only a failure about a value read; a locked, slow or lost database is a 503
+            if not exc.about_data or not pair.src.answers():
                 raise
         rows, too_large, unreadable = {}, set(), {}
         for t in takes:  # one group at a time, to find the poison
             try:
                 r, big = fetch_takes(pair.src, [t], cap)
             except StorageError as exc:
-                if not pair.src.answers():
+                if not exc.about_data or not pair.src.answers():
                     raise
                 unreadable[t.group_id] = exc
                 continue
