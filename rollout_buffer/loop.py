@@ -251,6 +251,7 @@ class Loop:
         if now - self._housekept_at < HOUSEKEEPING_S:
             return
         self._housekept_at = now
+        self.outbox.events.flush()  # the rate-limited log lines' summaries
         check_sequence(src)
         wall = time.time()
         store.prune_batches(wall - 2 * self.config.replay_retention_s)

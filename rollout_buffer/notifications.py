@@ -14,6 +14,7 @@ import threading
 from typing import Callable
 
 from .db import Database
+from .logconfig import EventLog
 from .errors import StorageError
 from .model import INCOMPLETE_IN_SERVED, REJECTED, Decisions, GroupKey, NotifyKey, RowKey
 from .proxy import ProxyNotifier
@@ -31,6 +32,7 @@ class Outbox:
         self._connect_state = connect_state
         self._lock = threading.Lock()
         self._queue: list[tuple[str, Decisions]] = []
+        self.events = EventLog(logger)  # per kind of event: the first line, then a summary a minute
 
     def act(self, store: Store, job_id: str, plan: Decisions) -> None:
         """Record the plan, then notify. On a storage error the plan is queued and the error raised."""
@@ -75,13 +77,13 @@ class Outbox:
         for d in plan.drops:
             if d.clear_sessions:
                 self.notifier.notify(d.reason, d.clear_sessions, [d.group_id], [GroupKey(job_id, d.group_id)])
-            logger.info("dropped group %s of job %s: %s (%d rows, %d sessions)", d.group_id, job_id,
-                        d.reason, len(d.pks), len(d.clear_sessions))
+            self.events.event(f"dropped group ({d.reason})", logging.INFO, "dropped group %s of job %s: %s (%d rows, "
+                         "%d sessions)", d.group_id, job_id, d.reason, len(d.pks), len(d.clear_sessions))
         by_reason: dict[str, tuple[set[str], set[str], list[NotifyKey]]] = {}
         for r in plan.rows:
             if r.outcome == REJECTED:
-                logger.warning("rejected row step_pk=%s of job %s (group %s): %s", r.step_pk, job_id,
-                               r.group_id, r.reason)
+                self.events.event(f"rejected row ({r.reason})", logging.WARNING, "rejected row step_pk=%s of job %s "
+                             "(group %s): %s", r.step_pk, job_id, r.group_id, r.reason)
             if r.session_id:
                 sessions, groups, keys = by_reason.setdefault(r.reason, (set(), set(), []))
                 sessions.add(r.session_id)
@@ -89,8 +91,8 @@ class Outbox:
                     groups.add(r.group_id)
                 keys.append(RowKey(job_id, r.step_pk))
         for reason, (sessions, groups, keys) in by_reason.items():
-            logger.warning("%d rows of job %s accounted as %s; clearing their %d sessions", len(keys), job_id,
-                           reason, len(sessions))
+            self.events.event(f"rows accounted as {reason}", logging.WARNING, "%d rows of job %s accounted as %s; "
+                         "clearing their %d sessions", len(keys), job_id, reason, len(sessions))
             self.notifier.notify(reason, sessions, groups, keys)
 
     def resend_unnotified(self, store: Store) -> None:

@@ -274,8 +274,7 @@ class Serving:
                                    n_bytes=plan.batch.n_bytes, build_s=time.perf_counter() - started)
         return Body(chunks, len(built), on_close=lambda: self.history.sent(entry))
 
-    @staticmethod
-    def _plan(job_id: str, seed: bytes, request_id: str | None, built: list[tuple[Take, GroupItems]],
+    def _plan(self, job_id: str, seed: bytes, request_id: str | None, built: list[tuple[Take, GroupItems]],
               refused: list[tuple[Take, str, dict[int, str]]]) -> Decisions:
         """The one decision of a poll: its batch, served groups, refused groups and their bad rows."""
         plan = Decisions()
@@ -287,8 +286,9 @@ class Serving:
         for t, reason, bad in refused:
             plan.drops.append(Drop(t.group_id, reason, [pk for pk in t.all_pks if pk not in bad], t.sessions))
             plan.rows.extend(RowEvent(pk, REJECTED, why, t.group_id, None) for pk, why in bad.items())
-            logger.warning("group %s of job %s dropped (%s)%s", t.group_id, job_id, reason,
-                           f": malformed rows {bad}" if bad else "")
+            self.outbox.events.event(f"group refused when served ({reason})", logging.WARNING,
+                                     "group %s of job %s dropped (%s)%s", t.group_id, job_id, reason,
+                                     f": malformed rows {bad}" if bad else "")
         return plan
 
     def _failed(self, js: JobState, t: Take, exc: Exception) -> bool:

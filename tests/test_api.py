@@ -559,3 +559,14 @@ def test_cross_site_browser_requests_are_refused_and_clients_are_not(harness):
                                                                       "Sec-Fetch-Site": "same-origin"})
     assert same.status_code == 200
     assert harness.client.post("/get_rollout_data", json={}).status_code == 200  # no headers: a trainer
+
+
+def test_a_flood_of_bad_rows_is_logged_per_kind_not_per_row(harness, writer, caplog):
+    harness.start(k=2)
+    for i in range(300):
+        writer.step(None, f"orphan-{i}", 1)  # no group_id: rejected one by one
+    with caplog.at_level(logging.INFO, logger="rollout_buffer"):
+        harness.settle()
+        assert harness.stats()["rows"]["rejected"] == {"missing_group_id": 300}
+    lines = [r for r in caplog.records if "rejected row" in r.getMessage()]
+    assert 1 <= len(lines) <= 3, [r.getMessage() for r in lines][:5]
