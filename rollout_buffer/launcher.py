@@ -96,6 +96,17 @@ class Launcher:
         s = self.supervisor.state()
         store.save_launcher(job_id, LauncherRecord(s["pid"], s["pgid"], s["start_ticks"], state), self.instance_id)
 
+    def preflight(self, job_id: str, k: int) -> None:
+        """A 500 now, before the job is switched, for a launcher that surely cannot start: the active
+        job and its pending and ready groups must not be given up for it."""
+        spec = launch_spec(self.config, job_id, k)
+        try:
+            self.supervisor.preflight(spec)
+        except LauncherError as exc:
+            logger.error("cannot start the launcher for job %s: %s", job_id, redact(str(exc)))
+            raise ApiError(500, f"the launcher could not be started: {redact(str(exc))}; the active job is "
+                           "unchanged", job_session=job_id, argv=shown(spec.argv)) from exc
+
     def start(self, store: Store, job_id: str, k: int) -> int:
         """Spawn the job's launcher and record it; a failure is a 500 that says why."""
         spec = launch_spec(self.config, job_id, k)

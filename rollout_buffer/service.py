@@ -160,6 +160,8 @@ class Service:
             return 200, {"message": "AIEvoBox is already running", "pid": launcher["pid"],
                          "job_session": js.job_id if js else None}
         job_id = job_session or uuid.uuid4().hex
+        if self.launcher.managed:
+            self.launcher.preflight(job_id, k)
         pair = conns.get()
         with self._locked(self._tick_lock, "the background loop"), self._locked(self._serve_lock, "a poll"):
             try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -262,12 +263,28 @@ class Supervisor:
 
     # -- internals (callers hold the lock unless noted) --------------------------------
 
-    def _spawn(self, spec: LaunchSpec) -> int:
-        """Start the process for ``spec`` and record it as running; return its pid."""
+    @staticmethod
+    def preflight(spec: LaunchSpec) -> None:
+        """Raise LauncherError for what would surely make the spawn fail (no argv, a missing cwd or
+        executable, a log directory that cannot be made), before anything else changes."""
         if not spec.argv:
             raise LauncherError("launcher argv is empty")
         if spec.cwd is not None and not os.path.isdir(spec.cwd):
             raise LauncherError(f"launcher cwd {spec.cwd!r} does not exist or is not a directory")
+        exe = spec.argv[0]
+        path = (spec.env or os.environ).get("PATH")
+        found = shutil.which(exe, path=path) if os.sep not in exe else (
+            exe if os.access(os.path.join(spec.cwd or "", exe), os.X_OK) else None)
+        if found is None:
+            raise LauncherError(f"cannot start launcher: executable {exe!r} not found or not executable")
+        try:
+            os.makedirs(os.path.dirname(spec.log_path) or ".", exist_ok=True)
+        except OSError as exc:
+            raise LauncherError(f"cannot create the launcher log directory for {spec.log_path!r}: {exc}") from exc
+
+    def _spawn(self, spec: LaunchSpec) -> int:
+        """Start the process for ``spec`` and record it as running; return its pid."""
+        self.preflight(spec)
         try:
             log_dir = os.path.dirname(spec.log_path)
             if log_dir:

@@ -647,3 +647,30 @@ def test_start_stop_twenty_times_leaks_no_threads_or_fds(db_url, tmp_path):
             f"open fds back to {len(base_fds)}; new: "
             f"{sorted(set(_fds().items()) - set(base_fds.items()))}"))
         assert len(proxy_sessions(proxy, "incomplete_session_in_served_group")) == 21
+
+
+def test_a_launcher_that_cannot_start_leaves_the_active_job_and_its_groups_alone(harness_factory, lite_url):
+    w = Writer(lite_url)
+    try:
+        h = harness_factory(lite_url, launcher_cmd=("/nonexistent/launcher", "--job", "{job_id}"))
+        r = h.client.post("/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "A"})
+        assert r.status_code == 500  # A's own launcher cannot start either: A is not selected
+        assert h.stats()["job_session"] is None
+        h2 = harness_factory(lite_url, launcher="none")
+        h2.start(k=2, job="A")
+        w.group("ready", 2, steps=1, job="A")
+        w.group("pending", 2, steps=1, complete=1, job="A")
+        h2.settle()
+        h2.stop()
+        h3 = harness_factory(lite_url, launcher_cmd=("/nonexistent/launcher", "--job", "{job_id}"))
+        assert h3.stats()["job_session"] == "A"  # resumed
+        r = h3.client.post("/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "B"})
+        assert r.status_code == 500, r.get_json()
+        body = r.get_json()
+        assert "could not be started" in body["error"] and "unchanged" in body["error"]
+        s = h3.stats()
+        assert s["job_session"] == "A" and s["groups"]["dropped_total"] == 0
+        assert list(groups_of(h3.poll())) == ["ready"]  # still servable
+        assert h3.stats()["groups"]["pending"] == 1
+    finally:
+        w.close()
