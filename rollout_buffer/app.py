@@ -7,6 +7,7 @@ from typing import Any
 from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
+from .api import bp
 from .config import Config
 from .errors import ApiError
 from .service import Service
@@ -46,8 +47,6 @@ def create_app(config: Config | None = None, *, service: Service | None = None) 
     app.config["MAX_CONTENT_LENGTH"] = service.config.max_request_bytes
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.extensions["rollout_buffer"] = service
-
-    from .api import bp
 
     app.register_blueprint(bp)
 

@@ -21,6 +21,7 @@ from typing import Any, Iterator, Sequence
 
 from .errors import ClosedError, ConfigError, DataError, IntegrityError, StorageError
 from .model import BadText
+from .queries import LAUNCHER_DDL
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +78,6 @@ def connect(url: str, *, readonly: bool = False, statement_timeout_s: float | No
 
 def create_launcher_tables(db: "Database") -> None:
     """Create the launcher's two tables and their indexes if they are missing (init-db, tests)."""
-    from .queries import LAUNCHER_DDL
-
     for ddl in LAUNCHER_DDL[db.backend]:
         db.execute(ddl)
 

@@ -27,7 +27,7 @@ from datetime import datetime
 from typing import IO, Any, Iterator, Sequence, TextIO
 
 from . import queries as q
-from .db import Database
+from .db import Database, connect
 from .errors import RolloutBufferError
 from .items import (COMPLETED, CREATED, ENV_STATE, GID, MESSAGES, RESPONSE, SID, STEP, STEP_REWARD, TRUNCATED,
                     Malformed, build_group, epoch, weight_version)
@@ -340,8 +340,6 @@ def read_export(path: str) -> Iterator[dict[str, Any]]:
 
 def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, what: str) -> int:
     """``rollout-buffer export``: the exit status (0 written, 1 database trouble, 2 bad arguments)."""
-    from .db import connect
-
     if what not in WHAT:
         print(f"rollout-buffer export: --what {what!r}: expected one of {', '.join(WHAT)}", file=sys.stderr)
         return 2

@@ -22,7 +22,8 @@ from typing import Any
 
 from .export import read_export
 from .queries import INSERT_ENV, INSERT_STEP
-from .simulate import LLM_MODEL, Simulator
+from .simulator import Simulator
+from .workload import LLM_MODEL
 
 LATE = "late_rows_"
 
