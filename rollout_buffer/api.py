@@ -1,7 +1,9 @@
 """HTTP API (SPEC §4): routes, input validation and JSON responses.
 
 Bodies are parsed as JSON whatever the Content-Type says (the original did), capped in size,
-and validated strictly: a wrong type is a 400 whose message says what was expected.
+and validated strictly: a wrong type is a 400 whose message says what was expected. On a
+standby, what needs the owner (polls, /start_rollout, /stop_rollout) is turned away after
+authentication; /health, /stats, /status and /metrics answer locally with the role.
 """
 from __future__ import annotations
 
@@ -75,6 +77,18 @@ def _auth() -> None:
         raise ApiError(401, "missing bearer token: send 'Authorization: Bearer <token>'")
     if not hmac.compare_digest(given.strip().encode(), token.encode()):
         raise ApiError(401, "wrong bearer token")
+
+
+# What needs the owner of the job: a standby answers 307 to it (method and body kept), or 503.
+OWNER_PATHS = {"/get_rollout_data": 2.0, "/start_rollout": 10.0, "/stop_rollout": 2.0}
+
+
+@bp.before_app_request
+def _owner_only() -> None:
+    """After authentication: LeaseLost on a standby (answered by the app with 307 or 503)."""
+    wait_s = OWNER_PATHS.get(request.path)
+    if wait_s is not None and request.method == "POST":
+        service().lease.check(wait_s)
 
 
 def json_body() -> dict[str, Any]:
@@ -208,7 +222,7 @@ def get_rollout_data() -> Response:
 @bp.post("/stop_rollout")
 def stop_rollout() -> dict[str, Any]:
     json_body()
-    return service().stop_rollout()
+    return service().stop_rollout(conns())
 
 
 @bp.get("/health")

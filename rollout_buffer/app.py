@@ -9,7 +9,7 @@ from werkzeug.exceptions import HTTPException
 
 from .api import bp
 from .config import Config
-from .errors import ApiError
+from .errors import ApiError, LeaseLost
 from .service import Service
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,8 @@ def error_response(status: int, message: str, **context: Any):
     resp.status_code = status
     if "retry_after" in context:
         resp.headers["Retry-After"] = str(context["retry_after"])
+    if "location" in context:  # a standby's 307 to the owner
+        resp.headers["Location"] = context["location"]
     return resp
 
 
@@ -53,6 +55,12 @@ def create_app(config: Config | None = None, *, service: Service | None = None) 
     @app.errorhandler(ApiError)
     def _api_error(exc: ApiError):
         return error_response(exc.status, exc.message, **exc.context)
+
+    @app.errorhandler(LeaseLost)
+    def _not_owner(exc: LeaseLost):
+        path = request.path + (f"?{request.query_string.decode('latin-1')}" if request.query_string else "")
+        answer = service.lease.standby_error(path)
+        return error_response(answer.status, answer.message, **answer.context)
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):

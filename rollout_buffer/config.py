@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import shlex
+from urllib.parse import urlsplit
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -84,6 +85,32 @@ def _argv(raw: str) -> tuple[str, ...] | None:
         return tuple(shlex.split(raw))
     except ValueError as exc:
         raise ValueError(f"a command line that shlex can split ({exc})") from None
+
+
+def _url(raw: str) -> str | None:
+    value = raw.strip().rstrip("/")
+    if not value:
+        return None
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("an http:// or https:// URL with a host, as clients reach this instance, "
+                         "e.g. http://buffer-1:18889")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("a URL without user or password (it is shown on /health and in redirects)")
+    if parts.query or parts.fragment:
+        raise ValueError("a URL without ?query or #fragment")
+    try:
+        _ = parts.port
+    except ValueError:
+        raise ValueError("a URL whose port is a number from 1 to 65535") from None
+    return value
+
+
+def _lease(raw: str) -> float:
+    value = _float(0.0)(raw)
+    if 0 < value < 1:
+        raise ValueError("0 (no lease) or a number of seconds >= 1")
+    return value
 
 
 def _log_level(raw: str) -> str:
@@ -182,6 +209,15 @@ SETTINGS: tuple[Setting, ...] = (
             "connect timeout for proxy notifications"),
     Setting("proxy_read_timeout_s", PREFIX + "PROXY_READ_TIMEOUT_SECONDS", 10.0, _float(0.001),
             "read timeout for proxy notifications"),
+    Setting("advertise_url", PREFIX + "ADVERTISE_URL", None, _url,
+            "this instance's URL as clients reach it (http[s]://host:port); a standby redirects polls, "
+            "/start_rollout and /stop_rollout to the owner's; no user or password"),
+    Setting("lease_s", PREFIX + "LEASE_SECONDS", 10.0, _lease,
+            "ownership of the job: a lease in the state database, renewed every third of this; a standby takes "
+            "over when it expires; 0 = no lease (one instance only: a second one would not be fenced)"),
+    Setting("host_id", PREFIX + "HOST_ID", None, _opt_str,
+            "this host for launcher adoption; default hostname/boot id/pid namespace (set it only to tell "
+            "apart instances that cannot see each other's processes)"),
     Setting("token", PREFIX + "TOKEN", None, _opt_str,
             "when set, every endpoint but /health needs 'Authorization: Bearer <token>'"),
     Setting("log_level", PREFIX + "LOG_LEVEL", "INFO", _log_level, "log level (per-poll lines are DEBUG)"),
@@ -239,6 +275,9 @@ class Config:
     job_retention_s: float = 7 * 86400.0
     proxy_connect_timeout_s: float = 2.0
     proxy_read_timeout_s: float = 10.0
+    advertise_url: str | None = None
+    lease_s: float = 10.0
+    host_id: str | None = None
     token: str | None = None
     log_level: str = "INFO"
     threads: int = 16

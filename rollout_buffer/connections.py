@@ -3,28 +3,39 @@
 Owns: opening and closing a (source, state) pair for one thread. They are the same connection
 unless a separate state database is configured. A pair belongs to one thread and never crosses
 a fork (STYLE §9.7): the loop thread keeps one, each request opens one lazily and closes it at
-teardown, and the notifier thread opens the state side when it needs it.
+teardown, and the notifier thread opens the state side when it needs it. The pair's store runs
+the lease's fence (``fence``) in every transaction that records a decision.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import os
+import socket
+from typing import Callable, Iterator
 
 from .config import Config
 from .db import Database, connect
 from .store import Store
 
 
-def service_connect(config: Config, url: str) -> Database:
-    """A connection of the service itself: with its statement and lock timeouts."""
-    return connect(url, statement_timeout_s=config.statement_timeout_s, lock_timeout_s=config.lock_timeout_s,
-                   durable=True)
+def application_name() -> str:
+    """How the service's Postgres backends are named (pg_stat_activity): this host and process."""
+    return f"rollout-buffer {socket.gethostname()}:{os.getpid()}"[:63]
+
+
+def service_connect(config: Config, url: str, *, bound_s: float | None = None) -> Database:
+    """A connection of the service itself: with its statement and lock timeouts (at most
+    ``bound_s`` each when given: the lease's renewals)."""
+    def timeout(value: float) -> float:
+        return value if bound_s is None else min(value or bound_s, bound_s)
+    return connect(url, statement_timeout_s=timeout(config.statement_timeout_s),
+                   lock_timeout_s=timeout(config.lock_timeout_s), durable=True, application_name=application_name())
 
 
 class Pair:
     """A source and a state connection (one object when they share the database)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, fence: Callable[[Database], None] | None = None) -> None:
         self.src = service_connect(config, config.db_url)
         self.st = self.src
         if config.state_db_url and config.state_db_url != config.db_url:
@@ -33,7 +44,7 @@ class Pair:
             except BaseException:
                 self.src.close()
                 raise
-        self.store = Store(self.st)
+        self.store = Store(self.st, fence)
 
     def close(self) -> None:
         self.src.close()
@@ -54,13 +65,14 @@ def state_connection(config: Config) -> Iterator[Database]:
 class LazyPair:
     """A pair opened on first use and closed by ``close()`` (one request, or the loop thread)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, fence: Callable[[Database], None] | None = None) -> None:
         self.config = config
+        self.fence = fence
         self._pair: Pair | None = None
 
     def get(self) -> Pair:
         if self._pair is None:
-            self._pair = Pair(self.config)
+            self._pair = Pair(self.config, self.fence)
         return self._pair
 
     @property

@@ -64,15 +64,18 @@ def redact(text: str) -> str:
 
 
 def connect(url: str, *, readonly: bool = False, statement_timeout_s: float | None = None,
-            lock_timeout_s: float | None = None, durable: bool = False) -> "Database":
+            lock_timeout_s: float | None = None, durable: bool = False,
+            application_name: str | None = None) -> "Database":
     """Open a connection for the calling thread. The service passes statement and lock timeouts
     (Postgres), so that a stuck statement or a table locked by someone else (ALTER TABLE, VACUUM
     FULL, TRUNCATE) fails in seconds instead of hanging a poll or the loop. ``durable``: SQLite
-    commits survive a power loss too (synchronous=FULL), for the service's own few writes."""
+    commits survive a power loss too (synchronous=FULL), for the service's own few writes.
+    ``application_name`` (Postgres, unless the URL names one) shows which process a backend serves."""
     if url.startswith("sqlite://"):
         return SqliteDatabase(url, readonly=readonly, durable=durable)
     if url.startswith(("postgresql://", "postgres://")):
-        return PostgresDatabase(url, statement_timeout_s=statement_timeout_s, lock_timeout_s=lock_timeout_s)
+        return PostgresDatabase(url, statement_timeout_s=statement_timeout_s, lock_timeout_s=lock_timeout_s,
+                                application_name=application_name)
     raise ConfigError(f"unsupported database URL {url!r}: expected sqlite:///path or postgresql://...")
 
 
@@ -306,7 +309,7 @@ class PostgresDatabase(Database):
     _translated: dict[str, str] = {}
 
     def __init__(self, url: str, *, statement_timeout_s: float | None = None,
-                 lock_timeout_s: float | None = None) -> None:
+                 lock_timeout_s: float | None = None, application_name: str | None = None) -> None:
         super().__init__()
         self.url = url
         try:
@@ -318,6 +321,8 @@ class PostgresDatabase(Database):
         self._driver_errors = (psycopg.Error,)
         try:
             params = conninfo_to_dict(url)
+            if application_name:
+                params.setdefault("application_name", application_name)
             # the timeouts go into the startup packet's options, next to any the URL carries
             extra = [f"-c {name}={int(value * 1000)}" for name, value in
                      (("statement_timeout", statement_timeout_s), ("lock_timeout", lock_timeout_s)) if value]

@@ -35,6 +35,10 @@ class IntegrityError(StorageError):
     """A statement violated a database constraint."""
 
 
+class LeaseLost(StorageError):
+    """This instance does not own the job (any more): the transaction was rolled back, nothing recorded."""
+
+
 class ClosedError(RolloutBufferError):
     """The object was used after it was closed."""
 

@@ -2,22 +2,28 @@
 
 Owns: building the command (SPEC §5: an argv list from configuration plus the validated job id
 and K, never a shell string), starting, adopting and stopping it through the
-:class:`~rollout_buffer.supervisor.Supervisor`, and recording each change of its state with the
-job. It must not touch groups: what a finished launcher means for them (``launcher_exited``
-drops) is the loop's decision.
+:class:`~rollout_buffer.supervisor.Supervisor`, and recording each change of its state, with its
+host, with the job. Across owners (issue 12): a launcher is adopted only on its own host; one on
+another host is watched through what an instance there reports (``elsewhere``); a new owner
+relaunches one that is gone (``relaunch_for``); a standby stops a launcher on its host that the
+owner, elsewhere, cannot supervise, and reports it. It must not touch groups: what a finished
+launcher means for them (``launcher_exited`` drops) is the loop's decision.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+import subprocess
 import sys
 from typing import Any
 
+from . import procfs
 from .config import Config
 from .db import redact
 from .errors import ApiError, StorageError
 from .model import LauncherState
+from .processes import terminate_group
 from .store import LauncherRecord, Store
 from .supervisor import LaunchSpec, LauncherError, Supervisor, shown
 
@@ -73,10 +79,15 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
 class Launcher:
     """The active job's launcher process and its durable record."""
 
-    def __init__(self, config: Config, supervisor: Supervisor, instance_id: str) -> None:
+    def __init__(self, config: Config, supervisor: Supervisor, instance_id: str, host_id: str | None = None) -> None:
         self.config = config
         self.supervisor = supervisor
         self.instance_id = instance_id  # recorded as the launcher's owner
+        self.host_id = host_id or config.host_id or procfs.host_id()
+        self.elsewhere: LauncherRecord | None = None  # the job's launcher, recorded running on another host
+        self.ended_elsewhere = False  # ... and since reported gone or recorded stopped
+        self.relaunch_for: str | None = None  # a job whose launcher was lost with its owner: start a fresh one
+        self._released: list[subprocess.Popen[bytes]] = []  # our children another owner took over (reaped)
 
     @property
     def managed(self) -> bool:
@@ -87,14 +98,30 @@ class Launcher:
         return self.supervisor.state()
 
     def summary(self) -> dict[str, Any]:
-        """What /health and /stats show of it."""
+        """What /health and /stats show of it (``elsewhere``: one on another host, not supervised here)."""
         state = self.supervisor.state()
-        return {k: state.get(k) for k in SUMMARY_KEYS}
+        out = {k: state.get(k) for k in SUMMARY_KEYS}
+        out["host"] = self.host_id if state.get("pid") else None
+        e = self.elsewhere
+        out["elsewhere"] = None if e is None else {
+            "host": e.host, "pid": e.pid, "state": "ended" if self.ended_elsewhere else
+            "unknown: it runs on another host; an instance there reports it, or stops it when it is not the owner's"}
+        return out
+
+    def running_pid(self) -> int | None:
+        """The pid of the job's launcher while it runs here, or may still run on another host."""
+        state = self.supervisor.state()
+        return state["pid"] if state["running"] else self.elsewhere.pid if self.runs_elsewhere() else None  # type: ignore[union-attr]
+
+    def runs_elsewhere(self) -> bool:
+        """A launcher of the job may still run on another host (so /start_rollout must not start one)."""
+        return self.elsewhere is not None and not self.ended_elsewhere
 
     def record(self, store: Store, job_id: str, state: LauncherState) -> None:
         """Store the current process identity with the job, in the given state."""
         s = self.supervisor.state()
-        store.save_launcher(job_id, LauncherRecord(s["pid"], s["pgid"], s["start_ticks"], state), self.instance_id)
+        store.save_launcher(job_id, LauncherRecord(s["pid"], s["pgid"], s["start_ticks"], state, self.host_id),
+                            self.instance_id)
 
     def preflight(self, job_id: str, k: int) -> None:
         """A 500 now, before the job is switched, for a launcher that surely cannot start: the active
@@ -116,7 +143,12 @@ class Launcher:
             logger.error("cannot start the launcher for job %s: %s", job_id, redact(str(exc)))
             raise ApiError(500, f"the launcher could not be started: {redact(str(exc))}", job_session=job_id,
                            argv=shown(spec.argv)) from exc
-        self.record(store, job_id, LauncherState.RUNNING)
+        try:
+            self.record(store, job_id, LauncherState.RUNNING)
+        except StorageError:  # LeaseLost above all: not ours to run, and unrecorded it would be lost
+            self.supervisor.stop("requested")
+            raise
+        self.elsewhere, self.ended_elsewhere, self.relaunch_for = None, False, None
         return pid
 
     def resume_restart(self, store: Store, job_id: str, k: int, row: dict[str, Any]) -> bool:
@@ -139,10 +171,20 @@ class Launcher:
     def adopt(self, store: Store, job_id: str, row: dict[str, Any]) -> bool | None:
         """After a restart: adopt the job's recorded launcher if it still runs.
 
-        Returns True (adopted), False (it ended while the service was down: recorded as exited),
-        or None (nothing was running)."""
+        Returns True (adopted), False (it ended while the service was down: recorded as exited, and
+        a fresh one is due: ``relaunch_for``), or None (nothing was running here; one recorded on
+        another host is watched instead: ``elsewhere``)."""
         state = LauncherState.parse(row.get("launcher_state"))
         if not row.get("launcher_pid") or state is not LauncherState.RUNNING:
+            return None
+        host = row.get("launcher_host")
+        if host is not None and host != self.host_id:
+            self.elsewhere = LauncherRecord(row["launcher_pid"], row["launcher_pgid"], row["launcher_start_ticks"],
+                                            LauncherState.RUNNING, host)
+            self.ended_elsewhere = False
+            logger.warning("the launcher of job %s (pid %s) runs on host %s, not here: it is left alone, its rows "
+                           "are served, and a fresh one starts here once an instance on that host reports it "
+                           "gone", job_id, row["launcher_pid"], host)
             return None
         current = self.supervisor.state()
         if current["running"] and current["pid"] == int(row["launcher_pid"]):
@@ -158,11 +200,64 @@ class Launcher:
             logger.warning("launcher pid %s of job %s is gone: it ended while the service was down",
                            row["launcher_pid"], job_id)
             store.save_launcher(job_id, LauncherRecord(row["launcher_pid"], row["launcher_pgid"],
-                                                       row["launcher_start_ticks"], LauncherState.EXITED),
+                                                       row["launcher_start_ticks"], LauncherState.EXITED, host),
                                 row.get("launcher_owner"))
+            if self.managed:
+                self.relaunch_for = job_id
         else:
             self.record(store, job_id, LauncherState.RUNNING)  # ours now: the previous owner must not stop it
         return adopted
+
+    def check_elsewhere(self, store: Store, job_id: str, reports: list[str | None]) -> None:
+        """(Owner) The launcher on another host is gone once an instance there reports it so: recorded
+        as exited, and a fresh one is due here (``relaunch_for``)."""
+        e = self.elsewhere
+        if e is None or self.ended_elsewhere or f"{e.pid}:{e.start_ticks}:gone" not in reports:
+            return
+        store.save_launcher(job_id, LauncherRecord(e.pid, e.pgid, e.start_ticks, LauncherState.EXITED, e.host), None)
+        self.ended_elsewhere = True
+        self.relaunch_for = job_id if self.managed else None
+        logger.warning("the launcher of job %s (pid %s on host %s) is gone, as an instance there reports: its "
+                       "incomplete groups are dropped and a fresh launcher starts here", job_id, e.pid, e.host)
+
+    def stop_elsewhere(self, store: Store, job_id: str) -> bool:
+        """(Owner, /stop_rollout) A launcher on another host cannot be signalled from here: it is recorded
+        as stopped, and an instance on its host stops it (``watch_here``). True if there was one."""
+        e = self.elsewhere
+        if e is None or self.ended_elsewhere:
+            return False
+        store.save_launcher(job_id, LauncherRecord(e.pid, e.pgid, e.start_ticks, LauncherState.STOPPED_REQUESTED,
+                                                   e.host), None)
+        self.ended_elsewhere, self.relaunch_for = True, None
+        return True
+
+    def let_go(self) -> None:
+        """This instance lost the job: forget the launcher without signalling it (a new owner on this host
+        adopts it; for one elsewhere, ``watch_here`` stops it) and whatever was due for it."""
+        proc = self.supervisor.release()
+        if proc is not None:
+            self._released.append(proc)
+        self.elsewhere, self.ended_elsewhere, self.relaunch_for = None, False, None
+
+    def watch_here(self, row: dict[str, Any] | None, owner_host: str | None) -> str | None:
+        """(Not the owner) The job's launcher, if it is recorded on this host: stopped when nobody can
+        supervise it (the owner is on another host, or it is recorded as not running yet runs), and
+        reported as ``pid:start_ticks:alive|gone`` for the owner."""
+        self._released = [p for p in self._released if p.poll() is None]  # reap what has ended
+        if row is None or not row.get("launcher_pid") or row.get("launcher_host") != self.host_id:
+            return None
+        pid, pgid, ticks = int(row["launcher_pid"]), int(row["launcher_pgid"]), row["launcher_start_ticks"]
+        st = procfs.stat(pid)
+        alive = bool(st and st.alive and st.pgrp == pgid and (ticks is None or st.start_ticks == int(ticks)))
+        running = LauncherState.parse(row.get("launcher_state")) is LauncherState.RUNNING
+        if alive and (not running or owner_host not in (None, self.host_id)):
+            logger.warning("stopping launcher pid %s of job %s on this host: %s", pid, row["job_id"],
+                           "the owner is on another host and cannot supervise it" if running else
+                           f"it is recorded as {row.get('launcher_state')} yet runs")
+            proc = next((p for p in self._released if p.pid == pid), None)
+            terminate_group(proc, pid, pgid, ticks, self.config.stop_grace_s)
+            alive = False
+        return f"{pid}:{ticks}:{'alive' if alive else 'gone'}"
 
     def owned_elsewhere(self, store: Store, job_id: str) -> bool:
         """True when another instance has adopted this job's launcher since we started or adopted it."""
@@ -190,26 +285,31 @@ class Launcher:
                 logger.error("launcher of job %s exited with code %s (log: %s)", job_id, ev.get("exit_code"),
                              state.get("log_path"))
 
-    def stop_for_shutdown(self, conns: Any, job_id: str | None) -> None:
+    def stop_for_shutdown(self, conns: Any, job_id: str | None, standby_hosts: set[str]) -> None:
         """The service shuts down: stop the launcher (TERM, grace, KILL) and record it, unless
-        another instance has adopted it meanwhile (a rolling update): then it is not ours to kill."""
+        another instance has adopted it meanwhile, or a standby on this host will (a rolling update):
+        then it is not ours to kill. Stopped for a standby on another host, it is recorded as handed
+        over: that one starts a fresh launcher."""
         store, elsewhere = None, False
         with contextlib.suppress(StorageError):
             store = conns.get().store
             elsewhere = job_id is not None and self.owned_elsewhere(store, job_id)
-        if elsewhere:
-            logger.warning("not stopping launcher pid %s of job %s: another instance adopted it",
-                           self.supervisor.state()["pid"], job_id)
+        pid = self.supervisor.state()["pid"]
+        if elsewhere or self.host_id in standby_hosts:
+            logger.warning("not stopping launcher pid %s of job %s: %s", pid, job_id, "another instance adopted it"
+                           if elsewhere else "the standby on this host takes the job and the launcher over")
             return
         self.supervisor.stop("shutdown")
         if job_id is not None and store is not None:
             with contextlib.suppress(StorageError):
-                self.record(store, job_id, LauncherState.STOPPED_SHUTDOWN)
+                self.record(store, job_id, LauncherState.HANDED_OVER if standby_hosts else
+                            LauncherState.STOPPED_SHUTDOWN)
 
     def finished(self) -> bool:
-        """The launcher has ended and will not be restarted (a shutdown of ours does not count)."""
+        """The launcher has ended and will not be restarted (a shutdown of ours does not count), here
+        or on another host."""
         state = self.supervisor.state()
-        return bool(self.managed and state["finished"] and state["stopped_by"] != "shutdown")
+        return bool(self.managed and (self.ended_elsewhere or state["finished"] and state["stopped_by"] != "shutdown"))
 
     def stop(self, reason: str) -> dict[str, Any] | None:
         return self.supervisor.stop(reason)

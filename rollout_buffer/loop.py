@@ -1,10 +1,12 @@
 """The background loop (huey's shape) and the database health it measures.
 
 Owns: the ``rollout-buffer-loop`` thread and its connections, and what one tick does, in order:
-bootstrap (schema, resume the active job, adopt its launcher, queue unconfirmed notifications),
-record the outbox, ingest new rows, TTL drops, the launcher's fate (``launcher_exited``), and
-the durable cursor. It must not serve: a tick takes the serve lock only to save the cursor, and
-never waits for it.
+follow the lease (drop the job's state when this instance lost it or took it again under another
+epoch; as a standby, watch a launcher on this host), bootstrap (schema, resume the active job,
+adopt its launcher, queue unconfirmed notifications), record the outbox, ingest new rows, TTL
+drops, the launcher's fate (``launcher_exited``, a launcher on another host, a fresh one after a
+takeover), and the durable cursor. It must not serve: a tick takes the serve lock only to save
+the cursor (never waiting for it) and to drop the job's state.
 """
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ from . import queries as q
 from .config import Config
 from .connections import LazyPair
 from .db import Database, redact
-from .errors import ConfigError, StorageError
+from .errors import ApiError, ConfigError, LeaseLost, StorageError
 from .history import History
 from .jobs import JobState, Jobs
 from .launcher import Launcher
+from .lease import OWNER, Lease
 from .model import LAUNCHER_EXITED, LauncherState
 from .notifications import Outbox
 from .store import Store
@@ -121,8 +124,13 @@ class Loop:
 
     def __init__(self, config: Config, *, jobs: Jobs, outbox: Outbox, launcher: Launcher, health: Health,
                  tick_lock: threading.Lock, serve_lock: threading.Lock,
-                 clock: Callable[[], float] = time.monotonic, history: History | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, history: History | None = None,
+                 lease: Lease | None = None, on_reset: Callable[[], None] = lambda: None,
+                 start_lock: threading.Lock | None = None) -> None:
         self.config = config
+        self.lease = lease  # None: no lease, this instance always owns the job
+        self.on_reset = on_reset  # serving forgets what it knew of the job's polls
+        self.start_lock = start_lock or threading.Lock()  # /start_rollout's: a relaunch never races one
         self.history = history or History()  # the status page's ingest rate
         self.jobs = jobs
         self.outbox = outbox
@@ -135,7 +143,8 @@ class Loop:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._conns = LazyPair(config)
+        self._conns = LazyPair(config, lease.fence if lease is not None else None)
+        self._watched_at = float("-inf")
         self.ready_signal = ReadySignal()
         self._tick_no = 0
         self._ticks_done = 0
@@ -228,6 +237,8 @@ class Loop:
         with self.tick_lock:
             self._tick_no += 1
             try:
+                if not self._owned():
+                    return
                 pair = self._conns.get()
                 if not self.bootstrapped.is_set():
                     self._bootstrap(pair.src, pair.store)
@@ -239,11 +250,64 @@ class Loop:
                     self._check_launcher(pair.store, js)
                     self._save_cursor(pair.store, js)
                 self._housekeeping(pair.src, pair.store)
+            except LeaseLost:
+                return  # the lease thread finds out who owns the job; the next tick follows it
             except (StorageError, ConfigError) as exc:
                 self._conns.close()
                 self.health.failed(exc)
                 return
             self.health.ok()
+
+    # -- the lease --------------------------------------------------------------------------------
+    def _owned(self) -> bool:
+        """Whether this tick runs as the owner. The job's state goes when the lease was lost, or taken
+        again under another epoch (others decided meanwhile); a standby watches a launcher here instead."""
+        lease = self.lease
+        if lease is None or not lease.enabled or (lease.role == OWNER and lease.epoch == lease.state_epoch):
+            return True
+        if (lease.state_epoch is not None or self.jobs.current is not None) and not self._drop_state():
+            return False
+        if lease.role != OWNER:
+            self._standby_tick()
+            return False
+        lease.state_epoch = lease.epoch  # the bootstrap below loads the job under this epoch
+        return True
+
+    def _drop_state(self) -> bool:
+        """Forget the job (the owner has it, in the database); False when a poll holds the serve lock."""
+        assert self.lease is not None
+        if not self.serve_lock.acquire(timeout=8.0):
+            return False
+        try:
+            js, self.jobs.current = self.jobs.current, None
+            self.bootstrapped.clear()
+            self.lease.state_epoch = None
+            unrecorded = self.outbox.discard()
+            self.on_reset()
+            self.launcher.let_go()
+        finally:
+            self.serve_lock.release()
+        self.ready_signal.interrupt()  # waiting polls answer now, as a standby answers
+        logger.warning("dropped the in-memory state of job %s: this instance does not own it now (%d unrecorded "
+                       "decisions left to the owner, which decides them again from the rows)",
+                       js.job_id if js else None, unrecorded)
+        return True
+
+    def _standby_tick(self) -> None:
+        """Once a second: report (and stop, if the owner cannot supervise it) a launcher on this host."""
+        assert self.lease is not None
+        now = self.clock()
+        if now - self._watched_at < 1.0:
+            return
+        self._watched_at = now
+        h = self.lease.holder
+        owner_host = h.host if h is not None and not h.released and h.left(now) > 0 else None
+        try:
+            row = self._conns.get().store.active_job()
+        except StorageError:
+            self._conns.close()
+            return  # the lease thread reports the database
+        self.lease.report = self.launcher.watch_here(row, owner_host)
 
     def _housekeeping(self, src: Database, store: Store) -> None:
         """Every HOUSEKEEPING_S: check the source's sequence, and retention in small steps."""
@@ -275,12 +339,17 @@ class Loop:
             state = LauncherState.parse(row["launcher_state"])
             if self.launcher.resume_restart(store, js.job_id, js.k, row):
                 pass
+            elif state is LauncherState.HANDED_OVER and self.launcher.managed:
+                js.launcher_finished_tick = self._tick_no  # stopped for this owner: drop, then a fresh one
+                self.launcher.relaunch_for = js.job_id
             elif state is not None and (state.finished or state is LauncherState.RESTART_PENDING):
                 js.launcher_finished_tick = self._tick_no  # it ended before the crash: drop after catch-up
             elif self.launcher.adopt(store, js.job_id, row) is False:
                 js.launcher_finished_tick = self._tick_no
         self.outbox.resend_unnotified(store)
         self.bootstrapped.set()
+        if self.lease is not None:
+            self.lease.resumed()
 
     def _ingest(self, src, store: Store, js: JobState) -> None:
         if not self.jobs.launcher_tables_exist(src):
@@ -306,7 +375,17 @@ class Loop:
         js.reader.end_tick()
 
     def _check_launcher(self, store: Store, js: JobState) -> None:
+        lease = self.lease
+        if lease is not None and not lease.holds():
+            return  # the lease may be ending: nothing the database cannot fence (no restart, no spawn)
         self.launcher.check(store, js.job_id)
+        e = self.launcher.elsewhere
+        if lease is not None and lease.enabled and e is not None and self.launcher.runs_elsewhere() and \
+                self.clock() - self._watched_at >= 1.0:
+            self._watched_at = self.clock()
+            reports = [i["launcher_report"] for i in Lease.live_instances(store.db, lease.seconds)
+                       if i["host_id"] == e.host]
+            self.launcher.check_elsewhere(store, js.job_id, reports)
         if self.launcher.finished() and js.launcher_finished_tick is None:
             js.launcher_finished_tick = self._tick_no
         if (js.launcher_finished_tick is not None and not js.launcher_drop_done
@@ -317,6 +396,26 @@ class Loop:
                 logger.warning("launcher of job %s has exited: dropping %d incomplete groups",
                                js.job_id, len(plan.drops))
             self.outbox.act(store, js.job_id, plan)
+        if js.launcher_drop_done and self.launcher.relaunch_for == js.job_id:
+            self._relaunch(store, js)
+
+    def _relaunch(self, store: Store, js: JobState) -> None:
+        """After a takeover: the job's launcher was lost with its owner (and its incomplete groups are
+        dropped): a fresh one, as /start_rollout would start, so the job goes on. Not while a
+        /start_rollout is in progress (it starts one itself): never waits for its lock."""
+        if not self.start_lock.acquire(blocking=False):
+            return
+        try:
+            pid = self.launcher.start(store, js.job_id, js.k)
+        except ApiError as exc:
+            logger.error("could not start a fresh launcher for job %s: %s", js.job_id, exc.message)
+            self.launcher.relaunch_for = None
+            return
+        finally:
+            self.start_lock.release()
+        js.launcher_finished_tick, js.launcher_drop_done = None, False
+        logger.warning("started a fresh launcher for job %s (pid %s): the previous one was lost with its owner",
+                       js.job_id, pid)
 
     def _save_cursor(self, store: Store, js: JobState) -> None:
         """Persist the cursor and the low-water mark (at most once a second, only when they can have moved).

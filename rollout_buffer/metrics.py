@@ -73,7 +73,7 @@ def render_metrics(service: "Service") -> str:
     out.lines.append(f"# HELP {name} Time to answer POST /get_rollout_data.")
     out.lines.append(f"# TYPE {name} histogram")
     cum = 0
-    for b, n in service.poll_stats()["buckets"].items():
+    for b, n in service.serving.stats.snapshot()["buckets"].items():
         cum += n
         out.sample(name + "_bucket", {"le": "+Inf" if math.isinf(b) else repr(b)}, cum)
     out.sample(name + "_sum", {}, float(polls["seconds_total"]))
@@ -90,4 +90,15 @@ def render_metrics(service: "Service") -> str:
     out.metric("proxy_delivered_calls_total", "counter", "Successful clear_sessions calls.",
                [({}, notif.get("delivered_calls", 0))])
     out.metric("database_up", "gauge", "0 while background reads are failing.", [({}, s["database"] == "ok")])
+    lease = s["lease"]
+    out.metric("role", "gauge", "1 for this instance's role: owner, standby, or starting (before it read the lease).",
+               [({"role": r}, lease["role"] == r) for r in ("owner", "standby", "starting")])
+    out.metric("lease_renewals_total", "counter", "Lease renewals by this instance as the owner.",
+               [({}, lease.get("renewals", 0))])
+    out.metric("lease_renewal_failures_total", "counter", "Lease renewals that failed (the database did not answer).",
+               [({}, lease.get("renewal_failures", 0))])
+    out.metric("takeovers_total", "counter", "Times this instance took the job over from another owner.",
+               [({}, lease.get("takeovers", 0))])
+    out.metric("takeover_duration_seconds", "gauge", "The last takeover: from the end of the previous owner's "
+               "lease until this instance had loaded the job.", [({}, lease.get("last_takeover_s") or 0.0)])
     return "\n".join(out.lines) + "\n"

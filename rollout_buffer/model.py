@@ -63,6 +63,7 @@ class LauncherState(str, enum.Enum):
     EXITED = "exited"
     STOPPED_REQUESTED = "stopped:requested"
     STOPPED_SHUTDOWN = "stopped:shutdown"
+    HANDED_OVER = "stopped:handover"  # stopped at shutdown for a standby on another host: it starts a fresh one
 
     @classmethod
     def parse(cls, text: str | None) -> "LauncherState | None":

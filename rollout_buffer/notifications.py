@@ -68,6 +68,13 @@ class Outbox:
         with self._lock:
             return not self._queue
 
+    def discard(self) -> int:
+        """This instance lost the job: its unrecorded plans are forgotten (the new owner decides
+        those groups again from the rows). Returns how many there were."""
+        with self._lock:
+            n, self._queue = len(self._queue), []
+        return n
+
     def notify(self, job_id: str, plan: Decisions) -> None:
         """Hand a RECORDED plan's sessions to the notifier (and log it, once per kind of event)."""
         for s in plan.served:

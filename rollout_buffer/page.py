@@ -31,8 +31,7 @@ def status_document(service: "Service", conns: "LazyPair | None") -> dict[str, A
     return {
         "now": time.time(),
         "status": health["status"],
-        # a standby mode does not exist yet: the one instance owns its job
-        "role": health.get("role", "owner"),
+        "role": health["role"],  # owner, standby (the owner's URL is in /health), or starting
         "last_tick_age_s": health.get("last_tick_age_s"),
         "token_required": service.config.token is not None,
         "stats": stats,

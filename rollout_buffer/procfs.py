@@ -2,11 +2,13 @@
 
 Owns: a process's state, parent, process group and start time, and the processes of a group
 or of a parent. The supervisor uses it to tell a launcher from a reused pid and to find what is
-left of its process group; the tests and benchmarks use it to watch real processes. It only reads.
+left of its process group, the lease to name this host (``host_id``); the tests and benchmarks
+use it to watch real processes. It only reads.
 """
 from __future__ import annotations
 
 import os
+import socket
 from typing import Iterator, NamedTuple
 
 
@@ -85,6 +87,22 @@ def ticks_to_epoch(ticks: int) -> float | None:
     except (OSError, ValueError):
         pass
     return None
+
+
+def host_id() -> str:
+    """This host as far as pids go: hostname, boot id and pid namespace. Two instances see each
+    other's processes (and may adopt a launcher) only when these are equal; a container on the
+    same machine has its own pid namespace, a rebooted machine a new boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()[:8]
+    except OSError:
+        boot = "noboot"
+    try:
+        ns = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        ns = "nons"
+    return f"{socket.gethostname()}/{boot}/{ns}"
 
 
 def cmdline(pid: int) -> list[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # -- the launcher's tables (SPEC §2); created only by `rollout-buffer init-db` and tests ------
 
@@ -155,6 +155,28 @@ STATE_DDL = (
     n_bytes BIGINT NOT NULL,
     created_at DOUBLE PRECISION NOT NULL,
     UNIQUE (job_id, request_id))""",
+    # Who owns the state database's active job (one row): the fencing epoch and the lease, whose
+    # lease_until is by the database's clock (epoch seconds). See lease.py.
+    """CREATE TABLE IF NOT EXISTS rollout_buffer_lease (
+    scope TEXT PRIMARY KEY,
+    owner TEXT,
+    owner_url TEXT,
+    owner_host TEXT,
+    owner_pid INTEGER,
+    owner_start_ticks BIGINT,
+    epoch BIGINT NOT NULL,
+    lease_until DOUBLE PRECISION NOT NULL,
+    acquired_at DOUBLE PRECISION NOT NULL,
+    renewed_at DOUBLE PRECISION NOT NULL)""",
+    # Every running instance, owner or standby: its role, URL and host, and what it saw of a
+    # launcher recorded on its host (the owner on another host cannot look).
+    """CREATE TABLE IF NOT EXISTS rollout_buffer_instances (
+    instance_id TEXT PRIMARY KEY,
+    host_id TEXT NOT NULL,
+    url TEXT,
+    role TEXT NOT NULL,
+    seen_at DOUBLE PRECISION NOT NULL,
+    launcher_report TEXT)""",
     # What startup and retention scan: undelivered notifications, batches by age.
     "CREATE INDEX IF NOT EXISTS rollout_buffer_groups_unnotified ON rollout_buffer_groups (notified) WHERE notified = 0",
     "CREATE INDEX IF NOT EXISTS rollout_buffer_rows_unnotified ON rollout_buffer_rows (notified) WHERE notified = 0",
@@ -168,6 +190,10 @@ MIGRATIONS = {
         "ALTER TABLE rollout_buffer_jobs ADD COLUMN launcher_owner TEXT",
         # When an ended job's decisions were purged (retention); NULL while they are kept.
         "ALTER TABLE rollout_buffer_jobs ADD COLUMN purged_at DOUBLE PRECISION",
+    ),
+    2: (
+        # The host of the job's launcher: it is adopted only there (failover, issue 12).
+        "ALTER TABLE rollout_buffer_jobs ADD COLUMN launcher_host TEXT",
     ),
 }
 
@@ -196,9 +222,54 @@ SET_K = "UPDATE rollout_buffer_jobs SET k = ?, updated_at = ? WHERE job_id = ?"
 SAVE_CURSOR = "UPDATE rollout_buffer_jobs SET cursor_pk = ?, low_water_pk = ?, updated_at = ? WHERE job_id = ?"
 # Record the launcher process of a job and the instance that owns it (for adoption after a crash).
 SAVE_LAUNCHER = ("UPDATE rollout_buffer_jobs SET launcher_pid = ?, launcher_pgid = ?, launcher_start_ticks = ?, "
-                 "launcher_state = ?, launcher_owner = ?, updated_at = ? WHERE job_id = ?")
+                 "launcher_state = ?, launcher_owner = ?, launcher_host = ?, updated_at = ? WHERE job_id = ?")
 # The instance that owns a job's launcher.
 LAUNCHER_OWNER = "SELECT launcher_owner FROM rollout_buffer_jobs WHERE job_id = ?"
+
+# -- the lease and the instances (lease.py) -------------------------------------------------------
+# The database's clock, in epoch seconds: the lease is never measured on an instance's clock.
+_NOW = {"postgres": "EXTRACT(EPOCH FROM now())", "sqlite": "(julianday('now') - 2440587.5) * 86400.0"}
+
+
+def _by_backend(sql: str, postgres_tail: str = "") -> dict[str, str]:
+    return {"postgres": sql.format(now=_NOW["postgres"]) + postgres_tail, "sqlite": sql.format(now=_NOW["sqlite"])}
+
+
+_LEASE_ROW = ("SELECT owner, owner_url, owner_host, owner_pid, owner_start_ticks, epoch, lease_until, {now} AS db_now "
+              "FROM rollout_buffer_lease WHERE scope = ?")
+# The lease as it is, with the database's time.
+LEASE_GET = _by_backend(_LEASE_ROW)
+# The lease, locked for a takeover: waits for every transaction that passed the fence (FOR KEY SHARE).
+LEASE_LOCK = _by_backend(_LEASE_ROW, " FOR UPDATE")
+# The first owner of a fresh database (two racing instances: one INSERT wins).
+LEASE_INSERT = _by_backend(
+    "INSERT INTO rollout_buffer_lease (scope, owner, owner_url, owner_host, owner_pid, owner_start_ticks, epoch, "
+    "lease_until, acquired_at, renewed_at) VALUES (?, ?, ?, ?, ?, ?, 1, {now} + ?, {now}, {now}) "
+    "ON CONFLICT (scope) DO NOTHING")
+# A takeover: a new owner and the next epoch, if nobody took it meanwhile.
+LEASE_TAKE = _by_backend(
+    "UPDATE rollout_buffer_lease SET owner = ?, owner_url = ?, owner_host = ?, owner_pid = ?, owner_start_ticks = ?, "
+    "epoch = epoch + 1, lease_until = {now} + ?, acquired_at = {now}, renewed_at = {now} WHERE scope = ? AND epoch = ?")
+# The owner renews (no lock on the fence: renewals never wait behind decisions).
+LEASE_RENEW = _by_backend("UPDATE rollout_buffer_lease SET lease_until = {now} + ?, renewed_at = {now} "
+                          "WHERE scope = ? AND owner = ? AND epoch = ?")
+# A graceful stop gives the lease up: a standby takes it at once.
+LEASE_RELEASE = "UPDATE rollout_buffer_lease SET lease_until = 0 WHERE scope = ? AND owner = ? AND epoch = ?"
+# The fence, first in every transaction that records a decision: a row only while this owner's epoch holds.
+LEASE_FENCE = _by_backend("SELECT epoch FROM rollout_buffer_lease WHERE scope = ? AND owner = ? AND epoch = ?",
+                          " FOR KEY SHARE")
+# This instance is alive (its role, URL and what it saw of a launcher on its host).
+INSTANCE_SEEN = _by_backend(
+    "INSERT INTO rollout_buffer_instances (instance_id, host_id, url, role, seen_at, launcher_report) "
+    "VALUES (?, ?, ?, ?, {now}, ?) ON CONFLICT (instance_id) DO UPDATE SET host_id = excluded.host_id, "
+    "url = excluded.url, role = excluded.role, seen_at = excluded.seen_at, launcher_report = excluded.launcher_report")
+# Instances seen within some seconds.
+INSTANCES_LIVE = _by_backend("SELECT instance_id, host_id, url, role, launcher_report FROM rollout_buffer_instances "
+                             "WHERE seen_at >= {now} - ?")
+# Forget instances not seen for a while (every restart is a new instance).
+INSTANCES_PRUNE = _by_backend("DELETE FROM rollout_buffer_instances WHERE seen_at < {now} - ?")
+# A stopping instance leaves.
+INSTANCE_GONE = "DELETE FROM rollout_buffer_instances WHERE instance_id = ?"
 
 # -- retention ----------------------------------------------------------------------------------
 # Batches recorded before a time, oldest first, a few at a time (past the replay window).

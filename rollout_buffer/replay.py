@@ -45,6 +45,10 @@ class RequestIds:
     def loaded(self, job_id: str) -> bool:
         return self._job == job_id
 
+    def forget(self) -> None:
+        """Another instance may have bound ids since: load them again when next needed."""
+        self._job, self._ids = None, {}
+
     def may_be_bound(self, job_id: str, request_id: str) -> bool:
         return self._job != job_id or request_id in self._ids
 

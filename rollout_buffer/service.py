@@ -2,16 +2,21 @@
 
 The parts, each in its own module: the background loop (``loop``), serving (``serving``), the
 active job (``jobs``), the durable state (``store``), recording and notifying (``notifications``),
-the launcher (``launcher``). Only what is left here is the wiring, ``/start_rollout``,
-``/stop_rollout``, ``/health`` and ``/stats``.
+the launcher (``launcher``), ownership of the job (``lease``). Only what is left here is the
+wiring, ``/start_rollout``, ``/stop_rollout``, ``/health`` and ``/stats``, and the guard that turns
+a request needing the owner away from a standby (LeaseLost, answered with 307 or 503).
 
 Lock order, outermost first; a thread never takes an earlier lock while holding a later one:
-1. ``start_lock``: one /start_rollout at a time (job selection, launcher start);
+1. ``start_lock``: one /start_rollout at a time (job selection, launcher start); the loop takes
+   it only with ``blocking=False`` (a fresh launcher after a takeover);
 2. ``tick_lock``: one loop tick, or a job swap;
-3. ``serve_lock``: one poll serving (the loop takes it only with ``blocking=False``);
+3. ``serve_lock``: one poll serving (the loop takes it with ``blocking=False`` to save the cursor,
+   and with a bounded wait to drop the job's state when the lease is lost);
 4. the accumulator's lock (trivial critical sections, no I/O);
 5. the outbox's lock, the notifier's lock, the supervisor's lock (leaves).
-Waits on 1-3 from a request thread are bounded: a stuck database makes a 503, never a hang.
+The lease's thread takes none of these (others only read its fields; its ``on_change`` nudges
+the loop and wakes waiting polls). Waits on 1-3 from a request thread are bounded: a stuck
+database makes a 503, never a hang.
 """
 from __future__ import annotations
 
@@ -25,11 +30,12 @@ from typing import Any, Callable
 from .config import Config
 from .connections import LazyPair, state_connection
 from .db import redact
-from .errors import ApiError, ClosedError, StorageError
+from .errors import ApiError, ClosedError, LeaseLost, StorageError
 from .history import History
 from .items import Body
 from .jobs import JobState, Jobs
 from .launcher import Launcher, launch_spec
+from .lease import Lease
 from .loop import Health, Loop
 from .notifications import Outbox
 from .proxy import ProxyNotifier
@@ -47,9 +53,7 @@ class Service:
     def __init__(self, config: Config, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
-        self._start_lock = threading.Lock()
-        tick_lock, serve_lock = threading.Lock(), threading.Lock()
-        self._tick_lock, self._serve_lock = tick_lock, serve_lock
+        self._start_lock, self._tick_lock, self._serve_lock = threading.Lock(), threading.Lock(), threading.Lock()
         self.supervisor = Supervisor(
             restart_policy=config.restart_policy, max_restarts=config.restart_max,
             backoff_s=config.restart_backoff_s, stop_grace_s=config.stop_grace_s)
@@ -60,20 +64,22 @@ class Service:
         self.jobs = Jobs(config, self.outbox, clock=clock)
         self.health_state = Health(config, clock)
         self.instance_id = uuid.uuid4().hex
+        # a role change: the loop follows it now, and a waiting poll answers from the new role
+        self.lease = Lease(config, self.instance_id, on_change=lambda: (self.loop.nudge(),
+                                                                          self.loop.ready_signal.interrupt()))
         self.launcher = Launcher(config, self.supervisor, self.instance_id)
         self.history = History()  # recent rates and batches, for the status page
         self.loop = Loop(config, jobs=self.jobs, outbox=self.outbox, launcher=self.launcher,
-                         health=self.health_state, tick_lock=tick_lock, serve_lock=serve_lock, clock=clock,
-                         history=self.history)
+                         health=self.health_state, tick_lock=self._tick_lock, serve_lock=self._serve_lock, clock=clock,
+                         history=self.history, lease=self.lease, on_reset=lambda: self.serving.forget(),
+                         start_lock=self._start_lock)
         self.serving = Serving(config, jobs=self.jobs, outbox=self.outbox, loop=self.loop,
-                               health=self.health_state, serve_lock=serve_lock, history=self.history)
+                               health=self.health_state, serve_lock=self._serve_lock, history=self.history)
+        self.serving.guard = lambda: self.lease.check(2.0)
         self._started = False
         self._closed = False
 
-    @property
-    def current(self) -> JobState | None:
-        """The active job, if any."""
-        return self.jobs.current
+    current = property(lambda self: self.jobs.current, doc="The active job, if any.")
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -84,6 +90,7 @@ class Service:
             return
         self._started = True
         self.notifier.start()
+        self.lease.start()
         self.loop.start()
         logger.info("rollout-buffer service started (db %s)", redact(self.config.db_url))
 
@@ -96,8 +103,9 @@ class Service:
         self.loop.stop(timeout)
         js = self.jobs.current
         if self.supervisor.state()["running"]:
-            with LazyPair(self.config) as conns:
-                self.launcher.stop_for_shutdown(conns, js.job_id if js else None)
+            with self.connection() as conns:
+                self.launcher.stop_for_shutdown(conns, js.job_id if js else None, self.lease.standby_hosts(conns))
+        self.lease.stop()  # gives the lease up: a standby takes over at once
         self.notifier.stop()
         logger.info("rollout-buffer service stopped")
 
@@ -111,11 +119,11 @@ class Service:
 
     def sync(self, timeout: float = 10.0) -> bool:
         """Wait until a full background tick has run after this call (tests, CLI)."""
-        return False if self._closed else self.loop.sync(timeout)
+        return not self._closed and self.loop.sync(timeout)
 
     def connection(self) -> LazyPair:
         """Lazily opened connections for one request (closed by the API at teardown)."""
-        return LazyPair(self.config)
+        return LazyPair(self.config, self.lease.fence)
 
     def launch_spec(self, job_id: str, k: int) -> LaunchSpec:
         """The launcher command for a job (see launcher.launch_spec)."""
@@ -128,13 +136,10 @@ class Service:
         return self.serving.get_rollout_data(conns, max_groups=max_groups, request_id=request_id, wait_s=wait_s,
                                              min_groups=min_groups)
 
-    def set_shutdown_probe(self, probe: Callable[[], bool]) -> None:
-        """gunicorn's worker tells whether it is shutting down (SIGTERM): waiting polls answer then."""
-        self.serving.should_stop = probe
-
     def start_rollout(self, conns: LazyPair, *, k: int, restart_training: bool,
                       job_session: str | None) -> tuple[int, dict[str, Any]]:
         """Select the job, start its launcher. Returns (HTTP status, body)."""
+        self.lease.check(10.0)  # LeaseLost on a standby: answered with 307 (lease.standby_error)
         if not self.loop.bootstrapped.is_set():
             # Before the active job is resumed and its launcher adopted, "not running" would be a lie.
             self.nudge()
@@ -150,15 +155,13 @@ class Service:
 
     def _start_rollout(self, conns: LazyPair, k: int, restart_training: bool,
                        job_session: str | None) -> tuple[int, dict[str, Any]]:
-        launcher = self.supervisor.state()
         js = self.jobs.current
-        if launcher["running"]:
+        pid = self.launcher.running_pid()  # here, or on another host
+        if pid is not None:
             if js is not None and job_session not in (None, js.job_id):
                 raise ApiError(409, f"the launcher of job {js.job_id!r} is still running (pid "
-                               f"{launcher['pid']}); POST /stop_rollout first or name that job",
-                               job_session=js.job_id, pid=launcher["pid"])
-            return 200, {"message": "AIEvoBox is already running", "pid": launcher["pid"],
-                         "job_session": js.job_id if js else None}
+                               f"{pid}); POST /stop_rollout first or name that job", job_session=js.job_id, pid=pid)
+            return 200, {"message": "AIEvoBox is already running", "pid": pid, "job_session": js.job_id if js else None}
         job_id = job_session or uuid.uuid4().hex
         if self.launcher.managed:
             self.launcher.preflight(job_id, k)
@@ -167,7 +170,8 @@ class Service:
             try:
                 js = self.jobs.select(pair.src, pair.store, job_id, k, restart_training)
             except StorageError as exc:
-                raise ApiError(503, f"the database is unreachable: {exc}", retry_after=3) from exc
+                raise exc if isinstance(exc, LeaseLost) else ApiError(
+                    503, f"the database is unreachable: {exc}", retry_after=3) from exc
             if self.launcher.managed:
                 # Until its own launcher runs, the finished one the loop sees is not this job's:
                 # no launcher_exited drop for it (reset once the launcher is spawned).
@@ -194,18 +198,22 @@ class Service:
         finally:
             lock.release()
 
-    def stop_rollout(self) -> dict[str, Any]:
+    def stop_rollout(self, conns: LazyPair | None = None) -> dict[str, Any]:
         """Stop the launcher (idempotent); the job stays selected and ready groups stay servable.
 
         Takes no service lock: the supervisor's own makes it safe, and a stuck database or a
-        /start_rollout in progress must not keep the launcher running past its grace."""
+        /start_rollout in progress must not keep the launcher running past its grace. One on another
+        host is recorded as stopped (an instance there stops it)."""
+        self.lease.check(2.0)
         before = self.supervisor.state()
         self.loop.ready_signal.interrupt()  # waiting polls answer now, with whatever is ready
         self.supervisor.stop("requested")
         self.nudge()
         js = self.jobs.current
-        return {"message": "Launcher stopped" if before["running"] else "No launcher running",
-                "job_session": js.job_id if js else None, "launcher": self.launcher.summary()}
+        message = "Launcher stopped" if before["running"] else "No launcher running"
+        if js is not None and conns is not None and self.launcher.stop_elsewhere(conns.get().store, js.job_id):
+            message = "Launcher on another host recorded as stopped: an instance on its host stops it"
+        return {"message": message, "job_session": js.job_id if js else None, "launcher": self.launcher.summary()}
 
     # -- introspection -----------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -213,7 +221,8 @@ class Service:
         js = self.jobs.current
         problem = self.health_state.problem() or (self.loop.stuck() if self._started else None)
         return {
-            "status": "healthy" if problem is None else "degraded",
+            "status": "healthy" if problem is None and self.lease.problem is None else "degraded",
+            **self.lease.describe(),  # role, instance, owner (its URL, never a secret), lease_problem
             "last_tick_age_s": round(self.loop.tick_age(), 3),
             "aievobox_running": bool(self.supervisor.state()["running"]),
             "data_manager_initialized": js is not None,
@@ -223,21 +232,18 @@ class Service:
             "proxy_notifications": self.notifier.pending(),
         }
 
-    def poll_stats(self) -> dict[str, Any]:
-        """Poll counts and latency buckets (for /metrics)."""
-        return self.serving.stats.snapshot()
-
     def stats(self, conns: LazyPair | None = None) -> dict[str, Any]:
         """Per-job accounting and gauges for GET /stats."""
         js = self.jobs.current
         problem = self.health_state.problem()
-        polls = self.poll_stats()
+        polls = self.serving.stats.snapshot()
         out: dict[str, Any] = {"job_session": js.job_id if js else None,
                                "launcher": self.launcher.summary(),
                                "proxy_notifications": self.notifier.pending(),
                                "database": "ok" if problem is None else problem,
                                "polls": {**{k: polls[k] for k in ("count", "with_data", "seconds_total")},
-                                         "waiting": self.serving.waiting_polls}}
+                                         "waiting": self.serving.waiting_polls},
+                               "lease": self.lease.stats()}
         if js is not None:
             out.update(js.stats(conns.get().src if conns is not None else None))
         return out

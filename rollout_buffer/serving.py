@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from .config import Config
 from .connections import LazyPair, Pair
-from .errors import ApiError, IntegrityError, StorageError
+from .errors import ApiError, IntegrityError, LeaseLost, StorageError
 from .fetch import FETCH_CHUNK, fetch_takes
 from .history import History
 from .items import Body, GroupItems, Malformed, build_group, empty_body, response_chunks
@@ -95,6 +95,7 @@ class Serving:
         self._waiting_lock = threading.Lock()
         self._waiting = 0
         self.should_stop: Callable[[], bool] = lambda: False  # gunicorn's "worker is shutting down"
+        self.guard: Callable[[], None] = lambda: None  # raises when this instance may not serve (a standby)
         self._failures: dict[tuple[str, str], int] = {}
         self.replayer = Replayer(config, self._rids)
 
@@ -145,7 +146,14 @@ class Serving:
     def waiting_polls(self) -> int:
         return self._waiting
 
+    def forget(self) -> None:
+        """This instance lost the job: what it remembered of its polls may be stale once it owns it again."""
+        self._uncertain = None
+        self._failures.clear()
+        self._rids.forget()
+
     def _poll(self, conns: LazyPair, max_groups: int | None, request_id: str | None) -> Body:
+        self.guard()
         if not self.loop.bootstrapped.is_set():
             # Until the active job is resumed from the database, "no data" would be a lie: a trainer
             # would drop its request_id and the batch bound to it (already marked served) would be lost.
@@ -180,6 +188,8 @@ class Serving:
                 replay = pair.store.batch_for_request(js.job_id, request_id)
             if replay is None:
                 return self._serve(pair, js, max_groups, request_id)
+        except LeaseLost:
+            raise  # answered as a standby answers (307 to the owner)
         except IntegrityError as exc:
             logger.error("serving hit a conflicting decision: %s", exc)
             raise ApiError(503, "another instance decided some of these groups meanwhile; they were "

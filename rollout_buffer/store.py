@@ -3,17 +3,20 @@
 Owns: their schema and version, loading a job's decisions and counters, recording a plan
 (:class:`~rollout_buffer.model.Decisions`) in ONE transaction, the cursor and low-water mark, the
 launcher identity, delivered batches, the notified flags, and retention. Every record is built
-here and only here. It must not touch the launcher's tables (it is handed only the state
-connection) and holds no in-memory state of its own: a :class:`Store` is a thin wrapper around one
-connection, cheap to build per thread or per request.
+here and only here, and every write of a decision (a plan, the job's activation and K, the cursor,
+the launcher, retention) runs the lease's fence first in its transaction (``fence``, see lease.py):
+an instance that lost the job rolls back with LeaseLost. It must not touch the launcher's tables
+(it is handed only the state connection) and holds no in-memory state of its own: a
+:class:`Store` is a thin wrapper around one connection, cheap to build per thread or per request.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from . import queries as q
 from .db import Database, connect, create_launcher_tables
@@ -46,6 +49,7 @@ class LauncherRecord:
     pgid: int | None
     start_ticks: int | None
     state: LauncherState
+    host: str | None = None  # adopted only on this host (procfs.host_id)
 
 
 @dataclass(frozen=True)
@@ -74,8 +78,18 @@ def _group_record(job_id: str, d: Served | Drop, now: float) -> tuple:
 class Store:
     """The ``rollout_buffer_*`` tables through one connection (the calling thread's)."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, fence: Callable[[Database], None] | None = None) -> None:
         self.db = db
+        self.fence = fence
+
+    @contextlib.contextmanager
+    def decision(self) -> Iterator[Database]:
+        """A transaction that records a decision: the lease's fence first (it raises LeaseLost, and the
+        transaction rolls back, once this instance does not own the job)."""
+        with self.db.transaction():
+            if self.fence is not None:
+                self.fence(self.db)
+            yield self.db
 
     # -- schema --------------------------------------------------------------------------------
     def ensure_schema(self) -> None:
@@ -111,22 +125,25 @@ class Store:
         """Make job_id the only active job, with its floor and the tombstones below it, atomically
         (a crash in between would resume above the floor and serve those groups half)."""
         now = time.time()
-        with self.db.transaction():
+        with self.decision():
             self.db.execute(q.DEACTIVATE_JOBS, (now,))
             self.db.execute(q.UPSERT_JOB, (job_id, k, floor, start_after, low_water, now, now))
             self.db.executemany(q.INSERT_GROUP_IF_ABSENT, [_group_record(job_id, d, now) for d in tombstones])
 
     def set_k(self, job_id: str, k: int) -> None:
-        self.db.execute(q.SET_K, (k, time.time(), job_id))
+        with self.decision():
+            self.db.execute(q.SET_K, (k, time.time(), job_id))
 
     def save_cursor(self, job_id: str, cursor: int, low_water: int) -> None:
         """Persist the ingest cursor and the low-water mark below which every row is accounted."""
-        self.db.execute(q.SAVE_CURSOR, (cursor, low_water, time.time(), job_id))
+        with self.decision():
+            self.db.execute(q.SAVE_CURSOR, (cursor, low_water, time.time(), job_id))
 
     def save_launcher(self, job_id: str, rec: LauncherRecord, owner: str | None) -> None:
-        """Record the job's launcher process, its state and the instance that owns it."""
-        self.db.execute(q.SAVE_LAUNCHER, (rec.pid, rec.pgid, rec.start_ticks, rec.state.value, owner, time.time(),
-                                          job_id))
+        """Record the job's launcher process, its host and state, and the instance that owns it."""
+        with self.decision():
+            self.db.execute(q.SAVE_LAUNCHER, (rec.pid, rec.pgid, rec.start_ticks, rec.state.value, owner, rec.host,
+                                              time.time(), job_id))
 
     def launcher_owner(self, job_id: str) -> str | None:
         return self.db.scalar(q.LAUNCHER_OWNER, (job_id,))
@@ -183,7 +200,7 @@ class Store:
         """
         now = time.time()
         st = self.db
-        with st.transaction():
+        with self.decision():
             b = plan.batch
             if b is not None:
                 st.execute(q.INSERT_BATCH, (b.batch_id, b.job_id, b.request_id, b.seed.hex(), json.dumps(b.group_ids),
@@ -214,7 +231,8 @@ class Store:
     # -- retention ---------------------------------------------------------------------------------
     def prune_batches(self, before: float, limit: int = 500) -> int:
         """Delete up to ``limit`` batches recorded before an epoch time; returns how many."""
-        return self.db.execute(q.PRUNE_BATCHES, (before, limit))
+        with self.decision():
+            return self.db.execute(q.PRUNE_BATCHES, (before, limit))
 
     def ended_jobs(self, before: float) -> list[dict[str, Any]]:
         """Ended jobs not active since an epoch time whose decisions are still kept."""
@@ -222,13 +240,15 @@ class Store:
 
     def purge_step(self, job_id: str, limit: int = 500) -> int:
         """Delete up to ``limit`` decisions of each kind of an ended job; returns how many."""
-        n = self.db.execute(q.PURGE_GROUPS, (job_id, job_id, limit))
-        n += self.db.execute(q.PURGE_ROWS, (job_id, job_id, limit))
-        return n + self.db.execute(q.PURGE_BATCHES, (job_id, limit))
+        with self.decision():
+            n = self.db.execute(q.PURGE_GROUPS, (job_id, job_id, limit))
+            n += self.db.execute(q.PURGE_ROWS, (job_id, job_id, limit))
+            return n + self.db.execute(q.PURGE_BATCHES, (job_id, limit))
 
     def mark_purged(self, job_id: str, read_upto: int) -> None:
         """The job's decisions are gone: should it be selected again, it reads only after read_upto."""
-        self.db.execute(q.MARK_PURGED, (time.time(), read_upto, read_upto, read_upto + 1, job_id))
+        with self.decision():
+            self.db.execute(q.MARK_PURGED, (time.time(), read_upto, read_upto, read_upto + 1, job_id))
 
     # -- the proxy's confirmations ----------------------------------------------------------------
     def unnotified(self) -> Iterator[Unnotified]:

@@ -32,7 +32,6 @@ logger = logging.getLogger(__name__)
 RESTART_POLICIES = ("never", "on-failure")
 
 
-
 class LauncherError(RolloutBufferError):
     """The launcher could not be started."""
 
@@ -260,6 +259,15 @@ class Supervisor:
     def close(self) -> None:
         """Stop the launcher for a service shutdown; idempotent."""
         self.stop("shutdown")
+
+    def release(self) -> subprocess.Popen[bytes] | None:
+        """Forget the launcher without signalling it (another instance takes it over); returns our
+        child's Popen, if it was ours, for the caller to reap. Cancels a scheduled restart."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+            self._running = self._ever_started = False
+            self._restart_at = None
+            return proc
 
     # -- internals (callers hold the lock unless noted) --------------------------------
 

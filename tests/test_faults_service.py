@@ -6,7 +6,8 @@ real SQLite files and Postgres, real launcher processes):
 - 13: durable state retention (batches, ended jobs) and the indexes startup scans need;
 - 15: replays are bounded in memory (one shared copy) and in number (429 + Retry-After);
 - 16: a backlog drain without max_groups costs what each poll serves;
-- 17: an instance never kills a launcher another instance on the host has adopted;
+- 17: an instance never kills a launcher another instance on the host has adopted (or, with the
+  lease, that the standby on its host takes over);
 - 18: a /start_rollout right after a restart waits for the resume, then says "already running";
   and a bootstrap retried after it adopted the launcher keeps it (found while testing 17/18).
 
@@ -450,6 +451,8 @@ def test_replays_share_one_copy_and_are_bounded_in_number(tmp_path):
 
 # -- 17: two instances on one host ----------------------------------------------------------------------------
 def test_an_instance_that_stops_leaves_the_launcher_another_instance_adopted(tmp_path):
+    """With the lease (issue 12) the second instance waits as a standby; the first, stopped, hands the
+    launcher over to it (a standby on its own host) instead of killing it, and the second adopts it."""
     url = "sqlite://" + str(tmp_path / "launcher.db")
     with two_instances(url, tmp_path) as two:
         first, second = two.first, two.second
@@ -459,13 +462,16 @@ def test_an_instance_that_stops_leaves_the_launcher_another_instance_adopted(tmp
         wait_until(lambda: stats(first.url)["groups"]["pending"] == 1, 10, "first instance reads the group")
 
         second.start()
-        wait_until(lambda: requests.get(second.url + "/health", timeout=5).json()["launcher"]["adopted"], 10,
-                   "the second instance adopts the launcher")
-        assert requests.get(second.url + "/health", timeout=5).json()["launcher"]["pid"] == pid
-        wait_until(lambda: stats(second.url)["groups"]["pending"] == 1, 10, "second instance reads the group")
+        health = lambda: requests.get(second.url + "/health", timeout=5).json()  # noqa: E731
+        wait_until(lambda: health()["role"] == "standby", 10, "the second instance waits as a standby")
+        assert not health()["launcher"]["adopted"] and not health()["aievobox_running"]
 
         first.stop(signal.SIGTERM)
-        assert alive(pid), "the stopping instance killed the launcher the other instance had adopted"
+        assert alive(pid), "the stopping instance killed the launcher the standby on its host takes over"
+        wait_until(lambda: health()["role"] == "owner" and health()["launcher"]["adopted"], 10,
+                   "the second instance takes the job and the launcher over")
+        assert health()["launcher"]["pid"] == pid
+        wait_until(lambda: stats(second.url)["groups"]["pending"] == 1, 10, "second instance reads the group")
 
         served_after(second, w)
         w.close()

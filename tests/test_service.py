@@ -656,6 +656,7 @@ def test_a_launcher_that_cannot_start_leaves_the_active_job_and_its_groups_alone
         r = h.client.post("/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "A"})
         assert r.status_code == 500  # A's own launcher cannot start either: A is not selected
         assert h.stats()["job_session"] is None
+        h.stop()  # (a second live instance on the database would be its standby)
         h2 = harness_factory(lite_url, launcher="none")
         h2.start(k=2, job="A")
         w.group("ready", 2, steps=1, job="A")
