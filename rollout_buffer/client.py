@@ -18,6 +18,12 @@ request_id: pass ``use_request_id=False`` to send none (delivery is then at-most
 Errors: a 4xx answer raises :class:`BufferError` (with ``.status`` and the server's message);
 connection errors, timeouts and 5xx answers are retried with exponential backoff (honouring
 ``Retry-After``), and :class:`BufferUnavailable` is raised once the retries are exhausted.
+
+Failover (issue 12): give it every instance's URL (a list, or one string with commas). A standby
+answers 307 with the owner's URL: the client follows it itself (requests would drop the
+Authorization header on a redirect to another host), with the same method, body and request_id,
+and goes to the owner first from then on. A URL that refuses the connection is left for the next
+one at once; a retried request_id is replayed by whichever instance owns the job by then.
 """
 from __future__ import annotations
 
@@ -26,7 +32,8 @@ import logging
 import random
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
+from urllib.parse import urljoin, urlsplit
 
 import requests
 
@@ -36,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
 NO_DATA = "No data available to read"
+MAX_REDIRECTS = 5  # standby -> owner is one; more means a loop between misconfigured instances
 
 
 class BufferError(RolloutBufferError):  # noqa: A001 - the name the trainer-facing API promises
@@ -97,22 +105,30 @@ def _error_message(resp: requests.Response) -> tuple[str, Any]:
 
 
 class BufferClient:
-    """HTTP client of one rollout-buffer service.
+    """HTTP client of one rollout-buffer service (its owner and standbys).
 
-    :param url: base URL, e.g. ``http://127.0.0.1:18889``.
+    :param url: base URL, e.g. ``http://127.0.0.1:18889``; or every instance's URL, as a list or
+        separated by commas: the next is tried when one refuses the connection.
     :param token: bearer token (``ROLLOUT_BUFFER_TOKEN`` of the service), or None.
     :param timeout: read timeout of every call in seconds (the connect timeout is 5 s).
-    :param retries: retries after the first attempt on connection errors, timeouts and 5xx.
+    :param retries: retries after the first attempt on connection errors, timeouts and 5xx (the
+        default 8, with the default backoff, outlasts a takeover after the default 10 s lease).
     :param backoff_s: first retry delay; doubled per retry, capped at ``backoff_max_s``.
     :param backoff_max_s: the largest delay between attempts (also caps ``Retry-After``).
     :param use_request_id: send a request_id with every poll (False for the original server).
     """
 
-    def __init__(self, url: str, token: str | None = None, *, timeout: float = 120.0, retries: int = 5,
-                 backoff_s: float = 0.5, backoff_max_s: float = 10.0, use_request_id: bool = True) -> None:
+    def __init__(self, url: str | Sequence[str], token: str | None = None, *, timeout: float = 120.0,
+                 retries: int = 8, backoff_s: float = 0.5, backoff_max_s: float = 10.0,
+                 use_request_id: bool = True) -> None:
         if retries < 0:
             raise ValueError(f"retries={retries!r}: expected an integer >= 0")
-        self.url = url.rstrip("/")
+        urls = url.split(",") if isinstance(url, str) else list(url)
+        self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
+        if not self.urls:
+            raise ValueError(f"url={url!r}: expected a URL or a list of URLs")
+        self._next = 0  # the URL tried first
+        self._owner: str | None = None  # where a standby sent us last: tried first while it answers
         self.timeout = float(timeout)
         self.retries = int(retries)
         self.backoff_s = float(backoff_s)
@@ -134,23 +150,54 @@ class BufferClient:
         self.close()
 
     def __repr__(self) -> str:
-        return f"BufferClient({self.url!r})"
+        return f"BufferClient({self.urls if len(self.urls) > 1 else self.urls[0]!r})"
+
+    @property
+    def url(self) -> str:
+        """The base URL the next call goes to first (the owner, once a standby named it)."""
+        return self._owner or self.urls[self._next]
+
+    def _unreachable(self, base: str) -> None:
+        """``base`` refused the connection: the next URL of the list goes first."""
+        if base == self._owner:
+            self._owner = None
+        if base in self.urls:
+            self._next = (self.urls.index(base) + 1) % len(self.urls)
 
     # -- plumbing -------------------------------------------------------------------------------------
     def _once(self, method: str, path: str, body: dict[str, Any] | None, read_timeout: float) -> Any:
         """One attempt: the parsed JSON body of a 2xx, BufferError for 4xx, _Transient otherwise
-        (429, too many replays at once, is transient too: it says when to retry)."""
-        try:
-            resp = self.session.request(method, self.url + path, json=body,
-                                        timeout=(CONNECT_TIMEOUT_S, read_timeout))
-        except requests.exceptions.ConnectTimeout as exc:
-            raise _Transient(f"connect timeout: {exc}", sent=False) from exc
-        except requests.exceptions.ConnectionError as exc:
-            # a refused/unresolvable connection never reached the server; a reset may have
-            sent = "NewConnectionError" not in repr(exc) and "refused" not in str(exc).lower()
-            raise _Transient(f"connection error: {exc}", sent=sent) from exc
-        except requests.exceptions.Timeout as exc:
-            raise _Transient(f"read timeout after {read_timeout:g} s: {exc}") from exc
+        (429, too many replays at once, is transient too: it says when to retry). A 307 from a
+        standby is followed here, with the same method, body and headers (the token included)."""
+        base = self.url
+        target = base + path
+        for _hop in range(MAX_REDIRECTS + 1):
+            try:
+                resp = self.session.request(method, target, json=body, timeout=(CONNECT_TIMEOUT_S, read_timeout),
+                                            allow_redirects=False)
+            except requests.exceptions.ConnectTimeout as exc:
+                self._unreachable(base)
+                raise _Transient(f"connect timeout: {exc}", sent=False) from exc
+            except requests.exceptions.ConnectionError as exc:
+                self._unreachable(base)
+                # a refused/unresolvable connection never reached the server; a reset may have
+                sent = "NewConnectionError" not in repr(exc) and "refused" not in str(exc).lower()
+                raise _Transient(f"connection error: {exc}", sent=sent) from exc
+            except requests.exceptions.Timeout as exc:
+                raise _Transient(f"read timeout after {read_timeout:g} s: {exc}") from exc
+            if resp.status_code not in (307, 308):
+                break
+            location = urljoin(target, resp.headers.get("Location", ""))
+            if urlsplit(location).scheme not in ("http", "https") or (
+                    urlsplit(target).scheme == "https" and urlsplit(location).scheme != "https"):
+                raise BufferError(f"{method} {path}: refusing a redirect from {target} to {location!r}",
+                                  status=resp.status_code)
+            target = location
+            base = location[:-len(path)] if location.endswith(path) else base
+            self._owner = base
+        else:
+            raise _Transient(f"redirected more than {MAX_REDIRECTS} times (instances that name each other as "
+                             "the owner?)", status=resp.status_code, retry_after=1.0)
         if resp.status_code >= 500 or resp.status_code == 429:
             message, _ = _error_message(resp)
             raise _Transient(f"HTTP {resp.status_code}: {message}", status=resp.status_code,
@@ -182,8 +229,14 @@ class BufferClient:
         last: _Transient | None = None
         for attempt in range(self.retries + 1):
             try:
-                # a long-poll may take wait_s before its first byte
-                return self._once(method, path, body, self.timeout + wait_s)
+                # a long-poll may take wait_s before its first byte; an instance that refuses the
+                # connection is left for the next one at once (each once per attempt)
+                for left in range(len(self.urls) - 1, -1, -1):
+                    try:
+                        return self._once(method, path, body, self.timeout + wait_s)
+                    except _Transient as exc:
+                        if exc.sent or not left:
+                            raise
             except _Transient as exc:
                 last = exc
                 if exc.status == 500 and not retry_500:
@@ -312,98 +365,3 @@ def groups_of(doc: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
             gid = (item.get("extra_info") or {}).get("group_id")
         out.setdefault(str(gid), []).append(item)
     return list(out.items())
-
-
-# -- /stats as a table --------------------------------------------------------------------------------
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return f"{v:.3f}".rstrip("0").rstrip(".") if v != int(v) else f"{int(v)}"
-    return str(v)
-
-
-def _by_reason(d: Any) -> str:
-    if not isinstance(d, dict) or not d:
-        return ""
-    return "  (" + ", ".join(f"{k}: {v}" for k, v in sorted(d.items())) + ")"
-
-
-def format_stats(stats: dict[str, Any]) -> str:
-    """GET /stats as a readable fixed-width table."""
-    rows: list[tuple[str, str]] = []
-
-    def add(label: str, value: Any, extra: str = "") -> None:
-        rows.append((label, _fmt(value) + extra))
-
-    def section(title: str) -> None:
-        rows.append(("", ""))
-        rows.append((f"[{title}]", ""))
-
-    job = stats.get("job_session") or stats.get("job_id")
-    add("job", job if job is not None else "(none: no /start_rollout yet)")
-    if "k" in stats:
-        add("K (sessions per group)", stats.get("k"))
-    add("database", stats.get("database"))
-    r = stats.get("rows")
-    if isinstance(r, dict):
-        section("rows")
-        add("read", r.get("read"))
-        add("served", r.get("served"))
-        add("dropped", r.get("dropped_total"), _by_reason(r.get("dropped")))
-        add("rejected", r.get("rejected_total"), _by_reason(r.get("rejected")))
-        add("pending", r.get("pending"))
-        if "accounting_balanced" in stats:
-            add("accounting balanced", stats.get("accounting_balanced"))
-    g = stats.get("groups")
-    if isinstance(g, dict):
-        section("groups")
-        add("pending", g.get("pending"))
-        add("ready", g.get("ready"))
-        if "in_flight" in g:
-            add("in flight", g.get("in_flight"))
-        add("served", g.get("served"))
-        add("dropped", g.get("dropped_total"), _by_reason(g.get("dropped")))
-    if r is not None or "cursor" in stats:
-        section("ingest")
-        add("cursor (last id read)", stats.get("cursor"))
-        if stats.get("floor_pk"):
-            add("restart floor id", stats.get("floor_pk"))
-        add("lag (rows not yet read)", stats.get("lag_rows"))
-        age = stats.get("oldest_pending_group_age_s")
-        add("oldest pending group age", None if age is None else f"{age:.1f} s")
-    la = stats.get("launcher")
-    if isinstance(la, dict):
-        section("launcher")
-        add("running", la.get("running"))
-        add("pid", la.get("pid"))
-        add("exit code", la.get("exit_code"))
-        add("restarts", la.get("restarts"))
-        add("finished", la.get("finished"))
-        if la.get("stopped_by"):
-            add("stopped by", la.get("stopped_by"))
-        if la.get("log_path"):
-            add("log", la.get("log_path"))
-    px = stats.get("proxy_notifications")
-    if isinstance(px, dict):
-        section("proxy")
-        add("sessions pending clear", px.get("sessions"), _by_reason(px.get("reasons")))
-        if "failures" in px:
-            add("delivery failures", px.get("failures"))
-    polls = stats.get("polls")
-    if isinstance(polls, dict):
-        section("polls")
-        add("count", polls.get("count"))
-        add("with data", polls.get("with_data"))
-    width = max(len(label) for label, _ in rows)
-    lines = []
-    for label, value in rows:
-        if not label and not value:
-            lines.append("")
-        elif label.startswith("[") and not value:
-            lines.append(label)
-        else:
-            lines.append(f"  {label:<{width}}  {value}")
-    return "\n".join(lines)

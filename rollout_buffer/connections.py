@@ -24,12 +24,13 @@ def application_name() -> str:
 
 
 def service_connect(config: Config, url: str, *, bound_s: float | None = None) -> Database:
-    """A connection of the service itself: with its statement and lock timeouts (at most
-    ``bound_s`` each when given: the lease's renewals)."""
-    def timeout(value: float) -> float:
-        return value if bound_s is None else min(value or bound_s, bound_s)
-    return connect(url, statement_timeout_s=timeout(config.statement_timeout_s),
-                   lock_timeout_s=timeout(config.lock_timeout_s), durable=True, application_name=application_name())
+    """A connection of the service itself: with its statement and lock timeouts (when ``bound_s``
+    is given, the lease's: a statement at most that long, a lock wait at most half of it)."""
+    def timeout(value: float, bound: float | None) -> float:
+        return value if bound is None else min(value or bound, bound)
+    return connect(url, statement_timeout_s=timeout(config.statement_timeout_s, bound_s),
+                   lock_timeout_s=timeout(config.lock_timeout_s, bound_s and bound_s / 2), durable=True,
+                   application_name=application_name())
 
 
 class Pair:

@@ -197,6 +197,14 @@ MIGRATIONS = {
     ),
 }
 
+# The buffer's tables and indexes that exist (so a start takes no lock when none is missing: even
+# CREATE INDEX IF NOT EXISTS waits for every open write on its table, and holds writers up meanwhile).
+STATE_OBJECTS = {
+    "postgres": "SELECT relname FROM pg_catalog.pg_class WHERE starts_with(relname, 'rollout_buffer_') "
+                "AND pg_catalog.pg_table_is_visible(oid)",
+    "sqlite": "SELECT name FROM sqlite_master WHERE substr(name, 1, 15) = 'rollout_buffer_'",
+}
+STATE_NAMES = frozenset(ddl.split(" IF NOT EXISTS ", 1)[1].split()[0] for ddl in STATE_DDL)
 # Read the schema version.
 GET_META = "SELECT value FROM rollout_buffer_meta WHERE key = ?"
 # Record the schema version (first start).

@@ -95,11 +95,12 @@ class Store:
     def ensure_schema(self) -> None:
         """Create the tables and indexes if missing and check the schema version."""
         st = self.db
-        with st.transaction():
-            for ddl in q.STATE_DDL:
-                st.execute(ddl)
-            if st.scalar(q.GET_META, ("schema_version",)) is None:
-                st.execute(q.PUT_META, ("schema_version", "1"))  # STATE_DDL is version 1's
+        if not q.STATE_NAMES <= {r[0] for r in st.rows(q.STATE_OBJECTS[st.backend])}:
+            with st.transaction():
+                for ddl in q.STATE_DDL:
+                    st.execute(ddl)
+                if st.scalar(q.GET_META, ("schema_version",)) is None:
+                    st.execute(q.PUT_META, ("schema_version", "1"))  # STATE_DDL is version 1's
         version = int(st.scalar(q.GET_META, ("schema_version",)))
         if version > q.SCHEMA_VERSION:
             raise StorageError(f"rollout_buffer_* tables are schema version {version}; this build knows "

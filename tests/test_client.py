@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import requests
 
-from rollout_buffer.client import BufferClient, BufferError, BufferUnavailable, format_stats
+from rollout_buffer.cli import format_stats
+from rollout_buffer.client import BufferClient, BufferError, BufferUnavailable
 from rollout_buffer.db import connect
 from rollout_buffer.errors import RolloutBufferError
 from tests.servers import ROOT, serve
