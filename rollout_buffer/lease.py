@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 SCOPE = "job"  # the one row: the state database's active job
 OWNER, STANDBY, STARTING = "owner", "standby", "starting"
 RETRY_S = 0.5  # after a failed step
-STANDBY_POLL_S = 1.0  # a standby reads the lease at least this often (a released lease is taken within it)
+STANDBY_POLL_S = 0.5  # a standby reads the lease at least this often (a released lease is taken within it)
 INSTANCE_KEEP_S = 600.0  # rows of instances not seen for this long are deleted
 
 
