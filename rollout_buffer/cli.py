@@ -45,7 +45,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from .client import BufferClient, format_stats
+    from .client import BufferClient
+    from .stats_table import format_stats
 
     client = BufferClient(args.url, token=args.token or os.environ.get("ROLLOUT_BUFFER_TOKEN"))
     if args.watch:
