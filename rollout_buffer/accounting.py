@@ -29,15 +29,18 @@ class Counts:
         self.figures = Figures()
         self.filtered: Counter = Counter()  # groups dropped since the last served batch, by reason
 
-    def load(self, rows_accounted: int, served_rows: int, dropped: dict[str, int], rejected: dict[str, int],
-             groups_served: int, groups_dropped: dict[str, int]) -> None:
-        """The durable totals of a job, before any row is ingested again."""
-        self.rows_read = rows_accounted
-        self.served_rows = served_rows
-        self.dropped.update(dropped)
-        self.rejected.update(rejected)
-        self.groups_served = groups_served
-        self.groups_dropped.update(groups_dropped)
+    def load(self, totals: Any) -> None:
+        """A job's durable totals (a :class:`~rollout_buffer.store.JobTotals`), before any row is
+        ingested again: the row and group counters, the figures and ``filtered``."""
+        self.rows_read = totals.accounted_rows
+        self.served_rows = totals.served_rows
+        self.dropped.update(totals.dropped)
+        self.rejected.update(totals.rejected)
+        self.groups_served = totals.groups_served
+        self.groups_dropped.update(totals.groups_dropped)
+        for fig in totals.figures:
+            self.figures.load(*fig)
+        self.filtered.update(totals.filtered)
 
     def group_dropped(self, reason: str, rows: int, sessions: int, rewards: Iterable[float]) -> None:
         """A group was dropped with ``rows`` rows accounted to it."""

@@ -55,15 +55,6 @@ class Accumulator:
         self.session_group: dict[str, str] = {}                # session -> its undecided group (O(1) lookups)
         self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
 
-    # -- loading ----------------------------------------------------------------------------
-    def load(self, decided: dict[str, str], rows_accounted: int, served_rows: int,
-             dropped: dict[str, int], rejected: dict[str, int], groups_served: int,
-             groups_dropped: dict[str, int]) -> None:
-        """Restore decisions and counters after a restart (before any row is ingested)."""
-        with self.lock:
-            self.decided.update(decided)
-            self.counts.load(rows_accounted, served_rows, dropped, rejected, groups_served, groups_dropped)
-
     # -- versions ---------------------------------------------------------------------------------
     @property
     def current_version(self) -> int:
@@ -235,29 +226,35 @@ class Accumulator:
             return out
         with self.lock:
             now = self.clock()
-            least = self.policy.min_group_size
             while self.pending:
-                gid, g = next(iter(self.pending.items()))
+                g = next(iter(self.pending.values()))
                 if now - g.last_seen < ttl_s:
                     break
-                if least is not None and least < self.k and len(g.completed) >= least:
-                    del self.pending[gid]
-                    g.partial = True
-                    self._became_ready(g, out)
-                    continue
-                self._drop(g, TTL, out)
+                self._give_up(g, TTL, out)
         return out
 
-    def drop_all(self, reason: str, *, include_ready: bool) -> Decisions:
-        """Drop every incomplete group (and the ready ones when include_ready)."""
+    def drop_all(self, reason: str, *, include_ready: bool, partial: bool = False) -> Decisions:
+        """Drop every incomplete group (and the ready ones when include_ready); with ``partial`` (the
+        launcher exited: they can never complete) those with the minimum group size are served short."""
         out = Decisions()
         with self.lock:
             for g in list(self.pending.values()):
-                self._drop(g, reason, out)
+                self._give_up(g, reason, out) if partial else self._drop(g, reason, out)
             if include_ready:
                 for g in list(self.ready.values()):
                     self._drop(g, reason, out)
         return out
+
+    def _give_up(self, g: Group, reason: str, out: Decisions) -> None:
+        """(Lock held.) An incomplete group that cannot wait any longer: ready short of K when it has
+        the minimum group size (ROLLOUT_BUFFER_MIN_GROUP_SIZE), else dropped with ``reason``."""
+        least = self.policy.min_group_size
+        if least is not None and least < self.k and len(g.completed) >= least:
+            del self.pending[g.group_id]
+            g.partial = True
+            self._became_ready(g, out)
+        else:
+            self._drop(g, reason, out)
 
     # -- serving ----------------------------------------------------------------------------------
     def take_ready(self, max_groups: int | None) -> list[Take]:

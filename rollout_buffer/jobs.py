@@ -87,11 +87,8 @@ class Jobs:
         """Build a JobState from the durable records of a job (fresh or resumed)."""
         totals = store.load_totals(job_id)
         acc = Accumulator(job_id, k, clock=self.clock, policy=self.config.policy)
-        acc.load(totals.decided, totals.accounted_rows, totals.served_rows, dict(totals.dropped),
-                 dict(totals.rejected), totals.groups_served, dict(totals.groups_dropped))
-        for fig in totals.figures:
-            acc.counts.figures.load(*fig)
-        acc.counts.filtered.update(totals.filtered)
+        acc.decided.update(totals.decided)  # before the accumulator is shared: no lock needed
+        acc.counts.load(totals)
         row = store.get_job(job_id)
         if row is not None:  # the versions saved with the cursor (the trainer's last, the rows' largest)
             acc.set_versions(row.get("trainer_version"), row.get("rows_version"))

@@ -312,7 +312,7 @@ class Loop:
         if (js.launcher_finished_tick is not None and not js.launcher_drop_done
                 and self._tick_no > js.launcher_finished_tick and js.reader.caught_up):
             js.launcher_drop_done = True
-            plan = js.acc.drop_all(LAUNCHER_EXITED, include_ready=False)
+            plan = js.acc.drop_all(LAUNCHER_EXITED, include_ready=False, partial=True)
             if plan.drops:
                 logger.warning("launcher of job %s has exited: dropping %d incomplete groups",
                                js.job_id, len(plan.drops))

@@ -5,6 +5,8 @@ it, the proxy told with the reason, the accounting balanced, items the upstream 
 The restart tests (kill -9 of a real gunicorn) are in test_policies_restart.py."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -14,6 +16,7 @@ from rollout_buffer.config import Config
 from rollout_buffer.service import Service
 from support import Harness, Writer, assert_balanced, groups_of, wait_until
 
+ROOT = Path(__file__).resolve().parent.parent
 UPSTREAM_KEYS = ("uid", "instance_id", "messages", "reward", "extra_info")
 UPSTREAM_EXTRA = ("session_id", "weight_version", "finish_reason", "group_id")
 
@@ -365,3 +368,31 @@ def test_policy_settings_are_validated_at_startup(lite_url):
             Config.from_env({"AIEVOBOX_DB_URL": lite_url, f"ROLLOUT_BUFFER_{name}": value})
         assert f"ROLLOUT_BUFFER_{name}" in str(err.value)
     assert Config.from_env({"AIEVOBOX_DB_URL": lite_url, "ROLLOUT_BUFFER_MAX_OFF_POLICY": ""}).max_off_policy is None
+
+
+PART_LAUNCHER = """\
+import argparse, sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+from support import Writer
+p = argparse.ArgumentParser()
+p.add_argument("--db-path"); p.add_argument("--job-id"); p.add_argument("--rl-group-size", type=int)
+a = p.parse_args()
+w = Writer(a.db_path, a.job_id)
+w.group("g-two", a.rl_group_size, complete=2)
+w.group("g-one", a.rl_group_size, complete=1)
+w.close()
+"""
+
+
+def test_partial_groups_when_the_launcher_exits(make, tmp_path):
+    """Once the launcher has exited its incomplete groups can never complete: the same rule as at the TTL."""
+    script = tmp_path / "part_launcher.py"
+    script.write_text(PART_LAUNCHER.format(repo=str(ROOT), tests=str(ROOT / "tests")))
+    h = make(min_group_size=2, launcher_cmd=(sys.executable, str(script), "--db-path", "{db_url}"))
+    h.start(k=3, job="jobP")
+    s = wait_until(lambda: (lambda s: s if s.get("groups", {}).get("dropped") else None)(h.stats()), 15,
+                   "the launcher_exited decision")
+    assert s["groups"]["dropped"] == {"launcher_exited": 1} and s["groups"]["ready"] == 1
+    doc = h.poll()
+    assert list(groups_of(doc)) == ["g-two"] and doc["data"]["meta_info"]["partial_groups"] == ["g-two"]
+    assert_balanced(h.stats())
