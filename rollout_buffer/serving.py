@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import json
-from collections import Counter
 import logging
 import secrets
 import threading
@@ -315,7 +314,7 @@ class Serving:
                                      f": malformed rows {bad}" if bad else "")
         if built:
             batch_id = uuid.uuid4().hex
-            filtered = Counter(js.acc.filtered_since_batch())
+            filtered = collections.Counter(js.acc.filtered_since_batch())
             filtered.update(d.reason for d in plan.drops)
             meta = {"group_stats": [stats[t.group_id] for t, _ in built], "filtered": dict(filtered),
                     "partial_groups": sorted(t.group_id for t, _ in built if t.partial)}
