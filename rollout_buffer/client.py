@@ -32,7 +32,7 @@ import logging
 import random
 import time
 import uuid
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 from urllib.parse import urljoin, urlsplit
 
 import requests
@@ -283,17 +283,26 @@ class BufferClient:
         return self._call("POST", "/stop_rollout", {})
 
     def get_rollout_data(self, max_groups: int | None = None, request_id: str | None = None, *,
-                         wait_s: float = 0.0, min_groups: int | None = None) -> dict[str, Any]:
+                         wait_s: float = 0.0, min_groups: int | None = None,
+                         current_weight_version: int | None = None,
+                         max_off_policy: int | None = None) -> dict[str, Any]:
         """POST /get_rollout_data; returns the raw response document.
 
         One logical call = one request_id (a fresh uuid4 hex unless given), reused for every retry,
         so a response lost in transit is replayed rather than lost. ``success`` is false (with
         "No data available to read") when no group is ready. With ``wait_s`` the server holds the
         poll until ``min_groups`` (default 1) groups are ready or ``wait_s`` has passed (long-poll).
+        ``current_weight_version`` tells the service the trainer's version (the job keeps the last
+        one sent) and ``max_off_policy`` overrides its staleness bound for this poll: groups with
+        current - min(weight_version) > max_off_policy are dropped as ``stale``, never served.
         """
         body: dict[str, Any] = {}
         if max_groups is not None:
             body["max_groups"] = max_groups
+        if current_weight_version is not None:
+            body["current_weight_version"] = current_weight_version
+        if max_off_policy is not None:
+            body["max_off_policy"] = max_off_policy
         if wait_s:
             body["wait_s"] = wait_s
             if min_groups is not None:
@@ -305,7 +314,9 @@ class BufferClient:
         return self._call("POST", "/get_rollout_data", body, wait_s=wait_s)
 
     def iter_groups(self, n: int | None = None, *, max_groups: int | None = None, poll_interval: float = 3.0,
-                    timeout: float | None = None, wait_s: float = 30.0) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+                    timeout: float | None = None, wait_s: float = 30.0,
+                    current_weight_version: int | None | Callable[[], int | None] = None,
+                    max_off_policy: int | None = None) -> Iterator[tuple[str, list[dict[str, Any]]]]:
         """Yield complete groups as ``(group_id, items)`` in the order served.
 
         Items of a response are grouped by ``instance_id`` (order preserved). Each poll long-polls
@@ -315,6 +326,8 @@ class BufferClient:
         still wanted, so no group is taken from the server and not yielded; groups of a response
         the caller stops consuming midway are, however, marked served on the server.
         A group id is never yielded twice (a duplicate is logged and skipped).
+        ``current_weight_version`` (a number, or a callable asked before every poll, as the trainer's
+        version moves while it iterates) and ``max_off_policy`` are sent with every poll.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         seen: set[str] = set()
@@ -329,7 +342,9 @@ class BufferClient:
                 want = left if want is None or want <= 0 else min(want, left)
             wait = wait_s if deadline is None else min(wait_s, max(0.0, deadline - time.monotonic()))
             asked = time.monotonic()
-            doc = self.get_rollout_data(max_groups=want, wait_s=wait)
+            version = current_weight_version() if callable(current_weight_version) else current_weight_version
+            doc = self.get_rollout_data(max_groups=want, wait_s=wait, current_weight_version=version,
+                                        max_off_policy=max_off_policy)
             groups = groups_of(doc) if doc.get("success") else []
             # an empty answer well before wait_s: no long-poll there (the original server, or every
             # waiting slot taken), so pause as the original client does instead of spinning

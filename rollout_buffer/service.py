@@ -37,6 +37,7 @@ from .jobs import JobState, Jobs
 from .launcher import Launcher, launch_spec
 from .lease import Lease
 from .loop import Health, Loop
+from .model import PollRequest
 from .notifications import Outbox
 from .proxy import ProxyNotifier
 from .serving import Serving
@@ -130,11 +131,9 @@ class Service:
         return launch_spec(self.config, job_id, k)
 
     # -- the API's calls -----------------------------------------------------------------------
-    def get_rollout_data(self, conns: LazyPair, *, max_groups: int | None, request_id: str | None,
-                         wait_s: float = 0.0, min_groups: int = 1) -> Body:
+    def get_rollout_data(self, conns: LazyPair, poll: PollRequest) -> Body:
         """Serve ready groups (or replay the batch bound to request_id), long-polling up to wait_s."""
-        return self.serving.get_rollout_data(conns, max_groups=max_groups, request_id=request_id, wait_s=wait_s,
-                                             min_groups=min_groups)
+        return self.serving.get_rollout_data(conns, poll)
 
     def start_rollout(self, conns: LazyPair, *, k: int, restart_training: bool,
                       job_session: str | None) -> tuple[int, dict[str, Any]]:

@@ -5,7 +5,8 @@
 - a sequence that caches ids (``SET CACHE 20``) is refused clearly, and the service recovers by
   itself once it is ``CACHE 1`` again -- no row is ever skipped;
 - a table locked ``ACCESS EXCLUSIVE`` does not stall /health, polls or /stop_rollout;
-- two instances on one schema serve every group exactly once between them.
+- two instances on one schema serve every group exactly once between them (the second as the
+  first one's standby).
 
 Writers are real connections (tests/conftest.py ``Writer``); a transaction held open is a real
 ``BEGIN`` on one of them. Every wait is bounded and on an observable condition.
@@ -27,7 +28,7 @@ import requests
 
 from support import Writer, make_launcher_db, wait_until
 from rollout_buffer.db import connect
-from servers import ROOT, Server
+from servers import ROOT, Server, free_port
 from test_durability import Trainer, assert_stats_balance, by_group, group_members, trainable_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
@@ -343,21 +344,25 @@ def while_locked(srv: Server, pid: int, grace: float) -> None:
 
 
 def test_two_instances_on_one_schema_serve_each_group_once(tmp_path, pg_url):
+    """With the lease (issue 12) the second instance is the first one's standby: its polls and its
+    /start_rollout are redirected (307) to the owner, which serves each group once; once the owner
+    stops, the standby takes over and serves what comes next."""
     make_launcher_db(pg_url)
-    a = Server(pg_url, tmp_path / "a", name="a")
-    b = Server(pg_url, tmp_path / "b", name="b")
+    ports = [free_port(), free_port()]
+    a, b = (Server(pg_url, tmp_path / n, name=n, port=p, env={"ROLLOUT_BUFFER_ADVERTISE_URL": f"http://127.0.0.1:{p}"})
+            for n, p in zip("ab", ports))
     w = Writer(pg_url)
     try:
         a.start()
         b.start()
         ta, tb = RecordingTrainer(a), RecordingTrainer(b)
         ta.start_rollout(k=2)
-        tb.start_rollout(k=2)
+        tb.start_rollout(k=2)  # (redirected to a: requests keeps the method and body of a 307)
         want = {f"c{i:02d}" for i in range(16)}
         for gid in sorted(want):
             w.group(gid, 2, steps=1)
         wait_until(lambda: ta.stats()["groups"]["ready"] + ta.stats()["groups"]["served"] == 16
-                   and tb.stats()["groups"]["ready"] == 16, 15, "16 groups ready on both")
+                   and tb.stats()["lease"]["role"] == "standby", 15, "16 groups ready on the owner")
 
         def served() -> dict[str, int]:
             out: dict[str, int] = {}

@@ -97,12 +97,13 @@ def test_the_first_instance_owns_the_job_and_a_second_waits_as_its_standby(url, 
     with pytest.raises(LeaseLost):
         b.check(0.1)
     a.check(0.1)  # the owner passes
-    db = connect(url)
-    try:
-        live = {i["instance_id"]: i["role"] for i in Lease.live_instances(db, 10)}
-    finally:
-        db.close()
-    assert live == {"a": "owner", "b": "standby"}
+    def live() -> dict[str, str]:
+        db = connect(url)
+        try:
+            return {i["instance_id"]: i["role"] for i in Lease.live_instances(db, 10)}
+        finally:
+            db.close()
+    wait_until(lambda: live() == {"a": "owner", "b": "standby"}, 10, "both instances seen with their roles")
 
 
 def test_the_fence_lets_only_the_current_owner_record(url, leases):
