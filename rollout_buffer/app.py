@@ -1,7 +1,9 @@
-"""The Flask application factory: builds and wires objects, starts nothing."""
+"""The Flask application factory: builds and wires objects, starts nothing; the one JSON error
+shape, and what a standby answers a request that needs the owner (307 to it, or 503)."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from flask import Flask, jsonify, request
@@ -10,6 +12,7 @@ from werkzeug.exceptions import HTTPException
 from .api import bp
 from .config import Config
 from .errors import ApiError, LeaseLost
+from .lease import OWNER, STANDBY, STARTING, Lease
 from .service import Service
 
 logger = logging.getLogger(__name__)
@@ -37,6 +40,36 @@ def error_response(status: int, message: str, **context: Any):
     return resp
 
 
+def standby_answer(lease: Lease, path: str) -> ApiError:
+    """What a request that needs the owner gets from an instance that is not (yet) it: 307 to the
+    owner's advertised URL, or 503 with Retry-After and the reason while that would not help."""
+    now = lease.clock()
+    h = lease.holder
+    if lease.role == OWNER:  # the loop is still loading the job (or has just lost it)
+        return ApiError(503, "this instance owns the job and is loading its state; retry", retry_after=1)
+    if lease.role == STARTING or h is None:
+        return ApiError(503, "this instance has not read who owns the job yet"
+                        + (f": {lease.problem}" if lease.problem else ""), retry_after=1, role=lease.role)
+    owner = h.shown(now)
+    left = h.left(now)
+    if left <= 0 or h.released:
+        return ApiError(503, "no instance owns the job at the moment (the last owner's lease has ended); a standby "
+                        "takes it over within a second", retry_after=1, role=STANDBY, owner=owner)
+    if not h.url:
+        return ApiError(503, f"this instance is a standby, and the owner (instance {h.instance} on host {h.host}) "
+                        "has no ROLLOUT_BUFFER_ADVERTISE_URL to redirect to: set it on every instance, or call the "
+                        "owner directly", retry_after=5, role=STANDBY, owner=owner)
+    if h.url == lease.url and lease.advertised != "wrong":  # (a URL that reaches another instance is no loop)
+        return ApiError(503, f"the owner advertises {h.url}, which is this standby's own ROLLOUT_BUFFER_ADVERTISE_URL: "
+                        "one of the two is misconfigured", retry_after=5, role=STANDBY, owner=owner)
+    if left < h.length / 3:  # it missed two renewals: probably gone, and a redirect there would fail
+        return ApiError(503, f"this instance is a standby; the owner at {h.url} has not renewed its lease for "
+                        f"{h.length - left:.0f} s: if it is gone, this instance takes over in {left:.0f} s",
+                        retry_after=math.ceil(left) + 1, role=STANDBY, owner=owner)
+    return ApiError(307, f"this instance is a standby; the owner is {h.url}", location=h.url + path, role=STANDBY,
+                    owner=owner)
+
+
 def create_app(config: Config | None = None, *, service: Service | None = None) -> Flask:
     """Build the app around a Service; ``config`` defaults to ``Config.from_env()``.
 
@@ -59,7 +92,7 @@ def create_app(config: Config | None = None, *, service: Service | None = None) 
     @app.errorhandler(LeaseLost)
     def _not_owner(exc: LeaseLost):
         path = request.path + (f"?{request.query_string.decode('latin-1')}" if request.query_string else "")
-        answer = service.lease.standby_error(path)
+        answer = standby_answer(service.lease, path)
         return error_response(answer.status, answer.message, **answer.context)
 
     @app.errorhandler(HTTPException)

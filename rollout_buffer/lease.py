@@ -7,8 +7,8 @@ every third of ``ROLLOUT_BUFFER_LEASE_SECONDS`` and give it up on a graceful sto
 never waits behind a stuck tick or poll. On SQLite the lease is a ``flock`` on
 ``<state db>.owner.lock`` (one host). It also keeps this instance's row in
 ``rollout_buffer_instances`` (role, URL, host, and ``report``: what the loop saw of a launcher
-on this host), checks once that ``ROLLOUT_BUFFER_ADVERTISE_URL`` answers as this instance, and
-says what a standby answers (307 to the owner, or 503 while there is none).
+on this host), and checks once that ``ROLLOUT_BUFFER_ADVERTISE_URL`` answers as this instance.
+What a standby answers (307 to the owner, or 503) is the app's, from ``role`` and ``holder``.
 
 The epoch is the fencing token. :meth:`Lease.fence` is the first statement of every transaction
 that records a decision: it takes a KEY SHARE lock on the lease row while the epoch is the one the
@@ -28,7 +28,6 @@ import collections
 import contextlib
 import fcntl
 import logging
-import math
 import os
 import threading
 import time
@@ -42,7 +41,7 @@ from . import queries as q
 from .config import Config
 from .connections import service_connect
 from .db import Database, redact, sqlite_path
-from .errors import ApiError, LeaseLost, StorageError
+from .errors import ApiError, ConfigError, LeaseLost, StorageError
 from .store import Store
 
 logger = logging.getLogger(__name__)
@@ -65,6 +64,7 @@ class Holder:
     start_ticks: int | None
     epoch: int
     expires_in: float  # seconds of lease left when it was read, by the database's clock
+    length: float  # the owner's lease (lease_until - renewed_at): it renews every third of it
     released: bool  # given up by a graceful stop
     read_at: float  # monotonic
 
@@ -81,7 +81,8 @@ def _holder(row: dict[str, Any] | None, now: float) -> Holder | None:
         return None
     until = float(row["lease_until"])
     return Holder(row["owner"], row["owner_url"], row["owner_host"], row["owner_pid"], row["owner_start_ticks"],
-                  int(row["epoch"]), until - float(row["db_now"]), until == 0, now)
+                  int(row["epoch"]), until - float(row["db_now"]), max(0.0, until - float(row["renewed_at"])),
+                  until == 0, now)
 
 
 class Lease:
@@ -109,7 +110,7 @@ class Lease:
         self._deadline = 0.0
         self._took_at: float | None = None
         self._free_for = 0.0
-        self._advertised: str | None = None  # None (not checked), "ok", "unverified", "wrong"
+        self.advertised: str | None = None  # ROLLOUT_BUFFER_ADVERTISE_URL: None (not checked), ok, unverified, wrong
         self._db: Database | None = None
         self._lock_fd: int | None = None
         self._pruned_at = float("-inf")
@@ -133,14 +134,13 @@ class Lease:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        with contextlib.suppress(StorageError):
-            db = self._connect()
-            if self.role == OWNER and self.epoch is not None:
+        with contextlib.suppress(StorageError), \
+                service_connect(self.config, self.config.effective_state_db_url, bound_s=self.seconds / 3) as db:
+            if self.role == OWNER and self.epoch is not None:  # (a connection of this thread: never the loop's)
                 db.execute(q.LEASE_RELEASE, (SCOPE, self.instance_id, self.epoch))
                 logger.info("gave the lease up (epoch %s): a standby can take over at once", self.epoch)
             db.execute(q.INSTANCE_GONE, (self.instance_id,))
         self.role, self.epoch = STANDBY, None
-        self._close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # the flock goes with it
             self._lock_fd = None
@@ -184,35 +184,6 @@ class Lease:
             if self.counts["takeovers"]:
                 logger.warning("serving as the owner %.1f s after the previous lease ended", self.takeover_s)
 
-    def standby_error(self, path: str) -> ApiError:
-        """What a request that needs the owner gets from this instance: 307 to the owner, or 503."""
-        now = self.clock()
-        h = self.holder
-        if self.role == OWNER:  # the loop is still loading the job (or just lost it)
-            return ApiError(503, "this instance owns the job and is loading its state; retry", retry_after=1)
-        if self.role == STARTING or h is None:
-            return ApiError(503, "this instance has not read who owns the job yet"
-                            + (f": {self.problem}" if self.problem else ""), retry_after=1, role=self.role)
-        owner = h.shown(now)
-        left = h.left(now)
-        if left <= 0 or h.released:
-            return ApiError(503, "no instance owns the job at the moment (the last owner's lease has ended); "
-                            "a standby takes it over within a second", retry_after=1, role=STANDBY, owner=owner)
-        if not h.url:
-            return ApiError(503, f"this instance is a standby, and the owner (instance {h.instance} on host {h.host}) "
-                            "has no ROLLOUT_BUFFER_ADVERTISE_URL to redirect to: set it on every instance, or "
-                            "call the owner directly", retry_after=5, role=STANDBY, owner=owner)
-        if h.url == self.url:
-            return ApiError(503, f"the owner advertises {h.url}, which is this standby's own "
-                            "ROLLOUT_BUFFER_ADVERTISE_URL: one of the two is misconfigured", retry_after=5,
-                            role=STANDBY, owner=owner)
-        if left < self.seconds / 3:  # two renewals missed: probably gone, redirecting there would fail
-            return ApiError(503, f"this instance is a standby; the owner at {h.url} has not renewed its lease for "
-                            f"{self.seconds - left:.0f} s: if it is gone, this instance takes over in "
-                            f"{left:.0f} s", retry_after=math.ceil(left) + 1, role=STANDBY, owner=owner)
-        return ApiError(307, f"this instance is a standby; the owner is {h.url}", location=h.url + path,
-                        role=STANDBY, owner=owner)
-
     def describe(self) -> dict[str, Any]:
         """Role, owner and lease for /health (no secret: URLs carry no user or password)."""
         now = self.clock()
@@ -230,6 +201,15 @@ class Lease:
         return {"role": self.role, "epoch": self.epoch, "renewals": self.counts["renewals"],
                 "renewal_failures": self.counts["renewal_failures"], "acquired": self.counts["acquired"],
                 "takeovers": self.counts["takeovers"], "last_takeover_s": self.takeover_s}
+
+    def refuse_unfenced(self, db: Database) -> None:
+        """(No lease) Never decide next to an instance that owns the job under a lease: unfenced, this
+        one's decisions would conflict with its. A ConfigError (the loop retries) until it is gone."""
+        h = None if self.enabled else _holder(db.fetchone(q.LEASE_GET[db.backend], (SCOPE,)), self.clock())
+        if h is not None and not h.released and h.expires_in > 0:
+            raise ConfigError(f"instance {h.url or h.instance} owns this database's job under a lease, and this one "
+                              "runs with ROLLOUT_BUFFER_LEASE_SECONDS=0 (unfenced): it waits until that lease ends; "
+                              "give every instance a lease (the default)")
 
     @staticmethod
     def live_instances(db: Database, within_s: float) -> list[dict[str, Any]]:
@@ -252,6 +232,7 @@ class Lease:
             wait = self._step()
             self._wake.wait(wait)
             self._wake.clear()
+        self._close()
 
     def _step(self) -> float:
         started = self.clock()
@@ -274,7 +255,7 @@ class Lease:
         if self.role == OWNER:
             return self.seconds / 3
         left = self.holder.left(self.clock()) if self.holder is not None else 0.0
-        return STANDBY_POLL_S if self._advertised == "wrong" else max(0.1, min(STANDBY_POLL_S, left + 0.05))
+        return max(0.1, min(STANDBY_POLL_S, left + 0.05))
 
     def _connect(self) -> Database:
         if self._db is None:
@@ -301,10 +282,12 @@ class Lease:
             self._failing_since = now
         if self.role == OWNER:
             self.counts["renewal_failures"] += 1
-            if not self.holds() and not (self.problem or "").startswith("cannot renew"):
+            if not self.holds():
+                told = (self.problem or "").startswith("cannot renew")
                 self.problem = (f"cannot renew the lease for {now - self._failing_since:.0f} s ({redact(str(exc))}): "
                                 "this owner stops deciding until it can")
-                logger.error("%s", self.problem)
+                if not told:
+                    logger.error("%s", self.problem)
             elif first:
                 logger.warning("renewing the lease failed (retrying): %s", redact(str(exc)))
         elif first:
@@ -325,12 +308,8 @@ class Lease:
                                  f"epoch {h.epoch if h else '?'})")
 
     def _try_acquire(self, db: Database, started: float) -> None:
-        if self.url and self._advertised is None:
+        if self.url and self.advertised is None:
             self._check_advertised()
-        if self._advertised == "wrong":
-            self._read(db)
-            self._set(STANDBY, None, "the advertised URL is wrong")
-            return
         sqlite = db.backend == "sqlite"
         if sqlite and not self._flock(db):
             self._read(db)
@@ -362,7 +341,8 @@ class Lease:
             return "the previous owner's lock is free"
         if h.released:
             return f"{h.url or h.instance} gave it up"
-        if h.expires_in <= 0:
+        # with a wrong advertised URL, a correct standby gets the first go (a third of a lease)
+        if h.expires_in <= (-self.seconds / 3 if self.advertised == "wrong" else 0):
             return f"the lease of {h.url or h.instance} ended {-h.expires_in:.1f} s ago"
         if h.instance == self.instance_id:
             return "it is this instance's own"
@@ -393,7 +373,7 @@ class Lease:
         self.epoch = epoch  # before the role: a reader that sees OWNER sees its epoch
         self.role = role
         if old != role:
-            self.problem = None if self._advertised != "wrong" else self.problem
+            self.problem = None if self.advertised != "wrong" else self.problem
             log = logger.warning if old == OWNER or role == OWNER else logger.info
             log("role: %s -> %s: %s", old, role, why)
             self.on_change()
@@ -420,20 +400,22 @@ class Lease:
 
     def _check_advertised(self) -> None:
         """Once: ROLLOUT_BUFFER_ADVERTISE_URL must answer as this instance, or standbys would redirect
-        clients elsewhere. One that answers as another instance keeps this one from owning the job."""
+        clients elsewhere. One that answers as another instance is reported (/health degraded), and
+        a correctly configured standby takes an ended lease first; it still may own the job (a job
+        served under a wrong URL beats no job served)."""
         try:
             r = requests.get(self.url + "/health", timeout=(1.0, 2.0))
             seen = r.json().get("instance") if r.status_code == 200 else f"HTTP {r.status_code}"
         except (requests.RequestException, ValueError, AttributeError) as exc:
-            self._advertised = "unverified"
+            self.advertised = "unverified"
             logger.warning("could not check ROLLOUT_BUFFER_ADVERTISE_URL=%s from here (%s); standbys redirect "
                            "clients to it", self.url, type(exc).__name__)
             return
         if seen == self.instance_id:
-            self._advertised = "ok"
+            self.advertised = "ok"
             return
-        self._advertised = "wrong"
+        self.advertised = "wrong"
         self.problem = (f"ROLLOUT_BUFFER_ADVERTISE_URL={self.url} answers as another instance ({seen!r}), not as this "
-                        "one: standbys would redirect clients there, so this instance will not own the job; set it "
-                        "to this instance's own URL")
+                        "one: while this instance owns the job, standbys redirect clients there; set it to this "
+                        "instance's own URL")
         logger.error("%s", self.problem)

@@ -333,6 +333,8 @@ class Loop:
         """First tick: create tables, resume the active job, adopt its launcher, queue notifications."""
         store.ensure_schema()
         check_sequence(src)
+        if self.lease is not None:
+            self.lease.refuse_unfenced(store.db)
         row = self.jobs.resume(src, store)
         js = self.jobs.current
         if row is not None and js is not None and js.job_id == row["job_id"]:

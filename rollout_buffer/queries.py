@@ -240,8 +240,7 @@ def _by_backend(sql: str, postgres_tail: str = "") -> dict[str, str]:
     return {"postgres": sql.format(now=_NOW["postgres"]) + postgres_tail, "sqlite": sql.format(now=_NOW["sqlite"])}
 
 
-_LEASE_ROW = ("SELECT owner, owner_url, owner_host, owner_pid, owner_start_ticks, epoch, lease_until, {now} AS db_now "
-              "FROM rollout_buffer_lease WHERE scope = ?")
+_LEASE_ROW = "SELECT *, {now} AS db_now FROM rollout_buffer_lease WHERE scope = ?"
 # The lease as it is, with the database's time.
 LEASE_GET = _by_backend(_LEASE_ROW)
 # The lease, locked for a takeover: waits for every transaction that passed the fence (FOR KEY SHARE).

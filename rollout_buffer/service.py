@@ -4,7 +4,7 @@ The parts, each in its own module: the background loop (``loop``), serving (``se
 active job (``jobs``), the durable state (``store``), recording and notifying (``notifications``),
 the launcher (``launcher``), ownership of the job (``lease``). Only what is left here is the
 wiring, ``/start_rollout``, ``/stop_rollout``, ``/health`` and ``/stats``, and the guard that turns
-a request needing the owner away from a standby (LeaseLost, answered with 307 or 503).
+a request needing the owner away from a standby (LeaseLost, answered with 307 or 503 by app.standby_answer).
 
 Lock order, outermost first; a thread never takes an earlier lock while holding a later one:
 1. ``start_lock``: one /start_rollout at a time (job selection, launcher start); the loop takes
@@ -138,7 +138,7 @@ class Service:
     def start_rollout(self, conns: LazyPair, *, k: int, restart_training: bool,
                       job_session: str | None) -> tuple[int, dict[str, Any]]:
         """Select the job, start its launcher. Returns (HTTP status, body)."""
-        self.lease.check(10.0)  # LeaseLost on a standby: answered with 307 (lease.standby_error)
+        self.lease.check(10.0)  # LeaseLost on a standby: answered with 307 (app.standby_answer)
         if not self.loop.bootstrapped.is_set():
             # Before the active job is resumed and its launcher adopted, "not running" would be a lie.
             self.nudge()

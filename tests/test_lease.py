@@ -19,6 +19,7 @@ import psycopg
 import pytest
 
 from rollout_buffer import procfs
+from rollout_buffer.app import standby_answer
 from rollout_buffer.config import Config
 from rollout_buffer.db import connect
 from rollout_buffer.errors import ApiError, LeaseLost
@@ -92,7 +93,7 @@ def test_the_first_instance_owns_the_job_and_a_second_waits_as_its_standby(url, 
     assert lease_row(url)["owner"] == "a"
     assert b.describe()["owner"]["url"] == "http://a.example:18889"
     # what b answers for the owner's endpoints: 307 to the owner's URL, the path kept
-    answer = b.standby_error("/get_rollout_data")
+    answer = standby_answer(b, "/get_rollout_data")
     assert answer.status == 307 and answer.context["location"] == "http://a.example:18889/get_rollout_data"
     with pytest.raises(LeaseLost):
         b.check(0.1)
@@ -201,7 +202,8 @@ def test_an_owner_whose_process_on_this_host_is_gone_is_replaced_at_once(url, le
     assert b.epoch == 8  # long before the 600 s lease would end
 
 
-def test_the_advertised_url_must_answer_as_this_instance(url, leases):
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+def test_an_advertised_url_that_answers_as_another_instance_is_reported_and_comes_last(url, leases):
     class Other(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - stdlib name
             data = json.dumps({"status": "healthy", "instance": "someone-else"}).encode()
@@ -217,12 +219,21 @@ def test_the_advertised_url_must_answer_as_this_instance(url, leases):
     th = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     th.start()
     try:
-        wrong = leases("wrong", advertise_url=f"http://127.0.0.1:{httpd.server_address[1]}")
+        right = owned(leases("right", host_id="host-r"))
+        wrong = leases("wrong", host_id="host-w", advertise_url=f"http://127.0.0.1:{httpd.server_address[1]}")
         wait_until(lambda: wrong.problem is not None, 10, "the check of the advertised URL")
         assert "answers as another instance" in wrong.problem and wrong.role == STANDBY
         assert wrong.describe()["lease_problem"] == wrong.problem
-        right = owned(leases("right"))  # the job goes to an instance that can be redirected to
-        assert right.role == OWNER and wrong.role == STANDBY
+        other = leases("other", host_id="host-o")  # correctly configured (no URL to check)
+        wait_until(lambda: other.role == STANDBY, 10, "a second standby")
+        right._stop.set()  # the owner stops renewing: its lease ends
+        right._wake.set()
+        right._thread.join(5)
+        owned(other)  # the correctly configured standby goes first ...
+        assert wrong.role == STANDBY
+        other.stop()
+        owned(wrong)  # ... but a job served under a wrong URL beats none: it reports it, and owns
+        assert "answers as another instance" in (wrong.problem or "")
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -232,14 +243,14 @@ def test_what_a_standby_answers_while_there_is_no_usable_owner(url, leases):
     a = owned(leases("a"))  # no advertised URL
     b = leases("b", advertise_url="http://b.example:1")
     wait_until(lambda: b.role == STANDBY and b.holder is not None, 10, "b is a standby")
-    answer = b.standby_error("/start_rollout")
+    answer = standby_answer(b, "/start_rollout")
     assert answer.status == 503 and "no ROLLOUT_BUFFER_ADVERTISE_URL" in answer.message
     assert int(answer.context["retry_after"]) > 0
     a.stop()
     wait_until(lambda: b.role == OWNER, 10, "b takes over")
     c = leases("c", advertise_url="http://b.example:1")  # misconfigured: the owner's URL
     wait_until(lambda: c.holder is not None, 10, "c reads the lease")
-    answer = c.standby_error("/get_rollout_data")
+    answer = standby_answer(c, "/get_rollout_data")
     assert answer.status == 503 and "misconfigured" in answer.message
 
 
@@ -262,3 +273,19 @@ def test_an_owner_that_cannot_renew_stops_deciding_and_goes_on_once_it_can(url, 
     assert a.problem is None and a.epoch == 1
     record_drop(url, a, "after")
     assert decided(url) == ["after"]
+
+
+def test_an_instance_without_a_lease_never_decides_next_to_one_that_has_it(url, leases):
+    from rollout_buffer.errors import ConfigError
+
+    a = owned(leases("a"))
+    unfenced = leases("unfenced", lease_s=0)
+    assert unfenced.role == OWNER and unfenced.holds()  # no lease: it owns whatever it runs
+    db = connect(url)
+    try:
+        with pytest.raises(ConfigError, match="ROLLOUT_BUFFER_LEASE_SECONDS=0"):
+            unfenced.refuse_unfenced(db)
+        a.stop()  # the lease given up: the unfenced instance may go on
+        unfenced.refuse_unfenced(db)
+    finally:
+        db.close()
