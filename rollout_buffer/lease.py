@@ -115,6 +115,7 @@ class Lease:
         self._lock_fd: int | None = None
         self._pruned_at = float("-inf")
         self._failing_since: float | None = None
+        self._leaving = False
         self._stop = threading.Event()
         self._wake = threading.Event()
         self.decided = threading.Event()  # set once the first step has read or taken the lease
@@ -147,6 +148,13 @@ class Lease:
 
     def nudge(self) -> None:
         self._wake.set()
+
+    def leaving(self) -> None:
+        """The service is stopping: a standby no longer takes the job and stops counting as one (an owner
+        that stops at the same moment must not hand its launcher to it); an owner keeps the lease
+        until stop() gives it up."""
+        self._leaving = True
+        self.nudge()
 
     # -- what the others ask -----------------------------------------------------------------------
     def holds(self) -> bool:
@@ -308,6 +316,8 @@ class Lease:
                                  f"epoch {h.epoch if h else '?'})")
 
     def _try_acquire(self, db: Database, started: float) -> None:
+        if self._leaving:
+            return
         if self.url and self.advertised is None:
             self._check_advertised()
         sqlite = db.backend == "sqlite"
@@ -379,6 +389,9 @@ class Lease:
             self.on_change()
 
     def _seen(self, db: Database) -> None:
+        if self._leaving and self.role != OWNER:
+            db.execute(q.INSTANCE_GONE, (self.instance_id,))
+            return
         db.execute(q.INSTANCE_SEEN[db.backend], (self.instance_id, self.host_id, self.url, self.role, self.report))
         now = self.clock()
         if now - self._pruned_at > 60.0:

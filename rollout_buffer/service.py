@@ -100,6 +100,7 @@ class Service:
         if self._closed:
             return
         self._closed = True
+        self.lease.leaving()  # a standby that stops takes nothing over, and is no longer one
         self.loop.ready_signal.interrupt(close=True)
         self.loop.stop(timeout)
         js = self.jobs.current
