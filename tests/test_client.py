@@ -365,3 +365,48 @@ def test_start_rollout_500_is_not_retried_and_unsent_failures_are() -> None:
         assert client.start_rollout(num_repeat_per_sample=2, extra_key="kept")["pid"] == 7
         assert srv.bodies[-1] == {"num_repeat_per_sample": 2, "restart_training": False, "extra_key": "kept"}
         assert len(srv.bodies) == 3
+
+
+# -- failover (issue 12): a standby's 307 and a list of URLs ----------------------------------------------
+def to_owner(owner: Scripted) -> tuple[int, Any, dict[str, str]]:
+    """What a standby answers: 307 to the owner's URL, the path kept."""
+    return 307, {"ok": False, "error": f"this instance is a standby; the owner is {owner.url}", "status": 307}, \
+        {"Location": owner.url + "/get_rollout_data"}
+
+
+def test_a_standbys_307_is_followed_with_the_same_body_request_id_and_token() -> None:
+    with Scripted([batch("g1"), batch("g2")], EMPTY) as owner, Scripted([], to_owner(owner)) as standby, \
+            BufferClient([standby.url, owner.url], token="tok", backoff_s=0.01) as client:
+        doc = client.get_rollout_data(max_groups=3)
+        assert doc["success"] is True and len(standby.bodies) == 1 and len(owner.bodies) == 1
+        assert owner.bodies[0] == standby.bodies[0]  # the same body, request_id included
+        assert owner.headers[0]["Authorization"] == "Bearer tok"  # requests would have dropped it
+        assert client.url == owner.url  # the owner goes first from now on
+        client.get_rollout_data()
+        assert len(standby.bodies) == 1 and len(owner.bodies) == 2
+
+
+def test_a_url_that_refuses_the_connection_is_left_for_the_next_at_once() -> None:
+    from tests.servers import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    with Scripted([batch("g1")], EMPTY) as alive, BufferClient([dead, alive.url], retries=0) as client:
+        assert client.get_rollout_data()["success"] is True  # no retry was needed: the next URL, at once
+        assert client.url == alive.url and len(alive.bodies) == 1
+    with BufferClient(f"{dead},{dead}/", retries=1, backoff_s=0.01) as client:  # one string with commas
+        assert client.urls == [dead, dead]
+        with pytest.raises(BufferUnavailable):
+            client.get_rollout_data()
+
+
+def test_a_redirect_loop_and_a_redirect_to_another_scheme_are_refused() -> None:
+    with Scripted([], EMPTY) as srv:
+        srv.default = (307, {}, {"Location": srv.url + "/get_rollout_data"})  # it names itself, forever
+        with BufferClient(srv.url, retries=1, backoff_s=0.01) as client:
+            with pytest.raises(BufferUnavailable, match="redirected more than"):
+                client.get_rollout_data()
+        assert len(srv.bodies) == 2 * 6  # each attempt: the request and 5 redirects
+        srv.default = (307, {}, {"Location": "ftp://elsewhere/x"})
+        with BufferClient(srv.url, retries=0) as client:
+            with pytest.raises(BufferError, match="refusing a redirect"):
+                client.get_rollout_data()
