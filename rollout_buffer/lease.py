@@ -237,7 +237,12 @@ class Lease:
     # -- the thread ------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            wait = self._step()
+            try:
+                wait = self._step()
+            except Exception:  # noqa: BLE001 - the thread must survive anything, or nobody renews
+                logger.exception("the lease thread failed a step (retrying)")
+                self._close()
+                wait = RETRY_S
             self._wake.wait(wait)
             self._wake.clear()
         self._close()

@@ -226,7 +226,53 @@ def drain_trial(backend: str, lease: str, template: str, args: argparse.Namespac
     return d
 
 
+def record_cost(url: str, backend: str, n: int) -> None:
+    """The fence alone: Store.record of a poll-sized plan (a batch, 8 served groups of 8 sessions) with
+    the lease's fence and without, alternating blocks of 50, on one connection. Prints µs per record."""
+    from rollout_buffer.config import Config
+    from rollout_buffer.connections import service_connect
+    from rollout_buffer.lease import Lease
+    from rollout_buffer.model import Batch, Decisions, Served, Take
+    from rollout_buffer.store import Store
+
+    config = Config.from_env({}, db_url=url, run_dir=tempfile.mkdtemp(prefix="rb-fence-"), lease_s=10.0)
+    lease = Lease(config, "bench")
+    lease.start()
+    wait(lambda: lease.role == "owner", 30, "the lease")
+    lease.state_epoch = lease.epoch
+    db = service_connect(config, url)
+    fenced, bare = Store(db, lease.fence), Store(db)
+    times: dict[str, list[float]] = {"with the fence": [], "without": []}
+    i = 0
+    for block in range(2 * n // 50):
+        store, label = (fenced, "with the fence") if block % 2 == 0 else (bare, "without")
+        for _ in range(50):
+            i += 1
+            bid = f"b{i}"
+            served = [Served(Take(f"g{i}-{k}", {f"s{k}-{j}": (i * 100 + j,) for j in range(8)}, {}), bid)
+                      for k in range(8)]
+            plan = Decisions(served=served, batch=Batch(bid, "J", None, b"0" * 16, [s.group_id for s in served], 64, 0))
+            t0 = time.perf_counter()
+            store.record("J", plan)
+            times[label].append(time.perf_counter() - t0)
+    db.close()
+    lease.stop()
+    med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    print(f"  {backend}: record of a poll's plan {med['with the fence']:.0f} µs with the fence, {med['without']:.0f} µs "
+          f"without (+{med['with the fence'] - med['without']:.0f} µs, median of {n} each)", flush=True)
+
+
 def fencing(args: argparse.Namespace) -> int:
+    print("fencing, the store alone:", flush=True)
+    sq = os.path.join(tempfile.mkdtemp(prefix="rb-fence-"), "fence.db")
+    record_cost("sqlite://" + sq, "sqlite", 1000)
+    schema = "rbfence_" + os.urandom(6).hex()
+    with psycopg.connect(args.pg, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    try:
+        record_cost(f"{args.pg}{'&' if '?' in args.pg else '?'}options=-csearch_path%3D{schema}", "postgres", 1000)
+    finally:
+        pg_bench.drop_schema(args.pg, schema)
     work = tempfile.mkdtemp(prefix="rb-fencing-")
     template = os.path.join(work, "template.db")
     gen = pg_bench.run([sys.executable, os.path.join(pg_bench.BENCH, "gen_rows.py"), "--db", template, "--job", "J",
