@@ -33,7 +33,7 @@ from .db import redact
 from .errors import ApiError, ClosedError, LeaseLost, StorageError
 from .history import History
 from .items import Body
-from .jobs import JobState, Jobs
+from .jobs import Jobs
 from .launcher import Launcher, launch_spec
 from .lease import Lease
 from .loop import Health, Loop
@@ -80,7 +80,7 @@ class Service:
         self._started = False
         self._closed = False
 
-    current = property(lambda self: self.jobs.current, doc="The active job, if any.")
+    current = property(lambda self: self.jobs.current, doc="The active job (a JobState), if any.")
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:

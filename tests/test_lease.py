@@ -22,7 +22,7 @@ from rollout_buffer import procfs
 from rollout_buffer.app import standby_answer
 from rollout_buffer.config import Config
 from rollout_buffer.db import connect
-from rollout_buffer.errors import ApiError, LeaseLost
+from rollout_buffer.errors import ApiError, ConfigError, LeaseLost
 from rollout_buffer.lease import OWNER, STANDBY, Lease
 from rollout_buffer.model import Decisions, Drop
 from rollout_buffer.store import Store
@@ -276,8 +276,6 @@ def test_an_owner_that_cannot_renew_stops_deciding_and_goes_on_once_it_can(url, 
 
 
 def test_an_instance_without_a_lease_never_decides_next_to_one_that_has_it(url, leases):
-    from rollout_buffer.errors import ConfigError
-
     a = owned(leases("a"))
     unfenced = leases("unfenced", lease_s=0)
     assert unfenced.role == OWNER and unfenced.holds()  # no lease: it owns whatever it runs

@@ -48,6 +48,11 @@ import requests  # noqa: E402
 import pg_bench  # noqa: E402  (the Postgres copy of the drain's rows, and its runner)
 from rollout_buffer import procfs  # noqa: E402
 from rollout_buffer.client import BufferClient, groups_of  # noqa: E402
+from rollout_buffer.config import Config  # noqa: E402
+from rollout_buffer.connections import service_connect  # noqa: E402
+from rollout_buffer.lease import Lease  # noqa: E402
+from rollout_buffer.model import Batch, Decisions, Served, Take  # noqa: E402
+from rollout_buffer.store import Store  # noqa: E402
 from rollout_buffer.db import connect, create_launcher_tables  # noqa: E402
 from rollout_buffer.queries import INSERT_STEP  # noqa: E402
 from rollout_buffer.runner import ServerProcess, clean_env, free_port, serve_argv  # noqa: E402
@@ -229,12 +234,6 @@ def drain_trial(backend: str, lease: str, template: str, args: argparse.Namespac
 def record_cost(url: str, backend: str, n: int) -> None:
     """The fence alone: Store.record of a poll-sized plan (a batch, 8 served groups of 8 sessions) with
     the lease's fence and without, alternating blocks of 50, on one connection. Prints µs per record."""
-    from rollout_buffer.config import Config
-    from rollout_buffer.connections import service_connect
-    from rollout_buffer.lease import Lease
-    from rollout_buffer.model import Batch, Decisions, Served, Take
-    from rollout_buffer.store import Store
-
     config = Config.from_env({}, db_url=url, run_dir=tempfile.mkdtemp(prefix="rb-fence-"), lease_s=10.0)
     lease = Lease(config, "bench")
     lease.start()
