@@ -53,6 +53,7 @@ class Accumulator:
         self.tainted: set[str] = set()                         # sessions with a row lacking group_id
         self.tainted_groups: set[str] = set()                  # groups with a row lacking a session_id
         self.session_group: dict[str, str] = {}                # session -> its undecided group (O(1) lookups)
+        self.excluded: dict[str, set[str]] = {}  # group -> sessions dropped as oversampled before a restart
         self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
 
     # -- versions ---------------------------------------------------------------------------------
@@ -111,10 +112,12 @@ class Accumulator:
                     g = self.ready.get(gid) or self.taken.get(gid)
                     if g is None:
                         g = self.pending[gid] = Group(gid, now)
+                        if self.excluded:  # sessions it dropped as oversampled before a restart
+                            g.excluded = self.excluded.pop(gid, None)
                 else:
                     self.pending.move_to_end(gid)
                 g.last_seen = now
-                if g.chosen is not None and sid not in g.chosen:
+                if g.chosen is not None and sid not in g.chosen or g.excluded is not None and sid in g.excluded:
                     self.counts.dropped[OVERSAMPLED] += 1  # a session beyond the K it serves: never served
                     out.rows.append(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, gid, sid))
                     continue

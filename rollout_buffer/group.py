@@ -14,7 +14,7 @@ class Group:
     """One prompt group that is not decided yet."""
 
     __slots__ = ("group_id", "sessions", "completed", "n_rows", "last_seen", "first_seen", "min_pk",
-                 "taken", "wv", "chosen", "partial", "ready_at", "min_wv", "order_key")
+                 "taken", "wv", "chosen", "excluded", "partial", "ready_at", "min_wv", "order_key")
 
     def __init__(self, group_id: str, now: float) -> None:
         self.group_id = group_id
@@ -28,6 +28,9 @@ class Group:
         self.taken: dict[str, int] | None = None  # session -> rows handed to the server
         self.wv: dict[str, int] | None = None     # session -> min weight_version (only when a policy needs it)
         self.chosen: frozenset[str] | None = None  # over-sampling: the K sessions it will serve, once ready
+        # over-sampling: sessions dropped as oversampled, for good (a change of K, a restart, a partial
+        # group reaching K never lets one back in: its rows already read are accounted as dropped)
+        self.excluded: set[str] | None = None
         self.partial = False                       # made ready at the TTL short of K (min group size)
         self.ready_at: float | None = None
         self.min_wv = 0                            # min weight_version of its served sessions, once ready
@@ -61,9 +64,12 @@ class Group:
 
     def choose(self, k: int) -> dict[str, list[int]]:
         """Over-sampling: keep the first k completed sessions (in the order of their completing rows'
-        ids) and forget the others; returns the sessions removed, with their rows' pks."""
+        ids) and forget the others for good (``excluded``); returns the sessions removed, with their
+        rows' pks."""
         self.chosen = frozenset(sorted(self.completed, key=lambda s: self.completed[s][0])[:k])
         removed = {sid: self.sessions.pop(sid) for sid in [s for s in self.sessions if s not in self.chosen]}
+        if removed:
+            self.excluded = set(removed) if self.excluded is None else self.excluded | set(removed)
         for sid, pks in removed.items():
             self.completed.pop(sid, None)
             self.n_rows -= len(pks)

@@ -274,6 +274,11 @@ TAINTED_SESSIONS = ("SELECT DISTINCT session_id FROM rollout_buffer_rows WHERE j
 # Groups with a row whose session_id is not text (they can never be served whole).
 TAINTED_GROUPS = ("SELECT DISTINCT group_id FROM rollout_buffer_rows WHERE job_id = ? "
                   "AND reason = 'invalid_session_id' AND group_id IS NOT NULL")
+# Sessions of undecided groups dropped as oversampled (after a restart they stay out of their group).
+OVERSAMPLED_SESSIONS = ("SELECT DISTINCT r.group_id, r.session_id FROM rollout_buffer_rows r WHERE r.job_id = ? "
+                        "AND r.reason = 'oversampled' AND r.group_id IS NOT NULL AND r.session_id IS NOT NULL "
+                        "AND NOT EXISTS (SELECT 1 FROM rollout_buffer_groups g WHERE g.job_id = r.job_id "
+                        "AND g.group_id = r.group_id)")
 # Late rows whose sessions the proxy has not confirmed clearing.
 UNNOTIFIED_ROWS = ("SELECT job_id, step_pk, reason, group_id, session_id FROM rollout_buffer_rows "
                    "WHERE notified = 0 AND session_id IS NOT NULL")

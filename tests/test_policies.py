@@ -230,6 +230,35 @@ def test_oversampling_bound_k_completed_is_ready_k_minus_one_is_not(make, writer
     assert h.stats()["groups"]["pending"] == 1
 
 
+def sessions_served(doc: dict, gid: str) -> dict[str, list[int]]:
+    """session -> the step_ids served for it (a whole session is 1..n)."""
+    out: dict[str, list[int]] = {}
+    for i in groups_of(doc).get(gid, []):
+        out.setdefault(i["extra_info"]["session_id"], []).append(i["extra_info"]["steps"])
+    return out
+
+
+def test_a_session_dropped_as_oversampled_stays_out_when_k_is_raised(make, writer, proxy):
+    """K raised on a running job sends a chosen group back to pending: the session it dropped as
+    oversampled (its first rows accounted and cleared) must never come back, half, as a new session."""
+    h = make(oversample=1)
+    h.start(k=2)
+    writer.step("g", "s2", 1)
+    writer.session("g", "s0", 2, reward=0.1)
+    writer.session("g", "s1", 2, reward=0.9)   # ready: s2's first row is dropped as oversampled
+    h.settle()
+    h.start(k=3)                                # the same job, K raised: g needs a third session
+    writer.step("g", "s2", 2, completed=True, step_reward=0.4)
+    assert h.poll()["success"] is False         # s2 completing does not make it the third session
+    writer.session("g", "s3", 2, reward=0.5)
+    doc = h.poll()
+    assert sessions_served(doc, "g") == {"s0": [1, 2], "s1": [1, 2], "s3": [1, 2]}
+    s = h.stats()
+    assert s["rows"]["dropped"] == {"oversampled": 2}
+    assert_balanced(s)
+    assert proxy.wait_for(lambda p: cleared(p, "oversampled") == {"s2"})
+
+
 # -- partial groups at the TTL --------------------------------------------------------------------------------
 
 def test_partial_groups_off_drops_at_the_ttl(make, writer):

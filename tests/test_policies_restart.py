@@ -91,3 +91,47 @@ def test_policies_hold_after_kill_9_and_restart(db_url, tmp_path):
         finally:
             srv.stop()
             w.close()
+
+
+def test_a_session_dropped_as_oversampled_stays_out_after_kill_9(db_url, tmp_path):
+    """The sessions a group dropped as oversampled are stored (their rows): after a kill -9 the
+    rebuilt group, sent back to pending by a raised K, never takes one back with only its later rows."""
+    with FakeProxy() as proxy:
+        env = {"ROLLOUT_BUFFER_OVERSAMPLE": "1", "LLM_PROXY_HOST": "127.0.0.1", "LLM_PROXY_PORT": str(proxy.port)}
+        srv = Server(db_url, tmp_path / "srv", env=env)
+        w = Writer(db_url, job="J")
+
+        def start(k: int) -> None:
+            r = requests.post(srv.url + "/start_rollout", json={"num_repeat_per_sample": k, "job_session": "J"},
+                              timeout=30)
+            assert r.status_code == 200, r.text
+
+        try:
+            srv.start()
+            start(2)
+            w.step("g", "s2", 1)
+            w.session("g", "s0", 2, reward=0.1)
+            w.session("g", "s1", 2, reward=0.9)
+            wait_until(lambda: stats(srv)["rows"]["dropped"].get("oversampled") == 1, 15, "s2 dropped as oversampled")
+            start(3)  # K raised: g is pending again, short of one session
+            pgid = srv.proc.pid
+            srv.stop(signal.SIGKILL)
+            wait_until(lambda: not procfs.group_members(pgid), 5, "every server process gone")
+            w.step("g", "s2", 2, completed=True, step_reward=0.4)  # s2 completes while the service is down
+            srv.start()
+            wait_until(lambda: stats(srv).get("rows", {}).get("dropped", {}).get("oversampled") == 2, 15,
+                       lambda: f"s2's later row dropped as oversampled ({stats(srv)})")
+            assert stats(srv)["groups"]["ready"] == 0
+            w.session("g", "s3", 2, reward=0.5)
+            wait_until(lambda: stats(srv)["groups"]["ready"] == 1, 15, "g ready with s3")
+            doc = poll(srv)
+            steps: dict[str, list[int]] = {}
+            for item in doc["data"]["data"]:
+                steps.setdefault(item["extra_info"]["session_id"], []).append(item["extra_info"]["steps"])
+            assert steps == {"s0": [1, 2], "s1": [1, 2], "s3": [1, 2]}
+            assert_balanced(stats(srv))
+            assert proxy.wait_for(lambda p: {s for b in p.calls if b["reason"] == "oversampled"
+                                             for s in b["session_ids"]} == {"s2"})
+        finally:
+            srv.stop()
+            w.close()
