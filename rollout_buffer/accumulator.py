@@ -146,9 +146,12 @@ class Accumulator:
                 if (sid in self.tainted or gid in self.tainted_groups) and g.taken is None:
                     self._drop(g, MALFORMED, out)
                     continue
-                if len(g.completed) >= k and gid in self.pending:
-                    del self.pending[gid]
-                    self._became_ready(g, out)
+                if len(g.completed) >= k:
+                    if gid in self.pending:
+                        del self.pending[gid]
+                        self._became_ready(g, out)
+                    elif g.chosen is None and g.taken is None and self.policy.oversample:
+                        self._choose(g, out)  # ready short of K at the TTL, it reached K while it waited
         return out
 
     def _became_ready(self, g: Group, out: Decisions) -> None:

@@ -259,6 +259,28 @@ def test_a_session_dropped_as_oversampled_stays_out_when_k_is_raised(make, write
     assert proxy.wait_for(lambda p: cleared(p, "oversampled") == {"s2"})
 
 
+def test_a_partial_group_reaching_k_while_it_waits_serves_k_sessions(make, writer, proxy):
+    """Ready short of K at the TTL, a group with over-sampling gets its other sessions' completions:
+    it is served with the first K, never with K + N."""
+    h = make(oversample=2, ttl_s=0.3, min_group_size=2)
+    h.start(k=3)
+    for i in range(5):
+        writer.step("g", f"s{i}", 1)
+    for i in range(2):
+        writer.step("g", f"s{i}", 2, completed=True, step_reward=0.1 * i)
+    wait_until(lambda: h.stats()["groups"]["ready"] == 1, 10, "the partial group ready")
+    for i in range(2, 5):
+        writer.step("g", f"s{i}", 2, completed=True, step_reward=0.1 * i)
+    doc = h.poll()
+    assert sessions_served(doc, "g") == {"s0": [1, 2], "s1": [1, 2], "s2": [1, 2]}
+    assert doc["data"]["meta_info"]["partial_groups"] == []
+    assert "partial_group" not in doc["data"]["data"][0]["extra_info"]
+    s = h.stats()
+    assert s["rows"]["dropped"] == {"oversampled": 4}
+    assert_balanced(s)
+    assert proxy.wait_for(lambda p: cleared(p, "oversampled") == {"s3", "s4"})
+
+
 # -- partial groups at the TTL --------------------------------------------------------------------------------
 
 def test_partial_groups_off_drops_at_the_ttl(make, writer):
