@@ -167,7 +167,8 @@ class Accumulator:
         g.ready_at = self.clock()
         self.ready[g.group_id] = g
         if self._order is not None:
-            g.order_key = (g.min_wv if p.serve_order == "oldest_version" else -g.min_wv, next(self._seq), g.group_id)
+            v = g.min_wv or 0  # unknown at ingest: ordered as version 0
+            g.order_key = (v if p.serve_order == "oldest_version" else -v, next(self._seq), g.group_id)
             heapq.heappush(self._order, g.order_key)
         out.newly_ready += 1
 

@@ -33,7 +33,7 @@ class Group:
         self.excluded: set[str] | None = None
         self.partial = False                       # made ready at the TTL short of K (min group size)
         self.ready_at: float | None = None
-        self.min_wv = 0                            # min weight_version of its served sessions, once ready
+        self.min_wv: int | None = None             # min weight_version of its served sessions (known at ingest)
         self.order_key: tuple[int, int, str] | None = None  # its entry in a version serve order
 
     def session_ids(self) -> list[str]:
@@ -49,13 +49,14 @@ class Group:
     def refusal(self, policy: Policy, current_version: int) -> str | None:
         """A ready group's verdict: the drop reason of a policy that refuses it, or None.
 
-        Stale: current - min weight_version of the sessions it serves > max_off_policy (rows whose
-        env_state could not be read do not count; the build rejects them). Zero variance: the
+        Stale: current - min weight_version of the sessions it serves > max_off_policy, over the
+        versions known at ingest (a row whose env_state was not read, too long or unreadable, does
+        not count: its build judges it; with none known, only the build does). Zero variance: the
         terminal rewards of its completed sessions all within epsilon (only when all are known)."""
         if self.wv is not None:
             sessions = self.chosen if self.chosen is not None else self.completed
-            self.min_wv = min((self.wv[s] for s in sessions if s in self.wv), default=0)
-            if policy.stale(current_version, self.min_wv):
+            self.min_wv = min((self.wv[s] for s in sessions if s in self.wv), default=None)
+            if self.min_wv is not None and policy.stale(current_version, self.min_wv):
                 return STALE
         if policy.drop_zero_variance and None not in (c[2] for c in self.completed.values()) \
                 and policy.zero_variance(self.rewards()):

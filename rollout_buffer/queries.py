@@ -300,12 +300,17 @@ BATCH_EXISTS = "SELECT 1 FROM rollout_buffer_batches WHERE batch_id = ?"
 # -- the launcher's rows ------------------------------------------------------------------------
 # Ingest reads metadata only: id, session, group, completed flag, and what the policies and the
 # figures need (step_id, step_reward, and env_state only where it names a weight_version, so a
-# large env_state without one never crosses the wire). Per backend: instr/strpos.
+# large env_state without one never crosses the wire). An env_state longer than
+# ENV_STATE_INGEST_CHARS is not read either (a batch of 20,000 such rows would take gigabytes):
+# '' stands for it, a version known only when its group is built. Per backend: instr/strpos.
+ENV_STATE_INGEST_CHARS = 4096
 _INGEST_COLUMNS = {
     "sqlite": ("id, session_id, group_id, is_session_completed, step_id, step_reward, "
-               "CASE WHEN instr(env_state, 'weight_version') > 0 THEN env_state END"),
+               "CASE WHEN instr(env_state, 'weight_version') = 0 THEN NULL "
+               f"WHEN length(env_state) > {ENV_STATE_INGEST_CHARS} THEN '' ELSE env_state END"),
     "postgres": ("id, session_id, group_id, is_session_completed, step_id, step_reward, "
-                 "CASE WHEN strpos(env_state, 'weight_version') > 0 THEN env_state END"),
+                 "CASE WHEN strpos(env_state, 'weight_version') = 0 THEN NULL "
+                 f"WHEN length(env_state) > {ENV_STATE_INGEST_CHARS} THEN '' ELSE env_state END"),
 }
 # Ingest: the metadata of the next trainable rows of a job, in id order.
 READ_AFTER = {b: f"SELECT {cols} FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ? "

@@ -210,6 +210,7 @@ class Serving:
         started = time.perf_counter()
         max_groups, request_id = poll.max_groups, poll.request_id
         policy, current = self.config.policy, js.acc.current_version
+        built_version = 0  # the largest version of the rows built
         stats: dict[str, dict] = {}  # group_id -> its meta_info.group_stats entry
         seed = secrets.token_bytes(16)
         budget = self.config.max_response_bytes
@@ -257,6 +258,9 @@ class Serving:
                             else:
                                 retry.append(t)
                             continue
+                        # versions not read at ingest (a long env_state) count once built
+                        built_version = max(built_version, max(g.weight_versions, default=0))
+                        current = max(current, built_version)
                         # again just before it is served: a group can go stale while it waits
                         reason = STALE if policy.stale(current, min(g.weight_versions, default=0),
                                                        poll.max_off_policy) else \
@@ -280,6 +284,8 @@ class Serving:
             js.acc.release(taken)
             raise
         self._release(pair, js, leftover + retry)
+        if built_version > js.acc.rows_version:
+            js.acc.set_versions(rows=built_version)
         plan = self._plan(js, seed, request_id, built, refused, stats)
         chunks: list[Any] = []
         if built:

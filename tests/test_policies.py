@@ -135,6 +135,27 @@ def test_a_poll_overrides_max_off_policy_and_the_trainer_version_is_the_last_sen
     assert_balanced(h.stats())
 
 
+def test_a_long_env_state_is_not_read_at_ingest_and_its_version_counts_once_built(make, writer):
+    """Ingest reads env_state only up to 4,096 characters (a batch of long ones would take gigabytes):
+    a longer one's version is unknown until its group is built, never taken as 0 (stale) at ready."""
+    h = make(max_off_policy=1)
+    h.start(k=2)
+    pad = "x" * 5000
+    writer.group("short", 2, env_state=wv(5))
+    writer.group("old-long", 2, env_state={"weight_version": 2, "pad": pad})
+    writer.group("new-long", 2, env_state={"weight_version": 9, "pad": pad})
+    h.settle()
+    s = h.stats()
+    assert s["versions"]["rows"] == 5 and s["groups"]["ready"] == 3 and s["groups"]["dropped"] == {}
+    doc = h.poll()
+    assert [x["group_id"] for x in doc["data"]["meta_info"]["group_stats"]] == ["short", "new-long"]
+    assert {i["extra_info"]["weight_version"] for i in groups_of(doc)["new-long"]} == {9}
+    assert doc["data"]["meta_info"]["filtered"] == {"stale": 1}  # old-long: 5 - 2 > 1, judged when built
+    s = h.stats()
+    assert s["versions"]["rows"] == 9  # the built rows' version counts from now on
+    assert_balanced(s)
+
+
 @pytest.mark.parametrize("body", [{"max_off_policy": -1}, {"max_off_policy": "2"}, {"max_off_policy": 1.5},
                                   {"current_weight_version": -3}, {"current_weight_version": True}])
 def test_bad_policy_fields_in_a_poll_are_400(make, body):
