@@ -131,11 +131,8 @@ class Accumulator:
                 self.counts.pending_rows += 1
                 if g.min_pk is None or pk < g.min_pk:
                     g.min_pk = pk
-                if track_wv and wv is not None:
-                    if g.wv is None:
-                        g.wv = {}
-                    if wv < g.wv.get(sid, wv + 1):
-                        g.wv[sid] = wv
+                if track_wv:
+                    g.add_version(sid, wv)
                 if completed:
                     c = g.completed.get(sid)
                     term = (step_id if step_id is not None else -1, pk)

@@ -7,6 +7,8 @@ guards every group; it decides nothing about other groups.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 from .model import STALE, ZERO_VARIANCE, Policy
 
 
@@ -26,7 +28,9 @@ class Group:
         self.first_seen = now
         self.min_pk: int | None = None
         self.taken: dict[str, int] | None = None  # session -> rows handed to the server
-        self.wv: dict[str, int] | None = None     # session -> min weight_version (only when a policy needs it)
+        # the weight versions known at ingest, only when a policy needs them: one int while every row
+        # read has that version (the common case, and small), else session -> its rows' min version
+        self.wv: int | dict[str, int] | None = None
         self.chosen: frozenset[str] | None = None  # over-sampling: the K sessions it will serve, once ready
         # over-sampling: sessions dropped as oversampled, for good (a change of K, a restart, a partial
         # group reaching K never lets one back in: its rows already read are accounted as dropped)
@@ -46,6 +50,27 @@ class Group:
         """The terminal rewards of its completed sessions (those known at ingest)."""
         return tuple(c[2] for c in self.completed.values() if c[2] is not None)
 
+    def add_version(self, sid: str, wv: int | None) -> None:
+        """The weight version of a row of session ``sid`` just added (None: unknown at ingest)."""
+        w = self.wv
+        if w is None:  # its first row
+            self.wv = wv if wv is not None else {}
+        elif w.__class__ is int:
+            if wv != w:  # the first row of another version (or unknown): per session from now on
+                d = {s: w for s, pks in self.sessions.items() if s != sid or len(pks) > 1}
+                if wv is not None and wv < d.get(sid, wv + 1):
+                    d[sid] = wv
+                self.wv = d
+        elif wv is not None and wv < w.get(sid, wv + 1):  # type: ignore[union-attr]
+            w[sid] = wv  # type: ignore[index]
+
+    def min_version(self, sessions: Iterable[str]) -> int | None:
+        """The min weight_version known at ingest of these sessions' rows; None when none is known."""
+        w = self.wv
+        if w is None or isinstance(w, int):
+            return w
+        return min((w[s] for s in sessions if s in w), default=None)
+
     def refusal(self, policy: Policy, current_version: int) -> str | None:
         """A ready group's verdict: the drop reason of a policy that refuses it, or None.
 
@@ -54,8 +79,7 @@ class Group:
         not count: its build judges it; with none known, only the build does). Zero variance: the
         terminal rewards of its completed sessions all within epsilon (only when all are known)."""
         if self.wv is not None:
-            sessions = self.chosen if self.chosen is not None else self.completed
-            self.min_wv = min((self.wv[s] for s in sessions if s in self.wv), default=None)
+            self.min_wv = self.min_version(self.chosen if self.chosen is not None else self.completed)
             if self.min_wv is not None and policy.stale(current_version, self.min_wv):
                 return STALE
         if policy.drop_zero_variance and None not in (c[2] for c in self.completed.values()) \

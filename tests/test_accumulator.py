@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from rollout_buffer.accumulator import Accumulator
-from rollout_buffer.model import Decisions, Served
+from rollout_buffer.model import Decisions, Policy, Row, Served
 
 
 class CountingDict(OrderedDict):
@@ -129,3 +129,26 @@ def test_raising_k_makes_ready_groups_pending_again():
     assert not acc.has_ready() and acc.stats()["groups"]["pending"] == 1
     acc.ingest([(3, "c", "g", 1)])
     assert acc.has_ready()
+
+
+def test_ready_staleness_counts_the_served_sessions_versions_known_at_ingest():
+    """A group keeps one version while every row has it, per session once they differ: a session
+    it drops (over-sampling) or a row whose version is unknown at ingest (None) never counts."""
+    acc = Accumulator("j", 2, policy=Policy(max_off_policy=1, oversample=1))
+    dec = acc.ingest([
+        Row(1, "c", "mixed", 0, 1, 0.0, 1),     # c: version 1, its group chooses a and b before it completes
+        Row(2, "a", "mixed", 0, 1, 0.0, 5),
+        Row(3, "a", "mixed", 1, 2, 0.2, 4),     # a's min: 4
+        Row(4, "b", "mixed", 0, 1, 0.0, None),  # unknown at ingest (a long env_state)
+        Row(5, "b", "mixed", 1, 2, 0.8, 5),
+        Row(6, "x", "uniform", 1, 1, 0.1, 5), Row(7, "y", "uniform", 1, 1, 0.9, 5),
+        Row(8, "p", "unknown", 1, 1, 0.1, None), Row(9, "q", "unknown", 1, 1, 0.9, None),
+        Row(10, "s", "old", 1, 1, 0.1, 3), Row(11, "t", "old", 1, 1, 0.9, 3),
+        Row(12, "m", "hidden", 0, 1, 0.0, 2),   # dropped as oversampled: the only version known
+        Row(13, "n", "hidden", 1, 1, 0.1, None), Row(14, "o", "hidden", 1, 1, 0.9, None),
+    ])
+    assert acc.current_version == 5
+    assert [(d.group_id, d.reason) for d in dec.drops] == [("old", "stale")]  # 5 - 3 > 1
+    assert [r.step_pk for r in dec.rows] == [1, 12]  # dropped as oversampled: their versions do not count
+    assert [t.group_id for t in acc.take_ready(None)] == ["mixed", "uniform", "unknown", "hidden"]
+    assert acc.stats()["groups"]["dropped"] == {"stale": 1}
