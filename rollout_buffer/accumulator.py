@@ -275,7 +275,7 @@ class Accumulator:
                 g.taken = {sid: len(pks) for sid, pks in g.sessions.items()}
                 self.taken[gid] = g
                 takes.append(Take(gid, completed, incomplete, g.rewards(), g.partial and len(completed) < self.k,
-                                  g.ready_at))
+                                  g.ready_at, g.min_version(completed)))
         return takes
 
     def _pop_ready(self) -> Group:

@@ -210,7 +210,7 @@ class Serving:
         started = time.perf_counter()
         max_groups, request_id = poll.max_groups, poll.request_id
         policy, current = self.config.policy, js.acc.current_version
-        built_version = 0  # the largest version of the rows built
+        built_version = spent = 0  # the largest version of the rows built; bytes built and refused
         stats: dict[str, dict] = {}  # group_id -> its meta_info.group_stats entry
         seed = secrets.token_bytes(16)
         budget = self.config.max_response_bytes
@@ -229,6 +229,13 @@ class Serving:
                 if not takes:
                     break
                 taken.extend(takes)
+                fresh = []
+                for t in takes:  # stale by the versions read at ingest: dropped without reading a row
+                    if t.min_wv is not None and policy.stale(current, t.min_wv, poll.max_off_policy):
+                        refused.append((t, STALE, {}))
+                    else:
+                        fresh.append(t)
+                takes = fresh
                 # bodies are read a few hundred rows at a time (FETCH_CHUNK), as they are built, so
                 # a poll holds the rows of a few groups, not of every group it takes
                 i = 0
@@ -266,14 +273,19 @@ class Serving:
                                                        poll.max_off_policy) else \
                             ZERO_VARIANCE if policy.zero_variance(g.session_rewards) else None
                         if reason is not None:
+                            # a refused build costs what a served one does: a poll builds about a budget
+                            spent += len(buf) - start
                             del buf[start:]
                             refused.append((t, reason, {}))
+                            if spent + len(buf) + meta_size > budget:
+                                leftover, full = takes[i:], True
+                                break
                             continue
                         st = stats[t.group_id] = group_stats_of(t, g, js.acc.clock())
                         # the body is buf plus a head and a meta_info tail that lists the group ids
                         # twice (finished_groups, group_stats), its figures and maybe partial_groups
                         meta_size += 2 * json_len(t.group_id) + len(json.dumps(st, separators=(",", ":"))) + 2
-                        if built and len(buf) + meta_size > budget:
+                        if built and spent + len(buf) + meta_size > budget:
                             del buf[g.start:]  # does not fit: it stays ready for the next poll
                             leftover = takes[i - 1:]
                             full = True

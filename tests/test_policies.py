@@ -156,6 +156,63 @@ def test_a_long_env_state_is_not_read_at_ingest_and_its_version_counts_once_buil
     assert_balanced(s)
 
 
+def fetch_counter(monkeypatch) -> list[int]:
+    """Counts the rows a poll reads from the database (every body is read by serving.fetch_takes)."""
+    import rollout_buffer.serving as serving
+    read = [0]
+    real = serving.fetch_takes
+
+    def counting(src, takes, cap):
+        read[0] += sum(len(t.served_pks) for t in takes)
+        return real(src, takes, cap)
+    monkeypatch.setattr(serving, "fetch_takes", counting)
+    return read
+
+
+def test_groups_stale_by_their_ingested_versions_are_dropped_without_reading_a_row(make, writer, monkeypatch):
+    """The trainer's version jumps past every ready group: the poll drops them all from what ingest
+    knows, instead of reading and building the whole backlog to throw it away."""
+    h = make(max_off_policy=2)
+    h.start(k=2)
+    for g in range(40):
+        writer.group(f"g{g}", 2, steps=3, env_state=wv(5))
+    h.settle()
+    assert h.stats()["groups"]["ready"] == 40
+    read = fetch_counter(monkeypatch)
+    doc = h.poll(current_weight_version=8, max_groups=4)  # 8 - 5 > 2
+    assert doc["success"] is False and read == [0]
+    s = h.stats()
+    assert s["groups"]["dropped"] == {"stale": 40} and s["groups"]["ready"] == 0
+    assert_balanced(s)
+
+
+def test_a_poll_builds_about_one_budget_of_groups_it_refuses(make, writer, monkeypatch):
+    """Versions not known at ingest (the setting unset, the bound sent by the poll): a refused group
+    is built before it is judged, so the bytes it took count against the poll's byte budget."""
+    h = make(max_response_bytes=16 * 1024)
+    h.start(k=2)
+    for g in range(40):
+        writer.group(f"g{g}", 2, steps=3, env_state=wv(5))
+    h.settle()
+    import rollout_buffer.serving as serving
+    built, real = [0], serving.build_group
+
+    def counting(*a, **kw):
+        built[0] += 1
+        return real(*a, **kw)
+    monkeypatch.setattr(serving, "build_group", counting)
+    doc = h.poll(current_weight_version=8, max_off_policy=2)
+    assert doc["success"] is False
+    first = h.stats()["groups"]["dropped"]["stale"]
+    assert 1 <= first < 40 and built[0] == first  # about a budget's worth; the others wait for the next polls
+    for _ in range(40):
+        if not h.poll(current_weight_version=8, max_off_policy=2)["success"] and not h.stats()["groups"]["ready"]:
+            break
+    s = h.stats()
+    assert s["groups"]["dropped"] == {"stale": 40}
+    assert_balanced(s)
+
+
 @pytest.mark.parametrize("body", [{"max_off_policy": -1}, {"max_off_policy": "2"}, {"max_off_policy": 1.5},
                                   {"current_weight_version": -3}, {"current_weight_version": True}])
 def test_bad_policy_fields_in_a_poll_are_400(make, body):
