@@ -10,8 +10,6 @@ beyond its own monotonic one.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import threading
 import time
@@ -20,6 +18,7 @@ from typing import Callable, Iterable
 
 from .accounting import Counts
 from .group import Group
+from .ready import ReadyQueue
 from .model import (DROPPED, INVALID_GROUP, INVALID_SESSION, LATE_DROPPED, LATE_SERVED,
                     MALFORMED, MISSING_GROUP, OVERSAMPLED, REJECTED, ROW_DROPPED, SERVED, TTL, BadText, Decisions, Drop, Policy, Row, RowEvent, Take)
 
@@ -40,11 +39,8 @@ class Accumulator:
         self.policy = policy or Policy()
         self.lock = threading.Lock()
         self.pending: OrderedDict[str, Group] = OrderedDict()  # incomplete, oldest activity first
-        self.ready: OrderedDict[str, Group] = OrderedDict()    # ready, first ready first
-        # serve order by version: a heap of (key, seq, group_id) beside ``ready`` (stale entries skipped)
-        self._order: list[tuple[int, int, str]] | None = None if self.policy.serve_order == "ready" else []
-        self._seq = itertools.count()
-        self._track_wv = self.policy.max_off_policy is not None or self._order is not None
+        self.ready = ReadyQueue(self.policy.serve_order)       # ready, in the serve order
+        self._track_wv = self.policy.max_off_policy is not None or self.policy.serve_order != "ready"
         self.trainer_version: int | None = None  # the last current_weight_version a poll sent
         self.rows_version = 0                    # the largest weight_version of an ingested row
         self.counts = Counts()
@@ -156,17 +152,12 @@ class Accumulator:
         sessions (over-sampling), apply the policies, and queue it or drop it."""
         if self.policy.oversample and len(g.completed) >= self.k:
             self._choose(g, out)
-        p = self.policy
-        reason = g.refusal(p, self.current_version)
+        reason = g.refusal(self.policy, self.current_version)
         if reason is not None:
             self._drop(g, reason, out)
             return
         g.ready_at = self.clock()
-        self.ready[g.group_id] = g
-        if self._order is not None:
-            v = g.min_wv or 0  # unknown at ingest: ordered as version 0
-            g.order_key = (v if p.serve_order == "oldest_version" else -v, next(self._seq), g.group_id)
-            heapq.heappush(self._order, g.order_key)
+        self.ready.push(g)
         out.newly_ready += 1
 
     def _choose(self, g: Group, out: Decisions) -> None:
@@ -267,7 +258,7 @@ class Accumulator:
         with self.lock:
             self.changes += 1
             while self.ready and (max_groups is None or len(takes) < max_groups):
-                g = self._pop_ready()
+                g = self.ready.pop_next()
                 gid = g.group_id
                 completed, incomplete = {}, {}
                 for sid, pks in g.sessions.items():
@@ -277,16 +268,6 @@ class Accumulator:
                 takes.append(Take(gid, completed, incomplete, g.rewards(), g.partial and len(completed) < self.k,
                                   g.ready_at, g.min_version(completed)))
         return takes
-
-    def _pop_ready(self) -> Group:
-        """(Lock held, ready not empty.) The next group in the serve order."""
-        if self._order is None:
-            return self.ready.popitem(last=False)[1]
-        while True:
-            _, _, gid = heapq.heappop(self._order)
-            g = self.ready.pop(gid, None)
-            if g is not None:
-                return g
 
     def retake(self, takes: list[Take]) -> list[Take]:
         """Hand back exactly these earlier takes (released after a COMMIT that did happen after all),
@@ -317,10 +298,7 @@ class Accumulator:
                 if (self.tainted and not self.tainted.isdisjoint(g.sessions)) or t.group_id in self.tainted_groups:
                     self._drop(g, MALFORMED, out)
                     continue
-                self.ready[t.group_id] = g
-                self.ready.move_to_end(t.group_id, last=False)
-                if self._order is not None and g.order_key is not None:
-                    heapq.heappush(self._order, g.order_key)  # its old place in the version order
+                self.ready.put_front(g)  # first again, at its old place in a version order
         return out
 
     def commit(self, plan: Decisions) -> Decisions:

@@ -6,6 +6,7 @@ from collections import OrderedDict
 
 from rollout_buffer.accumulator import Accumulator
 from rollout_buffer.model import Decisions, Policy, Row, Served
+from rollout_buffer.ready import ReadyQueue
 
 
 class CountingDict(OrderedDict):
@@ -112,7 +113,11 @@ def test_raising_k_keeps_the_ttl_whatever_the_queue_order():
 def test_a_poll_costs_what_it_serves_not_the_backlog():
     acc = Accumulator("j", 1)
     acc.ingest([(i + 1, f"s{i}", f"g{i}", 1) for i in range(50_000)])
-    acc.ready = CountingDict(acc.ready)
+    class CountingReady(CountingDict, ReadyQueue):
+        pass
+    ready = CountingReady()
+    ready.update(acc.ready)
+    acc.ready = ready
     CountingDict.scans = 0
     takes = acc.take_ready(10)
     assert len(takes) == 10
@@ -152,3 +157,19 @@ def test_ready_staleness_counts_the_served_sessions_versions_known_at_ingest():
     assert [r.step_pk for r in dec.rows] == [1, 12]  # dropped as oversampled: their versions do not count
     assert [t.group_id for t in acc.take_ready(None)] == ["mixed", "uniform", "unknown", "hidden"]
     assert acc.stats()["groups"]["dropped"] == {"stale": 1}
+
+
+def test_the_version_order_follows_each_groups_current_place_and_forgets_those_that_left():
+    """A group sent back to pending (K raised) and ready again takes its new place, never its old
+    one; the entries of groups that left the queue (dropped while ready) do not pile up."""
+    acc = Accumulator("j", 2, policy=Policy(serve_order="newest_version"))
+    acc.ingest([Row(1, "a1", "A", 1, 1, 0.1, 5), Row(2, "a2", "A", 1, 1, 0.9, 5),
+                Row(3, "b1", "B", 1, 1, 0.1, 3), Row(4, "b2", "B", 1, 1, 0.9, 3)])
+    acc.set_k(3)
+    acc.ingest([Row(5, "a3", "A", 1, 1, 0.5, 1), Row(6, "b3", "B", 1, 1, 0.5, 3)])  # A's min is now 1
+    assert [t.group_id for t in acc.take_ready(None)] == ["B", "A"]
+    acc.ingest([Row(10 + 2 * i + j, f"t{i}-{j}", f"T{i}", 1, 1, 0.1 * j, 1) for i in range(1000) for j in range(3)])
+    acc.ingest([Row(10_000 + i, f"t{i}-0", None, 0, 2, 0.0, 1) for i in range(990)])  # their groups: malformed
+    acc.ingest([Row(20_000 + j, f"u-{j}", "U", 1, 1, 0.1 * j, 0) for j in range(3)])  # the next ready group
+    assert len(acc.ready) == 11 and len(acc.ready._heap) <= 2 * 11 + 65
+    assert [t.group_id for t in acc.take_ready(None)] == [f"T{i}" for i in range(990, 1000)] + ["U"]
