@@ -143,15 +143,14 @@ class Accumulator:
                     if gid in self.pending:
                         del self.pending[gid]
                         self._became_ready(g, out)
-                    elif g.chosen is None and g.taken is None and self.policy.oversample:
+                    elif g.taken is None:
                         self._choose(g, out)  # ready short of K at the TTL, it reached K while it waited
         return out
 
     def _became_ready(self, g: Group, out: Decisions) -> None:
         """(Lock held.) A group has K completed sessions, or is served short at the TTL: choose its
         sessions (over-sampling), apply the policies, and queue it or drop it."""
-        if self.policy.oversample and len(g.completed) >= self.k:
-            self._choose(g, out)
+        self._choose(g, out)
         reason = g.refusal(self.policy, self.current_version)
         if reason is not None:
             self._drop(g, reason, out)
@@ -161,8 +160,11 @@ class Accumulator:
         out.newly_ready += 1
 
     def _choose(self, g: Group, out: Decisions) -> None:
-        """Over-sampling: the group keeps its first K completed sessions; the rows of every other
-        session are dropped as oversampled now (and so are their later rows)."""
+        """Over-sampling: a group with K completed sessions that has not chosen yet (ready, ready short
+        of K at the TTL, or given back by a poll) keeps its first K; the rows of every other session
+        are dropped as oversampled now (and so are their later rows)."""
+        if not self.policy.oversample or g.chosen is not None or len(g.completed) < self.k:
+            return
         for sid, pks in g.choose(self.k).items():
             if self.session_group.get(sid) == g.group_id:
                 del self.session_group[sid]
@@ -298,6 +300,7 @@ class Accumulator:
                 if (self.tainted and not self.tainted.isdisjoint(g.sessions)) or t.group_id in self.tainted_groups:
                     self._drop(g, MALFORMED, out)
                     continue
+                self._choose(g, out)  # its other sessions may have completed while it was taken
                 self.ready.put_front(g)  # first again, at its old place in a version order
         return out
 

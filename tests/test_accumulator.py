@@ -173,3 +173,23 @@ def test_the_version_order_follows_each_groups_current_place_and_forgets_those_t
     acc.ingest([Row(20_000 + j, f"u-{j}", "U", 1, 1, 0.1 * j, 0) for j in range(3)])  # the next ready group
     assert len(acc.ready) == 11 and len(acc.ready._heap) <= 2 * 11 + 65
     assert [t.group_id for t in acc.take_ready(None)] == [f"T{i}" for i in range(990, 1000)] + ["U"]
+
+
+def test_a_group_given_back_by_a_poll_is_cut_to_its_first_k_sessions():
+    """Over-sampling: a group ready short of K whose other sessions complete while a poll holds it,
+    and that the poll gives back (byte budget), is served with its first K, never K + N."""
+    clock = [0.0]
+    acc = Accumulator("j", 3, clock=lambda: clock[0], policy=Policy(oversample=2, min_group_size=2))
+    acc.ingest([Row(i + 1, f"s{i}", "g", 0, 1, 0.0, 0) for i in range(5)])
+    acc.ingest([Row(10, "s0", "g", 1, 2, 0.1, 0), Row(11, "s1", "g", 1, 2, 0.2, 0)])
+    clock[0] = 100.0
+    assert not acc.expire(10.0).drops and len(acc.ready) == 1  # ready short of K
+    takes = acc.take_ready(None)
+    late = acc.ingest([Row(12 + i, f"s{i}", "g", 1, 2, 0.1 * i, 0) for i in (2, 3, 4)])
+    assert not late.rows  # taken: its rows wait for the poll's outcome
+    given_back = acc.release(takes)
+    assert sorted((r.session_id, r.step_pk) for r in given_back.rows) == [("s3", 4), ("s3", 15), ("s4", 5), ("s4", 16)]
+    [t] = acc.take_ready(None)
+    assert sorted(t.completed) == ["s0", "s1", "s2"] and not t.incomplete and not t.partial
+    s = acc.stats()["rows"]
+    assert s["read"] == s["served"] + s["dropped_total"] + s["rejected_total"] + s["pending"]
