@@ -41,6 +41,9 @@ class Accumulator:
         self.pending: OrderedDict[str, Group] = OrderedDict()  # incomplete, oldest activity first
         self.ready = ReadyQueue(self.policy.serve_order)       # ready, in the serve order
         self._track_wv = self.policy.max_off_policy is not None or self.policy.serve_order != "ready"
+        # with over-sampling, a served group's late rows are its other sessions' (a served session
+        # writes nothing after its completed row), whether they come while it is built or after
+        self._late_served = OVERSAMPLED if self.policy.oversample else LATE_SERVED
         self.trainer_version: int | None = None  # the last current_weight_version a poll sent
         self.rows_version = 0                    # the largest weight_version of an ingested row
         self.counts = Counts()
@@ -96,10 +99,7 @@ class Accumulator:
                 gid = str(gid)
                 status = self.decided.get(gid)
                 if status is not None:
-                    # with over-sampling, a served group's late rows are its other sessions' (a served
-                    # session writes nothing after its completed row)
-                    reason = (OVERSAMPLED if self.policy.oversample else LATE_SERVED) if status == SERVED \
-                        else LATE_DROPPED
+                    reason = self._late_served if status == SERVED else LATE_DROPPED
                     self.counts.dropped[reason] += 1
                     out.rows.append(RowEvent(pk, ROW_DROPPED, reason, gid, sid))
                     continue
@@ -321,7 +321,7 @@ class Accumulator:
                 if g is None:
                     continue
                 settled.add(s.group_id)
-                self._settle(g, out, LATE_SERVED)
+                self._settle(g, out, self._late_served)
                 self.decided[s.group_id] = SERVED
                 self.counts.group_served(len(s.take.served_pks), len(s.take.incomplete_pks), len(s.take.completed),
                                          s.rewards)
@@ -357,7 +357,7 @@ class Accumulator:
                 if g is None:
                     continue
                 status, reason = decided[t.group_id]
-                self._settle(g, out, LATE_SERVED if status == SERVED else LATE_DROPPED)
+                self._settle(g, out, self._late_served if status == SERVED else LATE_DROPPED)
                 self.decided[t.group_id] = status
                 if status == SERVED:
                     self.counts.group_served(len(t.served_pks), len(t.incomplete_pks), len(t.completed), t.rewards)

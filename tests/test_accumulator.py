@@ -193,3 +193,19 @@ def test_a_group_given_back_by_a_poll_is_cut_to_its_first_k_sessions():
     assert sorted(t.completed) == ["s0", "s1", "s2"] and not t.incomplete and not t.partial
     s = acc.stats()["rows"]
     assert s["read"] == s["served"] + s["dropped_total"] + s["rejected_total"] + s["pending"]
+
+
+def test_with_over_sampling_a_served_groups_late_rows_are_oversampled_whenever_they_come():
+    """A row of a partial group's incomplete session counts as oversampled whether it comes while a
+    poll builds the group or after it was served: one reason for one kind of row."""
+    clock = [0.0]
+    acc = Accumulator("j", 3, clock=lambda: clock[0], policy=Policy(oversample=1, min_group_size=2))
+    acc.ingest([Row(1, "a", "g", 1, 1, 0.1, 0), Row(2, "b", "g", 1, 1, 0.9, 0), Row(3, "c", "g", 0, 1, 0.0, 0)])
+    clock[0] = 100.0
+    acc.expire(10.0)
+    takes = acc.take_ready(None)
+    acc.ingest([Row(4, "c", "g", 0, 2, 0.0, 0)])  # while the poll builds it
+    late = acc.commit(Decisions(served=[Served(t, "b1") for t in takes]))
+    after = acc.ingest([Row(5, "c", "g", 1, 3, 0.5, 0)])
+    assert [(r.step_pk, r.reason) for r in late.rows + after.rows] == [(4, "oversampled"), (5, "oversampled")]
+    assert acc.stats()["rows"]["dropped"] == {"incomplete_session_in_served_group": 1, "oversampled": 2}
