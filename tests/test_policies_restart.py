@@ -4,6 +4,7 @@ comes back from the stored trainer and row versions (rows below the low-water ma
 again), the over-sampled sessions' later rows stay dropped, the figures and ``filtered`` survive."""
 from __future__ import annotations
 
+import contextlib
 import signal
 from typing import Any
 
@@ -14,7 +15,7 @@ from fakes.fake_proxy import FakeProxy
 from rollout_buffer.db import connect
 from rollout_buffer import procfs
 from servers import Server
-from support import Writer, assert_balanced, wait_until
+from support import Writer, assert_balanced, make_launcher_db, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -135,3 +136,49 @@ def test_a_session_dropped_as_oversampled_stays_out_after_kill_9(db_url, tmp_pat
         finally:
             srv.stop()
             w.close()
+
+
+def test_postgres_the_first_k_chosen_before_a_kill_9_stay_chosen_when_a_smaller_id_commits_late(pg_url, tmp_path):
+    """Over-sampling on Postgres: b's completing row takes a smaller id than c's but commits later,
+    so the group chooses a and c. After a kill -9 the rows are read again in id order, b's first:
+    the group must keep its choice, never take b back with only its completing row."""
+    make_launcher_db(pg_url)
+    with FakeProxy() as proxy:
+        env = {"ROLLOUT_BUFFER_OVERSAMPLE": "1", "LLM_PROXY_HOST": "127.0.0.1", "LLM_PROXY_PORT": str(proxy.port)}
+        srv = Server(pg_url, tmp_path / "srv", env=env)
+        held, w = Writer(pg_url, job="J"), Writer(pg_url, job="J")
+        try:
+            srv.start()
+            r = requests.post(srv.url + "/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "J"},
+                              timeout=30)
+            assert r.status_code == 200, r.text
+            for s in ("a", "b", "c"):
+                w.step("g", s, 1)
+            w.step("g", "a", 2, completed=True, step_reward=0.1)
+            held.db.execute("BEGIN")
+            pk_b = held.step("g", "b", 2, completed=True, step_reward=0.5)  # invisible until COMMIT
+            pk_c = w.step("g", "c", 2, completed=True, step_reward=0.9)
+            assert pk_b < pk_c
+            wait_until(lambda: (lambda s: s["groups"]["ready"] == 1 and s["rows"]["dropped"] == {"oversampled": 1})(
+                stats(srv)), 15, lambda: f"g ready with a and c, b's first row oversampled ({stats(srv)})")
+            pgid = srv.proc.pid
+            srv.stop(signal.SIGKILL)
+            wait_until(lambda: not procfs.group_members(pgid), 5, "every server process gone")
+            held.db.execute("COMMIT")
+            srv.start()
+            wait_until(lambda: stats(srv).get("rows", {}).get("dropped", {}).get("oversampled") == 2, 20,
+                       lambda: f"b's completing row {pk_b} read after the restart ({stats(srv)})")
+            doc = poll(srv)
+            steps: dict[str, list[int]] = {}
+            for item in doc["data"]["data"]:
+                steps.setdefault(item["extra_info"]["session_id"], []).append(item["extra_info"]["steps"])
+            assert steps == {"a": [1, 2], "c": [1, 2]}
+            assert_balanced(stats(srv))
+            assert proxy.wait_for(lambda p: {s for b in p.calls if b["reason"] == "oversampled"
+                                             for s in b["session_ids"]} == {"b"})
+        finally:
+            with contextlib.suppress(Exception):
+                held.db.execute("ROLLBACK")
+            held.close()
+            w.close()
+            srv.stop()
