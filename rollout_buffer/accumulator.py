@@ -114,7 +114,8 @@ class Accumulator:
                     self.pending.move_to_end(gid)
                 g.last_seen = now
                 if g.chosen is not None and sid not in g.chosen or g.excluded is not None and sid in g.excluded:
-                    self.counts.dropped[OVERSAMPLED] += 1  # a session beyond the K it serves: never served
+                    g.exclude(sid)  # a session beyond the K it serves: never served, even if K changes
+                    self.counts.dropped[OVERSAMPLED] += 1
                     out.rows.append(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, gid, sid))
                     continue
                 pks = g.sessions.get(sid)
@@ -383,14 +384,13 @@ class Accumulator:
         policy). Returns how many became ready, and the plan of what the policies decided."""
         with self.lock:
             self.k = k
-            moved = False
+            moved, out = False, Decisions()
             for gid, g in list(self.ready.items()):
                 if len(g.completed) < k:  # K was raised: not ready any more (and open to more sessions)
                     del self.ready[gid]
                     self.pending[gid], g.chosen, moved = g, None, True
             if moved:  # expire() stops at the first live group: put them back in idle order (rare)
                 self.pending = OrderedDict(sorted(self.pending.items(), key=lambda kv: kv[1].last_seen))
-            out = Decisions()
             for gid, g in list(self.pending.items()):
                 if len(g.completed) >= k:
                     del self.pending[gid]

@@ -50,6 +50,13 @@ class Group:
         """The terminal rewards of its completed sessions (those known at ingest)."""
         return tuple(c[2] for c in self.completed.values() if c[2] is not None)
 
+    def exclude(self, sid: str) -> None:
+        """Over-sampling: a session whose rows are dropped as oversampled stays out for good."""
+        if self.excluded is None:
+            self.excluded = {sid}
+        else:
+            self.excluded.add(sid)
+
     def add_version(self, sid: str, wv: int | None) -> None:
         """The weight version of a row of session ``sid`` just added (None: unknown at ingest)."""
         w = self.wv

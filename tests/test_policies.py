@@ -337,6 +337,25 @@ def test_a_session_dropped_as_oversampled_stays_out_when_k_is_raised(make, write
     assert proxy.wait_for(lambda p: cleared(p, "oversampled") == {"s2"})
 
 
+def test_a_session_first_seen_after_the_choice_stays_out_when_k_is_raised(make, writer, proxy):
+    """A session whose first row comes after its group chose its K is dropped as oversampled; K
+    raised later must not let it in with its later rows."""
+    h = make(oversample=1)
+    h.start(k=2)
+    writer.session("g", "s0", 2, reward=0.1)
+    writer.session("g", "s1", 2, reward=0.9)
+    writer.step("g", "s2", 1)                   # after the choice: oversampled
+    h.settle()
+    h.start(k=3)
+    writer.step("g", "s2", 2, completed=True, step_reward=0.4)
+    writer.session("g", "s3", 2, reward=0.5)
+    doc = h.poll()
+    assert sessions_served(doc, "g") == {"s0": [1, 2], "s1": [1, 2], "s3": [1, 2]}
+    s = h.stats()
+    assert s["rows"]["dropped"] == {"oversampled": 2}
+    assert_balanced(s)
+
+
 def test_a_partial_group_reaching_k_while_it_waits_serves_k_sessions(make, writer, proxy):
     """Ready short of K at the TTL, a group with over-sampling gets its other sessions' completions:
     it is served with the first K, never with K + N."""
