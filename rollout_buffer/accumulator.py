@@ -161,10 +161,11 @@ class Accumulator:
         out.newly_ready += 1
 
     def _choose(self, g: Group, out: Decisions) -> None:
-        """Over-sampling: a group with K completed sessions that has not chosen yet (ready, ready short
-        of K at the TTL, or given back by a poll) keeps its first K; the rows of every other session
-        are dropped as oversampled now (and so are their later rows)."""
-        if not self.policy.oversample or g.chosen is not None or len(g.completed) < self.k:
+        """Over-sampling: a group with K completed sessions that has not chosen K yet (ready, ready
+        short of K at the TTL, given back by a poll, or K lowered) keeps its first K; the rows of
+        every other session are dropped as oversampled now (and so are their later rows)."""
+        if not self.policy.oversample or len(g.completed) < self.k or g.chosen is not None \
+                and len(g.chosen) <= self.k:
             return
         for sid, pks in g.choose(self.k).items():
             if self.session_group.get(sid) == g.group_id:
@@ -389,6 +390,8 @@ class Accumulator:
                 if len(g.completed) < k:  # K was raised: not ready any more (and open to more sessions)
                     del self.ready[gid]
                     self.pending[gid], g.chosen, moved = g, None, True
+                elif len(g.completed) > k:  # K was lowered: over-sampling keeps the first K
+                    self._choose(g, out)
             if moved:  # expire() stops at the first live group: put them back in idle order (rare)
                 self.pending = OrderedDict(sorted(self.pending.items(), key=lambda kv: kv[1].last_seen))
             for gid, g in list(self.pending.items()):

@@ -356,6 +356,22 @@ def test_a_session_first_seen_after_the_choice_stays_out_when_k_is_raised(make, 
     assert_balanced(s)
 
 
+def test_k_lowered_on_a_running_job_cuts_a_ready_group_to_its_first_k(make, writer, proxy):
+    h = make(oversample=1)
+    h.start(k=3)
+    writer.session("g", "s0", 2, reward=0.1)
+    writer.session("g", "s1", 2, reward=0.9)
+    writer.session("g", "s2", 2, reward=0.5)    # ready with three
+    h.settle()
+    h.start(k=2)
+    doc = h.poll()
+    assert sessions_served(doc, "g") == {"s0": [1, 2], "s1": [1, 2]}
+    s = h.stats()
+    assert s["rows"]["dropped"] == {"oversampled": 2}
+    assert_balanced(s)
+    assert proxy.wait_for(lambda p: cleared(p, "oversampled") == {"s2"})
+
+
 def test_a_partial_group_reaching_k_while_it_waits_serves_k_sessions(make, writer, proxy):
     """Ready short of K at the TTL, a group with over-sampling gets its other sessions' completions:
     it is served with the first K, never with K + N."""
