@@ -209,3 +209,84 @@ def test_with_over_sampling_a_served_groups_late_rows_are_oversampled_whenever_t
     after = acc.ingest([Row(5, "c", "g", 1, 3, 0.5, 0)])
     assert [(r.step_pk, r.reason) for r in late.rows + after.rows] == [(4, "oversampled"), (5, "oversampled")]
     assert acc.stats()["rows"]["dropped"] == {"incomplete_session_in_served_group": 1, "oversampled": 2}
+
+
+def _random_run(seed: int) -> None:
+    """One randomized run of every policy path (ingest in any order, TTL, take, release, commit, K
+    changed) against per-row invariants: every row accounted once, the identity after every step,
+    no session served twice or half or after it was dropped as oversampled, no more than K."""
+    import random
+    rng = random.Random(seed)
+    k = rng.randint(1, 4)
+    pol = Policy(max_off_policy=rng.choice([None, 1, 3]), drop_zero_variance=rng.random() < 0.3,
+                 oversample=rng.choice([0, 1, 2]), min_group_size=rng.choice([None, 1, 2]),
+                 serve_order=rng.choice(["ready", "oldest_version", "newest_version"]))
+    clock = [0.0]
+    acc = Accumulator("j", k, clock=lambda: clock[0], policy=pol)
+    groups = [f"g{i}" for i in range(rng.randint(1, 6))]
+    sessions: dict[str, list] = {}    # sid -> [group, steps written, completed]
+    session_pks: dict[str, list[int]] = {}
+    accounted: dict[int, str] = {}
+    served: dict[str, list[int]] = {}
+    oversampled: set[str] = set()
+    taken: list = []
+    pk = 0
+
+    def account(plan: Decisions) -> None:
+        for d in plan.drops:
+            for p in d.pks:
+                assert p not in accounted, (seed, p)
+                accounted[p] = d.reason
+        for r in plan.rows:
+            assert r.step_pk not in accounted, (seed, r)
+            accounted[r.step_pk] = r.reason
+            if r.reason == "oversampled" and r.session_id not in served:
+                oversampled.add(r.session_id)
+
+    for _ in range(rng.randint(20, 200)):
+        op = rng.random()
+        if op < 0.6:
+            rows = []
+            for _ in range(rng.randint(1, 5)):
+                sid = rng.choice(list(sessions)) if sessions and rng.random() < 0.7 else f"s{len(sessions)}"
+                gid, n, done = sessions.setdefault(sid, [rng.choice(groups), 0, False])
+                if done and rng.random() < 0.8:
+                    continue
+                pk, comp = pk + 1, rng.random() < 0.35
+                sessions[sid] = [gid, n + 1, done or comp]
+                rows.append(Row(pk, sid, gid, int(comp), n + 1, rng.choice([0.0, 0.5, 1.0]), rng.choice([0, 1, 3, None])))
+                session_pks.setdefault(sid, []).append(pk)
+            account(acc.ingest(rows))
+        elif op < 0.7:
+            clock[0] += rng.choice([1, 50])
+            account(acc.expire(30))
+        elif op < 0.8:
+            taken += [(t, k) for t in acc.take_ready(rng.choice([None, 1, 2]))]
+        elif op < 0.9 and taken:
+            rng.shuffle(taken)
+            n = rng.randint(1, len(taken))
+            batch, taken = taken[:n], taken[n:]
+            if rng.random() < 0.3:
+                account(acc.release([t for t, _ in batch]))
+                continue
+            for t, k_then in batch:
+                assert pol.oversample == 0 or len(t.completed) <= k_then, (seed, "more than K", t)
+                for sid, pks in t.completed.items():
+                    assert sid not in served and sid not in oversampled, (seed, sid)
+                    served[sid] = list(pks)
+                for p in t.served_pks + t.incomplete_pks:
+                    assert p not in accounted, (seed, p)
+                    accounted[p] = "served"
+            account(acc.commit(Decisions(served=[Served(t, "b") for t, _ in batch])))
+        elif op < 0.93:
+            k = rng.randint(1, 4)
+            account(acc.set_k(k)[1])
+        s = acc.stats()["rows"]
+        assert s["read"] == s["served"] + s["dropped_total"] + s["rejected_total"] + s["pending"], (seed, s)
+    for sid, pks in served.items():
+        assert sorted(pks) == [p for p in session_pks[sid] if p <= max(pks)], (seed, "half session", sid)
+
+
+def test_randomized_runs_of_every_policy_keep_the_per_row_invariants():
+    for seed in range(400):
+        _random_run(seed)
