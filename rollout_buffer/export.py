@@ -339,7 +339,8 @@ def read_export(path: str) -> Iterator[dict[str, Any]]:
 
 
 def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, what: str) -> int:
-    """``rollout-buffer export``: the exit status (0 written, 1 database trouble, 2 bad arguments)."""
+    """``rollout-buffer export``: the exit status (0 written, 1 database trouble, 2 bad arguments). The
+    progress bar is shown on a terminal only; the last line says what was written."""
     if what not in WHAT:
         print(f"rollout-buffer export: --what {what!r}: expected one of {', '.join(WHAT)}", file=sys.stderr)
         return 2
@@ -347,7 +348,7 @@ def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, wh
     try:
         src = connect(db_url)
         st = connect(state_db_url) if state_db_url and state_db_url != db_url else src
-        summary = export(src, st, job_id, out, what=what, progress_to=sys.stderr)
+        summary = export(src, st, job_id, out, what=what, progress_to=sys.stderr if sys.stderr.isatty() else None)
     except ExportError as exc:
         print(f"rollout-buffer export: {exc}", file=sys.stderr)
         return 2

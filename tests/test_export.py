@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from support import Writer, groups_of, wait_until
+from support import Writer, groups_of, run_on_a_terminal, wait_until
 from rollout_buffer import export as export_mod
 from rollout_buffer.db import connect
 
@@ -59,7 +59,7 @@ def _export_cli(db_url: str, out: Path, what: str = "all") -> list[dict]:
     r = subprocess.run([sys.executable, "-m", "rollout_buffer", "export", "--db", db_url, "--job", JOB,
                         "--out", str(out), "--what", what], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "exported" in r.stdout and "export [" in r.stderr  # the progress line, also off a terminal
+    assert "exported" in r.stdout and r.stderr == ""  # no progress bar off a terminal
     assert not Path(str(out) + ".partial").exists()
     return list(export_mod.read_export(str(out)))
 
@@ -191,3 +191,11 @@ def test_round_trip_export_replay_drain(harness, writer, db_url, tmp_path):
     # the malformed row is malformed again, the row without a group rejected again
     assert s["rows"]["rejected"] == {"missing_group_id": 1, "invalid_json_messages": 1}, s
     assert s["groups"]["dropped"].get("malformed_row") == 1, s
+
+
+def test_export_shows_its_progress_bar_on_a_terminal_only(harness, writer, tmp_path):
+    _job(harness, writer)
+    code, err, out = run_on_a_terminal([sys.executable, "-m", "rollout_buffer", "export", "--db", harness.config.db_url,
+                                        "--job", JOB, "--out", str(tmp_path / "t.jsonl")], cwd=ROOT, stream="stderr")
+    assert code == 0 and "exported 5 records" in out
+    assert "export [########################] 100%" in err

@@ -4,8 +4,6 @@ metrics that a running service's /metrics has, and ``rollout-buffer stats --watc
 from __future__ import annotations
 
 import json
-import os
-import pty
 import re
 import subprocess
 import sys
@@ -16,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from support import Writer
+from support import Writer, run_on_a_terminal
 from servers import serve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,24 +94,8 @@ def test_stats_watch_refreshes(lite_url, tmp_path):
         assert r.stdout.count("  job ") == 3 and "\x1b" not in r.stdout
         assert "malformed_row: 1" in r.stdout
         # on a terminal: the table is redrawn in place (cursor home, clear) at each refresh
-        master, slave = pty.openpty()
-        try:
-            proc = subprocess.Popen([sys.executable, "-m", "rollout_buffer", "stats", srv.url, "--watch",
-                                     "--interval", "0.2", "--count", "3"], cwd=ROOT, stdout=slave,
-                                    stderr=subprocess.DEVNULL)
-            os.close(slave)
-            out = b""
-            while True:
-                try:
-                    chunk = os.read(master, 65536)
-                except OSError:  # the terminal closed: the process has exited
-                    break
-                if not chunk:
-                    break
-                out += chunk
-            assert proc.wait(30) == 0
-        finally:
-            os.close(master)
-        text = out.decode()
+        code, text, _ = run_on_a_terminal([sys.executable, "-m", "rollout_buffer", "stats", srv.url, "--watch",
+                                           "--interval", "0.2", "--count", "3"], cwd=ROOT)
+        assert code == 0
         assert text.count("\x1b[H\x1b[2J") == 3 and text.count("  job ") == 3
         assert "ops" in text
