@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import sqlite3
 import threading
+import urllib.parse
 from typing import Any, Iterator, Sequence
 
 from .errors import ClosedError, ConfigError, DataError, IntegrityError, StorageError
@@ -228,8 +230,9 @@ class SqliteDatabase(Database):
         self.path = sqlite_path(url)
         try:
             if readonly:
-                self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True,
-                                            timeout=SQLITE_BUSY_TIMEOUT_S, isolation_level=None)
+                # a URI of the absolute path, quoted: '?', '#', '%' or a leading '//' in it stay a path
+                uri = f"file:{urllib.parse.quote(os.path.realpath(self.path))}?mode=ro"
+                self.conn = sqlite3.connect(uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S, isolation_level=None)
             else:
                 self.conn = sqlite3.connect(self.path, timeout=SQLITE_BUSY_TIMEOUT_S,
                                             isolation_level=None)

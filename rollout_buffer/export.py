@@ -339,21 +339,25 @@ def read_export(path: str) -> Iterator[dict[str, Any]]:
 
 
 def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, what: str) -> int:
-    """``rollout-buffer export``: the exit status (0 written, 1 database trouble, 2 bad arguments). The
-    progress bar is shown on a terminal only; the last line says what was written."""
+    """``rollout-buffer export``: the exit status (0 written, 1 database or file trouble, 2 bad arguments).
+    The databases are opened read-only (SQLite: a mistyped path is an error, never a new empty
+    file). The progress bar is shown on a terminal only; the last line says what was written."""
     if what not in WHAT:
         print(f"rollout-buffer export: --what {what!r}: expected one of {', '.join(WHAT)}", file=sys.stderr)
         return 2
     src = st = None
     try:
-        src = connect(db_url)
-        st = connect(state_db_url) if state_db_url and state_db_url != db_url else src
+        src = connect(db_url, readonly=True)
+        st = connect(state_db_url, readonly=True) if state_db_url and state_db_url != db_url else src
         summary = export(src, st, job_id, out, what=what, progress_to=sys.stderr if sys.stderr.isatty() else None)
     except ExportError as exc:
         print(f"rollout-buffer export: {exc}", file=sys.stderr)
         return 2
     except RolloutBufferError as exc:
         print(f"rollout-buffer export: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the output cannot be written (no such directory, no space, no permission)
+        print(f"rollout-buffer export: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     finally:
         for db in {id(d): d for d in (src, st) if d is not None}.values():

@@ -68,3 +68,20 @@ def test_sqlite_service_connections_are_durable(lite_url, tmp_path):
         assert db.scalar("PRAGMA synchronous") == 2  # FULL
     finally:
         db.close()
+
+
+def test_a_readonly_sqlite_connection_opens_any_path_and_never_creates_one(tmp_path):
+    odd = tmp_path / "a dir?with#odd%chars"
+    odd.mkdir()
+    for url in (f"sqlite://{odd}/launcher.db", f"sqlite:///{odd}/launcher.db"):  # '/abs' and '//abs'
+        make_launcher_db(f"sqlite://{odd}/launcher.db")
+        db = connect(url, readonly=True)
+        try:
+            assert db.scalar("SELECT COUNT(*) FROM session_steps") == 0
+            with pytest.raises(StorageError):
+                db.execute("DELETE FROM session_steps")
+        finally:
+            db.close()
+    with pytest.raises(StorageError, match="cannot open SQLite database"):
+        connect(f"sqlite://{tmp_path}/missing.db", readonly=True)
+    assert not (tmp_path / "missing.db").exists()

@@ -199,3 +199,22 @@ def test_export_shows_its_progress_bar_on_a_terminal_only(harness, writer, tmp_p
                                         "--job", JOB, "--out", str(tmp_path / "t.jsonl")], cwd=ROOT, stream="stderr")
     assert code == 0 and "exported 5 records" in out
     assert "export [########################] 100%" in err
+
+
+def test_export_refuses_a_missing_database_and_an_unwritable_file_clearly(harness, writer, db_url, tmp_path):
+    _job(harness, writer)
+
+    def export(db: str, out: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rollout_buffer", "export", "--db", db, "--job", JOB,
+                               "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+    typo = tmp_path / "no-such.db"
+    r = export(f"sqlite://{typo}", tmp_path / "x.jsonl")
+    assert r.returncode == 1 and "cannot open SQLite database" in r.stderr and "Traceback" not in r.stderr
+    assert not typo.exists(), "the export created a database where there was none"
+    r = export(db_url, tmp_path / "no-such-dir" / "x.jsonl")
+    assert r.returncode == 1 and "cannot write" in r.stderr and "Traceback" not in r.stderr
+    secret = "s3cret-" + uuid.uuid4().hex[:6]
+    r = export(f"postgresql://root:{secret}@127.0.0.1:1/test", tmp_path / "x.jsonl")
+    assert r.returncode == 1 and "127.0.0.1" in r.stderr
+    assert secret not in r.stderr + r.stdout
