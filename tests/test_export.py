@@ -14,10 +14,11 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from support import Writer, groups_of, run_on_a_terminal, wait_until
+from support import Writer, groups_of, now_text, run_on_a_terminal, wait_until
 from rollout_buffer import export as export_mod
 from rollout_buffer.db import connect
 
@@ -191,6 +192,87 @@ def test_round_trip_export_replay_drain(harness, writer, db_url, tmp_path):
     # the malformed row is malformed again, the row without a group rejected again
     assert s["rows"]["rejected"] == {"missing_group_id": 1, "invalid_json_messages": 1}, s
     assert s["groups"]["dropped"].get("malformed_row") == 1, s
+
+
+# -- hostile rows, hostile arguments ---------------------------------------------------------------------
+
+DEEP = 2000
+STEP_COLUMNS = ("session_id", "step_id", "env_name", "llm_model", "group_id", "job_id", "messages", "response",
+                "step_reward", "reward", "env_state", "is_terminal", "is_truncated", "is_session_completed",
+                "is_trainable", "created_at")
+
+
+def _raw_step(db, gid: str, sid: Any, step: int, completed: bool, as_text: tuple[str, ...] = (), **spoil: Any) -> None:
+    """One launcher row written with exactly the given values (bytes are bound as a BLOB, or as
+    undecodable TEXT for the columns in ``as_text``), as a buggy launcher could write it."""
+    row = {"session_id": sid, "step_id": step, "env_name": "env", "llm_model": "m", "group_id": gid, "job_id": JOB,
+           "messages": json.dumps([{"role": "user", "content": f"task {gid}"}]), "response": "answer",
+           "step_reward": 0.5 if completed else 0.0, "reward": 0.0, "env_state": '{"weight_version": 3}',
+           "is_terminal": int(completed), "is_truncated": 0, "is_session_completed": int(completed),
+           "is_trainable": 1, "created_at": now_text()}
+    row.update(spoil)
+    marks = ", ".join("CAST(? AS TEXT)" if c in as_text else "?" for c in STEP_COLUMNS)
+    db.execute(f"INSERT INTO session_steps ({', '.join(STEP_COLUMNS)}) VALUES ({marks})", [row[c] for c in STEP_COLUMNS])
+
+
+def _hostile_rows(backend: str) -> dict[str, dict[str, Any]]:
+    """One spoiled first row per kind of group (the kinds a backend can store)."""
+    kinds: dict[str, dict[str, Any]] = {
+        "deep_messages": {"messages": "[" * DEEP + "]" * DEEP},
+        "deep_env_state": {"env_state": '{"a": ' * DEEP + "1" + "}" * DEEP},
+        "bad_created_at": {"created_at": "infinity" if backend == "postgres" else "garbage, not a time"},
+        "nan_messages": {"messages": '[{"role": "user", "content": NaN}]'},
+        "nan_reward": {"step_reward": float("nan") if backend == "postgres" else float("inf")},
+    }
+    if backend == "sqlite":  # values only SQLite's loose typing can hold
+        kinds.update({
+            "blob_session_id": {"session_id": b"blob-session"},
+            "undecodable_messages": {"messages": b'["\xff\xfe broken"]', "as_text": ("messages",)},
+            "undecodable_response": {"response": b"answer \xc3\x28", "as_text": ("response",)},
+            "text_reward": {"step_reward": "not a number"},
+            "text_step_id": {"step_id": "one"},
+        })
+    return kinds
+
+
+def test_every_bad_row_is_exported_with_its_reason_and_written_back(db_url, harness_factory, tmp_path):
+    """Rows of every malformed kind: the export holds each of them with its reason (none skipped, no
+    crash), and simulate --from-export writes the file back without stopping."""
+    h = harness_factory(db_url)
+    h.start(k=2, job=JOB)
+    db = connect(db_url)
+    kinds = _hostile_rows(db.backend)
+    try:
+        for kind, spoil in kinds.items():
+            gid = f"g-{kind}"
+            _raw_step(db, gid, f"{gid}-a", 1, False, **spoil)
+            _raw_step(db, gid, f"{gid}-a", 2, True)
+            _raw_step(db, gid, f"{gid}-b", 1, True)
+        _raw_step(db, "g-fine", "g-fine-a", 1, True)
+        _raw_step(db, "g-fine", "g-fine-b", 1, True)
+        written = int(db.scalar("SELECT COUNT(*) FROM session_steps WHERE job_id = ?", (JOB,)))
+    finally:
+        db.close()
+    assert groups_of(h.poll()).keys() == {"g-fine"}
+    h.settle()
+    s = h.stats()
+    assert s["groups"]["dropped"] == {"malformed_row": len(kinds)}, s
+    records = _export_cli(db_url, tmp_path / "hostile.jsonl.gz")
+    steps = {st["step_pk"]: (rec["group_id"], st["outcome"], st["reason"])
+             for rec in records for se in rec["sessions"] for st in se["steps"]}
+    assert len(steps) == written, "a row is missing from the export"
+    for kind in kinds:
+        mine = [v for v in steps.values() if v[0] == f"g-{kind}"]
+        rejected = [reason for _, outcome, reason in mine if outcome == "rejected"]
+        assert len(mine) == 3 and len(rejected) == 1 and rejected[0], (kind, mine)
+        rec = next(r for r in records if r["group_id"] == f"g-{kind}")
+        assert (rec["status"], rec["reason"]) == ("dropped", "malformed_row")
+    r = subprocess.run([sys.executable, "-m", "rollout_buffer.simulate", "--from-export", str(tmp_path / "hostile.jsonl.gz"),
+                        "--db-path", db_url, "--job-id", "again", "--pace", "0"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    late = sum(1 for _, _, reason in steps.values() if (reason or "").startswith("late_rows_"))
+    assert json.loads(r.stdout.splitlines()[-1][len("SIMULATE "):])["rows"] == written - late
 
 
 def test_export_shows_its_progress_bar_on_a_terminal_only(harness, writer, tmp_path):
