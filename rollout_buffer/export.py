@@ -33,7 +33,7 @@ from .items import (COMPLETED, CREATED, ENV_STATE, GID, MESSAGES, RESPONSE, SID,
                     Malformed, build_group, epoch, weight_version)
 from .model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
 from .progress import Progress, bar
-from .fetch import take_from_rows
+from .fetch import fetch_rows, take_from_rows
 
 WHAT = ("served", "dropped", "all")
 PAGE = 500
@@ -211,13 +211,7 @@ class Exporter:
                 yield self._orphan_record(r)
 
     def _rows(self, pks: list[int]) -> dict[int, tuple]:
-        out: dict[int, tuple] = {}
-        for i in range(0, len(pks), 900):
-            chunk = pks[i:i + 900]
-            for r in self.src.rows(q.fetch_export_rows(len(chunk), self.src.backend),
-                                   q.fetch_bodies_params(chunk, self.src.backend), binary=True):
-                out[int(r[0])] = r
-        return out
+        return fetch_rows(self.src, pks, q.fetch_export_rows)
 
     def _seed(self, batch_id: str) -> bytes | None:
         if batch_id not in self._seeds:
