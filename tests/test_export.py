@@ -137,8 +137,9 @@ def test_export_of_served_dropped_and_rejected_rows(harness, writer, db_url, tmp
     assert [r["group_id"] for r in dropped] == ["g-bad", "g-ttl", None]
 
 
-def test_export_pages_merge_in_constant_memory(harness, writer, db_url, tmp_path, monkeypatch):
-    # pages of 2 make every keyset page boundary and the groups/rows merge run
+def test_export_pages_merge_at_every_page_boundary(harness, writer, db_url, tmp_path, monkeypatch):
+    # pages of 2 make every keyset page boundary and the groups/rows merge run (the memory this keeps
+    # constant is measured by tests/bench/export_rss.py, not here)
     trainer = _job(harness, writer)
     monkeypatch.setattr(export_mod, "PAGE", 2)
     db = connect(db_url)
