@@ -238,6 +238,10 @@ class Service:
                                "database": "ok" if problem is None else problem,
                                "polls": {**{k: polls[k] for k in ("count", "with_data", "seconds_total")},
                                          "waiting": self.serving.waiting_polls}}
+        src = None  # only the lag needs the database: with it down, the rest is still answered
+        if js is not None and conns is not None and problem is None:
+            with contextlib.suppress(StorageError):
+                src = conns.get().src
         if js is not None:
-            out.update(js.stats(conns.get().src if conns is not None else None))
+            out.update(js.stats(src))
         return out

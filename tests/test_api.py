@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 import logging
+from urllib.parse import urlsplit
 
 import pytest
 
-from support import Writer, assert_balanced, groups_of, now_text
+from fakes.tcp_forwarder import TcpForwarder
+from support import PG_DSN, Writer, assert_balanced, groups_of, make_launcher_db, now_text, wait_until
 
 
 def test_complete_groups_are_served_whole_with_terminal_rewards(harness, writer):
@@ -570,3 +572,33 @@ def test_a_flood_of_bad_rows_is_logged_per_kind_not_per_row(harness, writer, cap
         assert harness.stats()["rows"]["rejected"] == {"missing_group_id": 300}
     lines = [r for r in caplog.records if "rejected row" in r.getMessage()]
     assert 1 <= len(lines) <= 3, [r.getMessage() for r in lines][:5]
+
+
+def test_stats_and_status_answer_from_memory_while_the_database_is_down(pg_url, harness_factory, caplog):
+    """The figures an operator needs most when the database is gone (/stats, the status page's
+    /status) are in memory: only the lag needs the database, so they answer, with the problem."""
+    make_launcher_db(pg_url)
+    dsn = urlsplit(PG_DSN)
+    relay = TcpForwarder(dsn.port or 5432, dsn.hostname or "127.0.0.1")
+    try:  # the service reaches Postgres through the relay; the test's writer directly
+        h = harness_factory(pg_url.replace(dsn.netloc.rsplit("@", 1)[-1], f"127.0.0.1:{relay.port}", 1),
+                            db_unhealthy_after_s=0.5)
+        h.start(k=2, job="J")
+        w = Writer(pg_url, job="J")
+        w.group("g", 2)
+        w.group("p", 2, complete=1)
+        w.close()
+        assert list(groups_of(h.poll())) == ["g"]
+        relay.down()
+        for path in ("/stats", "/status"):  # before the loop has noticed, and after
+            r = h.client.get(path)
+            assert r.status_code == 200, r.get_data(as_text=True)
+        wait_until(lambda: h.client.get("/health").get_json()["status"] == "degraded", 15, "the loop sees the database down")
+        s = h.client.get("/stats").get_json()
+        assert s["database"] != "ok" and s["lag_rows"] is None
+        assert (s["rows"]["served"], s["rows"]["pending"], s["groups"]["pending"]) == (4, 4, 1)
+        doc = h.client.get("/status").get_json()
+        assert doc["status"] == "degraded" and doc["stats"]["rows"] == s["rows"]
+        assert not [r for r in caplog.records if r.getMessage().startswith("unhandled error")]
+    finally:
+        relay.close()
