@@ -197,6 +197,11 @@ def test_page_without_token_shows_the_services_figures(browser, lite_url, tmp_pa
         browser.get(srv.url + "/")
         _check_figures(browser, doc)
         assert not browser.find_element("id", "token-box").is_displayed()
+        # nothing is loaded from anywhere but the service, and its answer says so to the browser
+        fetched = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+        assert fetched and all(u.startswith(srv.url + "/") for u in fetched), fetched
+        csp = requests.get(srv.url + "/", timeout=10).headers["Content-Security-Policy"]
+        assert "default-src 'none'" in csp and "connect-src 'self'" in csp
         _check_screenshot(browser, tmp_path / "page.png")
         # it refreshes itself: new figures appear without a reload
         w = Writer(lite_url, job="page-job")
@@ -224,6 +229,13 @@ def test_page_with_token_asks_for_it_and_keeps_it_out_of_urls(browser, lite_url,
         browser.find_element("id", "token-submit").click()
         _wait_text(browser, "token-why", "The token was refused; enter the service's ROLLOUT_BUFFER_TOKEN.")
         assert browser.execute_script("return sessionStorage.getItem('rollout_buffer_token')") is None
+        # a character no HTTP header can carry (a pasted en dash) is refused as such, never stored, and
+        # the service is not reported unreachable (every fetch used to throw and retry forever)
+        browser.find_element("id", "token-input").send_keys(TOKEN[:4] + "\u2013" + TOKEN[5:])
+        browser.find_element("id", "token-submit").click()
+        assert "U+2013" in _text(browser, "token-why")
+        assert browser.execute_script("return sessionStorage.getItem('rollout_buffer_token')") is None
+        assert _text(browser, "overall") == "token required" and not _text(browser, "banner")
         browser.find_element("id", "token-input").send_keys(TOKEN)
         browser.find_element("id", "token-submit").click()
         _check_figures(browser, doc)
