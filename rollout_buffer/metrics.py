@@ -1,4 +1,8 @@
-"""GET /metrics: the service's counters and gauges in Prometheus text exposition format (0.0.4)."""
+"""GET /metrics: the service's counters and gauges in Prometheus text exposition format (0.0.4).
+
+The active job is the label ``job_session``, never ``job``: Prometheus attaches its own ``job`` (the
+scrape job) and ``instance`` labels, and renames a scraped ``job`` to ``exported_job``, so a
+dashboard selecting by ``job`` would select by the scrape job instead."""
 from __future__ import annotations
 
 import math
@@ -47,21 +51,21 @@ def render_metrics(service: "Service") -> str:
     notif = s["proxy_notifications"]
     rows = s.get("rows")
     if rows is not None:
-        j = {"job": job}
+        j = {"job_session": job}
         out.metric("rows_read_total", "counter", "Distinct trainable rows read for the active job.",
                    [(j, rows["read"])])
         out.metric("rows_served_total", "counter", "Rows served to the trainer.", [(j, rows["served"])])
         out.metric("rows_dropped_total", "counter", "Rows dropped, by reason.",
-                   [({"job": job, "reason": r}, n) for r, n in sorted(rows["dropped"].items())])
+                   [({"job_session": job, "reason": r}, n) for r, n in sorted(rows["dropped"].items())])
         out.metric("rows_rejected_total", "counter", "Rows that could not become items, by reason.",
-                   [({"job": job, "reason": r}, n) for r, n in sorted(rows["rejected"].items())])
+                   [({"job_session": job, "reason": r}, n) for r, n in sorted(rows["rejected"].items())])
         out.metric("rows_pending", "gauge", "Rows of undecided groups.", [(j, rows["pending"])])
         groups = s["groups"]
         out.metric("groups", "gauge", "Undecided groups by state.",
-                   [({"job": job, "state": st}, groups[st]) for st in ("pending", "ready", "in_flight")])
+                   [({"job_session": job, "state": st}, groups[st]) for st in ("pending", "ready", "in_flight")])
         out.metric("groups_served_total", "counter", "Groups served.", [(j, groups["served"])])
         out.metric("groups_dropped_total", "counter", "Groups dropped, by reason.",
-                   [({"job": job, "reason": r}, n) for r, n in sorted(groups["dropped"].items())])
+                   [({"job_session": job, "reason": r}, n) for r, n in sorted(groups["dropped"].items())])
         out.metric("cursor", "gauge", "Ingest cursor (all rows at or below it are read).", [(j, s["cursor"])])
         age = s.get("oldest_pending_group_age_s")
         out.metric("oldest_pending_group_age_seconds", "gauge", "Age of the oldest undecided group.",

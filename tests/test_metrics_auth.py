@@ -70,7 +70,9 @@ def test_metrics_parse_and_agree_with_stats(harness, writer):
                 return v
         raise KeyError(name)
 
-    assert value("rows_read_total", job="job1") == stats["rows"]["read"] == 6
+    assert value("rows_read_total", job_session="job1") == stats["rows"]["read"] == 6
+    # Prometheus owns the job and instance labels (a scraped one is renamed exported_job)
+    assert not [(n, l) for f in fams.values() for n, l, _ in f["samples"] if {"job", "instance"} & set(l)]
     assert value("rows_served_total") == 4 and value("rows_pending") == 2
     assert value("groups", state="pending") == 1
     assert value("polls_total") >= 2 and math.isfinite(value("poll_duration_seconds_sum"))

@@ -59,6 +59,9 @@ def test_every_metric_of_the_dashboard_is_in_metrics(lite_url, tmp_path):
     assert len(dash["panels"]) >= 10 and len(exprs) >= 15
     used = {name for e in exprs for name in re.findall(r"\brollout_buffer_[a-z_]+", e)}
     assert len(used) >= 15
+    # a label Prometheus attaches itself (job, instance) is never the one the dashboard selects on:
+    # a scraped job label is renamed exported_job, so it would select the scrape job instead
+    assert not [e for e in exprs if re.search(r"\b(job|instance)\s*(=~|=|!=)|\b(by|on) \((job|instance)\)|, job\)", e)]
     with serve(lite_url, tmp_path / "srv") as srv:
         _running_job(srv.url, lite_url)
         text = requests.get(srv.url + "/metrics", timeout=10).text
@@ -73,7 +76,8 @@ def test_every_metric_of_the_dashboard_is_in_metrics(lite_url, tmp_path):
     # the labels the dashboard selects or groups by are on those metrics
     for e in exprs:
         for name in re.findall(r"\brollout_buffer_[a-z_]+", e):
-            for label in re.findall(r"\bby \(([a-z_]+)\)", e) + (["job"] if "job=~" in e else []):
+            for label in (re.findall(r"\bby \(([a-z_]+)\)", e) + re.findall(r"\b([a-z_]+)=~", e)
+                          + re.findall(r"label_values\([a-z_]+, ([a-z_]+)\)", e)):
                 if label == "le" and not name.endswith("_bucket"):
                     continue
                 assert all(f'{label}="' in s for s in samples[name]), (e, name, label, samples[name])
