@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from fakes.fake_proxy import closed_port
 from support import Writer, run_on_a_terminal
 from servers import serve
 
@@ -103,3 +104,19 @@ def test_stats_watch_refreshes(lite_url, tmp_path):
         assert code == 0
         assert text.count("\x1b[H\x1b[2J") == 3 and text.count("  job ") == 3
         assert "ops" in text
+
+
+def test_stats_against_a_service_that_is_down_says_so_without_retrying_or_a_traceback():
+    url = f"http://127.0.0.1:{closed_port()}"
+    # the watch is the retry loop: one attempt per refresh, no retry warnings over the table
+    r = _watch(url)
+    assert r.returncode == 0 and r.stdout.count(f"cannot read {url}/stats") == 3, r.stdout
+    assert "after 1 attempt(s)" in r.stdout and r.stderr == "", r.stderr
+    r = subprocess.run([sys.executable, "-m", "rollout_buffer", "stats", url], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1 and f"rollout-buffer stats: cannot read {url}/stats" in r.stderr
+    assert "Traceback" not in r.stderr
+    for bad in (["--interval", "0"], ["--interval", "-1"], ["--count", "-1"]):
+        r = subprocess.run([sys.executable, "-m", "rollout_buffer", "stats", url, "--watch", *bad], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "expected" in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
