@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from datetime import datetime
 from typing import IO, Any, Iterator, Sequence, TextIO
@@ -319,17 +320,27 @@ def export(src: Database, st: Database, job_id: str, path: str, *, what: str = "
 
 
 def read_export(path: str) -> Iterator[dict[str, Any]]:
-    """The records of an export file, one at a time (plain or gzip, told by its first bytes)."""
+    """The records of an export file, one at a time (plain or gzip, told by its first bytes). A file
+    that is not an export (a line that is no JSON object, a truncated or corrupt gzip, bytes that are
+    not UTF-8) raises ExportError naming the line."""
     with open(path, "rb") as probe:
         gz = probe.read(2) == b"\x1f\x8b"
     opener = gzip.open if gz else open
-    with opener(path, "rt", encoding="utf-8") as f:  # type: ignore[operator]
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except ValueError as exc:
-                    raise ExportError(f"{path}:{n}: not a JSON record ({exc})") from None
+    n = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:  # type: ignore[operator]
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except ValueError as exc:
+                        raise ExportError(f"{path}:{n}: not a JSON record ({exc})") from None
+                    if not isinstance(record, dict) or not isinstance(record.get("sessions", []), list):
+                        raise ExportError(f"{path}:{n}: not an export record (a JSON object with its sessions)")
+                    yield record
+    except (EOFError, gzip.BadGzipFile, UnicodeDecodeError, zlib.error) as exc:
+        raise ExportError(f"{path}: unreadable after line {n} ({type(exc).__name__}: {exc}); "
+                          "a truncated or corrupt file?") from None
 
 
 def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, what: str) -> int:

@@ -301,3 +301,20 @@ def test_export_refuses_a_missing_database_and_an_unwritable_file_clearly(harnes
     r = export(f"postgresql://root:{secret}@127.0.0.1:1/test", tmp_path / "x.jsonl")
     assert r.returncode == 1 and "127.0.0.1" in r.stderr
     assert secret not in r.stderr + r.stdout
+
+
+def test_writing_back_a_file_that_is_not_an_export_is_an_error_not_a_traceback(lite_url, tmp_path):
+    good = tmp_path / "good.jsonl.gz"
+    with gzip.open(good, "wt") as f:
+        for i in range(200):  # enough for the gzip stream to span several blocks
+            f.write(json.dumps({"format": 1, "group_id": f"g{i}", "sessions": [], "pad": uuid.uuid4().hex * 40}) + "\n")
+    data = good.read_bytes()
+    cases = {"truncated.jsonl.gz": data[:len(data) // 2], "list.jsonl": b"[1, 2]\n", "binary.jsonl": b"\xff\xfe\n",
+             "text.jsonl": b'{"format": 1, "sessions": "none"}\n'}
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        r = subprocess.run([sys.executable, "-m", "rollout_buffer.simulate", "--from-export", str(tmp_path / name),
+                            "--db-path", lite_url, "--job-id", "again", "--pace", "0"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 1, (name, r.returncode, r.stderr)
+        assert f"simulate: error: {tmp_path / name}" in r.stderr and "Traceback" not in r.stderr, (name, r.stderr)
