@@ -8,6 +8,11 @@ the lock is released.
 
 Accounting (SPEC §3), in distinct step_pks per job:
 ``read = served + dropped (by reason) + rejected (by reason) + pending``.
+
+Owns: one job's undecided groups (pending, ready, taken), the decided group ids and the accounting
+counters, all behind ``self.lock``. It must not do I/O, take another lock while holding its own, or
+act on a decision: it returns them as values (``model.Decisions``) and the caller records and
+notifies after the lock is released.
 """
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""Command line: ``rollout-buffer serve | init-db | demo | stats | export | settings``."""
+"""Command line: ``rollout-buffer serve | init-db | demo | stats | export | settings``.
+
+Owns: parsing the commands, their messages and exit statuses. It must not hold a command's logic:
+each one calls its module, imported when the command runs (so ``rollout-buffer stats`` never imports
+Flask).
+"""
 from __future__ import annotations
 
 import argparse

@@ -9,6 +9,10 @@ else in the package imports a driver.
 
 A connection belongs to one thread (SQLite's ``check_same_thread`` stays on as a tripwire) and
 never crosses a fork: each long-lived thread opens its own, request handlers open one per request.
+
+Owns: connecting, transactions, placeholder translation, driver error translation and redacting
+URLs. It must not hold a statement of its own beyond the launcher's DDL (every statement is in
+queries.py) nor know what a table means.
 """
 from __future__ import annotations
 

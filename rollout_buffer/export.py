@@ -11,6 +11,8 @@ Memory is constant in the job's size: decided groups and the rows accounted one 
 in keyset pages sorted by group_id and merged, one group's rows are fetched at a time, and batch
 seeds are kept in a small cache. It only reads, so it runs against a live service on either
 backend. The file is written as ``FILE.partial`` and renamed when complete.
+
+It must not write to either database: it only reads, through read-only connections.
 """
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 Owns: the body queries of serving and replay, the per-group byte cap while reading (a huge group
 is stopped as soon as it passes it), and rebuilding a served group's Take from its recorded pks.
 It reads the launcher's table only.
+
+It must not write, and it reads the launcher's table only.
 """
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ is malformed again), response, step_reward, reward, env_state, the truncated/ter
 flags, env_name and llm_model. Rows that arrived after their group was decided (``late_rows_*``)
 are left out: in a new job they would have joined the group before its decision, so the same
 groups come back. ``created_at`` is the time of writing.
+
+It must not read or write the buffer's tables: it reads the export file and INSERTs launcher rows,
+as a launcher does.
 """
 from __future__ import annotations
 

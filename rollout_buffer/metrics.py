@@ -2,7 +2,11 @@
 
 The active job is the label ``job_session``, never ``job``: Prometheus attaches its own ``job`` (the
 scrape job) and ``instance`` labels, and renames a scraped ``job`` to ``exported_job``, so a
-dashboard selecting by ``job`` would select by the scrape job instead."""
+dashboard selecting by ``job`` would select by the scrape job instead.
+
+Owns: the exposition text of what the service reports. It must not compute figures of its own or
+open a database connection (it renders ``service.stats`` without one).
+"""
 from __future__ import annotations
 
 import math

@@ -4,6 +4,9 @@ A *decision* is a value computed once (by the accumulator, or by serving for a b
 written in one transaction by the store, then applied to memory and handed to the notifier:
 the same object at every step, so nothing is derived twice. This module imports nothing of the
 package and does no I/O.
+
+Owns: the value types and the reason and state names. It must not import anything of the package or
+do I/O.
 """
 from __future__ import annotations
 

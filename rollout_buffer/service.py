@@ -12,6 +12,10 @@ Lock order, outermost first; a thread never takes an earlier lock while holding 
 4. the accumulator's lock (trivial critical sections, no I/O);
 5. the outbox's lock, the notifier's lock, the supervisor's lock (leaves).
 Waits on 1-3 from a request thread are bounded: a stuck database makes a 503, never a hang.
+
+Owns: the wiring, the lifecycle (start, stop), the answers above and the lock order above. It must
+not grow rooms of its own: a new concern gets its own module, and ``Service`` stays at most 250
+lines.
 """
 from __future__ import annotations
 

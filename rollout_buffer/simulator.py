@@ -3,6 +3,9 @@ the way the real launcher does (see simulate.py for the command line and what is
 
 It only INSERTs into the launcher's tables, retrying a write that fails on a locked or lost
 database, and stops cleanly on SIGTERM/SIGINT between two rows.
+
+Owns: planning a job's groups and sessions, pacing and retrying writes, and the run's summary. It
+must not UPDATE or DELETE a row, nor read the buffer's tables.
 """
 from __future__ import annotations
 
