@@ -38,7 +38,6 @@ from .errors import RolloutBufferError
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
-NO_DATA = "No data available to read"
 
 
 class BufferError(RolloutBufferError):  # noqa: A001 - the name the trainer-facing API promises

@@ -63,15 +63,6 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return parse
 
 
-def _bool(raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("a boolean (1/0, true/false, yes/no, on/off)")
-
-
 def _str(raw: str) -> str:
     return raw
 
@@ -193,7 +184,6 @@ SETTINGS: tuple[Setting, ...] = (
             "gunicorn graceful timeout; must exceed the launcher stop grace"),
 )
 
-_BY_FIELD = {s.field: s for s in SETTINGS}
 _KNOWN_ENV = {s.env for s in SETTINGS} | {a for s in SETTINGS for a in s.aliases}
 
 

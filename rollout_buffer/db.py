@@ -93,6 +93,7 @@ class Database:
 
     backend = "?"
     url: str
+    broken = False  # True once the server connection is gone (Postgres; a SQLite file does not go away)
 
     def __init__(self) -> None:
         self._closed = False

@@ -37,9 +37,6 @@ INVALID_SESSION = "invalid_session_id"
 BUILD_FAILED = "build_failed"  # a row's build raised an unexpected error repeatedly
 GROUP_TOO_LARGE = "group_too_large"  # its rows alone exceed ROLLOUT_BUFFER_MAX_GROUP_BYTES
 
-# Rejection reasons that taint a session: its group can never be served whole.
-TAINTING = (MISSING_GROUP, INVALID_GROUP)
-
 
 class BadText(str):
     """A TEXT value that was not valid UTF-8 in the database, decoded with replacement characters.

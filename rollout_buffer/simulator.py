@@ -93,7 +93,7 @@ class Simulator:
                     raise
                 print(f"simulate: {what} failed (attempt {attempt}/{WRITE_ATTEMPTS}), retrying in "
                       f"{delay:.2f}s: {exc}", file=sys.stderr, flush=True)
-                if self.db is not None and self.db.backend == "postgres" and getattr(self.db, "broken", False):
+                if self.db is not None and self.db.broken:
                     self.reset_connection()
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)
