@@ -11,14 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-import time
 import zlib
 from typing import Any, Iterator
 
 import pytest
 import requests
 
-from support import Writer
+from support import Writer, wait_until
 from servers import serve
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -78,13 +77,8 @@ def _served_job(srv_url: str, db_url: str, token: str | None) -> dict:
         w.group("gc", 2, steps=2, complete=1)
     finally:
         w.close()
-    deadline = time.monotonic() + 15
-    while True:
-        doc = requests.get(srv_url + "/status", headers=headers, timeout=10).json()
-        if doc["stats"]["groups"]["ready"] == 2:
-            break
-        assert time.monotonic() < deadline, doc
-        time.sleep(0.05)
+    wait_until(lambda: requests.get(srv_url + "/status", headers=headers, timeout=10).json()["stats"]["groups"]["ready"]
+               == 2, 15, "2 groups ready")
     r = requests.post(srv_url + "/get_rollout_data", json={}, headers=headers, timeout=10)
     assert r.json()["success"] is True
     doc = requests.get(srv_url + "/status", headers=headers, timeout=10).json()
@@ -97,14 +91,8 @@ def _text(driver: Any, el_id: str) -> str:
 
 
 def _wait_text(driver: Any, el_id: str, expected: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = _text(driver, el_id)
-        if got == expected:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"#{el_id} shows {got!r}, expected {expected!r}; page: {driver.page_source[:2000]}")
-        time.sleep(0.1)
+    wait_until(lambda: _text(driver, el_id) == expected, timeout,
+               lambda: f"#{el_id} showing {expected!r} (it shows {_text(driver, el_id)!r}); page: {driver.page_source[:2000]}")
 
 
 def _check_figures(driver: Any, doc: dict) -> None:
@@ -218,11 +206,7 @@ def test_page_with_token_asks_for_it_and_keeps_it_out_of_urls(browser, lite_url,
         assert requests.get(srv.url + "/status", timeout=10).status_code == 401
         doc = _served_job(srv.url, lite_url, TOKEN)
         browser.get(srv.url + "/")
-        box = browser.find_element("id", "token-box")
-        deadline = time.monotonic() + 15
-        while not box.is_displayed():
-            assert time.monotonic() < deadline, "the page did not ask for the token"
-            time.sleep(0.1)
+        wait_until(browser.find_element("id", "token-box").is_displayed, 15, "the page asking for the token")
         assert not browser.find_element("id", "main").is_displayed()
         assert browser.find_element("id", "job").get_attribute("textContent") == "-"  # no figure without the token
         browser.find_element("id", "token-input").send_keys("wrong-token")
