@@ -198,6 +198,19 @@ def test_restart_training_skips_written_rows_and_tombstones_their_groups(harness
     assert_balanced(s)
 
 
+def test_restart_training_counts_the_rows_below_the_floor(harness, writer):
+    harness.start(k=2)
+    writer.group("g", 2, steps=2, complete=0)       # 4 rows, read while pending
+    writer.group("h", 2, steps=1)                   # served; its terminal rows set the floor
+    assert list(groups_of(harness.poll())) == ["h"]
+    assert harness.stats()["rows"]["read"] == 6
+    harness.start(k=2, restart_training=True)       # same job: g is tombstoned with its 4 rows
+    s = harness.stats()
+    assert s["rows"]["read"] == 6 and s["rows"]["dropped"] == {"restart_training": 4}
+    assert s["groups"]["dropped"] == {"restart_training": 1} and s["rows"]["served"] == 2
+    assert_balanced(s)
+
+
 def test_job_isolation_drop_in_a_does_not_blacklist_b(harness, writer):
     # SPEC §7.8: dropped ids leaked across jobs.
     harness.start(k=2, job="A")
