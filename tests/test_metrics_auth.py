@@ -109,3 +109,17 @@ def test_auth_required_everywhere_but_health(authed, method, path):
 
 def test_no_token_means_open(harness):
     assert harness.client.get("/stats").status_code == 200
+
+
+def test_the_status_page_loads_without_the_token_and_holds_no_data_and_no_markup_from_data(authed):
+    """GET / is the page's static HTML (it asks for the token); its data is /status, behind the token.
+    The page builds everything it shows with textContent and DOM nodes, so a job id, a reason or an
+    error text can never become markup, and it names no address but its own."""
+    r = authed.client.get("/")
+    assert r.status_code == 200 and r.mimetype == "text/html"
+    assert "default-src 'none'" in r.headers["Content-Security-Policy"]
+    html = r.get_data(as_text=True)
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
+        assert sink not in html, sink
+    assert re.findall(r"https?://[^\s\"')]+", html) == ["http://www.w3.org/2000/svg"]  # a namespace, never fetched
+    assert authed.client.get("/status").status_code == 401
