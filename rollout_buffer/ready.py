@@ -5,7 +5,7 @@ sessions it serves (oldest or newest first, ties by readiness), and a group a po
 old place. A dict of the ready groups by group_id (in readiness order) and, for a version order, a
 heap of (key, seq, group_id): an entry is used only while it is its group's current key in the
 dict, and entries of groups that left the queue are swept once they outnumber the live ones. No
-I/O and no lock (the accumulator's lock guards it); it decides nothing about a group.
+I/O and no lock (the accumulator's lock guards it); it must not decide anything about a group.
 """
 from __future__ import annotations
 
