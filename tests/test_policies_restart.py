@@ -182,3 +182,46 @@ def test_postgres_the_first_k_chosen_before_a_kill_9_stay_chosen_when_a_smaller_
             held.close()
             w.close()
             srv.stop()
+
+
+def test_postgres_versions_of_rows_accounted_before_a_kill_9_still_count(pg_url, tmp_path):
+    """The rows' largest version is saved with the cursor, about once a second. Rows accounted
+    after the last save (a group served just before a kill -9) are read again after the restart
+    but skipped as accounted: their version must still count, or a group that was stale before
+    the crash is served after it. The job's row is locked meanwhile so that no save can happen."""
+    make_launcher_db(pg_url)
+    srv = Server(pg_url, tmp_path / "srv", env={"ROLLOUT_BUFFER_MAX_OFF_POLICY": "1"})
+    w, locker = Writer(pg_url, job="J"), Writer(pg_url, job="J")
+    try:
+        srv.start()
+        r = requests.post(srv.url + "/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "J"},
+                          timeout=30)
+        assert r.status_code == 200, r.text
+        w.group("a", 2, env_state={"weight_version": 5})
+        wait_until(lambda: stats(srv).get("groups", {}).get("ready") == 1, 15, "a ready")
+        assert [s["group_id"] for s in poll(srv)["data"]["meta_info"]["group_stats"]] == ["a"]
+        wait_until(lambda: stored_versions(pg_url) == (None, 5), 10, "the versions saved with the cursor")
+        locker.db.execute("BEGIN")
+        locker.db.rows("SELECT 1 FROM rollout_buffer_jobs WHERE job_id = 'J' FOR NO KEY UPDATE")
+        w.group("new", 2, env_state={"weight_version": 9})
+        wait_until(lambda: stats(srv).get("groups", {}).get("ready") == 1, 15, "new ready")
+        assert [s["group_id"] for s in poll(srv)["data"]["meta_info"]["group_stats"]] == ["new"]
+        pgid = srv.proc.pid
+        srv.stop(signal.SIGKILL)
+        wait_until(lambda: not procfs.group_members(pgid), 5, "every server process gone")
+        locker.db.execute("ROLLBACK")
+        assert stored_versions(pg_url) == (None, 5)  # the save of version 9 never happened
+        w.group("old", 2, env_state={"weight_version": 7})  # 9 - 7 > 1: stale
+        srv.start()
+        wait_until(lambda: stats(srv).get("groups", {}).get("dropped_total") == 1, 15,
+                   lambda: f"old dropped as stale ({stats(srv)})")
+        s = stats(srv)
+        assert s["groups"]["dropped"] == {"stale": 1} and s["versions"]["rows"] == 9
+        assert poll(srv)["success"] is False
+        assert_balanced(stats(srv))
+    finally:
+        with contextlib.suppress(Exception):
+            locker.db.execute("ROLLBACK")
+        locker.close()
+        w.close()
+        srv.stop()
