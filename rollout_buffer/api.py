@@ -4,6 +4,10 @@ Bodies are parsed as JSON whatever the Content-Type says (the original did), cap
 and validated strictly: a wrong type is a 400 whose message says what was expected. On a
 standby, what needs the owner (polls, /start_rollout, /stop_rollout) is turned away after
 authentication; /health, /stats, /status and /metrics answer locally with the role.
+
+Owns: the routes, parsing and validating bodies, the token and the same-origin check, and turning
+the service's answers into responses. It must not hold state or decide anything: every action is a
+call to the service (the page and /metrics render what the service reports).
 """
 from __future__ import annotations
 
@@ -233,7 +237,7 @@ def get_rollout_data() -> Response:
 @bp.post("/stop_rollout")
 def stop_rollout() -> dict[str, Any]:
     json_body()
-    return service().stop_rollout(conns())
+    return service().stop_rollout()
 
 
 @bp.get("/health")

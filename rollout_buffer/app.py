@@ -1,5 +1,9 @@
-"""The Flask application factory: builds and wires objects, starts nothing; the one JSON error
-shape, and what a standby answers a request that needs the owner (307 to it, or 503)."""
+"""The Flask application factory: builds and wires objects, starts nothing.
+
+Owns: building the Service and the Flask app around it, the one JSON error shape, and what an
+instance that does not own the job answers a request that needs the owner (307 to it, or 503).
+It must not start threads or touch a database (gunicorn's hooks start the service).
+"""
 from __future__ import annotations
 
 import logging

@@ -24,6 +24,9 @@ answers 307 with the owner's URL: the client follows it itself (requests would d
 Authorization header on a redirect to another host), with the same method, body and request_id,
 and goes to the owner first from then on. A URL that refuses the connection is left for the next
 one at once; a retried request_id is replayed by whichever instance owns the job by then.
+
+Owns: the trainer's side of the HTTP contract (request_ids, retries, long-poll, following a
+standby to the owner). It must not import the service or talk to a database: it speaks HTTP only.
 """
 from __future__ import annotations
 
@@ -42,7 +45,6 @@ from .errors import RolloutBufferError
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
-NO_DATA = "No data available to read"
 MAX_REDIRECTS = 5  # standby -> owner is one; more means a loop between misconfigured instances
 
 

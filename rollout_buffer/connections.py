@@ -5,6 +5,8 @@ unless a separate state database is configured. A pair belongs to one thread and
 a fork (STYLE §9.7): the loop thread keeps one, each request opens one lazily and closes it at
 teardown, and the notifier thread opens the state side when it needs it. The pair's store runs
 the lease's fence (``fence``) in every transaction that records a decision.
+
+It must not share a connection between threads or keep one across a fork.
 """
 from __future__ import annotations
 

@@ -9,6 +9,9 @@ back to the thread's parser). A connection whose head is not complete within HEA
 closed. Once a thread has the request, reading the body and sending the answer time out after
 IO_TIMEOUT_S of silence, so a stalled upload or a reader that stops reading frees its thread too.
 No reverse proxy is needed for any of it.
+
+Owns: how a connection's head is read and how long a thread waits on a silent client. It must not
+know the app or change what gthread does with a complete request.
 """
 from __future__ import annotations
 

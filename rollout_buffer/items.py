@@ -8,6 +8,9 @@ the caller drops the whole group (a group with a hole must never reach the train
 
 uids are uuid4-shaped values derived from a per-batch random seed and the row's step_pk, so a
 replayed batch carries the very same uids.
+
+Owns: validating rows, building item JSON and deriving uids. It must not do I/O or decide: rows come
+in, bytes or :class:`Malformed` come out.
 """
 from __future__ import annotations
 
@@ -216,7 +219,8 @@ def cached_weight_version(env_state: Any) -> int:
 
 def ingest_fields(step_id: Any, step_reward: Any, env_state: Any) -> tuple[int | None, float | None, int | None]:
     """A row's (step_id, terminal-reward candidate, weight_version) at ingest, each None when the
-    value is unusable: ingest never rejects a row, its build does (with the reason)."""
+    value is unusable: ingest never rejects a row, its build does (with the reason). The version is
+    None (unknown until the build) also for an env_state too long to read at ingest ('')."""
     try:
         sid = int(step_id) if not isinstance(step_id, (bytes, BadText)) else None
     except (TypeError, ValueError):

@@ -91,6 +91,7 @@ class Launcher:
         self.elsewhere: LauncherRecord | None = None  # the job's launcher, recorded running on another host
         self.ended_elsewhere = False  # ... and since reported gone or recorded stopped
         self.relaunch_for: str | None = None  # a job whose launcher was lost with its owner: start a fresh one
+        self._stop_due = False  # /stop_rollout of a launcher elsewhere, not recorded yet
         self._released: list[subprocess.Popen[bytes]] = []  # our children another owner took over (reaped)
 
     @property
@@ -152,7 +153,16 @@ class Launcher:
         except StorageError:  # LeaseLost above all: not ours to run, and unrecorded it would be lost
             self.supervisor.stop("requested")
             raise
-        self.elsewhere, self.ended_elsewhere, self.relaunch_for = None, False, None
+        self.elsewhere, self.ended_elsewhere, self.relaunch_for, self._stop_due = None, False, None, False
+        return pid
+
+    def start_for(self, store: Store, js: Any) -> int | None:
+        """/start_rollout and a relaunch: start the job's launcher (none with LAUNCHER=none); the loop's
+        view of the previous one's end (``js``: the JobState) starts over with it."""
+        if not self.managed:
+            return None
+        pid = self.start(store, js.job_id, js.k)
+        js.launcher_finished_tick, js.launcher_drop_done = None, False
         return pid
 
     def resume_restart(self, store: Store, job_id: str, k: int, row: dict[str, Any]) -> bool:
@@ -224,15 +234,13 @@ class Launcher:
         logger.warning("the launcher of job %s (pid %s on host %s) is gone, as an instance there reports: its "
                        "incomplete groups are dropped and a fresh launcher starts here", job_id, e.pid, e.host)
 
-    def stop_elsewhere(self, store: Store, job_id: str) -> bool:
-        """(Owner, /stop_rollout) A launcher on another host cannot be signalled from here: it is recorded
-        as stopped, and an instance on its host stops it (``watch_here``). True if there was one."""
-        e = self.elsewhere
-        if e is None or self.ended_elsewhere:
+    def stop_elsewhere(self) -> bool:
+        """(Owner, /stop_rollout) A launcher on another host cannot be signalled from here: it counts as
+        stopped now, the loop records it so (``check``), and an instance on its host stops it
+        (``watch_here``). True if there was one. No database here: a stuck one must not hold it up."""
+        if not self.runs_elsewhere():
             return False
-        store.save_launcher(job_id, LauncherRecord(e.pid, e.pgid, e.start_ticks, LauncherState.STOPPED_REQUESTED,
-                                                   e.host), None)
-        self.ended_elsewhere, self.relaunch_for = True, None
+        self.ended_elsewhere, self.relaunch_for, self._stop_due = True, None, True
         return True
 
     def let_go(self) -> None:
@@ -241,7 +249,7 @@ class Launcher:
         proc = self.supervisor.release()
         if proc is not None:
             self._released.append(proc)
-        self.elsewhere, self.ended_elsewhere, self.relaunch_for = None, False, None
+        self.elsewhere, self.ended_elsewhere, self.relaunch_for, self._stop_due = None, False, None, False
 
     def watch_here(self, row: dict[str, Any] | None, owner_host: str | None) -> str | None:
         """(Not the owner) The job's launcher, if it is recorded on this host: stopped when nobody can
@@ -269,7 +277,13 @@ class Launcher:
         return owner is not None and owner != self.instance_id
 
     def check(self, store: Store, job_id: str) -> None:
-        """Act on the supervisor's events (exits, restarts): record each new state."""
+        """Act on the supervisor's events (exits, restarts): record each new state; and a stop of a
+        launcher on another host (/stop_rollout), until it is recorded."""
+        e = self.elsewhere
+        if self._stop_due and e is not None:
+            store.save_launcher(job_id, LauncherRecord(e.pid, e.pgid, e.start_ticks, LauncherState.STOPPED_REQUESTED,
+                                                       e.host), None)
+            self._stop_due = False
         for ev in self.supervisor.poll():
             kind = ev.get("event")
             state = self.supervisor.state()

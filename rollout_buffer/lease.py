@@ -79,10 +79,9 @@ class Holder:
 def _holder(row: dict[str, Any] | None, now: float) -> Holder | None:
     if row is None:
         return None
-    until = float(row["lease_until"])
+    until, renewed = float(row["lease_until"]), float(row["renewed_at"])
     return Holder(row["owner"], row["owner_url"], row["owner_host"], row["owner_pid"], row["owner_start_ticks"],
-                  int(row["epoch"]), until - float(row["db_now"]), max(0.0, until - float(row["renewed_at"])),
-                  until == 0, now)
+                  int(row["epoch"]), until - float(row["db_now"]), max(0.0, until - renewed), until < renewed, now)
 
 
 class Lease:
@@ -138,9 +137,9 @@ class Lease:
         with contextlib.suppress(StorageError), \
                 service_connect(self.config, self.config.effective_state_db_url, bound_s=self.seconds / 3) as db:
             if self.role == OWNER and self.epoch is not None:  # (a connection of this thread: never the loop's)
-                db.execute(q.LEASE_RELEASE, (SCOPE, self.instance_id, self.epoch))
+                db.execute(q.LEASE_RENEW[db.backend], (-1.0, SCOPE, self.instance_id, self.epoch))  # given up
                 logger.info("gave the lease up (epoch %s): a standby can take over at once", self.epoch)
-            db.execute(q.INSTANCE_GONE, (self.instance_id,))
+            db.execute(q.INSTANCES_PRUNE[db.backend], (1e18, self.instance_id))
         self.role, self.epoch = STANDBY, None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # the flock goes with it
@@ -395,13 +394,13 @@ class Lease:
 
     def _seen(self, db: Database) -> None:
         if self._leaving and self.role != OWNER:
-            db.execute(q.INSTANCE_GONE, (self.instance_id,))
+            db.execute(q.INSTANCES_PRUNE[db.backend], (1e18, self.instance_id))
             return
         db.execute(q.INSTANCE_SEEN[db.backend], (self.instance_id, self.host_id, self.url, self.role, self.report))
         now = self.clock()
         if now - self._pruned_at > 60.0:
             self._pruned_at = now
-            db.execute(q.INSTANCES_PRUNE[db.backend], (INSTANCE_KEEP_S,))
+            db.execute(q.INSTANCES_PRUNE[db.backend], (INSTANCE_KEEP_S, ""))
 
     def _flock(self, db: Database) -> bool:
         """SQLite: the lease is an exclusive flock next to the state database (released by the kernel

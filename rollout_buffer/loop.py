@@ -289,8 +289,7 @@ class Loop:
             self.serve_lock.release()
         self.ready_signal.interrupt()  # waiting polls answer now, as a standby answers
         logger.warning("dropped the in-memory state of job %s: this instance does not own it now (%d unrecorded "
-                       "decisions left to the owner, which decides them again from the rows)",
-                       js.job_id if js else None, unrecorded)
+                       "decisions left to the owner)", js.job_id if js else None, unrecorded)
         return True
 
     def _standby_tick(self) -> None:
@@ -361,7 +360,10 @@ class Loop:
         while True:
             rows = js.reader.read(src)
             if js.accounted is not None:
+                read = rows
                 rows = js.accounted.filter(lambda gid: store.group_pks(js.job_id, gid), js.acc.decided, rows)
+                if len(rows) < len(read):  # accounted before a restart, maybe after the versions were saved
+                    js.acc.set_versions(rows=max((r.wv for r in read if r.wv is not None), default=0))
             plan = js.acc.ingest(rows) if rows else None
             if rows:
                 self.history.ingested(len(rows))
@@ -408,14 +410,13 @@ class Loop:
         if not self.start_lock.acquire(blocking=False):
             return
         try:
-            pid = self.launcher.start(store, js.job_id, js.k)
+            pid = self.launcher.start_for(store, js)
         except ApiError as exc:
             logger.error("could not start a fresh launcher for job %s: %s", js.job_id, exc.message)
             self.launcher.relaunch_for = None
             return
         finally:
             self.start_lock.release()
-        js.launcher_finished_tick, js.launcher_drop_done = None, False
         logger.warning("started a fresh launcher for job %s (pid %s): the previous one was lost with its owner",
                        js.job_id, pid)
 

@@ -4,6 +4,9 @@ A *decision* is a value computed once (by the accumulator, or by serving for a b
 written in one transaction by the store, then applied to memory and handed to the notifier:
 the same object at every step, so nothing is derived twice. This module imports nothing of the
 package and does no I/O.
+
+Owns: the value types and the reason and state names. It must not import anything of the package or
+do I/O.
 """
 from __future__ import annotations
 
@@ -37,9 +40,6 @@ GROUP_TOO_LARGE = "group_too_large"  # its rows alone exceed ROLLOUT_BUFFER_MAX_
 STALE = "stale"                  # current version - min weight_version > max_off_policy
 ZERO_VARIANCE = "zero_variance"  # its sessions' terminal rewards are all equal (within epsilon)
 OVERSAMPLED = "oversampled"      # rows of a session beyond the first K completed of its group
-
-# Rejection reasons that taint a session: its group can never be served whole.
-TAINTING = (MISSING_GROUP, INVALID_GROUP)
 
 
 class BadText(str):
@@ -130,7 +130,9 @@ class Take:
 
     ``rewards`` are the completed sessions' terminal rewards as ingested (for the figures of a
     group refused at serving), ``partial`` marks a group served short at the TTL
-    (``ROLLOUT_BUFFER_MIN_GROUP_SIZE``), ``ready_at`` is when it became ready (monotonic)."""
+    (``ROLLOUT_BUFFER_MIN_GROUP_SIZE``), ``ready_at`` is when it became ready (monotonic),
+    ``min_wv`` the min weight_version of its completed sessions' rows known at ingest (None: none
+    known, or no policy needed them)."""
 
     group_id: str
     completed: dict[str, tuple[int, ...]]
@@ -138,6 +140,7 @@ class Take:
     rewards: tuple[float, ...] = ()
     partial: bool = False
     ready_at: float | None = None
+    min_wv: int | None = None
 
     @property
     def served_pks(self) -> list[int]:

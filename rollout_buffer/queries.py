@@ -2,6 +2,9 @@
 
 The launcher's two tables need a DDL per backend (identity columns and timestamp types
 differ); the buffer's own ``rollout_buffer_*`` tables use types both backends accept.
+
+Owns: every statement and the schema text (``STATE_DDL``, ``MIGRATIONS``, ``SCHEMA_VERSION``). It
+must not execute anything: there is no connection here.
 """
 from __future__ import annotations
 
@@ -155,14 +158,12 @@ STATE_DDL = (
     n_bytes BIGINT NOT NULL,
     created_at DOUBLE PRECISION NOT NULL,
     UNIQUE (job_id, request_id))""",
-    # Who owns the state database's active job (one row): the fencing epoch and the lease, whose
-    # lease_until is by the database's clock (epoch seconds). See lease.py.
+    # Who owns the state database's active job (one row; lease.py): the fencing epoch, the lease.
     """CREATE TABLE IF NOT EXISTS rollout_buffer_lease (
     scope TEXT PRIMARY KEY, owner TEXT, owner_url TEXT, owner_host TEXT, owner_pid INTEGER,
     owner_start_ticks BIGINT, epoch BIGINT NOT NULL, lease_until DOUBLE PRECISION NOT NULL,
     acquired_at DOUBLE PRECISION NOT NULL, renewed_at DOUBLE PRECISION NOT NULL)""",
-    # Every running instance, owner or standby: its role, URL and host, and what it saw of a
-    # launcher recorded on its host (the owner on another host cannot look).
+    # Every running instance: role, URL, host, and what it saw of a launcher on its host (lease.py).
     """CREATE TABLE IF NOT EXISTS rollout_buffer_instances (
     instance_id TEXT PRIMARY KEY, host_id TEXT NOT NULL, url TEXT, role TEXT NOT NULL,
     seen_at DOUBLE PRECISION NOT NULL, launcher_report TEXT)""",
@@ -192,8 +193,7 @@ MIGRATIONS = {
         "ALTER TABLE rollout_buffer_batches ADD COLUMN meta TEXT",
     ),
     3: (
-        # The host of the job's launcher: it is adopted only there (failover, issue 12).
-        "ALTER TABLE rollout_buffer_jobs ADD COLUMN launcher_host TEXT",
+        "ALTER TABLE rollout_buffer_jobs ADD COLUMN launcher_host TEXT",  # adopted only there (issue 12)
     ),
 }
 
@@ -201,7 +201,6 @@ MIGRATIONS = {
 STATE_OBJECTS = {"postgres": "SELECT relname FROM pg_catalog.pg_class WHERE starts_with(relname, 'rollout_buffer_') "
                               "AND pg_catalog.pg_table_is_visible(oid)",
                  "sqlite": "SELECT name FROM sqlite_master WHERE substr(name, 1, 15) = 'rollout_buffer_'"}
-STATE_NAMES = frozenset(ddl.split(" IF NOT EXISTS ", 1)[1].split()[0] for ddl in STATE_DDL)
 # Read the schema version.
 GET_META = "SELECT value FROM rollout_buffer_meta WHERE key = ?"
 # Record the schema version (first start).
@@ -240,11 +239,9 @@ def _by_backend(sql: str, postgres_tail: str = "") -> dict[str, str]:
     return {"postgres": sql.format(now=_NOW["postgres"]) + postgres_tail, "sqlite": sql.format(now=_NOW["sqlite"])}
 
 
-_LEASE_ROW = "SELECT *, {now} AS db_now FROM rollout_buffer_lease WHERE scope = ?"
-# The lease as it is, with the database's time.
-LEASE_GET = _by_backend(_LEASE_ROW)
-# The lease, locked for a takeover: waits for every transaction that passed the fence (FOR KEY SHARE).
-LEASE_LOCK = _by_backend(_LEASE_ROW, " FOR UPDATE")
+# The lease as it is, with the database's time (LOCK: for a takeover, it waits for every fenced transaction).
+LEASE_GET = _by_backend("SELECT *, {now} AS db_now FROM rollout_buffer_lease WHERE scope = ?")
+LEASE_LOCK = {b: sql + (" FOR UPDATE" if b == "postgres" else "") for b, sql in LEASE_GET.items()}
 # The first owner of a fresh database (two racing instances: one INSERT wins); columns in table order.
 LEASE_INSERT = _by_backend("INSERT INTO rollout_buffer_lease VALUES (?, ?, ?, ?, ?, ?, 1, {now} + ?, {now}, {now}) "
                            "ON CONFLICT (scope) DO NOTHING")
@@ -252,25 +249,19 @@ LEASE_INSERT = _by_backend("INSERT INTO rollout_buffer_lease VALUES (?, ?, ?, ?,
 LEASE_TAKE = _by_backend(
     "UPDATE rollout_buffer_lease SET owner = ?, owner_url = ?, owner_host = ?, owner_pid = ?, owner_start_ticks = ?, "
     "epoch = epoch + 1, lease_until = {now} + ?, acquired_at = {now}, renewed_at = {now} WHERE scope = ? AND epoch = ?")
-# The owner renews (no lock on the fence: renewals never wait behind decisions).
+# The owner renews (no lock the fence waits for); renewed for -1 s it is given up (a graceful stop).
 LEASE_RENEW = _by_backend("UPDATE rollout_buffer_lease SET lease_until = {now} + ?, renewed_at = {now} "
                           "WHERE scope = ? AND owner = ? AND epoch = ?")
-# A graceful stop gives the lease up: a standby takes it at once.
-LEASE_RELEASE = "UPDATE rollout_buffer_lease SET lease_until = 0 WHERE scope = ? AND owner = ? AND epoch = ?"
 # The fence, first in every transaction that records a decision: a row only while this owner's epoch holds.
-LEASE_FENCE = _by_backend("SELECT epoch FROM rollout_buffer_lease WHERE scope = ? AND owner = ? AND epoch = ?",
-                          " FOR KEY SHARE")
+LEASE_FENCE = _by_backend("SELECT 1 FROM rollout_buffer_lease WHERE scope = ? AND owner = ? AND epoch = ?", " FOR KEY SHARE")
 # This instance is alive (its role, URL and what it saw of a launcher on its host); columns in table order.
 INSTANCE_SEEN = _by_backend("INSERT INTO rollout_buffer_instances VALUES (?, ?, ?, ?, {now}, ?) ON CONFLICT "
                             "(instance_id) DO UPDATE SET url = excluded.url, role = excluded.role, "
                             "seen_at = excluded.seen_at, launcher_report = excluded.launcher_report")
 # Instances seen within some seconds.
-INSTANCES_LIVE = _by_backend("SELECT instance_id, host_id, url, role, launcher_report FROM rollout_buffer_instances "
-                             "WHERE seen_at >= {now} - ?")
-# Forget instances not seen for a while (every restart is a new instance).
-INSTANCES_PRUNE = _by_backend("DELETE FROM rollout_buffer_instances WHERE seen_at < {now} - ?")
-# A stopping instance leaves.
-INSTANCE_GONE = "DELETE FROM rollout_buffer_instances WHERE instance_id = ?"
+INSTANCES_LIVE = _by_backend("SELECT * FROM rollout_buffer_instances WHERE seen_at >= {now} - ?")
+# Forget instances not seen for a while (every restart is a new instance), and one that stops.
+INSTANCES_PRUNE = _by_backend("DELETE FROM rollout_buffer_instances WHERE seen_at < {now} - ? OR instance_id = ?")
 
 # -- retention ----------------------------------------------------------------------------------
 # Batches recorded before a time, oldest first, a few at a time (past the replay window).
@@ -334,6 +325,11 @@ TAINTED_SESSIONS = ("SELECT DISTINCT session_id FROM rollout_buffer_rows WHERE j
 # Groups with a row whose session_id is not text (they can never be served whole).
 TAINTED_GROUPS = ("SELECT DISTINCT group_id FROM rollout_buffer_rows WHERE job_id = ? "
                   "AND reason = 'invalid_session_id' AND group_id IS NOT NULL")
+# Sessions of undecided groups dropped as oversampled (after a restart they stay out of their group).
+OVERSAMPLED_SESSIONS = ("SELECT DISTINCT r.group_id, r.session_id FROM rollout_buffer_rows r WHERE r.job_id = ? "
+                        "AND r.reason = 'oversampled' AND r.group_id IS NOT NULL AND r.session_id IS NOT NULL "
+                        "AND NOT EXISTS (SELECT 1 FROM rollout_buffer_groups g WHERE g.job_id = r.job_id "
+                        "AND g.group_id = r.group_id)")
 # Late rows whose sessions the proxy has not confirmed clearing.
 UNNOTIFIED_ROWS = ("SELECT job_id, step_pk, reason, group_id, session_id FROM rollout_buffer_rows "
                    "WHERE notified = 0 AND session_id IS NOT NULL")
@@ -355,12 +351,17 @@ BATCH_EXISTS = "SELECT 1 FROM rollout_buffer_batches WHERE batch_id = ?"
 # -- the launcher's rows ------------------------------------------------------------------------
 # Ingest reads metadata only: id, session, group, completed flag, and what the policies and the
 # figures need (step_id, step_reward, and env_state only where it names a weight_version, so a
-# large env_state without one never crosses the wire). Per backend: instr/strpos.
+# large env_state without one never crosses the wire). An env_state longer than
+# ENV_STATE_INGEST_CHARS is not read either (a batch of 20,000 such rows would take gigabytes):
+# '' stands for it, a version known only when its group is built. Per backend: instr/strpos.
+ENV_STATE_INGEST_CHARS = 4096
 _INGEST_COLUMNS = {
     "sqlite": ("id, session_id, group_id, is_session_completed, step_id, step_reward, "
-               "CASE WHEN instr(env_state, 'weight_version') > 0 THEN env_state END"),
+               "CASE WHEN instr(env_state, 'weight_version') = 0 THEN NULL "
+               f"WHEN length(env_state) > {ENV_STATE_INGEST_CHARS} THEN '' ELSE env_state END"),
     "postgres": ("id, session_id, group_id, is_session_completed, step_id, step_reward, "
-                 "CASE WHEN strpos(env_state, 'weight_version') > 0 THEN env_state END"),
+                 "CASE WHEN strpos(env_state, 'weight_version') = 0 THEN NULL "
+                 f"WHEN length(env_state) > {ENV_STATE_INGEST_CHARS} THEN '' ELSE env_state END"),
 }
 # Ingest: the metadata of the next trainable rows of a job, in id order.
 READ_AFTER = {b: f"SELECT {cols} FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ? "

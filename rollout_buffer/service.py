@@ -2,9 +2,8 @@
 
 The parts, each in its own module: the background loop (``loop``), serving (``serving``), the
 active job (``jobs``), the durable state (``store``), recording and notifying (``notifications``),
-the launcher (``launcher``), ownership of the job (``lease``). Only what is left here is the
-wiring, ``/start_rollout``, ``/stop_rollout``, ``/health`` and ``/stats``, and the guard that turns
-a request needing the owner away from a standby (LeaseLost, answered with 307 or 503 by app.standby_answer).
+the launcher (``launcher``), ownership of the job (``lease``; a standby's answer is app.py's).
+Only what is left here is the wiring, ``/start_rollout``, ``/stop_rollout``, ``/health``, ``/stats``.
 
 Lock order, outermost first; a thread never takes an earlier lock while holding a later one:
 1. ``start_lock``: one /start_rollout at a time (job selection, launcher start); the loop takes
@@ -17,6 +16,10 @@ Lock order, outermost first; a thread never takes an earlier lock while holding 
 The lease's thread takes none of these (others only read its fields; its ``on_change`` nudges
 the loop and wakes waiting polls). Waits on 1-3 from a request thread are bounded: a stuck
 database makes a 503, never a hang.
+
+Owns: the wiring, the lifecycle (start, stop), the answers above and the lock order above. It must
+not grow rooms of its own: a new concern gets its own module, and ``Service`` stays at most 250
+lines.
 """
 from __future__ import annotations
 
@@ -65,9 +68,8 @@ class Service:
         self.jobs = Jobs(config, self.outbox, clock=clock)
         self.health_state = Health(config, clock)
         self.instance_id = uuid.uuid4().hex
-        # a role change: the loop follows it now, and a waiting poll answers from the new role
-        self.lease = Lease(config, self.instance_id, on_change=lambda: (self.loop.nudge(),
-                                                                          self.loop.ready_signal.interrupt()))
+        # on a role change, the loop follows it now and a waiting poll answers from the new role
+        self.lease = Lease(config, self.instance_id, on_change=lambda: [self.loop.nudge(), self.loop.ready_signal.interrupt()])
         self.launcher = Launcher(config, self.supervisor, self.instance_id)
         self.history = History()  # recent rates and batches, for the status page
         self.loop = Loop(config, jobs=self.jobs, outbox=self.outbox, launcher=self.launcher,
@@ -177,11 +179,7 @@ class Service:
                 # no launcher_exited drop for it (reset once the launcher is spawned).
                 js.launcher_drop_done = True
         self.nudge()
-        pid = None
-        if self.launcher.managed:
-            pid = self.launcher.start(pair.store, job_id, k)
-            js.launcher_finished_tick = None
-            js.launcher_drop_done = False
+        pid = self.launcher.start_for(pair.store, js)  # (None when it runs elsewhere: LAUNCHER=none)
         logger.info("rollout started: job %s, K=%s, restart_training=%s, launcher pid %s", job_id, k,
                     restart_training, pid)
         return 200, {"message": "Rollout started", "pid": pid, "job_session": job_id, "k": k,
@@ -198,12 +196,11 @@ class Service:
         finally:
             lock.release()
 
-    def stop_rollout(self, conns: LazyPair | None = None) -> dict[str, Any]:
+    def stop_rollout(self) -> dict[str, Any]:
         """Stop the launcher (idempotent); the job stays selected and ready groups stay servable.
 
-        Takes no service lock: the supervisor's own makes it safe, and a stuck database or a
-        /start_rollout in progress must not keep the launcher running past its grace. One on another
-        host is recorded as stopped (an instance there stops it)."""
+        Takes no service lock and no database (the supervisor's lock makes it safe): a stuck database or
+        a /start_rollout in progress must not keep the launcher running past its grace."""
         self.lease.check(2.0)
         before = self.supervisor.state()
         self.loop.ready_signal.interrupt()  # waiting polls answer now, with whatever is ready
@@ -211,7 +208,7 @@ class Service:
         self.nudge()
         js = self.jobs.current
         message = "Launcher stopped" if before["running"] else "No launcher running"
-        if js is not None and conns is not None and self.launcher.stop_elsewhere(conns.get().store, js.job_id):
+        if self.launcher.stop_elsewhere():  # (recorded by the loop: no database here)
             message = "Launcher on another host recorded as stopped: an instance on its host stops it"
         return {"message": message, "job_session": js.job_id if js else None, "launcher": self.launcher.summary()}
 
@@ -244,6 +241,10 @@ class Service:
                                "polls": {**{k: polls[k] for k in ("count", "with_data", "seconds_total")},
                                          "waiting": self.serving.waiting_polls},
                                "lease": self.lease.stats()}
+        src = None  # only the lag needs the database: with it down, the rest is still answered
+        if js is not None and conns is not None and problem is None:
+            with contextlib.suppress(StorageError):
+                src = conns.get().src
         if js is not None:
-            out.update(js.stats(conns.get().src if conns is not None else None))
+            out.update(js.stats(src))
         return out

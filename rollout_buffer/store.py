@@ -26,6 +26,9 @@ from .model import (DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED, Batch, Deci
                     GroupKey, LauncherState, NotifyKey, RowKey, Served)
 
 
+STATE_NAMES = frozenset(ddl.split(" IF NOT EXISTS ", 1)[1].split()[0] for ddl in q.STATE_DDL)
+
+
 @dataclass
 class JobTotals:
     """A job's durable decisions and counters, to load into a fresh accumulator."""
@@ -100,7 +103,7 @@ class Store:
     def ensure_schema(self) -> None:
         """Create the tables and indexes if missing and check the schema version."""
         st = self.db
-        if not q.STATE_NAMES <= {r[0] for r in st.rows(q.STATE_OBJECTS[st.backend])}:
+        if not STATE_NAMES <= {r[0] for r in st.rows(q.STATE_OBJECTS[st.backend])}:
             with st.transaction():
                 for ddl in q.STATE_DDL:
                     st.execute(ddl)
@@ -186,6 +189,13 @@ class Store:
     def tainted_groups(self, job_id: str) -> list[str]:
         """Groups with a row whose session_id was not text (they are dropped when they appear)."""
         return [r[0] for r in self.db.rows(q.TAINTED_GROUPS, (job_id,))]
+
+    def oversampled_sessions(self, job_id: str) -> dict[str, set[str]]:
+        """Undecided groups -> their sessions dropped as oversampled (never to be served)."""
+        out: dict[str, set[str]] = {}
+        for gid, sid in self.db.rows(q.OVERSAMPLED_SESSIONS, (job_id,)):
+            out.setdefault(gid, set()).add(sid)
+        return out
 
     def row_pks_from(self, job_id: str, pk: int) -> set[int]:
         """pks accounted one by one at or above pk."""

@@ -9,6 +9,10 @@ outside it.
 The launcher runs in its own session (so its own process group), which lets
 :meth:`Supervisor.stop` signal the launcher and everything it forked at once and check that
 the whole group is gone.
+
+Owns: the launcher process: starting it, watching it, restarting it by policy, stopping its group,
+adopting one after a restart. It must not know about jobs, groups or the buffer's tables
+(launcher.py records its identity).
 """
 
 from __future__ import annotations
@@ -74,9 +78,7 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if restart_policy not in RESTART_POLICIES:
-            raise ValueError(
-                f"restart_policy must be one of {RESTART_POLICIES}, got {restart_policy!r}"
-            )
+            raise ValueError(f"restart_policy must be one of {RESTART_POLICIES}, got {restart_policy!r}")
         if max_restarts < 0 or backoff_s < 0 or backoff_max_s < 0 or stop_grace_s < 0:
             raise ValueError("max_restarts, backoff_s, backoff_max_s and stop_grace_s must be >= 0")
         self.restart_policy = restart_policy
@@ -261,12 +263,10 @@ class Supervisor:
         self.stop("shutdown")
 
     def release(self) -> subprocess.Popen[bytes] | None:
-        """Forget the launcher without signalling it (another instance takes it over); returns our
-        child's Popen, if it was ours, for the caller to reap. Cancels a scheduled restart."""
+        """Forget the launcher unsignalled (another instance takes it over); our child's Popen, to reap."""
         with self._lock:
             proc, self._proc = self._proc, None
-            self._running = self._ever_started = False
-            self._restart_at = None
+            self._running, self._ever_started, self._restart_at = False, False, None
             return proc
 
     # -- internals (callers hold the lock unless noted) --------------------------------

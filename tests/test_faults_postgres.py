@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import shlex
-import signal
 import sys
 import threading
 import time
@@ -26,10 +25,10 @@ import psycopg
 import pytest
 import requests
 
-from support import Writer, make_launcher_db, wait_until
+from support import Writer, groups_of, make_launcher_db, wait_until
+from rollout_buffer import procfs
 from rollout_buffer.db import connect
-from servers import ROOT, Server, free_port
-from test_durability import Trainer, assert_stats_balance, by_group, group_members, trainable_rows
+from servers import ROOT, Server, Trainer, assert_stats_balance, free_port, kill9, trainable_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
@@ -69,26 +68,9 @@ def ids_of(url: str, session: str) -> list[int]:
         db.close()
 
 
-def kill9(srv: Server) -> None:
-    """kill -9 the whole process group (gunicorn master and worker) and wait until it is gone."""
-    assert srv.proc is not None
-    pgid = srv.proc.pid
-    srv.stop(signal.SIGKILL)
-    wait_until(lambda: not group_members(pgid), 5, "every server process gone")
-
-
 def alter_cache(url: str, cache: int) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f"ALTER TABLE session_steps ALTER COLUMN id SET CACHE {int(cache)}")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            data = f.read()
-    except OSError:
-        return False
-    return data[data.rfind(")") + 2] not in "ZX"
 
 
 class RecordingTrainer(Trainer):
@@ -133,7 +115,7 @@ def test_a_row_committed_late_below_the_low_water_mark_is_served_after_kill9(tmp
         assert g1_max < pk_b < pk_a
         wait_until(lambda: t.stats()["rows"]["read"] == 3, 15, "G1 and G2/A read")
         doc = t.poll()
-        assert set(by_group(doc)) == {"G1"}
+        assert set(groups_of(doc)) == {"G1"}
         # G1 is accounted now: the next save moves the durable mark past it
         wait_until(lambda: saved_job(pg_url, "job1")["low_water_pk"] > g1_max, 15, "low-water mark saved after the poll")
         saved = saved_job(pg_url, "job1")
@@ -309,7 +291,7 @@ def while_locked(srv: Server, pid: int, grace: float) -> None:
     took, r = timed_post(srv.url + "/stop_rollout")
     assert not isinstance(r, str), f"/stop_rollout got no answer in {took:.1f} s ({r})"
     assert r.status_code == 200 and took < grace + 3.0, (took, r.status_code, r.text)
-    wait_until(lambda: not pid_alive(pid), 5, "launcher gone")
+    wait_until(lambda: not procfs.alive(pid), 5, "launcher gone")
 
     def degraded() -> dict | None:
         doc = requests.get(srv.url + "/health", timeout=5).json()
