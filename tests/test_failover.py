@@ -157,6 +157,16 @@ def write_groups(url: str, names: list[str], pace_s: float, job: str = "job1") -
 
 
 @contextlib.contextmanager
+def instances(url: str, tmp_path: Path, *names: str, hosts: bool = False, **kw: Any) -> Iterator[list[Server]]:
+    """The launcher's tables and an instance per name (each on host ``host-<name>`` when ``hosts``),
+    every one stopped (and woken first, if it was stopped with SIGSTOP) at the end."""
+    make_launcher_db(url)
+    made = [instance(url, tmp_path, n, host=f"host-{n}" if hosts else None, **kw) for n in names]
+    with stopped_at_end(*made):
+        yield made
+
+
+@contextlib.contextmanager
 def stopped_at_end(*servers: Server) -> Iterator[None]:
     try:
         yield
@@ -178,12 +188,9 @@ def owner_and_standby(a: Server, b: Server) -> None:
 # -- kill -9 mid-drain ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("hosts", ["same_host", "other_host"])
 def test_kill9_of_the_owner_mid_drain_serves_every_group_once(tmp_path, pg_url, hosts):
-    make_launcher_db(pg_url)
     other = hosts == "other_host"  # the lease must end before the standby may take over
-    a = instance(pg_url, tmp_path, "a", host="host-a" if other else None)
-    b = instance(pg_url, tmp_path, "b", host="host-b" if other else None)
     want = [f"g{i:03d}" for i in range(60)]
-    with stopped_at_end(a, b):
+    with instances(pg_url, tmp_path, "a", "b", hosts=other) as (a, b):
         owner_and_standby(a, b)
         with Drain([b.url, a.url]) as trainer:  # the standby first: its 307s lead to the owner
             trainer.client.start_rollout(num_repeat_per_sample=K, job_session="job1")
@@ -224,11 +231,8 @@ AUDIT = (
 
 
 def test_an_owner_paused_past_its_lease_records_nothing_when_it_wakes_and_turns_standby(tmp_path, pg_url):
-    make_launcher_db(pg_url)
-    a = instance(pg_url, tmp_path, "a")
-    b = instance(pg_url, tmp_path, "b")
     want = [f"p{i}" for i in range(6)]
-    with stopped_at_end(a, b):
+    with instances(pg_url, tmp_path, "a", "b") as (a, b):
         owner_and_standby(a, b)
         r = requests.post(a.url + "/start_rollout", json={"num_repeat_per_sample": K, "job_session": "job1"}, timeout=30)
         assert r.status_code == 200, r.text
@@ -280,11 +284,8 @@ def test_an_owner_paused_past_its_lease_records_nothing_when_it_wakes_and_turns_
 
 # -- a rolling update ----------------------------------------------------------------------------------
 def test_a_rolling_update_serves_everything_exactly_once(tmp_path, pg_url):
-    make_launcher_db(pg_url)
-    old = instance(pg_url, tmp_path, "old")
-    new = instance(pg_url, tmp_path, "new")
     want = [f"r{i:03d}" for i in range(50)]
-    with stopped_at_end(old, new):
+    with instances(pg_url, tmp_path, "old", "new") as (old, new):
         old.start()
         wait_until(lambda: role(old) == "owner", 15, "the old instance owns the job")
         with Drain([old.url, new.url]) as trainer:
@@ -308,11 +309,8 @@ def test_a_rolling_update_serves_everything_exactly_once(tmp_path, pg_url):
 
 # -- LAUNCHER=none: a failover drops nothing ------------------------------------------------------------
 def test_with_an_external_writer_a_failover_drops_nothing(tmp_path, pg_url):
-    make_launcher_db(pg_url)
-    a = instance(pg_url, tmp_path, "a", host="host-a")
-    b = instance(pg_url, tmp_path, "b", host="host-b")
-    w = Writer(pg_url)
-    with stopped_at_end(a, b):
+    with instances(pg_url, tmp_path, "a", "b", hosts=True) as (a, b):
+        w = Writer(pg_url)
         owner_and_standby(a, b)
         with Drain([a.url, b.url]) as trainer:
             trainer.client.start_rollout(num_repeat_per_sample=3, job_session="job1")
@@ -338,11 +336,8 @@ def test_with_an_external_writer_a_failover_drops_nothing(tmp_path, pg_url):
 # -- SQLite: two instances on one file ----------------------------------------------------------------
 def test_sqlite_two_instances_on_one_file(tmp_path):
     url = "sqlite://" + str(tmp_path / "launcher.db")
-    make_launcher_db(url)
-    a = instance(url, tmp_path, "a")
-    b = instance(url, tmp_path, "b")
     want = [f"s{i:02d}" for i in range(30)]
-    with stopped_at_end(a, b):
+    with instances(url, tmp_path, "a", "b") as (a, b):
         owner_and_standby(a, b)
         assert os.path.exists(str(tmp_path / "launcher.db") + ".owner.lock")
         r = requests.post(b.url + "/get_rollout_data", json={}, allow_redirects=False, timeout=10)
@@ -385,14 +380,10 @@ def launchers_killed(marker: Path) -> Iterator[None]:
 
 
 def test_on_its_host_the_launcher_is_adopted_or_relaunched_when_it_is_gone(tmp_path, pg_url):
-    make_launcher_db(pg_url)
     marker = tmp_path / "launcher.starts"
-    env = launcher_env(marker)
-    a = instance(pg_url, tmp_path, "a", launcher="auto", env=env)
-    b = instance(pg_url, tmp_path, "b", launcher="auto", env=env)
-    c = instance(pg_url, tmp_path, "c", launcher="auto", env=env)
-    w = Writer(pg_url)
-    with launchers_killed(marker), stopped_at_end(a, b, c):
+    with launchers_killed(marker), instances(pg_url, tmp_path, "a", "b", "c", launcher="auto",
+                                             env=launcher_env(marker)) as (a, b, c):
+        w = Writer(pg_url)
         owner_and_standby(a, b)
         r = requests.post(a.url + "/start_rollout", json={"num_repeat_per_sample": K, "job_session": "job1"}, timeout=30)
         first = r.json()["pid"]
@@ -419,13 +410,10 @@ def test_on_its_host_the_launcher_is_adopted_or_relaunched_when_it_is_gone(tmp_p
 
 
 def test_on_another_host_the_launcher_is_left_alone_until_an_instance_there_stops_it(tmp_path, pg_url):
-    make_launcher_db(pg_url)
     marker = tmp_path / "launcher.starts"
-    env = launcher_env(marker)
-    a = instance(pg_url, tmp_path, "a", host="host-a", launcher="auto", env=env)
-    b = instance(pg_url, tmp_path, "b", host="host-b", launcher="auto", env=env)
-    w = Writer(pg_url)
-    with launchers_killed(marker), stopped_at_end(a, b):
+    with launchers_killed(marker), instances(pg_url, tmp_path, "a", "b", hosts=True, launcher="auto",
+                                             env=launcher_env(marker)) as (a, b):
+        w = Writer(pg_url)
         owner_and_standby(a, b)
         r = requests.post(b.url + "/start_rollout", json={"num_repeat_per_sample": K, "job_session": "job1"},
                           timeout=30)  # (followed to the owner: requests keeps the method and body on a 307)
