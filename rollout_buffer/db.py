@@ -76,7 +76,8 @@ def connect(url: str, *, readonly: bool = False, statement_timeout_s: float | No
     (Postgres), so that a stuck statement or a table locked by someone else (ALTER TABLE, VACUUM
     FULL, TRUNCATE) fails in seconds instead of hanging a poll or the loop. ``durable``: SQLite
     commits survive a power loss too (synchronous=FULL), for the service's own few writes.
-    ``application_name`` (Postgres, unless the URL names one) shows which process a backend serves."""
+    ``application_name`` (Postgres, unless the URL or PGAPPNAME names one) shows which process a
+    backend serves (pg_stat_activity)."""
     if url.startswith("sqlite://"):
         return SqliteDatabase(url, readonly=readonly, durable=durable)
     if url.startswith(("postgresql://", "postgres://")):
@@ -329,7 +330,7 @@ class PostgresDatabase(Database):
         self._driver_errors = (psycopg.Error,)
         try:
             params = conninfo_to_dict(url)
-            if application_name:
+            if application_name and not os.environ.get("PGAPPNAME"):  # the URL's or the environment's wins
                 params.setdefault("application_name", application_name)
             # the timeouts go into the startup packet's options, next to any the URL carries
             extra = [f"-c {name}={int(value * 1000)}" for name, value in
