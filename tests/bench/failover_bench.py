@@ -107,35 +107,43 @@ def wait(pred, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def takeover(args: argparse.Namespace) -> int:
-    logging.getLogger("rollout_buffer.client").setLevel(logging.ERROR)  # (a retry line per failed attempt)
-    work = tempfile.mkdtemp(prefix="rb-failover-")
-    schema = "rbfail_" + os.urandom(6).hex()
+def fresh_database(args: argparse.Namespace, prefix: str) -> tuple[str, str]:
+    """A new Postgres schema with the launcher's tables: (its URL, the schema)."""
+    schema = prefix + os.urandom(6).hex()
     with psycopg.connect(args.pg, autocommit=True) as conn:
         conn.execute(f"CREATE SCHEMA {schema}")
     url = f"{args.pg}{'&' if '?' in args.pg else '?'}options=-csearch_path%3D{schema}"
     db = connect(url)
     create_launcher_tables(db)
     db.close()
+    return url, schema
+
+
+def keep_writing(url: str, written: list[str], stop: threading.Event, pace_s: float) -> None:
+    """An external writer (a launcher elsewhere): a complete group of two one-step sessions every pace_s."""
+    w = connect(url)
+    i = 0
+    while not stop.is_set():
+        gid = f"g{i:06d}"
+        for s in range(2):
+            w.execute(INSERT_STEP, (f"{gid}-s{s}", 1, "env", "model", gid, "J", '[{"role":"user","content":"x"}]',
+                                    "y", 0.5, 0.5, '{"weight_version": 1}', 1, 0, 1, 1, "2026-01-01 00:00:00+00"))
+        written.append(gid)
+        i += 1
+        time.sleep(pace_s)
+    w.close()
+
+
+def takeover(args: argparse.Namespace) -> int:
+    logging.getLogger("rollout_buffer.client").setLevel(logging.ERROR)  # (a retry line per failed attempt)
+    work = tempfile.mkdtemp(prefix="rb-failover-")
+    url, schema = fresh_database(args, "rbfail_")
     other = args.hosts == "other"
     insts = [Instance(n, url, work, args.lease, f"host-{n}" if other else None) for n in ("a", "b")]
     written: list[str] = []
     got: collections.Counter = collections.Counter()
     received: list[float] = []
     stop = threading.Event()
-
-    def writer() -> None:
-        w = connect(url)
-        i = 0
-        while not stop.is_set():
-            gid = f"g{i:06d}"
-            for s in range(2):
-                w.execute(INSERT_STEP, (f"{gid}-s{s}", 1, "env", "model", gid, "J", '[{"role":"user","content":"x"}]',
-                                        "y", 0.5, 0.5, '{"weight_version": 1}', 1, 0, 1, 1, "2026-01-01 00:00:00+00"))
-            written.append(gid)
-            i += 1
-            time.sleep(0.02)
-        w.close()
 
     def trainer(client: BufferClient) -> None:
         while not stop.is_set():
@@ -155,8 +163,8 @@ def takeover(args: argparse.Namespace) -> int:
         wait(lambda: insts[1].role() == "standby", 30, "b is a standby")
         client = BufferClient([i.url for i in insts], retries=200, backoff_s=0.05, backoff_max_s=0.5, timeout=30)
         client.start_rollout(num_repeat_per_sample=2, job_session="J")
-        threads = [threading.Thread(target=writer, daemon=True), threading.Thread(target=trainer, args=(client,),
-                                                                                daemon=True)]
+        threads = [threading.Thread(target=keep_writing, args=(url, written, stop, 0.02), daemon=True),
+                   threading.Thread(target=trainer, args=(client,), daemon=True)]
         for t in threads:
             t.start()
         for n in range(1, args.kills + 1):
