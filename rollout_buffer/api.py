@@ -93,7 +93,7 @@ def _owner_only() -> None:
     """After authentication: LeaseLost on a standby (answered by the app with 307 or 503)."""
     wait_s = OWNER_PATHS.get(request.path)
     if wait_s is not None and request.method == "POST":
-        service().lease.check(wait_s)
+        service().lease.check(wait_s, sure=request.path != "/stop_rollout")
 
 
 def json_body() -> dict[str, Any]:

@@ -160,14 +160,15 @@ class Lease:
         """Owner, and surely still so by this instance's clock (SQLite: while the flock is held)."""
         return self.role == OWNER and (not self.enabled or self._lock_fd is not None or self.clock() < self._deadline)
 
-    def check(self, wait_s: float) -> None:
+    def check(self, wait_s: float, sure: bool = True) -> None:
         """Raise LeaseLost unless this instance owns the job (waiting ``wait_s`` for its first look at
-        the lease); a 503 when it owns it but cannot be sure it still does (renewals failing)."""
+        the lease); a 503 when it owns it but cannot be sure it still does (renewals failing), unless
+        ``sure`` is False (/stop_rollout: stopping the launcher is always safe, and must not wait)."""
         if self.role == STARTING:
             self.decided.wait(wait_s)
         if self.role != OWNER:
             raise LeaseLost("this instance is not the owner of the job")
-        if not self.holds():
+        if sure and not self.holds():
             raise ApiError(503, self.problem or "this instance cannot renew its lease; retry", retry_after=2)
 
     def fence(self, db: Database) -> None:

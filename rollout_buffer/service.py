@@ -201,7 +201,7 @@ class Service:
 
         Takes no service lock and no database (the supervisor's lock makes it safe): a stuck database or
         a /start_rollout in progress must not keep the launcher running past its grace."""
-        self.lease.check(2.0)
+        self.lease.check(2.0, sure=False)
         before = self.supervisor.state()
         self.loop.ready_signal.interrupt()  # waiting polls answer now, with whatever is ready
         self.supervisor.stop("requested")
