@@ -219,12 +219,13 @@ def test_an_advertised_url_that_answers_as_another_instance_is_reported_and_come
     th = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     th.start()
     try:
-        right = owned(leases("right", host_id="host-r"))
-        wrong = leases("wrong", host_id="host-w", advertise_url=f"http://127.0.0.1:{httpd.server_address[1]}")
-        wait_until(lambda: wrong.problem is not None, 10, "the check of the advertised URL")
-        assert "answers as another instance" in wrong.problem and wrong.role == STANDBY
+        # (a longer lease: the wrong one's extra wait, a third of it, must outlast a busy machine's delays)
+        right = owned(leases("right", host_id="host-r", lease_s=6.0))
+        wrong = leases("wrong", host_id="host-w", lease_s=6.0, advertise_url=f"http://127.0.0.1:{httpd.server_address[1]}")
+        wait_until(lambda: wrong.problem is not None and wrong.role == STANDBY, 10, "the check of the advertised URL")
+        assert "answers as another instance" in wrong.problem
         assert wrong.describe()["lease_problem"] == wrong.problem
-        other = leases("other", host_id="host-o")  # correctly configured (no URL to check)
+        other = leases("other", host_id="host-o", lease_s=6.0)  # correctly configured (no URL to check)
         wait_until(lambda: other.role == STANDBY, 10, "a second standby")
         right._stop.set()  # the owner stops renewing: its lease ends
         right._wake.set()
