@@ -13,11 +13,16 @@ has the request, sending the answer times out after IO_TIMEOUT_S of silence.
 The event loop never waits on a client either: a connection that is not kept alive is closed
 by half-closing it and draining what the client still sends from the loop (gunicorn's own
 graceful close lingers up to 2 s in the loop, so 20 clients that never close their end stalled
-every other client for 40 s). No reverse proxy is needed for any of it.
+every other client for 40 s). Connections are bounded by the descriptors the process may open,
+an accept that finds none left pauses accepting instead of killing the worker (and, through it,
+the launcher), and at the bound the oldest idle kept-alive connection makes room for a new one.
+No reverse proxy is needed for any of it.
 """
 from __future__ import annotations
 
+import errno
 import logging
+import resource
 import selectors
 import socket
 import time
@@ -35,7 +40,19 @@ BODY_TIMEOUT_S = 10.0  # its body (at most ROLLOUT_BUFFER_MAX_REQUEST_BYTES) thi
 IO_TIMEOUT_S = 60.0    # longest silence while a thread sends an answer
 LINGER_S = 2.0         # a closing connection is drained this long at most, from the event loop
 MAX_HEAD_BYTES = 64 << 10  # gunicorn's own limits (8190-byte lines, 100 fields) refuse far smaller heads
+ACCEPT_PAUSE_S = 0.5   # no descriptor left: stop accepting this long (connections wait in the backlog)
+FD_RESERVE = 64        # descriptors kept for the service itself, plus FD_PER_THREAD per thread
+FD_PER_THREAD = 8      # (a request's database connections: SQLite holds 3 per connection)
+_RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _END = b"\r\n\r\n"
+
+
+def connection_budget(threads: int, wanted: int) -> int:
+    """How many client connections fit in the descriptors this process may open."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(threads + 1, min(wanted, soft - FD_RESERVE - FD_PER_THREAD * threads))
 
 
 def _recv(sock: socket.socket) -> bytes | None:
@@ -70,6 +87,34 @@ class HeadFirstWorker(ThreadWorker):
         self.reading_bodies: deque = deque()  # connections reading their body, oldest deadline first
         self.lingering: deque = deque()       # connections being closed, oldest deadline first
         self.max_body = Config.from_env().max_request_bytes
+        self.worker_connections = connection_budget(self.cfg.threads, self.worker_connections)
+        self.max_keepalived = self.worker_connections - self.cfg.threads
+        self._accept_paused_until = 0.0
+        self._accept_warned_at = float("-inf")
+
+    # -- accepting --------------------------------------------------------------------------------
+    def accept(self, listener: Any) -> None:
+        """gunicorn's accept, except that running out of descriptors pauses accepting for a moment
+        (the connections wait in the listen backlog) instead of raising out of the event loop,
+        which would kill the worker and, with it, the service and its launcher."""
+        try:
+            super().accept(listener)
+        except OSError as exc:
+            if exc.errno not in _RESOURCE_ERRNOS:
+                raise
+            now = time.monotonic()
+            self._accept_paused_until = now + ACCEPT_PAUSE_S
+            self.set_accept_enabled(False)
+            if now - self._accept_warned_at > 60.0:
+                self._accept_warned_at = now
+                logger.warning("cannot accept a connection (%s) with %d open; pausing accepts for %.1f s "
+                               "(raise the open-files limit, ulimit -n, for more clients)", exc, self.nr_conns,
+                               ACCEPT_PAUSE_S)
+
+    def set_accept_enabled(self, enabled: bool) -> None:
+        if enabled and time.monotonic() < self._accept_paused_until:
+            enabled = False
+        super().set_accept_enabled(enabled)
 
     # -- reading a request in the event loop ----------------------------------------------------------
     def enqueue_req(self, conn: Any) -> None:
@@ -278,7 +323,8 @@ class HeadFirstWorker(ThreadWorker):
     # -- timeouts and the bound --------------------------------------------------------------------
     def murder_pending(self) -> None:
         """Also close the connections whose request was not complete in time (slow or stalled
-        clients) and the lingering ones past LINGER_S."""
+        clients), the lingering ones past LINGER_S, and, at the bound, the oldest idle kept-alive
+        connections (a client simply connects again)."""
         super().murder_pending()
         now = time.monotonic()
         for queue in (self.reading_heads, self.reading_bodies):
@@ -286,6 +332,14 @@ class HeadFirstWorker(ThreadWorker):
                 self._drop(queue[0])
         while self.lingering and self.lingering[0].linger_deadline <= now:
             self._close_lingering(self.lingering[0])
+        while self.nr_conns >= self.worker_connections and self.keepalived_conns:
+            conn = self.keepalived_conns.popleft()
+            try:
+                self.poller.unregister(conn.sock)
+            except (OSError, KeyError, ValueError):
+                pass
+            self.nr_conns -= 1
+            conn.close()
 
     def handle(self, conn: Any) -> Any:
         """In a thread: give the request read by the event loop back to the parser, then handle."""

@@ -179,3 +179,54 @@ def test_bodies_sent_slowly_chunked_pipelined_or_after_100_continue_are_served(l
         assert answer.startswith(b"HTTP/1.1 413") and took < 2.0, (took, answer[:300])
     finally:
         srv.stop()
+
+
+def test_more_clients_than_open_files_never_kill_the_worker_nor_its_launcher(lite_url, tmp_path):
+    """With a low open-files limit, 1,100 idle connections made accept() fail with EMFILE: the error
+    killed the worker, and the worker's exit stopped the launcher (then every new worker died too)."""
+    import resource
+
+    from rollout_buffer import procfs
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    srv = Server(lite_url, tmp_path / "srv", launcher="simulate",
+                 env={"ROLLOUT_BUFFER_SIMULATE_ARGS": "--groups 100000 --pace 0.2 --quiet"})
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))  # the server inherits it
+    try:
+        srv.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    socks: list[socket.socket] = []
+    try:
+        r = requests.post(srv.url + "/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "j"},
+                          timeout=10)
+        assert r.status_code == 200, r.text
+        launcher = r.json()["pid"]
+        for _ in range(1100):
+            socks.append(socket.create_connection(("127.0.0.1", srv.port), timeout=5))
+        time.sleep(2)
+        for s in socks:
+            s.close()
+        socks = []
+        # at the bound, idle kept-alive connections make room: a new client is not locked out for
+        # their keep-alive time (75 s) behind them
+        bound = 512 - gunicorn_worker.FD_RESERVE - gunicorn_worker.FD_PER_THREAD * 16
+        for _ in range(bound - 16):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            socks.append(s)
+        for s in socks:
+            assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        socks += stalled(srv.port, 20, b"GET /health HTTP/1.1\r\n")
+        time.sleep(0.5)
+        took = timed(lambda: requests.get(srv.url + "/health", timeout=30).raise_for_status())
+        assert took < 2.0, f"/health took {took:.2f} s with the connection bound reached by idle clients"
+        health = requests.get(srv.url + "/health", timeout=30).json()
+        stat = procfs.stat(launcher)
+        assert stat is not None and stat.alive, "the launcher was stopped"
+        assert health["launcher"]["pid"] == launcher and health["aievobox_running"] is True
+        assert "Exception in worker process" not in srv.log() and "Too many open files" not in srv.log()
+    finally:
+        for s in socks:
+            s.close()
+        srv.stop()
