@@ -87,15 +87,19 @@ class Service:
         self.loop.start()
         logger.info("rollout-buffer service started (db %s)", redact(self.config.db_url))
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the loop, the launcher (TERM, grace, KILL) and the notifier; idempotent."""
+    def stop(self, timeout: float = 10.0, *, keep_launcher: bool = False) -> None:
+        """Stop the loop, the launcher (TERM, grace, KILL) and the notifier; idempotent. With
+        ``keep_launcher`` (the worker crashed) the launcher runs on, for the next worker to adopt."""
         if self._closed:
             return
         self._closed = True
         self.loop.ready_signal.interrupt(close=True)
         self.loop.stop(timeout)
         js = self.jobs.current
-        if self.supervisor.state()["running"]:
+        if keep_launcher and self.supervisor.state()["running"]:
+            logger.warning("the worker is going down unasked: launcher pid %s is left running for the next "
+                           "worker to adopt", self.supervisor.state()["pid"])
+        elif self.supervisor.state()["running"]:
             with LazyPair(self.config) as conns:
                 self.launcher.stop_for_shutdown(conns, js.job_id if js else None)
         self.notifier.stop()
