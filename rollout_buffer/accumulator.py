@@ -97,11 +97,14 @@ class Accumulator:
             now = self.clock()
             for pk, sid, gid, completed in rows:
                 self.rows_read += 1
+                if isinstance(gid, (int, float)) and not isinstance(gid, bool):
+                    gid = str(gid)  # a number (an untyped column) names its group as its text does
                 if not isinstance(sid, str) or isinstance(sid, BadText) or not sid:
                     self._reject_session(pk, gid, out)
                     continue
-                if gid is None or gid == "" or isinstance(gid, BadText):
-                    reason = MISSING_GROUP if not isinstance(gid, BadText) else INVALID_GROUP
+                if gid is None or gid == "" or not isinstance(gid, str) or isinstance(gid, BadText):
+                    # no group, or one that is not text (undecodable, a BLOB): never served under a garbled id
+                    reason = MISSING_GROUP if gid is None or gid == "" else INVALID_GROUP
                     self.rejected[reason] += 1
                     out.rows.append(RowEvent(pk, REJECTED, reason, None, sid))
                     self.tainted.add(sid)

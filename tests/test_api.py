@@ -306,6 +306,28 @@ def test_row_without_group_id_is_rejected_and_taints_its_group(harness, writer):
     assert_balanced(s)
 
 
+def test_a_blob_group_id_is_rejected_and_a_numeric_one_names_its_group(lite_url, harness_factory):
+    """A BLOB group_id was served under the instance_id "b'g-blob'" (its Python repr); a number in an
+    untyped column names its group as its text does (SQLite's TEXT affinity stores it so)."""
+    import sqlite3
+
+    h = harness_factory(lite_url)
+    h.start(k=2)
+    conn = sqlite3.connect(lite_url[len("sqlite://"):])
+    cols = ("session_id, step_id, env_name, llm_model, group_id, job_id, messages, response, step_reward, reward, "
+            "env_state, is_terminal, is_truncated, is_session_completed, is_trainable, created_at")
+    sql = f"INSERT INTO session_steps ({cols}) VALUES (?, 1, 'e', 'm', ?, 'job1', '[]', 'r', 1, 1, NULL, 1, 0, 1, 1, ?)"
+    with conn:
+        for sid, gid in (("b1", b"g-blob"), ("b2", b"g-blob"), ("n1", 42), ("n2", "42")):
+            conn.execute(sql, (sid, gid, now_text()))
+    conn.close()
+    doc = h.poll()
+    assert list(groups_of(doc)) == ["42"]
+    s = h.stats()
+    assert s["rows"]["rejected"] == {"invalid_utf8_group_id": 2} and s["rows"]["served"] == 2
+    assert_balanced(s)
+
+
 def test_polls_do_not_log_pending_state_at_info(harness, writer, caplog):
     # SPEC §7.12: every poll logged the whole pending dictionary at INFO.
     harness.start(k=4)
