@@ -14,6 +14,16 @@ from . import queries as q
 from .db import Database
 
 
+MIN_ID = -(2 ** 63)  # the smallest id a BIGINT (or a SQLite INTEGER) holds
+
+
+def first_read_after(start_after: int) -> int:
+    """The id reading starts after. 0 (no floor, nothing read yet) means before the smallest id there
+    can be: a row written with an id of 0 or below (by hand, into an identity column) is read and
+    accounted like any other, never skipped for good."""
+    return MIN_ID if start_after == 0 else start_after
+
+
 class Reader:
     """The job's ingest cursor: every trainable row is returned exactly once.
 
@@ -35,6 +45,7 @@ class Reader:
     def __init__(self, job_id: str, start_after: int, batch: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.job_id = job_id
+        start_after = first_read_after(start_after)
         self.cursor = start_after
         self.max_seen = start_after
         self.batch = batch

@@ -228,3 +228,42 @@ def test_restart_training_counts_the_rows_below_the_floor(harness, writer):
     assert s["rows"]["read"] == 6 and s["rows"]["dropped"] == {"restart_training": 4}
     assert s["groups"]["dropped"] == {"restart_training": 1} and s["rows"]["served"] == 2
     assert_balanced(s)
+
+
+def insert_with_id(url: str, pk: int, group: str, session: str, *, completed: bool, job: str = "job1") -> None:
+    """A row written by hand with an explicit id (an identity column accepts one)."""
+    db = connect(url)
+    try:
+        db.execute(f"INSERT INTO session_steps (id, {', '.join(q.STEP_COLUMNS)}) VALUES "
+                   f"(?, {', '.join('?' * len(q.STEP_COLUMNS))})",
+                   (pk, session, 1, "env", "model", group, job, "[]", "r", 1.0 if completed else 0.0, 0.0, None,
+                    int(completed), 0, int(completed), 1, now_text()))
+    finally:
+        db.close()
+
+
+def test_rows_with_ids_at_or_below_zero_are_read_and_survive_a_restart(db_url, harness_factory):
+    """The cursor started at 0: a row with id 0 or below was never read, never accounted, and its
+    group waited for its TTL while /stats said balanced with no lag."""
+    h = harness_factory(db_url)
+    h.start(k=2)
+    insert_with_id(db_url, -5, "g-neg", "s1", completed=True)
+    insert_with_id(db_url, 0, "g-neg", "s2", completed=True)
+    insert_with_id(db_url, -9, "g-later", "t1", completed=True)  # its group completes after a restart
+    w = Writer(db_url)
+    try:
+        w.group("ok", 2, steps=1)
+        assert sorted(groups_of(h.poll())) == ["g-neg", "ok"]
+        assert h.stats()["rows"]["read"] == 5 and h.stats()["groups"]["pending"] == 1
+        assert h.service.sync()
+        h.stop()
+        h2 = harness_factory(db_url)
+        w.step("g-later", "t2", 1, completed=True)
+        doc = h2.poll()
+        assert list(groups_of(doc)) == ["g-later"]
+        assert sorted(i["extra_info"]["step_pk"] for i in doc["data"]["data"])[0] == -9
+        s = h2.stats()
+        assert s["rows"]["read"] == 6 and s["rows"]["served"] == 6 and s["lag_rows"] == 0
+        assert_balanced(s)
+    finally:
+        w.close()
