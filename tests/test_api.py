@@ -592,3 +592,16 @@ def test_a_flood_of_bad_rows_is_logged_per_kind_not_per_row(harness, writer, cap
         assert harness.stats()["rows"]["rejected"] == {"missing_group_id": 300}
     lines = [r for r in caplog.records if "rejected row" in r.getMessage()]
     assert 1 <= len(lines) <= 3, [r.getMessage() for r in lines][:5]
+
+
+def test_duplicate_steps_in_many_groups_are_logged_per_kind_not_per_row(harness, writer, caplog):
+    """A launcher that retries inserts writes a step twice in every session: one WARNING per row
+    served (and again per replay) flooded the log."""
+    harness.start(k=1)
+    for g in range(60):
+        writer.step(f"g{g}", f"s{g}", 1, created_at="2026-12-02 10:00:00+00:00")
+        writer.step(f"g{g}", f"s{g}", 1, created_at="2026-12-02 10:00:01+00:00", completed=True)
+    with caplog.at_level(logging.INFO, logger="rollout_buffer"):
+        assert len(groups_of(harness.poll())) == 60
+    lines = [r for r in caplog.records if "two rows for step" in r.getMessage()]
+    assert len(lines) <= 1, [r.getMessage() for r in lines][:5]  # (0: an earlier test opened the window)
