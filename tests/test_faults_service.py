@@ -345,6 +345,29 @@ def test_batches_past_twice_the_replay_window_are_deleted_in_the_background(db_u
     assert count(db_url, batches) == 1, "a batch inside its replay window must be kept"
 
 
+def test_a_wall_clock_step_forward_neither_expires_nor_deletes_a_fresh_batch(lite_url, harness_factory, monkeypatch):
+    """Also suspected in issue 14: a forward step of the wall clock turned a retry into a 410. And with
+    housekeeping, the step deleted the batch of a poll answered a second ago: its retry then got new
+    groups under the same request_id, and the first batch's groups were lost."""
+    monkeypatch.setattr(importlib.import_module("rollout_buffer.loop"), "HOUSEKEEPING_S", 0.0)  # every tick
+    h = harness_factory(lite_url, replay_retention_s=60.0)
+    h.start(k=2)
+    writer = Writer(lite_url)
+    writer.group("first", 2)
+    first = h.poll(request_id="r1")
+    assert list(groups_of(first)) == ["first"]
+    writer.group("second", 2)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600.0)  # NTP steps the clock an hour ahead
+    assert h.service.sync() and h.service.sync()  # housekeeping has run with the stepped clock
+    assert count(lite_url, "SELECT COUNT(*) FROM rollout_buffer_batches") == 1, "the fresh batch was deleted"
+    again = h.poll(request_id="r1")  # the retry of r1, a second later
+    assert again["data"]["meta_info"]["replayed"] is True and list(groups_of(again)) == ["first"]
+    assert [i["uid"] for i in again["data"]["data"]] == [i["uid"] for i in first["data"]["data"]]
+    assert list(groups_of(h.poll(request_id="r2"))) == ["second"]
+    writer.close()
+
+
 def test_an_ended_job_is_purged_and_selecting_it_again_serves_only_new_groups(lite_url, harness_factory,
                                                                               monkeypatch, tmp_path):
     _fast_housekeeping(monkeypatch)
