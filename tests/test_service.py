@@ -731,3 +731,42 @@ def test_a_launcher_log_that_cannot_be_written_is_a_clear_500(harness_factory, l
     assert r.status_code == 500, r.get_json()
     assert "cannot write the launcher log" in r.get_json()["error"] and "No space left" in r.get_json()["error"]
     assert launcher(h)["running"] is False
+
+
+def test_a_blob_session_in_an_idle_group_is_recorded_and_cleared_and_serving_goes_on(harness_factory, lite_url,
+                                                                                     proxy):
+    """Issue 14, scenario 2: a BLOB session_id sorted with text ones made the TTL drop of its group
+    fail after it was decided in memory, so the drop was neither recorded nor sent to the proxy."""
+    import sqlite3
+
+    h = harness_factory(lite_url, ttl_s=0.4, proxy_host="127.0.0.1", proxy_port=proxy.port,
+                        proxy_read_timeout_s=2.0)
+    h.start(k=3)
+    w = Writer(lite_url)
+    w.step("g-idle", "text-session", 1)
+    conn = sqlite3.connect(lite_url[len("sqlite://"):])
+    with conn:
+        conn.execute("INSERT INTO session_steps (session_id, step_id, env_name, llm_model, group_id, job_id, "
+                     "messages, response, created_at) VALUES (?, 1, 'e', 'm', 'g-idle', 'job1', '[]', 'r', "
+                     "'2026-01-01 00:00:00')", (b"blob-session",))
+    conn.close()
+    wait_until(lambda: h.stats()["groups"]["dropped_total"] == 1, 10, "g-idle dropped")
+    decided = connect_rows(lite_url, "SELECT group_id, status, reason FROM rollout_buffer_groups")
+    assert decided == [("g-idle", "dropped", "malformed_row")]
+    assert proxy.wait_for(lambda p: "text-session" in proxy_sessions(p, "malformed_row", delivered=True))
+    w.group("ok", 3, steps=1)
+    assert list(groups_of(h.poll())) == ["ok"]
+    s = h.stats()
+    assert s["rows"]["rejected"] == {"invalid_session_id": 1}
+    assert_balanced(s)
+    w.close()
+
+
+def connect_rows(url: str, sql: str) -> list[tuple]:
+    from rollout_buffer.db import connect
+
+    db = connect(url)
+    try:
+        return [tuple(r) for r in db.rows(sql)]
+    finally:
+        db.close()
