@@ -1,50 +1,29 @@
 """In-memory grouping of one job's rows, under one lock, with no I/O.
 
-Pending state holds metadata only: per group, per session, the primary keys of its rows and
-whether the session has completed. Bodies (messages, response, rewards, ...) stay in the
-database and are read when a group is served. Every method returns *decisions* (groups to
-drop, rows to account one by one, groups to serve) for the caller to persist and act on after
-the lock is released.
-
-Accounting (SPEC §3), in distinct step_pks per job:
-``read = served + dropped (by reason) + rejected (by reason) + pending``.
+Owns: the undecided groups of one job (pending, ready in the serve order, taken by a poll), the
+tombstones of decided ones, the policies' decisions when a group becomes ready, and the job's
+counters (:mod:`~rollout_buffer.accounting`). Pending state holds metadata only (see
+:mod:`~rollout_buffer.group`); bodies stay in the database until served. Every method returns
+*decisions* (a plan: drops, rows accounted one by one, groups ready) for the caller to record and
+act on after the lock is released; it must not touch the database, the proxy or the clock
+beyond its own monotonic one.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from typing import Callable, Iterable
 
-from .model import (DROPPED, INCOMPLETE_IN_SERVED, INVALID_GROUP, LATE_DROPPED, LATE_SERVED, MALFORMED,
-                    INVALID_SESSION, MISSING_GROUP, REJECTED, ROW_DROPPED, SERVED, TTL, BadText, Decisions, Drop, Row, RowEvent,
-                    Take)
+from .accounting import Counts
+from .group import Group
+from .model import (DROPPED, INVALID_GROUP, INVALID_SESSION, LATE_DROPPED, LATE_SERVED,
+                    MALFORMED, MISSING_GROUP, OVERSAMPLED, REJECTED, ROW_DROPPED, SERVED, TTL, BadText, Decisions, Drop, Policy, Row, RowEvent, Take)
 
 logger = logging.getLogger(__name__)
-
-
-class Group:
-    """One prompt group that is not decided yet."""
-
-    __slots__ = ("group_id", "sessions", "completed", "n_rows", "last_seen", "first_seen", "min_pk",
-                 "taken")
-
-    def __init__(self, group_id: str, now: float) -> None:
-        self.group_id = group_id
-        self.sessions: dict[str, list[int]] = {}  # session -> its rows' pks (metadata only)
-        self.completed: set[str] = set()          # sessions that wrote their completed row
-        self.n_rows = 0
-        self.last_seen = now
-        self.first_seen = now
-        self.min_pk: int | None = None
-        self.taken: dict[str, int] | None = None  # session -> rows handed to the server
-
-    def session_ids(self) -> list[str]:
-        return sorted(self.sessions)
-
-    def all_pks(self) -> list[int]:
-        return sorted(pk for pks in self.sessions.values() for pk in pks)
 
 
 class Accumulator:
@@ -53,40 +32,43 @@ class Accumulator:
     All state is guarded by ``self.lock``; every public method takes it, and no method does I/O.
     """
 
-    def __init__(self, job_id: str, k: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, job_id: str, k: int, *, clock: Callable[[], float] = time.monotonic,
+                 policy: Policy | None = None) -> None:
         self.job_id = job_id
         self.k = k
         self.clock = clock
+        self.policy = policy or Policy()
         self.lock = threading.Lock()
         self.pending: OrderedDict[str, Group] = OrderedDict()  # incomplete, oldest activity first
         self.ready: OrderedDict[str, Group] = OrderedDict()    # ready, first ready first
+        # serve order by version: a heap of (key, seq, group_id) beside ``ready`` (stale entries skipped)
+        self._order: list[tuple[int, int, str]] | None = None if self.policy.serve_order == "ready" else []
+        self._seq = itertools.count()
+        self._track_wv = self.policy.max_off_policy is not None or self._order is not None
+        self.trainer_version: int | None = None  # the last current_weight_version a poll sent
+        self.rows_version = 0                    # the largest weight_version of an ingested row
+        self.counts = Counts()
         self.taken: dict[str, Group] = {}                      # handed to a poll, not yet decided
         self.decided: dict[str, str] = {}                      # group_id -> served | dropped
         self.tainted: set[str] = set()                         # sessions with a row lacking group_id
         self.tainted_groups: set[str] = set()                  # groups with a row lacking a session_id
         self.session_group: dict[str, str] = {}                # session -> its undecided group (O(1) lookups)
         self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
-        self.rows_read = 0
-        self.pending_rows = 0
-        self.served_rows = 0
-        self.dropped = Counter()
-        self.rejected = Counter()
-        self.groups_served = 0
-        self.groups_dropped = Counter()
 
-    # -- loading ----------------------------------------------------------------------------
-    def load(self, decided: dict[str, str], rows_accounted: int, served_rows: int,
-             dropped: dict[str, int], rejected: dict[str, int], groups_served: int,
-             groups_dropped: dict[str, int]) -> None:
-        """Restore decisions and counters after a restart (before any row is ingested)."""
+    # -- versions ---------------------------------------------------------------------------------
+    @property
+    def current_version(self) -> int:
+        """The job's current version: the larger of the trainer's last and the rows' largest."""
+        t = self.trainer_version
+        return self.rows_version if t is None else max(t, self.rows_version)
+
+    def set_versions(self, trainer: int | None = None, rows: int | None = None) -> None:
+        """A poll's current_weight_version (the last one wins), or the stored ones after a restart."""
         with self.lock:
-            self.decided.update(decided)
-            self.rows_read = rows_accounted
-            self.served_rows = served_rows
-            self.dropped.update(dropped)
-            self.rejected.update(rejected)
-            self.groups_served = groups_served
-            self.groups_dropped.update(groups_dropped)
+            if trainer is not None:
+                self.trainer_version = trainer
+            if rows is not None:
+                self.rows_version = max(self.rows_version, rows)
 
     # -- ingest -------------------------------------------------------------------------------
     def ingest(self, rows: Iterable[Row]) -> Decisions:
@@ -95,8 +77,13 @@ class Accumulator:
         with self.lock:
             self.changes += 1
             now = self.clock()
-            for pk, sid, gid, completed in rows:
-                self.rows_read += 1
+            track_wv, k = self._track_wv, self.k
+            for r in rows:
+                pk, sid, gid, completed = r[0], r[1], r[2], r[3]
+                step_id, reward, wv = (r[4], r[5], r[6]) if len(r) > 4 else (None, None, 0)
+                self.counts.rows_read += 1
+                if wv is not None and wv > self.rows_version:
+                    self.rows_version = wv
                 if isinstance(gid, (int, float)) and not isinstance(gid, bool):
                     gid = str(gid)  # a number (an untyped column) names its group as its text does
                 if not isinstance(sid, str) or isinstance(sid, BadText) or not sid:
@@ -105,7 +92,7 @@ class Accumulator:
                 if gid is None or gid == "" or not isinstance(gid, str) or isinstance(gid, BadText):
                     # no group, or one that is not text (undecodable, a BLOB): never served under a garbled id
                     reason = MISSING_GROUP if gid is None or gid == "" else INVALID_GROUP
-                    self.rejected[reason] += 1
+                    self.counts.rejected[reason] += 1
                     out.rows.append(RowEvent(pk, REJECTED, reason, None, sid))
                     self.tainted.add(sid)
                     other = self._undecided(self.session_group.get(sid))  # O(1): the session index
@@ -115,8 +102,11 @@ class Accumulator:
                 gid = str(gid)
                 status = self.decided.get(gid)
                 if status is not None:
-                    reason = LATE_SERVED if status == SERVED else LATE_DROPPED
-                    self.dropped[reason] += 1
+                    # with over-sampling, a served group's late rows are its other sessions' (a served
+                    # session writes nothing after its completed row)
+                    reason = (OVERSAMPLED if self.policy.oversample else LATE_SERVED) if status == SERVED \
+                        else LATE_DROPPED
+                    self.counts.dropped[reason] += 1
                     out.rows.append(RowEvent(pk, ROW_DROPPED, reason, gid, sid))
                     continue
                 g = self.pending.get(gid)
@@ -127,6 +117,10 @@ class Accumulator:
                 else:
                     self.pending.move_to_end(gid)
                 g.last_seen = now
+                if g.chosen is not None and sid not in g.chosen:
+                    self.counts.dropped[OVERSAMPLED] += 1  # a session beyond the K it serves: never served
+                    out.rows.append(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, gid, sid))
+                    continue
                 pks = g.sessions.get(sid)
                 if pks is None:
                     g.sessions[sid] = [pk]
@@ -134,19 +128,55 @@ class Accumulator:
                 else:
                     pks.append(pk)
                 g.n_rows += 1
-                self.pending_rows += 1
+                self.counts.pending_rows += 1
                 if g.min_pk is None or pk < g.min_pk:
                     g.min_pk = pk
+                if track_wv and wv is not None:
+                    if g.wv is None:
+                        g.wv = {}
+                    if wv < g.wv.get(sid, wv + 1):
+                        g.wv[sid] = wv
                 if completed:
-                    g.completed.add(sid)
+                    c = g.completed.get(sid)
+                    term = (step_id if step_id is not None else -1, pk)
+                    if c is None:
+                        g.completed[sid] = (pk, term, reward)
+                    elif term > c[1]:  # the terminal reward is the last completed row's (SPEC §3)
+                        g.completed[sid] = (min(pk, c[0]), term, reward)
                 if (sid in self.tainted or gid in self.tainted_groups) and g.taken is None:
                     self._drop(g, MALFORMED, out)
                     continue
-                if len(g.completed) >= self.k and gid in self.pending:
+                if len(g.completed) >= k and gid in self.pending:
                     del self.pending[gid]
-                    self.ready[gid] = g
-                    out.newly_ready += 1
+                    self._became_ready(g, out)
         return out
+
+    def _became_ready(self, g: Group, out: Decisions) -> None:
+        """(Lock held.) A group has K completed sessions, or is served short at the TTL: choose its
+        sessions (over-sampling), apply the policies, and queue it or drop it."""
+        if self.policy.oversample and len(g.completed) >= self.k:
+            self._choose(g, out)
+        p = self.policy
+        reason = g.refusal(p, self.current_version)
+        if reason is not None:
+            self._drop(g, reason, out)
+            return
+        g.ready_at = self.clock()
+        self.ready[g.group_id] = g
+        if self._order is not None:
+            g.order_key = (g.min_wv if p.serve_order == "oldest_version" else -g.min_wv, next(self._seq), g.group_id)
+            heapq.heappush(self._order, g.order_key)
+        out.newly_ready += 1
+
+    def _choose(self, g: Group, out: Decisions) -> None:
+        """Over-sampling: the group keeps its first K completed sessions; the rows of every other
+        session are dropped as oversampled now (and so are their later rows)."""
+        for sid, pks in g.choose(self.k).items():
+            if self.session_group.get(sid) == g.group_id:
+                del self.session_group[sid]
+            self.counts.pending_rows -= len(pks)
+            self.counts.dropped[OVERSAMPLED] += len(pks)
+            out.rows.extend(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, g.group_id, sid) for pk in pks)
 
     def _undecided(self, gid: str | None) -> Group | None:
         if gid is None:
@@ -157,7 +187,7 @@ class Accumulator:
         """A row whose session_id is not text (a BLOB, NULL, a number, invalid UTF-8): it cannot be
         served nor cleared at the proxy. Its group can never be served whole: it is dropped now, or
         as soon as it appears, or (taken by a poll) when the poll gives it back."""
-        self.rejected[INVALID_SESSION] += 1
+        self.counts.rejected[INVALID_SESSION] += 1
         ok_gid = str(gid) if isinstance(gid, str) and gid and not isinstance(gid, BadText) else None
         out.rows.append(RowEvent(pk, REJECTED, INVALID_SESSION, ok_gid, None))
         if ok_gid is None or ok_gid in self.decided:
@@ -171,14 +201,13 @@ class Accumulator:
         """Decide an undecided group as dropped (lock held). Never a taken group: its poll decides it."""
         gid = g.group_id
         assert g.taken is None, gid
-        drop = Drop(gid, reason, g.all_pks(), g.session_ids())  # first: nothing is mutated if this fails
+        drop = Drop(gid, reason, g.all_pks(), g.session_ids(), g.rewards())  # first: nothing is mutated if this fails
         self.changes += 1
         self.pending.pop(gid, None)
         self.ready.pop(gid, None)
         self.decided[gid] = DROPPED
-        self.pending_rows -= g.n_rows
-        self.dropped[reason] += g.n_rows
-        self.groups_dropped[reason] += 1
+        self.counts.pending_rows -= g.n_rows
+        self.counts.group_dropped(reason, g.n_rows, len(g.sessions), drop.rewards)
         self._forget(g)
         out.drops.append(drop)
 
@@ -191,29 +220,44 @@ class Accumulator:
 
     # -- dropping -------------------------------------------------------------------------------
     def expire(self, ttl_s: float) -> Decisions:
-        """Drop incomplete groups idle for ttl_s on the monotonic clock (oldest first, O(expired))."""
+        """Drop incomplete groups idle for ttl_s on the monotonic clock (oldest first, O(expired)).
+
+        With a minimum group size, a group with at least that many completed sessions is made
+        ready instead, to be served with only its completed sessions (``partial``)."""
         out = Decisions()
         if ttl_s <= 0:
             return out
         with self.lock:
             now = self.clock()
             while self.pending:
-                gid, g = next(iter(self.pending.items()))
+                g = next(iter(self.pending.values()))
                 if now - g.last_seen < ttl_s:
                     break
-                self._drop(g, TTL, out)
+                self._give_up(g, TTL, out)
         return out
 
-    def drop_all(self, reason: str, *, include_ready: bool) -> Decisions:
-        """Drop every incomplete group (and the ready ones when include_ready)."""
+    def drop_all(self, reason: str, *, include_ready: bool, partial: bool = False) -> Decisions:
+        """Drop every incomplete group (and the ready ones when include_ready); with ``partial`` (the
+        launcher exited: they can never complete) those with the minimum group size are served short."""
         out = Decisions()
         with self.lock:
             for g in list(self.pending.values()):
-                self._drop(g, reason, out)
+                self._give_up(g, reason, out) if partial else self._drop(g, reason, out)
             if include_ready:
                 for g in list(self.ready.values()):
                     self._drop(g, reason, out)
         return out
+
+    def _give_up(self, g: Group, reason: str, out: Decisions) -> None:
+        """(Lock held.) An incomplete group that cannot wait any longer: ready short of K when it has
+        the minimum group size (ROLLOUT_BUFFER_MIN_GROUP_SIZE), else dropped with ``reason``."""
+        least = self.policy.min_group_size
+        if least is not None and least < self.k and len(g.completed) >= least:
+            del self.pending[g.group_id]
+            g.partial = True
+            self._became_ready(g, out)
+        else:
+            self._drop(g, reason, out)
 
     # -- serving ----------------------------------------------------------------------------------
     def take_ready(self, max_groups: int | None) -> list[Take]:
@@ -222,14 +266,26 @@ class Accumulator:
         with self.lock:
             self.changes += 1
             while self.ready and (max_groups is None or len(takes) < max_groups):
-                gid, g = self.ready.popitem(last=False)
+                g = self._pop_ready()
+                gid = g.group_id
                 completed, incomplete = {}, {}
                 for sid, pks in g.sessions.items():
                     (completed if sid in g.completed else incomplete)[sid] = tuple(pks)
                 g.taken = {sid: len(pks) for sid, pks in g.sessions.items()}
                 self.taken[gid] = g
-                takes.append(Take(gid, completed, incomplete))
+                takes.append(Take(gid, completed, incomplete, g.rewards(), g.partial and len(completed) < self.k,
+                                  g.ready_at))
         return takes
+
+    def _pop_ready(self) -> Group:
+        """(Lock held, ready not empty.) The next group in the serve order."""
+        if self._order is None:
+            return self.ready.popitem(last=False)[1]
+        while True:
+            _, _, gid = heapq.heappop(self._order)
+            g = self.ready.pop(gid, None)
+            if g is not None:
+                return g
 
     def retake(self, takes: list[Take]) -> list[Take]:
         """Hand back exactly these earlier takes (released after a COMMIT that did happen after all),
@@ -262,6 +318,8 @@ class Accumulator:
                     continue
                 self.ready[t.group_id] = g
                 self.ready.move_to_end(t.group_id, last=False)
+                if self._order is not None and g.order_key is not None:
+                    heapq.heappush(self._order, g.order_key)  # its old place in the version order
         return out
 
     def commit(self, plan: Decisions) -> Decisions:
@@ -283,11 +341,8 @@ class Accumulator:
                 settled.add(s.group_id)
                 self._settle(g, out, LATE_SERVED)
                 self.decided[s.group_id] = SERVED
-                self.groups_served += 1
-                self.served_rows += len(s.take.served_pks)
-                n_inc = len(s.take.incomplete_pks)
-                if n_inc:
-                    self.dropped[INCOMPLETE_IN_SERVED] += n_inc
+                self.counts.group_served(len(s.take.served_pks), len(s.take.incomplete_pks), len(s.take.completed),
+                                         s.rewards)
             for d in plan.drops:
                 g = self.taken.pop(d.group_id, None)
                 if g is None:
@@ -295,12 +350,18 @@ class Accumulator:
                 settled.add(d.group_id)
                 self._settle(g, out, LATE_DROPPED)
                 self.decided[d.group_id] = DROPPED
-                self.groups_dropped[d.reason] += 1
-                self.dropped[d.reason] += len(d.pks)
+                self.counts.group_dropped(d.reason, len(d.pks), len(d.clear_sessions), d.rewards)
             for r in plan.rows:
                 if r.outcome == REJECTED and r.group_id in settled:
-                    self.rejected[r.reason] += 1
+                    self.counts.rejected[r.reason] += 1
+            if plan.batch is not None and plan.batch.meta:
+                self.counts.batch_reported(plan.batch.meta.get("filtered"))
         return out
+
+    def filtered_since_batch(self) -> dict[str, int]:
+        """Groups dropped since the last served batch, by reason (meta_info.filtered)."""
+        with self.lock:
+            return dict(+self.counts.filtered)
 
     def settle_decided(self, takes: list[Take], decided: dict[str, tuple[str, str | None]]) -> Decisions:
         """Taken groups that another instance already decided ({group_id: (status, reason)}, from
@@ -317,48 +378,42 @@ class Accumulator:
                 self._settle(g, out, LATE_SERVED if status == SERVED else LATE_DROPPED)
                 self.decided[t.group_id] = status
                 if status == SERVED:
-                    self.groups_served += 1
-                    self.served_rows += len(t.served_pks)
-                    self.dropped[INCOMPLETE_IN_SERVED] += len(t.incomplete_pks)
+                    self.counts.group_served(len(t.served_pks), len(t.incomplete_pks), len(t.completed), t.rewards)
                 else:
-                    self.groups_dropped[reason or MALFORMED] += 1
-                    self.dropped[reason or MALFORMED] += len(t.all_pks)
+                    self.counts.group_dropped(reason or MALFORMED, len(t.all_pks), len(t.sessions), t.rewards)
         return out
 
     def _settle(self, g: Group, out: Decisions, late_reason: str) -> None:
         """Remove a taken group from pending state; rows that arrived while taken become late rows."""
         assert g.taken is not None
-        self.pending_rows -= g.n_rows
+        self.counts.pending_rows -= g.n_rows
         self._forget(g)
         for sid, pks in g.sessions.items():
             extra = pks[g.taken.get(sid, 0):]
             for pk in extra:
-                self.dropped[late_reason] += 1
+                self.counts.dropped[late_reason] += 1
                 out.rows.append(RowEvent(pk, ROW_DROPPED, late_reason, g.group_id, sid))
         g.taken = None
 
     # -- reading -------------------------------------------------------------------------------
-    def set_k(self, k: int) -> int:
-        """Change K; groups that now have K completed sessions become ready. Returns how many."""
-        n = 0
+    def set_k(self, k: int) -> tuple[int, Decisions]:
+        """Change K; groups that now have K completed sessions become ready (or are dropped by a
+        policy). Returns how many became ready, and the plan of what the policies decided."""
         with self.lock:
             self.k = k
             moved = False
             for gid, g in list(self.ready.items()):
-                if len(g.completed) < k:  # K was raised: not ready any more
+                if len(g.completed) < k:  # K was raised: not ready any more (and open to more sessions)
                     del self.ready[gid]
-                    self.pending[gid] = g
-                    moved = True
-            if moved:
-                # expire() walks pending oldest activity first and stops at the first live group:
-                # groups put back must take their place by idle time, not at the end (rare: K changed)
+                    self.pending[gid], g.chosen, moved = g, None, True
+            if moved:  # expire() stops at the first live group: put them back in idle order (rare)
                 self.pending = OrderedDict(sorted(self.pending.items(), key=lambda kv: kv[1].last_seen))
+            out = Decisions()
             for gid, g in list(self.pending.items()):
                 if len(g.completed) >= k:
                     del self.pending[gid]
-                    self.ready[gid] = g
-                    n += 1
-        return n
+                    self._became_ready(g, out)
+        return out.newly_ready, out
 
     def has_ready(self) -> bool:
         """True when a poll would get data (no lock needed for a racy peek, but take it anyway)."""
@@ -378,25 +433,15 @@ class Accumulator:
             now = self.clock()
             oldest = min((g.first_seen for d in (self.pending, self.ready, self.taken) for g in d.values()),
                          default=None)
+            counts = self.counts.view()
             return {
                 "job_id": self.job_id,
                 "k": self.k,
-                "rows": {
-                    "read": self.rows_read,
-                    "served": self.served_rows,
-                    "dropped": dict(self.dropped),
-                    "dropped_total": sum(self.dropped.values()),
-                    "rejected": dict(self.rejected),
-                    "rejected_total": sum(self.rejected.values()),
-                    "pending": self.pending_rows,
-                },
-                "groups": {
-                    "pending": len(self.pending),
-                    "ready": len(self.ready),
-                    "in_flight": len(self.taken),
-                    "served": self.groups_served,
-                    "dropped": dict(self.groups_dropped),
-                    "dropped_total": sum(self.groups_dropped.values()),
-                },
+                "rows": counts["rows"],
+                "groups": {"pending": len(self.pending), "ready": len(self.ready), "in_flight": len(self.taken),
+                           **counts["groups"]},
                 "oldest_pending_group_age_s": None if oldest is None else round(now - oldest, 3),
+                "figures": counts["figures"],
+                "versions": {"current": self.current_version, "trainer": self.trainer_version,
+                             "rows": self.rows_version},
             }

@@ -18,6 +18,7 @@ from flask import Blueprint, Response, current_app, g, request
 from .errors import ApiError
 from .items import iter_bytes
 from .metrics import render_metrics
+from .model import PollRequest
 from .page import page_html, status_document
 from .connections import LazyPair
 from .service import Service
@@ -169,6 +170,17 @@ def parse_wait_s(v: Any) -> float:
     return float(v)
 
 
+def parse_version(name: str, v: Any) -> int | None:
+    """max_off_policy / current_weight_version: an optional int >= 0."""
+    if v is None:
+        return None
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        v = int(v)
+    if not _is_int(v) or v < 0 or v > 2 ** 53:
+        raise ApiError(400, f"{name}={v!r} is invalid: expected an integer >= 0", field=name)
+    return v
+
+
 def parse_min_groups(v: Any) -> int:
     """min_groups: with wait_s, answer once this many groups are ready; an int >= 1, default 1."""
     if v is None:
@@ -192,13 +204,12 @@ def start_rollout() -> tuple[dict[str, Any], int]:
 
 @bp.post("/get_rollout_data")
 def get_rollout_data() -> Response:
-    body = json_body()
-    max_groups = parse_max_groups(body.get("max_groups"))
-    request_id = parse_request_id(body.get("request_id"))
-    wait_s = parse_wait_s(body.get("wait_s"))
-    min_groups = parse_min_groups(body.get("min_groups"))
-    body = service().get_rollout_data(conns(), max_groups=max_groups, request_id=request_id, wait_s=wait_s,
-                                      min_groups=min_groups)
+    b = json_body()
+    poll = PollRequest(parse_max_groups(b.get("max_groups")), parse_request_id(b.get("request_id")),
+                       parse_wait_s(b.get("wait_s")), parse_min_groups(b.get("min_groups")),
+                       parse_version("max_off_policy", b.get("max_off_policy")),
+                       parse_version("current_weight_version", b.get("current_weight_version")))
+    body = service().get_rollout_data(conns(), poll)
     resp = Response(iter_bytes(body), status=200, mimetype="application/json")
     resp.headers["Content-Length"] = str(sum(len(c) for c in body))
     resp.call_on_close(body.close)  # a replay's rebuilt copy counts against the bound until sent

@@ -45,7 +45,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from .client import BufferClient, format_stats
+    from .client import BufferClient
+    from .stats_table import format_stats
 
     client = BufferClient(args.url, token=args.token or os.environ.get("ROLLOUT_BUFFER_TOKEN"))
     if args.watch:
@@ -97,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=0, help="port (default: a free one)")
     s.add_argument("--pace", type=float, default=0.02, help="simulator seconds between rows")
     s.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
+    s.add_argument("--policies", action="store_true",
+                   help="turn the training-data policies on (staleness, zero variance, over-sampling) and show "
+                        "their counts")
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("stats", help="print GET /stats of a running service as a table")
     s.add_argument("url", nargs="?", default="http://127.0.0.1:18889")

@@ -26,7 +26,7 @@ import logging
 import random
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import requests
 
@@ -230,17 +230,26 @@ class BufferClient:
         return self._call("POST", "/stop_rollout", {})
 
     def get_rollout_data(self, max_groups: int | None = None, request_id: str | None = None, *,
-                         wait_s: float = 0.0, min_groups: int | None = None) -> dict[str, Any]:
+                         wait_s: float = 0.0, min_groups: int | None = None,
+                         current_weight_version: int | None = None,
+                         max_off_policy: int | None = None) -> dict[str, Any]:
         """POST /get_rollout_data; returns the raw response document.
 
         One logical call = one request_id (a fresh uuid4 hex unless given), reused for every retry,
         so a response lost in transit is replayed rather than lost. ``success`` is false (with
         "No data available to read") when no group is ready. With ``wait_s`` the server holds the
         poll until ``min_groups`` (default 1) groups are ready or ``wait_s`` has passed (long-poll).
+        ``current_weight_version`` tells the service the trainer's version (the job keeps the last
+        one sent) and ``max_off_policy`` overrides its staleness bound for this poll: groups with
+        current - min(weight_version) > max_off_policy are dropped as ``stale``, never served.
         """
         body: dict[str, Any] = {}
         if max_groups is not None:
             body["max_groups"] = max_groups
+        if current_weight_version is not None:
+            body["current_weight_version"] = current_weight_version
+        if max_off_policy is not None:
+            body["max_off_policy"] = max_off_policy
         if wait_s:
             body["wait_s"] = wait_s
             if min_groups is not None:
@@ -252,7 +261,9 @@ class BufferClient:
         return self._call("POST", "/get_rollout_data", body, wait_s=wait_s)
 
     def iter_groups(self, n: int | None = None, *, max_groups: int | None = None, poll_interval: float = 3.0,
-                    timeout: float | None = None, wait_s: float = 30.0) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+                    timeout: float | None = None, wait_s: float = 30.0,
+                    current_weight_version: int | None | Callable[[], int | None] = None,
+                    max_off_policy: int | None = None) -> Iterator[tuple[str, list[dict[str, Any]]]]:
         """Yield complete groups as ``(group_id, items)`` in the order served.
 
         Items of a response are grouped by ``instance_id`` (order preserved). Each poll long-polls
@@ -262,6 +273,8 @@ class BufferClient:
         still wanted, so no group is taken from the server and not yielded; groups of a response
         the caller stops consuming midway are, however, marked served on the server.
         A group id is never yielded twice (a duplicate is logged and skipped).
+        ``current_weight_version`` (a number, or a callable asked before every poll, as the trainer's
+        version moves while it iterates) and ``max_off_policy`` are sent with every poll.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         seen: set[str] = set()
@@ -276,7 +289,9 @@ class BufferClient:
                 want = left if want is None or want <= 0 else min(want, left)
             wait = wait_s if deadline is None else min(wait_s, max(0.0, deadline - time.monotonic()))
             asked = time.monotonic()
-            doc = self.get_rollout_data(max_groups=want, wait_s=wait)
+            version = current_weight_version() if callable(current_weight_version) else current_weight_version
+            doc = self.get_rollout_data(max_groups=want, wait_s=wait, current_weight_version=version,
+                                        max_off_policy=max_off_policy)
             groups = groups_of(doc) if doc.get("success") else []
             # an empty answer well before wait_s: no long-poll there (the original server, or every
             # waiting slot taken), so pause as the original client does instead of spinning
@@ -312,98 +327,3 @@ def groups_of(doc: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
             gid = (item.get("extra_info") or {}).get("group_id")
         out.setdefault(str(gid), []).append(item)
     return list(out.items())
-
-
-# -- /stats as a table --------------------------------------------------------------------------------
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, float):
-        return f"{v:.3f}".rstrip("0").rstrip(".") if v != int(v) else f"{int(v)}"
-    return str(v)
-
-
-def _by_reason(d: Any) -> str:
-    if not isinstance(d, dict) or not d:
-        return ""
-    return "  (" + ", ".join(f"{k}: {v}" for k, v in sorted(d.items())) + ")"
-
-
-def format_stats(stats: dict[str, Any]) -> str:
-    """GET /stats as a readable fixed-width table."""
-    rows: list[tuple[str, str]] = []
-
-    def add(label: str, value: Any, extra: str = "") -> None:
-        rows.append((label, _fmt(value) + extra))
-
-    def section(title: str) -> None:
-        rows.append(("", ""))
-        rows.append((f"[{title}]", ""))
-
-    job = stats.get("job_session") or stats.get("job_id")
-    add("job", job if job is not None else "(none: no /start_rollout yet)")
-    if "k" in stats:
-        add("K (sessions per group)", stats.get("k"))
-    add("database", stats.get("database"))
-    r = stats.get("rows")
-    if isinstance(r, dict):
-        section("rows")
-        add("read", r.get("read"))
-        add("served", r.get("served"))
-        add("dropped", r.get("dropped_total"), _by_reason(r.get("dropped")))
-        add("rejected", r.get("rejected_total"), _by_reason(r.get("rejected")))
-        add("pending", r.get("pending"))
-        if "accounting_balanced" in stats:
-            add("accounting balanced", stats.get("accounting_balanced"))
-    g = stats.get("groups")
-    if isinstance(g, dict):
-        section("groups")
-        add("pending", g.get("pending"))
-        add("ready", g.get("ready"))
-        if "in_flight" in g:
-            add("in flight", g.get("in_flight"))
-        add("served", g.get("served"))
-        add("dropped", g.get("dropped_total"), _by_reason(g.get("dropped")))
-    if r is not None or "cursor" in stats:
-        section("ingest")
-        add("cursor (last id read)", stats.get("cursor"))
-        if stats.get("floor_pk"):
-            add("restart floor id", stats.get("floor_pk"))
-        add("lag (rows not yet read)", stats.get("lag_rows"))
-        age = stats.get("oldest_pending_group_age_s")
-        add("oldest pending group age", None if age is None else f"{age:.1f} s")
-    la = stats.get("launcher")
-    if isinstance(la, dict):
-        section("launcher")
-        add("running", la.get("running"))
-        add("pid", la.get("pid"))
-        add("exit code", la.get("exit_code"))
-        add("restarts", la.get("restarts"))
-        add("finished", la.get("finished"))
-        if la.get("stopped_by"):
-            add("stopped by", la.get("stopped_by"))
-        if la.get("log_path"):
-            add("log", la.get("log_path"))
-    px = stats.get("proxy_notifications")
-    if isinstance(px, dict):
-        section("proxy")
-        add("sessions pending clear", px.get("sessions"), _by_reason(px.get("reasons")))
-        if "failures" in px:
-            add("delivery failures", px.get("failures"))
-    polls = stats.get("polls")
-    if isinstance(polls, dict):
-        section("polls")
-        add("count", polls.get("count"))
-        add("with data", polls.get("with_data"))
-    width = max(len(label) for label, _ in rows)
-    lines = []
-    for label, value in rows:
-        if not label and not value:
-            lines.append("")
-        elif label.startswith("[") and not value:
-            lines.append(label)
-        else:
-            lines.append(f"  {label:<{width}}  {value}")
-    return "\n".join(lines)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping
 
 from .db import redact
 from .errors import ConfigError
+from .model import Policy
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,12 @@ def _bool(raw: str) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError("a boolean (1/0, true/false, yes/no, on/off)")
+
+
+def _opt_int(lo: int) -> Callable[[str], int | None]:
+    """An integer >= lo, or None (off) when empty."""
+    parse = _int(lo)
+    return lambda raw: parse(raw) if raw.strip() else None
 
 
 def _str(raw: str) -> str:
@@ -161,6 +168,22 @@ SETTINGS: tuple[Setting, ...] = (
             "(bounds the memory one group can take)"),
     Setting("max_waiting_polls", PREFIX + "MAX_WAITING_POLLS", 8, _int(0, 1024),
             "long-polls (wait_s > 0) that may wait at once; more answer at once"),
+    # --- training-data policies (issue 10); every one is off by default ---
+    Setting("max_off_policy", PREFIX + "MAX_OFF_POLICY", None, _opt_int(0),
+            "drop a group as stale when current version - min weight_version of its items > this (unset: off); "
+            "a poll's max_off_policy overrides it for that poll"),
+    Setting("drop_zero_variance", PREFIX + "DROP_ZERO_VARIANCE", False, _bool,
+            "drop a ready group whose sessions' terminal rewards are all equal (max - min <= epsilon)"),
+    Setting("zero_variance_epsilon", PREFIX + "ZERO_VARIANCE_EPSILON", 1e-6, _float(0.0),
+            "the epsilon of DROP_ZERO_VARIANCE"),
+    Setting("oversample", PREFIX + "OVERSAMPLE", 0, _int(0),
+            "start K + N sessions per group (--rl-group-size), serve the first K to complete, clear the others"),
+    Setting("min_group_size", PREFIX + "MIN_GROUP_SIZE", None, _opt_int(1),
+            "at the TTL, serve a group with at least this many completed sessions (partial) instead of dropping "
+            "it; unset or >= K: off"),
+    Setting("serve_order", PREFIX + "SERVE_ORDER", "ready", _choice("ready", "oldest_version", "newest_version"),
+            "which ready groups go first: ready (first ready), oldest_version or newest_version (by the min "
+            "weight_version of their items)"),
     Setting("max_request_bytes", PREFIX + "MAX_REQUEST_BYTES", 1024 * 1024, _int(1024), "request body cap"),
     Setting("ingest_interval_s", PREFIX + "INGEST_INTERVAL_SECONDS", 0.2, _float(0.001),
             "how often the background thread reads new rows"),
@@ -229,6 +252,12 @@ class Config:
     max_response_bytes: int = 256 * 1024 * 1024
     max_group_bytes: int = 1024 * 1024 * 1024
     max_waiting_polls: int = 8
+    max_off_policy: int | None = None
+    drop_zero_variance: bool = False
+    zero_variance_epsilon: float = 1e-6
+    oversample: int = 0
+    min_group_size: int | None = None
+    serve_order: str = "ready"
     max_request_bytes: int = 1024 * 1024
     ingest_interval_s: float = 0.2
     ingest_batch: int = 20000
@@ -267,6 +296,12 @@ class Config:
                 f"{PREFIX}GRACEFUL_TIMEOUT_SECONDS={self.graceful_timeout_s} must exceed "
                 f"{PREFIX}STOP_GRACE_SECONDS={self.stop_grace_s}: gunicorn would KILL the worker "
                 "before the launcher is stopped")
+
+    @property
+    def policy(self) -> Policy:
+        """The training-data policies as one value (the accumulator applies them)."""
+        return Policy(self.max_off_policy, self.drop_zero_variance, self.zero_variance_epsilon, self.oversample,
+                      self.min_group_size, self.serve_order)
 
     @property
     def effective_state_db_url(self) -> str:

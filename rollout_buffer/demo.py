@@ -35,16 +35,25 @@ POLL_INTERVAL_S = 0.5
 STOP_WAIT_S = 15.0
 
 
-def server_env(db_url: str, run_dir: str, *, groups: int, pace: float) -> dict[str, str]:
+# --policies: what the demo turns on (the simulator's weight_version moves every 50 rows, and a
+# fifth of its groups end with equal rewards, so each policy has something to do)
+POLICY_ENV = {"ROLLOUT_BUFFER_MAX_OFF_POLICY": "3", "ROLLOUT_BUFFER_DROP_ZERO_VARIANCE": "1",
+              "ROLLOUT_BUFFER_OVERSAMPLE": "1"}
+POLICY_REASONS = ("stale", "zero_variance", "oversampled")
+
+
+def server_env(db_url: str, run_dir: str, *, groups: int, pace: float, policies: bool = False) -> dict[str, str]:
     """The server's environment: ours without any rollout-buffer setting, plus the demo's."""
+    sim = f"--groups {groups} --pace {pace} --max-steps 4 --fail-rate 0.1" + (" --flat-rate 0.2" if policies else "")
     return clean_env({
         "AIEVOBOX_DB_URL": db_url,
         "AIEVOBOX_RUN_DIR": run_dir,
         "ROLLOUT_BUFFER_LAUNCHER": "simulate",
-        "ROLLOUT_BUFFER_SIMULATE_ARGS": f"--groups {groups} --pace {pace} --max-steps 4 --fail-rate 0.1",
+        "ROLLOUT_BUFFER_SIMULATE_ARGS": sim,
         "AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS": "60",
         "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "5",
         "ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS": "20",
+        **(POLICY_ENV if policies else {}),
     })
 
 
@@ -142,7 +151,11 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"rollout-buffer demo: {groups} groups x K={k} sessions, simulated launcher (pace {pace:g} s/row)")
     print(f"  work dir {workdir}")
     print(f"  server   {url}  (log {server_log})")
-    server = ServerProcess(port, server_env(db_url, logs, groups=groups, pace=pace), server_log, cwd=workdir)
+    policies = bool(getattr(args, "policies", False))
+    if policies:
+        print("  policies " + ", ".join(f"{k.replace('ROLLOUT_BUFFER_', '')}={v}" for k, v in POLICY_ENV.items()))
+    server = ServerProcess(port, server_env(db_url, logs, groups=groups, pace=pace, policies=policies), server_log,
+                           cwd=workdir)
     started = time.monotonic()
     server.spawn()
     client: BufferClient | None = None
@@ -191,7 +204,7 @@ def run_demo(args: argparse.Namespace) -> int:
             stats = client.stats()
         progress.end()
         return _summary(out, checker, stats, wall=wall, workdir=workdir, db_path=db_path, logs=logs,
-                        server_log=server_log, timed_out=timed_out, timeout=timeout)
+                        server_log=server_log, timed_out=timed_out, timeout=timeout, policies=policies)
     except BufferError as exc:
         progress.end()
         print(f"rollout-buffer demo: the buffer failed: {exc}", file=sys.stderr)
@@ -210,7 +223,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _summary(out: TextIO, checker: Checker, stats: dict[str, Any], *, wall: float, workdir: str, db_path: str,
-             logs: str, server_log: str, timed_out: bool, timeout: float) -> int:
+             logs: str, server_log: str, timed_out: bool, timeout: float, policies: bool = False) -> int:
     g = stats.get("groups") or {}
     r = stats.get("rows") or {}
     balanced = stats.get("accounting_balanced")
@@ -223,9 +236,15 @@ def _summary(out: TextIO, checker: Checker, stats: dict[str, Any], *, wall: floa
     if balanced is not True:
         problems.append(f"accounting not balanced in /stats: rows {r}")
     sim = launcher_summary((stats.get("launcher") or {}).get("log_path"))
-    if sim is not None and not timed_out and sim.get("complete_groups") != len(checker.groups):
+    by_policy = {k: v for k, v in (g.get("dropped") or {}).items() if k in POLICY_REASONS}
+    if sim is not None and not timed_out and not policies and sim.get("complete_groups") != len(checker.groups):
         problems.append(f"the simulator completed {sim.get('complete_groups')} groups, the trainer received "
                         f"{len(checker.groups)}")
+    if sim is not None and not timed_out and policies \
+            and sim.get("complete_groups", 0) > len(checker.groups) + sum(by_policy.values()):
+        # over-sampling serves a group once K of its K+1 sessions completed: more may be served
+        problems.append(f"the simulator completed {sim.get('complete_groups')} groups, the trainer received "
+                        f"{len(checker.groups)} and {sum(by_policy.values())} were dropped by a policy")
     if served_by_server is not None and served_by_server != len(checker.groups):
         problems.append(f"/stats says {served_by_server} groups served, the trainer received {len(checker.groups)}")
     avg = sum(checker.rewards) / len(checker.rewards) if checker.rewards else 0.0
@@ -236,6 +255,9 @@ def _summary(out: TextIO, checker: Checker, stats: dict[str, Any], *, wall: floa
         ("sessions", f"{checker.sessions}"),
         ("dropped groups", f"{g.get('dropped_total', 0)}  ({_reasons(g.get('dropped'))})"),
         ("rejected rows", f"{r.get('rejected_total', 0)}  ({_reasons(r.get('rejected'))})"),
+        *([("policies", f"stale {by_policy.get('stale', 0)} groups, zero_variance "
+                        f"{by_policy.get('zero_variance', 0)} groups, oversampled "
+                        f"{(r.get('dropped') or {}).get('oversampled', 0)} rows")] if policies else []),
         ("rows read", f"{r.get('read', 0)}  (served {r.get('served', 0)}, dropped {r.get('dropped_total', 0)}, "
                       f"pending {r.get('pending', 0)})"),
         ("avg reward", f"{avg:.3f} per item, {avg_s:.3f} per session"),

@@ -29,7 +29,7 @@ from typing import IO, Any, Iterator, Sequence, TextIO
 from . import queries as q
 from .db import Database, connect
 from .errors import RolloutBufferError
-from .items import (COMPLETED, CREATED, ENV_STATE, GID, MESSAGES, RESPONSE, SID, STEP, STEP_REWARD, TRUNCATED,
+from .items import (PARTIAL_FLAG, COMPLETED, CREATED, ENV_STATE, GID, MESSAGES, RESPONSE, SID, STEP, STEP_REWARD, TRUNCATED,
                     Malformed, build_group, epoch, weight_version)
 from .model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
 from .progress import Progress, bar
@@ -148,7 +148,8 @@ class Exporter:
         self.src = src
         self.st = st
         self.job_id = job_id
-        self._seeds: collections.OrderedDict[str, bytes | None] = collections.OrderedDict()
+        # batch_id -> (uid seed, its partial groups), None once the batch was pruned
+        self._seeds: collections.OrderedDict[str, tuple[bytes, frozenset[str]] | None] = collections.OrderedDict()
 
     def count(self) -> int:
         """How many records an ``all`` export has."""
@@ -219,10 +220,12 @@ class Exporter:
                 out[int(r[0])] = r
         return out
 
-    def _seed(self, batch_id: str) -> bytes | None:
+    def _seed(self, batch_id: str) -> tuple[bytes, frozenset[str]] | None:
         if batch_id not in self._seeds:
-            text = self.st.scalar(q.BATCH_SEED, (batch_id,))
-            self._seeds[batch_id] = bytes.fromhex(text) if text else None
+            r = self.st.fetchone(q.BATCH_SEED, (batch_id,))
+            meta = json.loads(r["meta"]) if r is not None and r.get("meta") else {}
+            self._seeds[batch_id] = (bytes.fromhex(r["seed"]), frozenset(meta.get("partial_groups") or ())) \
+                if r is not None else None
             if len(self._seeds) > SEED_CACHE:
                 self._seeds.popitem(last=False)
         return self._seeds[batch_id]
@@ -260,10 +263,12 @@ class Exporter:
 
     def _items(self, take: Any, rows: dict[int, tuple], batch_id: str | None) -> tuple[str, str]:
         """The served items of a group as JSON text, and whether their uids are the served ones."""
-        seed = self._seed(batch_id) if batch_id else None
+        known = self._seed(batch_id) if batch_id else None
+        seed, partial = known if known is not None else (None, frozenset())
         buf = bytearray()
         try:
-            build_group(take, rows, seed or b"\0" * 16, self.job_id, buf)
+            build_group(take, rows, seed or b"\0" * 16, self.job_id, buf,
+                        PARTIAL_FLAG if take.group_id in partial else "")
         except Malformed as exc:  # pragma: no cover - served rows were valid and rows are immutable
             return json.dumps({"error": f"cannot rebuild: {exc.reason}"}), "unbuildable"
         text = buf.decode("utf-8")

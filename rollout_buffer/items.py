@@ -125,7 +125,7 @@ class GroupItems:
     fragments into a large body, and no copy at the end); items are separated by commas.
     """
 
-    __slots__ = ("group_id", "start", "n_items", "rewards", "weight_versions")
+    __slots__ = ("group_id", "start", "n_items", "rewards", "weight_versions", "session_rewards", "first_ts")
 
     def __init__(self, group_id: str, start: int) -> None:
         self.group_id = group_id
@@ -133,6 +133,8 @@ class GroupItems:
         self.n_items = 0
         self.rewards: list[float] = []
         self.weight_versions: list[int] = []
+        self.session_rewards: list[float] = []  # each served session's terminal reward, once
+        self.first_ts: float | None = None      # created_at of its earliest served row (epoch seconds)
 
 
 def _as_bytes(value: Any) -> bytes:
@@ -201,14 +203,48 @@ class _History:
 # env_state texts repeat a lot ({"weight_version": 3}): parse each distinct short one once.
 _WV_CACHE: dict[str, int] = {}
 
+
+def cached_weight_version(env_state: Any) -> int:
+    """weight_version() with a cache of short env_state texts (raises Malformed as it does)."""
+    wv = _WV_CACHE.get(env_state) if isinstance(env_state, str) else None
+    if wv is None:
+        wv = weight_version(env_state)
+        if isinstance(env_state, str) and len(env_state) < 256:
+            if len(_WV_CACHE) > 4096:
+                _WV_CACHE.clear()
+            _WV_CACHE[env_state] = wv
+    return wv
+
+
+def ingest_fields(step_id: Any, step_reward: Any, env_state: Any) -> tuple[int | None, float | None, int | None]:
+    """A row's (step_id, terminal-reward candidate, weight_version) at ingest, each None when the
+    value is unusable: ingest never rejects a row, its build does (with the reason)."""
+    try:
+        sid = int(step_id) if not isinstance(step_id, (bytes, BadText)) else None
+    except (TypeError, ValueError):
+        sid = None
+    try:
+        reward: float | None = finite(step_reward, "")
+    except Malformed:
+        reward = None
+    try:
+        wv: int | None = cached_weight_version(env_state) if not isinstance(env_state, (bytes, BadText)) else None
+    except Malformed:
+        wv = None
+    return sid, reward, wv
+
 _ITEM_TAIL = ('%s{"role":"assistant","content":%s}],"reward":%r,"extra_info":{"timestamp":%r,"steps":%d,'
               '"finish_reason":"%s","session_id":%s,"env_id":%s,"group_id":%s,"weight_version":%d,'
-              '"truncated":%s,"step_pk":%d,"is_session_completed":%s,"step_reward":%r,"terminal_reward":%r}}')
+              '"truncated":%s,"step_pk":%d,"is_session_completed":%s,"step_reward":%r,"terminal_reward":%r%s}}')
+
+# Extra keys of extra_info (JSON text that follows the last key): a group served short at the TTL.
+PARTIAL_FLAG = ',"partial_group":true'
 
 
 def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id: str,
-                buf: bytearray) -> GroupItems:
-    """Append the items of one served group to ``buf``, sorted by (session_id, step_id, step_pk).
+                buf: bytearray, flags: str = "") -> GroupItems:
+    """Append the items of one served group to ``buf``, sorted by (session_id, step_id, step_pk);
+    ``flags`` (e.g. PARTIAL_FLAG) is appended to every item's extra_info.
 
     Raises Malformed whose ``bad`` maps every row that cannot become an item to its reason; then
     nothing was appended.
@@ -245,14 +281,7 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
                 raise Malformed("row_changed")
             text = _as_bytes(row[MESSAGES])
             end, empty = history.check(text)
-            env_state = row[ENV_STATE]
-            wv = _WV_CACHE.get(env_state) if isinstance(env_state, str) else None
-            if wv is None:
-                wv = weight_version(env_state)
-                if isinstance(env_state, str) and len(env_state) < 256:
-                    if len(_WV_CACHE) > 4096:
-                        _WV_CACHE.clear()
-                    _WV_CACHE[env_state] = wv
+            wv = cached_weight_version(row[ENV_STATE])
             step_reward = finite(row[STEP_REWARD], "non_finite_step_reward")
             ts = epoch(row[CREATED])
         except Malformed as exc:
@@ -297,9 +326,12 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
             "" if empty else ",", _dumps_text(response), reward, ts, step_id,
             "length" if truncated else "stop", sid_json, sid_json, gid_json, wv,
             "true" if truncated else "false", pk, "true" if completed else "false", step_reward,
-            reward)).encode()
+            reward, flags)).encode()
         out.rewards.append(reward)
         out.weight_versions.append(wv)
+        if out.first_ts is None or ts < out.first_ts:
+            out.first_ts = ts
+    out.session_rewards = [terminal[sid][2] for sid in sorted(terminal)]
     out.n_items = len(prepared)
     return out
 

@@ -41,8 +41,8 @@ class JobState:
         self.launcher_finished_tick: int | None = None
         self.launcher_drop_done = False
         self.cursor_saved_at = 0.0
-        self.saved_cursor: tuple[int, int] | None = None
-        self.saved_marker: tuple[int, int] | None = None
+        self.saved_cursor: tuple | None = None  # (cursor, low-water, trainer version, rows version) saved
+        self.saved_marker: tuple | None = None
 
 
     def stats(self, src: Database | None) -> dict:
@@ -86,9 +86,12 @@ class Jobs:
     def load(self, src: Database, store: Store, job_id: str, k: int, floor_pk: int, start_after: int) -> JobState:
         """Build a JobState from the durable records of a job (fresh or resumed)."""
         totals = store.load_totals(job_id)
-        acc = Accumulator(job_id, k, clock=self.clock)
-        acc.load(totals.decided, totals.accounted_rows, totals.served_rows, dict(totals.dropped),
-                 dict(totals.rejected), totals.groups_served, dict(totals.groups_dropped))
+        acc = Accumulator(job_id, k, clock=self.clock, policy=self.config.policy)
+        acc.decided.update(totals.decided)  # before the accumulator is shared: no lock needed
+        acc.counts.load(totals)
+        row = store.get_job(job_id)
+        if row is not None:  # the versions saved with the cursor (the trainer's last, the rows' largest)
+            acc.set_versions(row.get("trainer_version"), row.get("rows_version"))
         acc.tainted.update(store.tainted_sessions(job_id))
         acc.tainted_groups.update(g for g in store.tainted_groups(job_id) if g not in totals.decided)
         accounted = None
@@ -118,8 +121,8 @@ class Jobs:
         if prev is not None and prev.job_id == job_id and not restart_training:
             if prev.k != k:
                 prev.k = k
-                prev.acc.set_k(k)
                 store.set_k(job_id, k)
+                self.outbox.act(store, job_id, prev.acc.set_k(k)[1])
             return prev
         if prev is not None and prev.job_id != job_id:
             plan = prev.acc.drop_all(JOB_ENDED, include_ready=True)

@@ -29,8 +29,12 @@ SUMMARY_KEYS = ("running", "pid", "exit_code", "restarts", "restart_policy", "st
 
 
 def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
-    """The launcher command for a job, from configuration only (argv list, never a shell)."""
+    """The launcher command for a job, from configuration only (argv list, never a shell).
+
+    With over-sampling the launcher runs K + N sessions per group (its --rl-group-size and
+    ``{k}``); the buffer serves the first K of each group to complete."""
     c = config
+    k += c.oversample
     # the service's own secrets stay with the service: the launcher needs none of them
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV_DROP}
     env["PYTHONUNBUFFERED"] = "1"

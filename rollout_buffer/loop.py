@@ -312,7 +312,7 @@ class Loop:
         if (js.launcher_finished_tick is not None and not js.launcher_drop_done
                 and self._tick_no > js.launcher_finished_tick and js.reader.caught_up):
             js.launcher_drop_done = True
-            plan = js.acc.drop_all(LAUNCHER_EXITED, include_ready=False)
+            plan = js.acc.drop_all(LAUNCHER_EXITED, include_ready=False, partial=True)
             if plan.drops:
                 logger.warning("launcher of job %s has exited: dropping %d incomplete groups",
                                js.job_id, len(plan.drops))
@@ -326,7 +326,7 @@ class Loop:
         now = self.clock()
         if now - js.cursor_saved_at < 1.0:
             return
-        marker = (js.reader.cursor, js.acc.changes)
+        marker = (js.reader.cursor, js.acc.changes, js.acc.trainer_version)
         if marker == js.saved_marker or not self.outbox.empty():
             return  # idle: no O(groups) low-water scan, nothing to write
         if not self.serve_lock.acquire(blocking=False):
@@ -337,7 +337,7 @@ class Loop:
             # Never past the reader's safe cursor: on Postgres a row below the smallest pending pk
             # can still be in flight in an open transaction, and a resume above it would skip it.
             cursor = js.reader.cursor
-            cur = (cursor, min(js.acc.low_water(cursor), cursor + 1))
+            cur = (cursor, min(js.acc.low_water(cursor), cursor + 1), js.acc.trainer_version, js.acc.rows_version)
             if cur != js.saved_cursor:
                 store.save_cursor(js.job_id, *cur)
                 js.saved_cursor = cur

@@ -66,6 +66,14 @@ def render_metrics(service: "Service") -> str:
         age = s.get("oldest_pending_group_age_s")
         out.metric("oldest_pending_group_age_seconds", "gauge", "Age of the oldest undecided group.",
                    [(j, age or 0.0)])
+        figs = [("served", "", s["figures"]["served"])] + [("dropped", r, f) for r, f in s["figures"]["dropped"].items()]
+        for key, name, help_ in (("steps_per_session", "group_steps_per_session", "Mean steps per session"),
+                                 ("terminal_reward_mean", "group_terminal_reward_mean", "Mean terminal reward")):
+            out.metric(name, "gauge", f"{help_} of the served and the dropped groups (by reason): drop bias.",
+                       [({"job": job, "outcome": o, "reason": r}, f[key]) for o, r, f in figs if f[key] is not None])
+        v = s["versions"]
+        out.metric("weight_version", "gauge", "The job's current version, the trainer's last and the rows' largest.",
+                   [({"job": job, "kind": k}, v[k]) for k in ("current", "trainer", "rows") if v[k] is not None])
     polls = s["polls"]
     out.metric("polls_total", "counter", "POST /get_rollout_data calls answered.", [({}, polls["count"])])
     out.metric("polls_with_data_total", "counter", "Polls that returned groups.", [({}, polls["with_data"])])

@@ -33,6 +33,10 @@ INVALID_GROUP = "invalid_utf8_group_id"
 INVALID_SESSION = "invalid_session_id"
 BUILD_FAILED = "build_failed"  # a row's build raised an unexpected error repeatedly
 GROUP_TOO_LARGE = "group_too_large"  # its rows alone exceed ROLLOUT_BUFFER_MAX_GROUP_BYTES
+# Training-data policies (issue 10): groups the trainer would throw away, dropped at the source.
+STALE = "stale"                  # current version - min weight_version > max_off_policy
+ZERO_VARIANCE = "zero_variance"  # its sessions' terminal rewards are all equal (within epsilon)
+OVERSAMPLED = "oversampled"      # rows of a session beyond the first K completed of its group
 
 # Rejection reasons that taint a session: its group can never be served whole.
 TAINTING = (MISSING_GROUP, INVALID_GROUP)
@@ -47,12 +51,39 @@ class BadText(str):
 
 
 class Row(NamedTuple):
-    """The metadata of one ingested row (bodies stay in the database until served)."""
+    """The metadata of one ingested row (bodies stay in the database until served).
+
+    ``step_id``, ``reward`` (step_reward) and ``wv`` (weight_version, 0 when absent) feed the
+    policies and the group figures; None where the row's value is unusable (its build rejects it)."""
 
     step_pk: int
     session_id: str
     group_id: str | None
     completed: int
+    step_id: int | None = None
+    reward: float | None = None
+    wv: int | None = 0
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The training-data policies of a job (issue 10); every one is off by default."""
+
+    max_off_policy: int | None = None    # stale when current - min weight_version > this
+    drop_zero_variance: bool = False
+    zero_variance_epsilon: float = 1e-6
+    oversample: int = 0                  # extra sessions per group; the first K completed are served
+    min_group_size: int | None = None    # at the TTL, serve a group with at least this many completed
+    serve_order: str = "ready"           # ready | oldest_version | newest_version
+
+    def stale(self, current: int, min_wv: int, max_off_policy: int | None = None) -> bool:
+        """The upstream client's rule: current - min(weight_version of the items) > max_off_policy."""
+        bound = self.max_off_policy if max_off_policy is None else max_off_policy
+        return bound is not None and current - min_wv > bound
+
+    def zero_variance(self, rewards: "list[float] | tuple[float, ...]") -> bool:
+        """The sessions' terminal rewards have max - min <= epsilon (when the filter is on)."""
+        return self.drop_zero_variance and bool(rewards) and max(rewards) - min(rewards) <= self.zero_variance_epsilon
 
 
 class LauncherState(str, enum.Enum):
@@ -81,12 +112,31 @@ class LauncherState(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class PollRequest:
+    """A validated ``POST /get_rollout_data`` body."""
+
+    max_groups: int | None = None
+    request_id: str | None = None
+    wait_s: float = 0.0
+    min_groups: int = 1
+    max_off_policy: int | None = None          # overrides ROLLOUT_BUFFER_MAX_OFF_POLICY for this poll
+    current_weight_version: int | None = None  # the trainer's version (the job keeps the last one sent)
+
+
+@dataclass(frozen=True)
 class Take:
-    """A ready group handed to a poll: the pks of its completed and incomplete sessions."""
+    """A ready group handed to a poll: the pks of its completed and incomplete sessions.
+
+    ``rewards`` are the completed sessions' terminal rewards as ingested (for the figures of a
+    group refused at serving), ``partial`` marks a group served short at the TTL
+    (``ROLLOUT_BUFFER_MIN_GROUP_SIZE``), ``ready_at`` is when it became ready (monotonic)."""
 
     group_id: str
     completed: dict[str, tuple[int, ...]]
     incomplete: dict[str, tuple[int, ...]]
+    rewards: tuple[float, ...] = ()
+    partial: bool = False
+    ready_at: float | None = None
 
     @property
     def served_pks(self) -> list[int]:
@@ -109,12 +159,14 @@ class Take:
 
 @dataclass(frozen=True)
 class Drop:
-    """A group decided as dropped: its tombstone, the rows it accounts, the sessions to clear."""
+    """A group decided as dropped: its tombstone, the rows it accounts, the sessions to clear, and
+    the terminal rewards of its completed sessions (its figures: steps per session, mean reward)."""
 
     group_id: str
     reason: str
     pks: list[int]
     clear_sessions: list[str]
+    rewards: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,6 +175,7 @@ class Served:
 
     take: Take
     batch_id: str
+    rewards: tuple[float, ...] = ()  # its sessions' terminal rewards, as served
 
     @property
     def group_id(self) -> str:
@@ -151,6 +204,7 @@ class Batch:
     group_ids: list[str]
     n_items: int
     n_bytes: int
+    meta: dict | None = None  # meta_info keys that cannot be derived from the rows (sent again on replay)
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # -- the launcher's tables (SPEC §2); created only by `rollout-buffer init-db` and tests ------
 
@@ -169,6 +169,17 @@ MIGRATIONS = {
         # When an ended job's decisions were purged (retention); NULL while they are kept.
         "ALTER TABLE rollout_buffer_jobs ADD COLUMN purged_at DOUBLE PRECISION",
     ),
+    2: (
+        # Training-data policies (issue 10): the job's versions come back after a restart.
+        "ALTER TABLE rollout_buffer_jobs ADD COLUMN trainer_version BIGINT",
+        "ALTER TABLE rollout_buffer_jobs ADD COLUMN rows_version BIGINT",
+        # A decided group's figures: its sessions and their terminal rewards (NULL before version 3).
+        "ALTER TABLE rollout_buffer_groups ADD COLUMN n_sessions INTEGER",
+        "ALTER TABLE rollout_buffer_groups ADD COLUMN reward_sum DOUBLE PRECISION",
+        "ALTER TABLE rollout_buffer_groups ADD COLUMN n_rewarded INTEGER",
+        # A batch's meta_info keys that the rows cannot give again (group figures, filtered, partial).
+        "ALTER TABLE rollout_buffer_batches ADD COLUMN meta TEXT",
+    ),
 }
 
 # Read the schema version.
@@ -192,8 +203,9 @@ UPSERT_JOB = ("INSERT INTO rollout_buffer_jobs (job_id, k, floor_pk, cursor_pk, 
               "updated_at = excluded.updated_at")
 # Change a job's K (num_repeat_per_sample).
 SET_K = "UPDATE rollout_buffer_jobs SET k = ?, updated_at = ? WHERE job_id = ?"
-# Persist the ingest cursor and the low-water mark below which every row is accounted.
-SAVE_CURSOR = "UPDATE rollout_buffer_jobs SET cursor_pk = ?, low_water_pk = ?, updated_at = ? WHERE job_id = ?"
+# Persist the ingest cursor, the low-water mark below which every row is accounted, and the versions.
+SAVE_CURSOR = ("UPDATE rollout_buffer_jobs SET cursor_pk = ?, low_water_pk = ?, trainer_version = ?, "
+               "rows_version = ?, updated_at = ? WHERE job_id = ?")
 # Record the launcher process of a job and the instance that owns it (for adoption after a crash).
 SAVE_LAUNCHER = ("UPDATE rollout_buffer_jobs SET launcher_pid = ?, launcher_pgid = ?, launcher_start_ticks = ?, "
                  "launcher_state = ?, launcher_owner = ?, updated_at = ? WHERE job_id = ?")
@@ -223,7 +235,8 @@ MARK_PURGED = ("UPDATE rollout_buffer_jobs SET purged_at = ?, floor_pk = ?, curs
 # -- groups -------------------------------------------------------------------------------------
 # Record a group's decision (the tombstone); a second decision for one group is an integrity error.
 INSERT_GROUP = ("INSERT INTO rollout_buffer_groups (job_id, group_id, status, reason, batch_id, n_served, "
-                "n_dropped, pks, clear_sessions, notified, resolved_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+                "n_dropped, pks, clear_sessions, notified, resolved_at, n_sessions, reward_sum, n_rewarded) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 # Record a drop; a decision already recorded (a retried COMMIT) is kept as it is.
 INSERT_GROUP_IF_ABSENT = INSERT_GROUP + " ON CONFLICT (job_id, group_id) DO NOTHING"
 # A group's stored decision (after a COMMIT whose outcome is unknown, or a conflict with another instance).
@@ -234,7 +247,12 @@ JOB_GROUP_STATUS = "SELECT group_id, status FROM rollout_buffer_groups WHERE job
 GROUP_PKS = "SELECT pks FROM rollout_buffer_groups WHERE job_id = ? AND group_id = ?"
 # Rows served and dropped per reason (accounting after a restart).
 GROUP_TOTALS = ("SELECT status, reason, COUNT(*) AS n_groups, SUM(n_served) AS n_served, "
-                "SUM(n_dropped) AS n_dropped FROM rollout_buffer_groups WHERE job_id = ? GROUP BY status, reason")
+                "SUM(n_dropped) AS n_dropped, SUM(n_sessions) AS n_sessions, SUM(reward_sum) AS reward_sum, "
+                "SUM(n_rewarded) AS n_rewarded FROM rollout_buffer_groups WHERE job_id = ? GROUP BY status, reason")
+# Groups dropped since the job's last served group, by reason (meta_info.filtered after a restart).
+FILTERED_SINCE_SERVED = ("SELECT reason, COUNT(*) AS n FROM rollout_buffer_groups WHERE job_id = ? "
+                         "AND status = 'dropped' AND resolved_at > COALESCE((SELECT MAX(resolved_at) FROM "
+                         "rollout_buffer_groups WHERE job_id = ? AND status = 'served'), -1) GROUP BY reason")
 # Group decisions whose sessions the proxy has not confirmed clearing.
 UNNOTIFIED_GROUPS = ("SELECT job_id, group_id, status, reason, clear_sessions FROM rollout_buffer_groups "
                      "WHERE notified = 0")
@@ -265,7 +283,7 @@ MARK_ROW_NOTIFIED = "UPDATE rollout_buffer_rows SET notified = 1 WHERE job_id = 
 # -- batches ------------------------------------------------------------------------------------
 # Record a delivered batch.
 INSERT_BATCH = ("INSERT INTO rollout_buffer_batches (batch_id, job_id, request_id, seed, group_ids, n_items, "
-                "n_bytes, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)")
+                "n_bytes, created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
 # The batch bound to a request_id.
 BATCH_BY_REQUEST = "SELECT * FROM rollout_buffer_batches WHERE job_id = ? AND request_id = ?"
 # request_ids of a job's batches recorded since a time (empty polls answer from memory).
@@ -275,12 +293,21 @@ RECENT_REQUEST_IDS = ("SELECT request_id FROM rollout_buffer_batches WHERE job_i
 BATCH_EXISTS = "SELECT 1 FROM rollout_buffer_batches WHERE batch_id = ?"
 
 # -- the launcher's rows ------------------------------------------------------------------------
+# Ingest reads metadata only: id, session, group, completed flag, and what the policies and the
+# figures need (step_id, step_reward, and env_state only where it names a weight_version, so a
+# large env_state without one never crosses the wire). Per backend: instr/strpos.
+_INGEST_COLUMNS = {
+    "sqlite": ("id, session_id, group_id, is_session_completed, step_id, step_reward, "
+               "CASE WHEN instr(env_state, 'weight_version') > 0 THEN env_state END"),
+    "postgres": ("id, session_id, group_id, is_session_completed, step_id, step_reward, "
+                 "CASE WHEN strpos(env_state, 'weight_version') > 0 THEN env_state END"),
+}
 # Ingest: the metadata of the next trainable rows of a job, in id order.
-READ_AFTER = ("SELECT id, session_id, group_id, is_session_completed FROM session_steps "
-              "WHERE job_id = ? AND is_trainable = 1 AND id > ? ORDER BY id LIMIT ?")
+READ_AFTER = {b: f"SELECT {cols} FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ? "
+                 "ORDER BY id LIMIT ?" for b, cols in _INGEST_COLUMNS.items()}
 # Ingest (Postgres): the window of ids that may still hold late-committing rows.
-READ_WINDOW = ("SELECT id, session_id, group_id, is_session_completed FROM session_steps "
-               "WHERE job_id = ? AND is_trainable = 1 AND id > ? AND id <= ? ORDER BY id")
+READ_WINDOW = {b: f"SELECT {cols} FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ? "
+                  "AND id <= ? ORDER BY id" for b, cols in _INGEST_COLUMNS.items()}
 # Rebuild: the largest id of the job (rows above it cannot have been accounted before a restart).
 MAX_JOB_ID = "SELECT MAX(id) FROM session_steps WHERE job_id = ?"
 # restart_training: the job's last terminal row.
@@ -349,8 +376,8 @@ EXPORT_COUNT_GROUPS = "SELECT COUNT(*) FROM rollout_buffer_groups WHERE job_id =
 EXPORT_COUNT_ORPHANS = "SELECT COUNT(*) FROM rollout_buffer_rows WHERE job_id = ? AND group_id IS NULL"
 # Export: the newest jobs (to name them when an unknown one is asked for).
 EXPORT_RECENT_JOBS = "SELECT job_id FROM rollout_buffer_jobs ORDER BY started_at DESC LIMIT 10"
-# Export: the uid seed of a delivered batch (gone once the batch is pruned).
-BATCH_SEED = "SELECT seed FROM rollout_buffer_batches WHERE batch_id = ?"
+# Export: the uid seed of a delivered batch and its meta (gone once the batch is pruned).
+BATCH_SEED = "SELECT seed, meta FROM rollout_buffer_batches WHERE batch_id = ?"
 # Export: the launcher columns a replay needs beyond BODY_COLUMNS.
 EXPORT_EXTRA_COLUMNS = ("env_name", "llm_model", "reward", "is_terminal")
 

@@ -1,8 +1,8 @@
 """The job's ingest cursor (:class:`Reader`) and the restart filter (:class:`Accounted`).
 
 Owns: which trainable rows of the active job have been returned to the accumulator. It reads
-only the launcher's ``session_steps`` metadata (four columns); it never writes, and it knows
-nothing of groups or decisions.
+only the launcher's ``session_steps`` metadata (ids, flags, step_id, step_reward and the
+weight_version of env_state); it never writes, and it knows nothing of groups or decisions.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from typing import Callable
 
 from . import queries as q
 from .db import Database
+from .items import ingest_fields
+from .model import Row
 
 
 MIN_ID = -(2 ** 63)  # the smallest id a BIGINT (or a SQLite INTEGER) holds
@@ -64,22 +66,22 @@ class Reader:
             self.tick_ends.append((self.clock(), self.max_seen))
         self.first_read_of_tick = True
 
-    def read(self, db: Database) -> list[tuple]:
-        """The next rows (id, session_id, group_id, is_session_completed) not returned before."""
+    def read(self, db: Database) -> list[Row]:
+        """The next rows not returned before, as :class:`~rollout_buffer.model.Row` values."""
         with db.read_snapshot():
             horizon = db.snapshot_horizon()
             window: list[tuple] = []
             if horizon is not None and self.cursor < self.max_seen:
-                window = db.rows(q.READ_WINDOW, (self.job_id, self.cursor, self.max_seen))
-            batch = db.rows(q.READ_AFTER, (self.job_id, self.max_seen, self.batch))
+                window = db.rows(q.READ_WINDOW[db.backend], (self.job_id, self.cursor, self.max_seen))
+            batch = db.rows(q.READ_AFTER[db.backend], (self.job_id, self.max_seen, self.batch))
         drained = len(batch) < self.batch
         if horizon is None:
             self._staged = (batch, batch, drained, None)
-            return batch
+            return [Row(r[0], r[1], r[2], r[3], *ingest_fields(r[4], r[5], r[6])) for r in batch]
         new = [r for r in window if r[0] not in self.seen]
         new.extend(batch)
         self._staged = (new, batch, drained, horizon)
-        return new
+        return [Row(r[0], r[1], r[2], r[3], *ingest_fields(r[4], r[5], r[6])) for r in new]
 
     def advance(self) -> None:
         """The rows of the last read were ingested: move past them."""

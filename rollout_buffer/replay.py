@@ -17,7 +17,7 @@ from .config import Config
 from .connections import Pair
 from .errors import ApiError, StorageError
 from .fetch import fetch_rows, take_from_rows
-from .items import Body, GroupItems, Malformed, build_group, response_chunks
+from .items import PARTIAL_FLAG, Body, GroupItems, Malformed, build_group, response_chunks
 from .jobs import JobState
 from .model import Batch
 from .store import steady_wall
@@ -134,13 +134,18 @@ class Replayer:
         """The body of a recorded batch, from the immutable rows with the batch's seed (same uids)."""
         groups: list[GroupItems] = []
         buf = bytearray()
+        meta = batch.meta or {}
+        partial = set(meta.get("partial_groups") or ())
         for gid in batch.group_ids:
             pks = pair.store.group_pks(js.job_id, gid)
             rows = fetch_rows(pair.src, pks)
             try:
-                groups.append(build_group(take_from_rows(gid, pks, rows), rows, batch.seed, js.job_id, buf))
+                groups.append(build_group(take_from_rows(gid, pks, rows), rows, batch.seed, js.job_id, buf,
+                                          PARTIAL_FLAG if gid in partial else ""))
             except Malformed as exc:  # pragma: no cover - rows are immutable
                 raise ApiError(500, f"batch {batch.batch_id} cannot be rebuilt: {exc}") from exc
+        # the figures, filtered and partial groups are sent as recorded (the rows cannot give them again)
         return response_chunks(groups, buf, {"job_session": js.job_id, "batch_id": batch.batch_id,
-                                             "request_id": batch.request_id, "replayed": True, "groups": len(groups)})
+                                             "request_id": batch.request_id, "replayed": True, "groups": len(groups),
+                                             **meta})
 

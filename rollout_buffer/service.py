@@ -31,6 +31,7 @@ from .items import Body
 from .jobs import JobState, Jobs
 from .launcher import Launcher, launch_spec
 from .loop import Health, Loop
+from .model import PollRequest
 from .notifications import Outbox
 from .proxy import ProxyNotifier
 from .serving import Serving
@@ -126,11 +127,9 @@ class Service:
         return launch_spec(self.config, job_id, k)
 
     # -- the API's calls -----------------------------------------------------------------------
-    def get_rollout_data(self, conns: LazyPair, *, max_groups: int | None, request_id: str | None,
-                         wait_s: float = 0.0, min_groups: int = 1) -> Body:
+    def get_rollout_data(self, conns: LazyPair, poll: PollRequest) -> Body:
         """Serve ready groups (or replay the batch bound to request_id), long-polling up to wait_s."""
-        return self.serving.get_rollout_data(conns, max_groups=max_groups, request_id=request_id, wait_s=wait_s,
-                                             min_groups=min_groups)
+        return self.serving.get_rollout_data(conns, poll)
 
     def set_shutdown_probe(self, probe: Callable[[], bool]) -> None:
         """gunicorn's worker tells whether it is shutting down (SIGTERM): waiting polls answer then."""

@@ -25,11 +25,13 @@ from .connections import LazyPair, Pair
 from .errors import ApiError, IntegrityError, StorageError
 from .fetch import FETCH_CHUNK, fetch_takes
 from .history import History
-from .items import Body, GroupItems, Malformed, build_group, empty_body, response_chunks
+from .figures import group_stats
+from .items import PARTIAL_FLAG, Body, GroupItems, Malformed, build_group, empty_body, response_chunks
 from .replay import Replayer, RequestIds
 from .jobs import JobState, Jobs
 from .loop import Health, Loop
-from .model import BUILD_FAILED, GROUP_TOO_LARGE, MALFORMED, REJECTED, Batch, Decisions, Drop, RowEvent, Served, Take
+from .model import (BUILD_FAILED, GROUP_TOO_LARGE, MALFORMED, REJECTED, STALE, ZERO_VARIANCE, Batch, Decisions, Drop,
+                    PollRequest, RowEvent, Served, Take)
 from .notifications import Outbox
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,14 @@ class Uncertain:
     takes: list[Take]
 
 
+def group_stats_of(t: Take, g: GroupItems, now: float) -> dict[str, Any]:
+    """meta_info.group_stats of a group as it is served: wait since ready (``now`` on the
+    accumulator's monotonic clock), age since its first served row was written (wall clock)."""
+    wait = None if t.ready_at is None else now - t.ready_at
+    age = None if g.first_ts is None else time.time() - g.first_ts
+    return group_stats(t.group_id, g.session_rewards, g.n_items, g.weight_versions, wait, age)
+
+
 def json_len(value: str) -> int:
     """Bytes of a string as meta_info encodes it (ASCII-escaped JSON), not its length in characters."""
     return len(json.dumps(value))
@@ -98,17 +108,20 @@ class Serving:
         self._failures: dict[tuple[str, str], int] = {}
         self.replayer = Replayer(config, self._rids)
 
-    def get_rollout_data(self, conns: LazyPair, *, max_groups: int | None, request_id: str | None,
-                         wait_s: float = 0.0, min_groups: int = 1) -> Body:
+    def get_rollout_data(self, conns: LazyPair, poll: PollRequest) -> Body:
         """Serve ready groups (or replay the batch bound to request_id); the caller sends the body
         and then calls its close(). With ``wait_s`` > 0, first wait (holding no lock) until
         ``min_groups`` groups are ready, or ``wait_s`` has passed, or the service stops."""
         started = time.perf_counter()
         body = None
         try:
-            if wait_s > 0:
-                self._long_poll(conns, wait_s, min(min_groups, max_groups or min_groups), request_id)
-            body = self._poll(conns, max_groups, request_id)
+            js = self.jobs.current
+            if js is not None and poll.current_weight_version is not None:
+                js.acc.set_versions(trainer=poll.current_weight_version)  # saved by the loop with the cursor
+            if poll.wait_s > 0:
+                self._long_poll(conns, poll.wait_s, min(poll.min_groups, poll.max_groups or poll.min_groups),
+                                poll.request_id)
+            body = self._poll(conns, poll)
             return body
         finally:
             self.stats.observe(time.perf_counter() - started, bool(body is not None and body.groups))
@@ -145,7 +158,7 @@ class Serving:
     def waiting_polls(self) -> int:
         return self._waiting
 
-    def _poll(self, conns: LazyPair, max_groups: int | None, request_id: str | None) -> Body:
+    def _poll(self, conns: LazyPair, poll: PollRequest) -> Body:
         if not self.loop.bootstrapped.is_set():
             # Until the active job is resumed from the database, "no data" would be a lie: a trainer
             # would drop its request_id and the batch bound to it (already marked served) would be lost.
@@ -156,6 +169,7 @@ class Serving:
         js = self.jobs.current
         if js is None:
             return empty_body({})
+        request_id = poll.request_id
         problem = self.health.problem()
         if problem:
             raise ApiError(503, f"the database is unreachable: {problem}", retry_after=3)
@@ -179,7 +193,7 @@ class Serving:
                 self._rids.load(pair.store, js.job_id)
                 replay = pair.store.batch_for_request(js.job_id, request_id)
             if replay is None:
-                return self._serve(pair, js, max_groups, request_id)
+                return self._serve(pair, js, poll)
         except IntegrityError as exc:
             logger.error("serving hit a conflicting decision: %s", exc)
             raise ApiError(503, "another instance decided some of these groups meanwhile; they were "
@@ -192,8 +206,11 @@ class Serving:
         return self.replayer.replay(conns.get(), js, *replay)
 
     # -- serve -------------------------------------------------------------------------------------
-    def _serve(self, pair: Pair, js: JobState, max_groups: int | None, request_id: str | None) -> Body:
+    def _serve(self, pair: Pair, js: JobState, poll: PollRequest) -> Body:
         started = time.perf_counter()
+        max_groups, request_id = poll.max_groups, poll.request_id
+        policy, current = self.config.policy, js.acc.current_version
+        stats: dict[str, dict] = {}  # group_id -> its meta_info.group_stats entry
         seed = secrets.token_bytes(16)
         budget = self.config.max_response_bytes
         buf = bytearray()
@@ -229,7 +246,7 @@ class Serving:
                         try:
                             if t.group_id in unreadable:
                                 raise unreadable[t.group_id]
-                            g = build_group(t, rows, seed, js.job_id, buf)
+                            g = build_group(t, rows, seed, js.job_id, buf, PARTIAL_FLAG if t.partial else "")
                         except Malformed as exc:
                             refused.append((t, MALFORMED, exc.bad))
                             continue
@@ -240,8 +257,18 @@ class Serving:
                             else:
                                 retry.append(t)
                             continue
+                        # again just before it is served: a group can go stale while it waits
+                        reason = STALE if policy.stale(current, min(g.weight_versions, default=0),
+                                                       poll.max_off_policy) else \
+                            ZERO_VARIANCE if policy.zero_variance(g.session_rewards) else None
+                        if reason is not None:
+                            del buf[start:]
+                            refused.append((t, reason, {}))
+                            continue
+                        st = stats[t.group_id] = group_stats_of(t, g, js.acc.clock())
                         # the body is buf plus a head and a meta_info tail that lists the group ids
-                        meta_size += json_len(t.group_id) + 1
+                        # twice (finished_groups, group_stats), its figures and maybe partial_groups
+                        meta_size += 2 * json_len(t.group_id) + len(json.dumps(st, separators=(",", ":"))) + 2
                         if built and len(buf) + meta_size > budget:
                             del buf[g.start:]  # does not fit: it stays ready for the next poll
                             leftover = takes[i - 1:]
@@ -253,13 +280,13 @@ class Serving:
             js.acc.release(taken)
             raise
         self._release(pair, js, leftover + retry)
-        plan = self._plan(js.job_id, seed, request_id, built, refused)
+        plan = self._plan(js, seed, request_id, built, refused, stats)
         chunks: list[Any] = []
         if built:
-            assert plan.batch is not None
+            assert plan.batch is not None and plan.batch.meta is not None
             chunks = response_chunks([g for _, g in built], buf, {
                 "job_session": js.job_id, "batch_id": plan.batch.batch_id, "request_id": request_id,
-                "replayed": False, "groups": len(built)})
+                "replayed": False, "groups": len(built), **plan.batch.meta})
             plan = Decisions(drops=plan.drops, rows=plan.rows, served=plan.served,
                              batch=Batch(**{**plan.batch.__dict__, "n_bytes": sum(map(len, chunks))}))
         self._record(pair, js, plan, [t for t, _ in built] + [t for t, _, _ in refused])
@@ -274,21 +301,26 @@ class Serving:
                                    n_bytes=plan.batch.n_bytes, build_s=time.perf_counter() - started)
         return Body(chunks, len(built), on_close=lambda: self.history.sent(entry))
 
-    def _plan(self, job_id: str, seed: bytes, request_id: str | None, built: list[tuple[Take, GroupItems]],
-              refused: list[tuple[Take, str, dict[int, str]]]) -> Decisions:
+    def _plan(self, js: JobState, seed: bytes, request_id: str | None, built: list[tuple[Take, GroupItems]],
+              refused: list[tuple[Take, str, dict[int, str]]], stats: dict[str, dict]) -> Decisions:
         """The one decision of a poll: its batch, served groups, refused groups and their bad rows."""
-        plan = Decisions()
-        if built:
-            batch_id = uuid.uuid4().hex
-            plan.batch = Batch(batch_id, job_id, request_id, seed, [t.group_id for t, _ in built],
-                               sum(g.n_items for _, g in built), 0)
-            plan.served = [Served(t, batch_id) for t, _ in built]
+        plan, job_id = Decisions(), js.job_id
         for t, reason, bad in refused:
-            plan.drops.append(Drop(t.group_id, reason, [pk for pk in t.all_pks if pk not in bad], t.sessions))
+            plan.drops.append(Drop(t.group_id, reason, [pk for pk in t.all_pks if pk not in bad], t.sessions,
+                                   t.rewards))
             plan.rows.extend(RowEvent(pk, REJECTED, why, t.group_id, None) for pk, why in bad.items())
             self.outbox.events.event(f"group refused when served ({reason})", logging.WARNING,
                                      "group %s of job %s dropped (%s)%s", t.group_id, job_id, reason,
                                      f": malformed rows {bad}" if bad else "")
+        if built:
+            batch_id = uuid.uuid4().hex
+            filtered = collections.Counter(js.acc.filtered_since_batch())
+            filtered.update(d.reason for d in plan.drops)
+            meta = {"group_stats": [stats[t.group_id] for t, _ in built], "filtered": dict(filtered),
+                    "partial_groups": sorted(t.group_id for t, _ in built if t.partial)}
+            plan.batch = Batch(batch_id, job_id, request_id, seed, [t.group_id for t, _ in built],
+                               sum(g.n_items for _, g in built), 0, meta)
+            plan.served = [Served(t, batch_id, tuple(g.session_rewards)) for t, g in built]
         return plan
 
     def _failed(self, js: JobState, t: Take, exc: Exception) -> bool:

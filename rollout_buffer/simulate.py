@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--groups", type=_pos_int, default=32, help="prompt groups G")
     s.add_argument("--fail-rate", type=_rate, default=0.05,
                    help="fraction of sessions that crash after 0..n-1 rows, never completing")
+    s.add_argument("--flat-rate", type=_rate, default=0.0,
+                   help="fraction of groups whose sessions all end with the same reward (zero variance)")
     s.add_argument("--truncate-rate", type=_rate, default=0.1,
                    help="fraction of sessions that hit the step cap and end truncated")
     s.add_argument("--pace", type=_nonneg_float, default=0.02,

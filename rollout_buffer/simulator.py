@@ -135,6 +135,8 @@ class Simulator:
                 rewards.add(round(rng.random(), 4))  # distinct terminal rewards within the group
             reward_list = sorted(rewards)
             rng.shuffle(reward_list)
+            if rng.random() < getattr(a, "flat_rate", 0.0):
+                reward_list = reward_list[:1]  # every session of the group ends with the same reward
             for k in range(a.rl_group_size):
                 s = Session(gr, str(uuid.uuid4()))
                 s.terminal_reward = reward_list[k % len(reward_list)]

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 from . import queries as q
 from .db import Database, connect, create_launcher_tables
 from .errors import StorageError
+from .figures import finite_sum
 from .model import (DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED, Batch, Decisions, Drop,
                     GroupKey, LauncherState, NotifyKey, RowKey, Served)
 
@@ -43,6 +44,9 @@ class JobTotals:
     rejected: Counter = field(default_factory=Counter)
     groups_served: int = 0
     groups_dropped: Counter = field(default_factory=Counter)
+    # (outcome: "served" or a drop reason, groups, sessions, steps, reward_sum, sessions with a reward)
+    figures: list[tuple[str, int, int, int, float, int]] = field(default_factory=list)
+    filtered: dict[str, int] = field(default_factory=dict)  # groups dropped since the last served one
 
     @property
     def accounted_rows(self) -> int:
@@ -71,15 +75,16 @@ class Unnotified:
 
 def _group_record(job_id: str, d: Served | Drop, now: float) -> tuple:
     """The one builder of a rollout_buffer_groups row (q.INSERT_GROUP's columns)."""
+    figures = finite_sum(d.rewards)
     if isinstance(d, Served):
         t = d.take
         inc = t.incomplete_pks
         pks = sorted(t.served_pks + inc)
         clear = sorted(t.incomplete)
         return (job_id, t.group_id, SERVED, None, d.batch_id, len(t.served_pks), len(inc),
-                ",".join(map(str, pks)), json.dumps(clear), 0 if clear else 1, now)
+                ",".join(map(str, pks)), json.dumps(clear), 0 if clear else 1, now, len(t.completed), *figures)
     return (job_id, d.group_id, DROPPED, d.reason, None, 0, len(d.pks), ",".join(map(str, d.pks)),
-            json.dumps(d.clear_sessions), 0 if d.clear_sessions else 1, now)
+            json.dumps(d.clear_sessions), 0 if d.clear_sessions else 1, now, len(d.clear_sessions), *figures)
 
 
 class Store:
@@ -130,9 +135,11 @@ class Store:
     def set_k(self, job_id: str, k: int) -> None:
         self.db.execute(q.SET_K, (k, time.time(), job_id))
 
-    def save_cursor(self, job_id: str, cursor: int, low_water: int) -> None:
-        """Persist the ingest cursor and the low-water mark below which every row is accounted."""
-        self.db.execute(q.SAVE_CURSOR, (cursor, low_water, time.time(), job_id))
+    def save_cursor(self, job_id: str, cursor: int, low_water: int, trainer_version: int | None = None,
+                    rows_version: int = 0) -> None:
+        """Persist the ingest cursor, the low-water mark below which every row is accounted, and the
+        job's versions (the trainer's last and the largest of the rows read, below the cursor)."""
+        self.db.execute(q.SAVE_CURSOR, (cursor, low_water, trainer_version, rows_version, time.time(), job_id))
 
     def save_launcher(self, job_id: str, rec: LauncherRecord, owner: str | None) -> None:
         """Record the job's launcher process, its state and the instance that owns it."""
@@ -151,10 +158,16 @@ class Store:
                 t.served_rows += int(r["n_served"] or 0)
                 if r["n_dropped"]:
                     t.dropped[INCOMPLETE_IN_SERVED] += int(r["n_dropped"])
+                steps = int(r["n_served"] or 0)
             else:
                 t.groups_dropped[r["reason"]] += int(r["n_groups"])
                 if r["n_dropped"]:
                     t.dropped[r["reason"]] += int(r["n_dropped"])
+                steps = int(r["n_dropped"] or 0)
+            if r["n_sessions"] is not None:  # groups recorded before schema 3 have no figures
+                t.figures.append((SERVED if r["status"] == SERVED else r["reason"], int(r["n_groups"]),
+                                  int(r["n_sessions"]), steps, float(r["reward_sum"] or 0.0), int(r["n_rewarded"] or 0)))
+        t.filtered = {r["reason"]: int(r["n"]) for r in self.db.fetchall(q.FILTERED_SINCE_SERVED, (job_id, job_id))}
         for r in self.db.fetchall(q.ROW_TOTALS, (job_id,)):
             (t.rejected if r["outcome"] == REJECTED else t.dropped)[r["reason"]] += int(r["n"])
         return t
@@ -198,7 +211,7 @@ class Store:
             b = plan.batch
             if b is not None:
                 st.execute(q.INSERT_BATCH, (b.batch_id, b.job_id, b.request_id, b.seed.hex(), json.dumps(b.group_ids),
-                                            b.n_items, b.n_bytes, now))
+                                            b.n_items, b.n_bytes, now, json.dumps(b.meta) if b.meta else None))
             st.executemany(q.INSERT_GROUP, [_group_record(job_id, s, now) for s in plan.served])
             st.executemany(q.INSERT_GROUP_IF_ABSENT, [_group_record(job_id, d, now) for d in plan.drops])
             st.executemany(q.INSERT_ROW, [
@@ -212,7 +225,8 @@ class Store:
         if r is None:
             return None
         batch = Batch(r["batch_id"], r["job_id"], r["request_id"], bytes.fromhex(r["seed"]),
-                      json.loads(r["group_ids"]), int(r["n_items"]), int(r["n_bytes"]))
+                      json.loads(r["group_ids"]), int(r["n_items"]), int(r["n_bytes"]),
+                      json.loads(r["meta"]) if r.get("meta") else None)
         return batch, float(r["created_at"])
 
     def recent_request_ids(self, job_id: str, since: float) -> list[str]:

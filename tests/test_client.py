@@ -20,8 +20,10 @@ from typing import Any
 import pytest
 import requests
 
-from rollout_buffer.client import BufferClient, BufferError, BufferUnavailable, format_stats
+from rollout_buffer.client import BufferClient, BufferError, BufferUnavailable
+from rollout_buffer.stats_table import format_stats
 from rollout_buffer.db import connect
+from support import Writer, make_launcher_db
 from rollout_buffer.errors import RolloutBufferError
 from tests.servers import ROOT, serve
 
@@ -108,6 +110,28 @@ def test_get_rollout_data_with_max_groups(db_url: str, tmp_path: Path) -> None:
         rest = [gid for gid, _ in client.iter_groups(5, max_groups=2, poll_interval=0.1, timeout=30)]
         assert len(rest) == 5 and not first & set(rest)
         assert first | set(rest) == expected
+
+
+def test_the_client_sends_the_trainer_version_and_the_staleness_bound(db_url: str, tmp_path: Path) -> None:
+    make_launcher_db(db_url)
+    w = Writer(db_url, job=JOB)
+    w.group("v7", K, env_state={"weight_version": 7})  # ready first: the poll meets it first
+    w.group("v9", K, env_state={"weight_version": 9})
+    w.close()
+    with serve(db_url, tmp_path) as srv, BufferClient(srv.url, backoff_s=0.1) as client:
+        client.start_rollout(num_repeat_per_sample=K, job_session=JOB)
+        deadline = time.monotonic() + 30
+        while client.stats().get("groups", {}).get("ready") != 2:
+            assert time.monotonic() < deadline, "the two groups never became ready"
+            time.sleep(0.05)
+        asked = []
+        got = [gid for gid, _ in client.iter_groups(1, current_weight_version=lambda: asked.append(1) or 10,
+                                                     max_off_policy=1, poll_interval=0.1, timeout=30)]
+        assert got == ["v9"] and asked  # 10 - 7 > 1: v7 is dropped as stale, never sent
+        stats = client.stats()
+        assert stats["versions"]["trainer"] == 10 and stats["groups"]["dropped"] == {"stale": 1}
+        table = format_stats(stats)
+        assert "weight version" in table and "stale" in table
 
 
 @pytest.mark.slow

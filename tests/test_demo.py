@@ -41,3 +41,20 @@ def test_demo_runs_end_to_end_and_prints_the_summary(tmp_path: Path) -> None:
     port = int(re.search(r"http://127\.0\.0\.1:(\d+)", out).group(1))
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.mark.slow
+def test_demo_with_policies_shows_their_counts(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollout_buffer", "demo", "--policies", "--groups", "20", "--k", "3", "--pace",
+         "0.001", "--dir", str(tmp_path / "demo"), "--timeout", "100"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{proc.stderr}"
+    m = re.search(r"policies\s+stale (\d+) groups, zero_variance (\d+) groups, oversampled (\d+) rows", out)
+    assert m, out
+    # 20 groups of K+1 sessions: over-sampling always has extra sessions to drop
+    assert int(m.group(3)) > 0, out
+    assert re.search(r"accounting balanced\s+yes", out), out
+    assert re.search(r"checks\s+passed", out), out

@@ -92,7 +92,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     proxy_port = free_port()
 
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ROLLOUT_BUFFER_", "AIEVOBOX_", "LLM_PROXY_"))}
+           if not k.startswith(("ROLLOUT_BUFFER_", "AIEVOBOX_", "LLM_PROXY_")) and k != "RB_PEER_ENV"}
     env.update({
         "BUFFER_SERVER_PORT": str(args.port), "ROLLOUT_BUFFER_HOST": "127.0.0.1",
         "STORAGE_TYPE": "sqlite", "AIEVOBOX_DB_URL": "sqlite://" + db,
@@ -103,7 +103,10 @@ def cmd_start(args: argparse.Namespace) -> int:
         "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
         "PYTHONPATH": ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""),
     })
-    for kv in args.env:
+    # RB_PEER_ENV="KEY=VALUE ..." in the peer's own environment: per-peer settings in one bench.py run
+    # (--peer "on=env RB_PEER_ENV='ROLLOUT_BUFFER_OVERSAMPLE=1' python3 tests/bench/peer.py"), which
+    # --peer-arg (the same for every peer) cannot give
+    for kv in shlex.split(os.environ.get("RB_PEER_ENV", "")) + args.env:
         key, sep, value = kv.partition("=")
         if not sep:
             die(f"--env expects KEY=VALUE, got {kv!r}")
