@@ -641,9 +641,16 @@ def test_an_on_failure_restart_pending_at_a_kill9_is_carried_out_after_it(tmp_pa
 
         def pending_restart() -> bool:
             launcher = requests.get(srv.url + "/health", timeout=5).json()["launcher"]
-            return launcher["exit_code"] == 1 and launcher["will_restart"] is True
+            if not (launcher["exit_code"] == 1 and launcher["will_restart"] is True):
+                return False
+            db = connect(url)  # and recorded: a kill before that is a launcher that ended unseen
+            try:
+                return db.scalar("SELECT launcher_state FROM rollout_buffer_jobs WHERE job_id = 'j'") == \
+                    "restart_pending"
+            finally:
+                db.close()
 
-        wait_until(pending_restart, 15, "the launcher exited and its restart is scheduled (in 600 s)")
+        wait_until(pending_restart, 15, "the launcher exited and its restart (in 600 s) is recorded")
         assert len(marker.read_text().split()) == 1
         pgid = srv.proc.pid
         srv.stop(signal.SIGKILL)
