@@ -317,6 +317,11 @@ ROWS_AT_OR_BELOW = ("SELECT id, group_id, session_id FROM session_steps "
                     "WHERE job_id = ? AND is_trainable = 1 AND id <= ?")
 # Stats: trainable rows written but not read yet.
 COUNT_AFTER = "SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ?"
+# Postgres: the transactions writing session_steps now (ingest's safe cursor waits for them). A writer
+# holds the table's RowExclusiveLock from before it takes an id until it ends; only this database's.
+TABLE_WRITERS = ("SELECT DISTINCT virtualtransaction FROM pg_catalog.pg_locks WHERE locktype = 'relation' "
+                 "AND mode = 'RowExclusiveLock' AND relation = to_regclass('session_steps') "
+                 "AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())")
 # Postgres: how many values the sequence of session_steps.id caches per backend (must be 1).
 SEQUENCE_CACHE = ("SELECT seqcache FROM pg_catalog.pg_sequence WHERE seqrelid = "
                   "pg_get_serial_sequence('session_steps', 'id')::regclass")
