@@ -1,5 +1,9 @@
 """rollout-buffer: groups agentic RL rollout steps from the launcher's database and serves
-complete prompt groups to the trainer over HTTP."""
+complete prompt groups to the trainer over HTTP.
+
+Owns: the version and a lazy ``create_app`` re-export. It must not import anything at import time:
+the command line, the simulator and the benchmark peer import the package without Flask.
+"""
 from __future__ import annotations
 
 __version__ = "0.1.0"

@@ -4,7 +4,7 @@ Owns: the counters of the identity ``read = served + dropped (by reason) + rejec
 + pending``, counted in distinct step_pks, the group counts by outcome, the group figures
 (:mod:`~rollout_buffer.figures`) and the groups dropped since the last served batch
 (``meta_info.filtered``). Pure values: no I/O and no lock of its own (the accumulator's lock
-guards it); it decides nothing.
+guards it); it decides nothing, and it must not be changed but under the accumulator's lock.
 """
 from __future__ import annotations
 

@@ -2,6 +2,10 @@
 
 Bodies are parsed as JSON whatever the Content-Type says (the original did), capped in size,
 and validated strictly: a wrong type is a 400 whose message says what was expected.
+
+Owns: the routes, parsing and validating bodies, the token and the same-origin check, and turning
+the service's answers into responses. It must not hold state or decide anything: every action is a
+call to the service (the page and /metrics render what the service reports).
 """
 from __future__ import annotations
 

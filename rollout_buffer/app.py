@@ -1,4 +1,8 @@
-"""The Flask application factory: builds and wires objects, starts nothing."""
+"""The Flask application factory: builds and wires objects, starts nothing.
+
+Owns: building the Service and the Flask app around it, and the one JSON error shape. It must not
+start threads or touch a database (gunicorn's hooks start the service).
+"""
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,9 @@
-"""Command line: ``rollout-buffer serve | init-db | demo | stats | export | settings``."""
+"""Command line: ``rollout-buffer serve | init-db | demo | stats | export | settings``.
+
+Owns: parsing the commands, their messages and exit statuses. It must not hold a command's logic:
+each one calls its module, imported when the command runs (so ``rollout-buffer stats`` never imports
+Flask).
+"""
 from __future__ import annotations
 
 import argparse
@@ -45,13 +50,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from .client import BufferClient
+    from .client import BufferClient, BufferError
     from .stats_table import format_stats
 
-    client = BufferClient(args.url, token=args.token or os.environ.get("ROLLOUT_BUFFER_TOKEN"))
+    token = args.token or os.environ.get("ROLLOUT_BUFFER_TOKEN")
     if args.watch:
-        from .client import BufferError
         from .progress import watch
+
+        # one attempt per refresh, answered within the interval: the watch is the retry loop (the
+        # client's own retries and their warnings would freeze the table and scribble over it)
+        client = BufferClient(args.url, token=token, retries=0, timeout=max(1.0, min(args.interval, 10.0)))
 
         def render() -> str:
             try:
@@ -60,9 +68,27 @@ def cmd_stats(args: argparse.Namespace) -> int:
                 return f"  cannot read {args.url}/stats: {exc}"
             return json.dumps(stats, indent=1) if args.json else format_stats(stats)
         return watch(render, sys.stdout, interval=args.interval, count=args.count, title=f"rollout-buffer {args.url}")
-    stats = client.stats()
+    try:
+        stats = BufferClient(args.url, token=token, retries=1, timeout=30).stats()
+    except BufferError as exc:
+        print(f"rollout-buffer stats: cannot read {args.url}/stats: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(stats, indent=1) if args.json else format_stats(stats))
     return 0
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -107,8 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--token", help="bearer token (default $ROLLOUT_BUFFER_TOKEN)")
     s.add_argument("--json", action="store_true", help="print the raw JSON")
     s.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
-    s.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch")
-    s.add_argument("--count", type=int, default=0, help="with --watch: stop after this many refreshes (0 = never)")
+    s.add_argument("--interval", type=_positive, default=2.0, help="seconds between refreshes with --watch")
+    s.add_argument("--count", type=_count, default=0, help="with --watch: stop after this many refreshes (0 = never)")
     s.set_defaults(func=cmd_stats)
     s = sub.add_parser("export", help="write every served and dropped group of a job as JSONL (.gz: gzipped)")
     s.add_argument("--db", required=True, help="the launcher database URL (as AIEVOBOX_DB_URL)")

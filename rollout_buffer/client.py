@@ -18,6 +18,9 @@ request_id: pass ``use_request_id=False`` to send none (delivery is then at-most
 Errors: a 4xx answer raises :class:`BufferError` (with ``.status`` and the server's message);
 connection errors, timeouts and 5xx answers are retried with exponential backoff (honouring
 ``Retry-After``), and :class:`BufferUnavailable` is raised once the retries are exhausted.
+
+Owns: the trainer's side of the HTTP contract (request_ids, retries, long-poll) and the table of
+``/stats``. It must not import the service or talk to a database: it speaks HTTP only.
 """
 from __future__ import annotations
 
@@ -35,7 +38,6 @@ from .errors import RolloutBufferError
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
-NO_DATA = "No data available to read"
 
 
 class BufferError(RolloutBufferError):  # noqa: A001 - the name the trainer-facing API promises

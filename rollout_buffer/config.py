@@ -5,6 +5,9 @@ the README's settings table is generated from the same rows (``rollout-buffer se
 Precedence: defaults < environment < explicit overrides (``Config.from_env(env, **over)``).
 A bad value fails at startup naming the variable, the value and what was expected, and so
 does an unknown ``ROLLOUT_BUFFER_*`` variable (a typo must not silently fall back).
+
+Owns: the SETTINGS table and the frozen Config built from it. It must not read the environment after
+startup, nor open anything: a URL is checked, never connected to.
 """
 from __future__ import annotations
 
@@ -213,7 +216,6 @@ SETTINGS: tuple[Setting, ...] = (
             "gunicorn graceful timeout; must exceed the launcher stop grace"),
 )
 
-_BY_FIELD = {s.field: s for s in SETTINGS}
 _KNOWN_ENV = {s.env for s in SETTINGS} | {a for s in SETTINGS for a in s.aliases}
 
 

@@ -4,6 +4,8 @@ Owns: opening and closing a (source, state) pair for one thread. They are the sa
 unless a separate state database is configured. A pair belongs to one thread and never crosses
 a fork (STYLE §9.7): the loop thread keeps one, each request opens one lazily and closes it at
 teardown, and the notifier thread opens the state side when it needs it.
+
+It must not share a connection between threads or keep one across a fork.
 """
 from __future__ import annotations
 

@@ -9,14 +9,20 @@ else in the package imports a driver.
 
 A connection belongs to one thread (SQLite's ``check_same_thread`` stays on as a tripwire) and
 never crosses a fork: each long-lived thread opens its own, request handlers open one per request.
+
+Owns: connecting, transactions, placeholder translation, driver error translation and redacting
+URLs. It must not hold a statement of its own beyond the launcher's DDL (every statement is in
+queries.py) nor know what a table means.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import sqlite3
 import threading
+import urllib.parse
 from typing import Any, Iterator, Sequence
 
 from .errors import ClosedError, ConfigError, DataError, IntegrityError, StorageError
@@ -87,6 +93,7 @@ class Database:
 
     backend = "?"
     url: str
+    broken = False  # True once the server connection is gone (Postgres; a SQLite file does not go away)
 
     def __init__(self) -> None:
         self._closed = False
@@ -229,8 +236,9 @@ class SqliteDatabase(Database):
         self.path = sqlite_path(url)
         try:
             if readonly:
-                self.conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True,
-                                            timeout=SQLITE_BUSY_TIMEOUT_S, isolation_level=None)
+                # a URI of the absolute path, quoted: '?', '#', '%' or a leading '//' in it stay a path
+                uri = f"file:{urllib.parse.quote(os.path.realpath(self.path))}?mode=ro"
+                self.conn = sqlite3.connect(uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S, isolation_level=None)
             else:
                 self.conn = sqlite3.connect(self.path, timeout=SQLITE_BUSY_TIMEOUT_S,
                                             isolation_level=None)

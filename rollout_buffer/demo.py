@@ -9,6 +9,9 @@ session, never a group twice), a summary table is printed, and the server is alw
 
 Exit status: 0 when every check passed and at least one group was served, 1 otherwise
 (including a timeout or a server that did not start), 130 on Ctrl-C.
+
+Owns: the demo's work directory, its trainer loop, checks and summary. It must not reach into the
+service: it runs it through the runner and talks to it through the client, as a user would.
 """
 from __future__ import annotations
 

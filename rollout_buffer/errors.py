@@ -1,4 +1,7 @@
-"""Exception hierarchy: every error this package raises on purpose is a RolloutBufferError."""
+"""Exception hierarchy: every error this package raises on purpose is a RolloutBufferError.
+
+Owns: the exception classes. It must not import anything of the package.
+"""
 from __future__ import annotations
 
 from typing import Any

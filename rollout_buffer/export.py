@@ -11,6 +11,8 @@ Memory is constant in the job's size: decided groups and the rows accounted one 
 in keyset pages sorted by group_id and merged, one group's rows are fetched at a time, and batch
 seeds are kept in a small cache. It only reads, so it runs against a live service on either
 backend. The file is written as ``FILE.partial`` and renamed when complete.
+
+It must not write to either database: it only reads, through read-only connections.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import math
 import os
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from datetime import datetime
 from typing import IO, Any, Iterator, Sequence, TextIO
@@ -33,7 +36,7 @@ from .items import (PARTIAL_FLAG, COMPLETED, CREATED, ENV_STATE, GID, MESSAGES, 
                     Malformed, build_group, epoch, weight_version)
 from .model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
 from .progress import Progress, bar
-from .fetch import take_from_rows
+from .fetch import fetch_rows, take_from_rows
 
 WHAT = ("served", "dropped", "all")
 PAGE = 500
@@ -212,13 +215,7 @@ class Exporter:
                 yield self._orphan_record(r)
 
     def _rows(self, pks: list[int]) -> dict[int, tuple]:
-        out: dict[int, tuple] = {}
-        for i in range(0, len(pks), 900):
-            chunk = pks[i:i + 900]
-            for r in self.src.rows(q.fetch_export_rows(len(chunk), self.src.backend),
-                                   q.fetch_bodies_params(chunk, self.src.backend), binary=True):
-                out[int(r[0])] = r
-        return out
+        return fetch_rows(self.src, pks, q.fetch_export_rows)
 
     def _seed(self, batch_id: str) -> tuple[bytes, frozenset[str]] | None:
         if batch_id not in self._seeds:
@@ -330,34 +327,49 @@ def export(src: Database, st: Database, job_id: str, path: str, *, what: str = "
 
 
 def read_export(path: str) -> Iterator[dict[str, Any]]:
-    """The records of an export file, one at a time (plain or gzip, told by its first bytes)."""
+    """The records of an export file, one at a time (plain or gzip, told by its first bytes). A file
+    that is not an export (a line that is no JSON object, a truncated or corrupt gzip, bytes that are
+    not UTF-8) raises ExportError naming the line."""
     with open(path, "rb") as probe:
         gz = probe.read(2) == b"\x1f\x8b"
     opener = gzip.open if gz else open
-    with opener(path, "rt", encoding="utf-8") as f:  # type: ignore[operator]
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    yield json.loads(line)
-                except ValueError as exc:
-                    raise ExportError(f"{path}:{n}: not a JSON record ({exc})") from None
+    n = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:  # type: ignore[operator]
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except ValueError as exc:
+                        raise ExportError(f"{path}:{n}: not a JSON record ({exc})") from None
+                    if not isinstance(record, dict) or not isinstance(record.get("sessions", []), list):
+                        raise ExportError(f"{path}:{n}: not an export record (a JSON object with its sessions)")
+                    yield record
+    except (EOFError, gzip.BadGzipFile, UnicodeDecodeError, zlib.error) as exc:
+        raise ExportError(f"{path}: unreadable after line {n} ({type(exc).__name__}: {exc}); "
+                          "a truncated or corrupt file?") from None
 
 
 def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, what: str) -> int:
-    """``rollout-buffer export``: the exit status (0 written, 1 database trouble, 2 bad arguments)."""
+    """``rollout-buffer export``: the exit status (0 written, 1 database or file trouble, 2 bad arguments).
+    The databases are opened read-only (SQLite: a mistyped path is an error, never a new empty
+    file). The progress bar is shown on a terminal only; the last line says what was written."""
     if what not in WHAT:
         print(f"rollout-buffer export: --what {what!r}: expected one of {', '.join(WHAT)}", file=sys.stderr)
         return 2
     src = st = None
     try:
-        src = connect(db_url)
-        st = connect(state_db_url) if state_db_url and state_db_url != db_url else src
-        summary = export(src, st, job_id, out, what=what, progress_to=sys.stderr)
+        src = connect(db_url, readonly=True)
+        st = connect(state_db_url, readonly=True) if state_db_url and state_db_url != db_url else src
+        summary = export(src, st, job_id, out, what=what, progress_to=sys.stderr if sys.stderr.isatty() else None)
     except ExportError as exc:
         print(f"rollout-buffer export: {exc}", file=sys.stderr)
         return 2
     except RolloutBufferError as exc:
         print(f"rollout-buffer export: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the output cannot be written (no such directory, no space, no permission)
+        print(f"rollout-buffer export: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     finally:
         for db in {id(d): d for d in (src, st) if d is not None}.values():

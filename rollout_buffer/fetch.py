@@ -3,8 +3,12 @@
 Owns: the body queries of serving and replay, the per-group byte cap while reading (a huge group
 is stopped as soon as it passes it), and rebuilding a served group's Take from its recorded pks.
 It reads the launcher's table only.
+
+It must not write, and it reads the launcher's table only.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 from . import queries as q
 from .db import Database
@@ -14,13 +18,13 @@ from .model import Take
 FETCH_CHUNK = 900  # pks per body query (SQLite's default variable limit is far above)
 
 
-def fetch_rows(src: Database, pks: list[int]) -> dict[int, tuple]:
-    """The body columns (queries.BODY_COLUMNS) of the given rows, by pk."""
+def fetch_rows(src: Database, pks: list[int], query: Callable[[int, str], str] = q.fetch_bodies) -> dict[int, tuple]:
+    """The body columns (queries.BODY_COLUMNS) of the given rows, by pk (``query``: the statement for
+    n pks, ``fetch_bodies`` or one that selects more columns after those, as the export's)."""
     out: dict[int, tuple] = {}
     for i in range(0, len(pks), FETCH_CHUNK):
         chunk = pks[i:i + FETCH_CHUNK]
-        for r in src.rows(q.fetch_bodies(len(chunk), src.backend), q.fetch_bodies_params(chunk, src.backend),
-                          binary=True):
+        for r in src.rows(query(len(chunk), src.backend), q.fetch_bodies_params(chunk, src.backend), binary=True):
             out[r[0]] = r
     return out
 

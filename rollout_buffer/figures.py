@@ -4,7 +4,7 @@ Owns: the running sums per outcome (served, or dropped with its reason) of group
 steps and terminal rewards, from which /stats and /metrics show the mean steps per session and
 the mean terminal reward (so an operator sees when a policy or the TTL keeps removing long or
 hard episodes), and the per-group ``meta_info.group_stats`` of a served batch. Pure values: no
-I/O, no lock (the accumulator's lock guards a job's :class:`Figures`).
+I/O, no lock (the accumulator's lock guards a job's :class:`Figures`); it must not decide or drop anything.
 """
 from __future__ import annotations
 

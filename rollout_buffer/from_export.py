@@ -13,10 +13,14 @@ is malformed again), response, step_reward, reward, env_state, the truncated/ter
 flags, env_name and llm_model. Rows that arrived after their group was decided (``late_rows_*``)
 are left out: in a new job they would have joined the group before its decision, so the same
 groups come back. ``created_at`` is the time of writing.
+
+It must not read or write the buffer's tables: it reads the export file and INSERTs launcher rows,
+as a launcher does.
 """
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from typing import Any
 
@@ -28,9 +32,20 @@ from .workload import LLM_MODEL
 LATE = "late_rows_"
 
 
-def _float(v: Any) -> float:
-    """A number of the export ('nan', 'inf' stand for non-finite ones; absent is 0)."""
-    return 0.0 if v is None else float(v)
+def _number(v: Any, backend: str) -> Any:
+    """A reward of the export, as the database can hold it. 'nan', 'inf', '-inf' stand for non-finite
+    numbers; absent is 0. A value that is no number (text the launcher stored) or NaN on SQLite
+    (which would store NULL) is written as its text: the row is rejected again
+    (non_finite_step_reward), as it was, instead of stopping the replay. Postgres gets NaN for it."""
+    if v is None:
+        return 0.0
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        f = math.nan
+    if math.isnan(f) and backend == "sqlite":
+        return str(v)
+    return f
 
 
 def _messages_text(step: dict[str, Any]) -> str:
@@ -96,8 +111,8 @@ class ExportReplayer(Simulator):
         def insert(db: Any) -> None:
             db.execute(INSERT_STEP, (
                 sid, st.get("step_id"), st.get("env_name") or "replay", st.get("llm_model") or LLM_MODEL, gid,
-                a.job_id, _messages_text(st), st.get("response") or "", _float(st.get("step_reward")),
-                _float(st.get("reward")), st.get("env_state"), int(bool(st.get("terminal"))),
+                a.job_id, _messages_text(st), st.get("response") or "", _number(st.get("step_reward"), db.backend),
+                _number(st.get("reward"), db.backend), st.get("env_state"), int(bool(st.get("terminal"))),
                 int(bool(st.get("truncated"))), int(bool(st.get("completed"))), 1, self.now()))
         self.write(insert, f"inserting step {st.get('step_id')} of session {sid}")
         self.rows += 1

@@ -3,7 +3,7 @@
 Owns: the metadata a group holds while undecided (its sessions' row pks, which sessions
 completed and with what terminal reward, the weight versions the policies need) and the verdict
 of the training-data policies on a ready group. No I/O and no lock: the accumulator's lock
-guards every group; it decides nothing about other groups.
+guards every group; it decides nothing about other groups, and it must not record or act on its verdict.
 """
 from __future__ import annotations
 

@@ -4,6 +4,9 @@ The top-level gunicorn.conf.py imports this module, so plain ``gunicorn wsgi:app
 repository root uses it; ``rollout-buffer serve`` passes it with ``-c python:rollout_buffer.gunicorn_conf``.
 A worker count other than 1 (from WEB_CONCURRENCY, GUNICORN_CMD_ARGS or -w) is refused at startup:
 N workers would mean N accumulators, N cursors and N launchers, i.e. split or duplicated groups.
+
+Owns: gunicorn's settings and hooks (logging, starting and stopping the service in the worker). It
+must not build the app before the worker forks (no preload, no threads in the master).
 """
 from __future__ import annotations
 

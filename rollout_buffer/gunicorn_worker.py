@@ -17,6 +17,9 @@ every other client for 40 s). Connections are bounded by the descriptors the pro
 an accept that finds none left pauses accepting instead of killing the worker (and, through it,
 the launcher), and at the bound the oldest idle kept-alive connection makes room for a new one.
 No reverse proxy is needed for any of it.
+
+Owns: how a connection's head is read and how long a thread waits on a silent client. It must not
+know the app or change what gthread does with a complete request.
 """
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ Owns: an in-memory ring of 10-second buckets (rows ingested, groups and items se
 last batches a poll sent (groups, items, bytes, build and send time). The loop records ingest,
 serving records each batch; the status page reads a snapshot. Nothing here is durable (a restart
 starts an empty history) and nothing does I/O: every critical section is a few additions.
+
+It must not be read for decisions: it is for display only.
 """
 from __future__ import annotations
 

@@ -8,6 +8,9 @@ the caller drops the whole group (a group with a hole must never reach the train
 
 uids are uuid4-shaped values derived from a per-batch random seed and the row's step_pk, so a
 replayed batch carries the very same uids.
+
+Owns: validating rows, building item JSON and deriving uids. It must not do I/O or decide: rows come
+in, bytes or :class:`Malformed` come out.
 """
 from __future__ import annotations
 

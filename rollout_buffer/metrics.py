@@ -1,4 +1,12 @@
-"""GET /metrics: the service's counters and gauges in Prometheus text exposition format (0.0.4)."""
+"""GET /metrics: the service's counters and gauges in Prometheus text exposition format (0.0.4).
+
+The active job is the label ``job_session``, never ``job``: Prometheus attaches its own ``job`` (the
+scrape job) and ``instance`` labels, and renames a scraped ``job`` to ``exported_job``, so a
+dashboard selecting by ``job`` would select by the scrape job instead.
+
+Owns: the exposition text of what the service reports. It must not compute figures of its own or
+open a database connection (it renders ``service.stats`` without one).
+"""
 from __future__ import annotations
 
 import math
@@ -47,21 +55,21 @@ def render_metrics(service: "Service") -> str:
     notif = s["proxy_notifications"]
     rows = s.get("rows")
     if rows is not None:
-        j = {"job": job}
+        j = {"job_session": job}
         out.metric("rows_read_total", "counter", "Distinct trainable rows read for the active job.",
                    [(j, rows["read"])])
         out.metric("rows_served_total", "counter", "Rows served to the trainer.", [(j, rows["served"])])
         out.metric("rows_dropped_total", "counter", "Rows dropped, by reason.",
-                   [({"job": job, "reason": r}, n) for r, n in sorted(rows["dropped"].items())])
+                   [({"job_session": job, "reason": r}, n) for r, n in sorted(rows["dropped"].items())])
         out.metric("rows_rejected_total", "counter", "Rows that could not become items, by reason.",
-                   [({"job": job, "reason": r}, n) for r, n in sorted(rows["rejected"].items())])
+                   [({"job_session": job, "reason": r}, n) for r, n in sorted(rows["rejected"].items())])
         out.metric("rows_pending", "gauge", "Rows of undecided groups.", [(j, rows["pending"])])
         groups = s["groups"]
         out.metric("groups", "gauge", "Undecided groups by state.",
-                   [({"job": job, "state": st}, groups[st]) for st in ("pending", "ready", "in_flight")])
+                   [({"job_session": job, "state": st}, groups[st]) for st in ("pending", "ready", "in_flight")])
         out.metric("groups_served_total", "counter", "Groups served.", [(j, groups["served"])])
         out.metric("groups_dropped_total", "counter", "Groups dropped, by reason.",
-                   [({"job": job, "reason": r}, n) for r, n in sorted(groups["dropped"].items())])
+                   [({"job_session": job, "reason": r}, n) for r, n in sorted(groups["dropped"].items())])
         out.metric("cursor", "gauge", "Ingest cursor (all rows at or below it are read).", [(j, s["cursor"])])
         age = s.get("oldest_pending_group_age_s")
         out.metric("oldest_pending_group_age_seconds", "gauge", "Age of the oldest undecided group.",
@@ -70,10 +78,10 @@ def render_metrics(service: "Service") -> str:
         for key, name, help_ in (("steps_per_session", "group_steps_per_session", "Mean steps per session"),
                                  ("terminal_reward_mean", "group_terminal_reward_mean", "Mean terminal reward")):
             out.metric(name, "gauge", f"{help_} of the served and the dropped groups (by reason): drop bias.",
-                       [({"job": job, "outcome": o, "reason": r}, f[key]) for o, r, f in figs if f[key] is not None])
+                       [({"job_session": job, "outcome": o, "reason": r}, f[key]) for o, r, f in figs if f[key] is not None])
         v = s["versions"]
         out.metric("weight_version", "gauge", "The job's current version, the trainer's last and the rows' largest.",
-                   [({"job": job, "kind": k}, v[k]) for k in ("current", "trainer", "rows") if v[k] is not None])
+                   [({"job_session": job, "kind": k}, v[k]) for k in ("current", "trainer", "rows") if v[k] is not None])
     polls = s["polls"]
     out.metric("polls_total", "counter", "POST /get_rollout_data calls answered.", [({}, polls["count"])])
     out.metric("polls_with_data_total", "counter", "Polls that returned groups.", [({}, polls["with_data"])])

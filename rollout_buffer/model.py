@@ -4,6 +4,9 @@ A *decision* is a value computed once (by the accumulator, or by serving for a b
 written in one transaction by the store, then applied to memory and handed to the notifier:
 the same object at every step, so nothing is derived twice. This module imports nothing of the
 package and does no I/O.
+
+Owns: the value types and the reason and state names. It must not import anything of the package or
+do I/O.
 """
 from __future__ import annotations
 
@@ -37,9 +40,6 @@ GROUP_TOO_LARGE = "group_too_large"  # its rows alone exceed ROLLOUT_BUFFER_MAX_
 STALE = "stale"                  # current version - min weight_version > max_off_policy
 ZERO_VARIANCE = "zero_variance"  # its sessions' terminal rewards are all equal (within epsilon)
 OVERSAMPLED = "oversampled"      # rows of a session beyond the first K completed of its group
-
-# Rejection reasons that taint a session: its group can never be served whole.
-TAINTING = (MISSING_GROUP, INVALID_GROUP)
 
 
 class BadText(str):

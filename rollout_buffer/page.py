@@ -5,6 +5,9 @@ plus the recent history (rates over 15 minutes, the last batches). The page itse
 and needs no token, so it can ask for one; ``/status`` is behind the token like ``/stats``. The
 HTML, its script and its charts are in ``static/status.html``: no framework, nothing loaded from
 outside (it must work on an air-gapped cluster).
+
+It must not compute figures of its own: everything it shows comes from the service's stats, health
+and history.
 """
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 Owns: TERM, a grace period, KILL of a whole group and waiting until no member is left (a pid
 reused since is never mistaken for the launcher), and a log rotation that works under a running
 writer. procfs.py reads what these act on; the supervisor decides when.
+
+It must not decide when to act or track a launcher's state: that is the supervisor's.
 """
 from __future__ import annotations
 

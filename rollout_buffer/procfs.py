@@ -3,6 +3,8 @@
 Owns: a process's state, parent, process group and start time, and the processes of a group
 or of a parent. The supervisor uses it to tell a launcher from a reused pid and to find what is
 left of its process group; the tests and benchmarks use it to watch real processes. It only reads.
+
+It must not act on a process (no signal, no wait): it only reads.
 """
 from __future__ import annotations
 

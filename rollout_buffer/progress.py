@@ -2,6 +2,8 @@
 
 Owns: the live line (rewritten in place with ``\\r`` on a terminal, one line every few seconds
 otherwise) and the text of a bar. It knows nothing of what is being counted.
+
+It must not know what is being counted nor decide where the output goes.
 """
 from __future__ import annotations
 

@@ -4,6 +4,10 @@
 (SPEC §3). Callers only ever touch an in-memory pending map under a small lock; one named daemon
 thread owns the ``requests.Session`` and does all network I/O, so a dead or hung proxy can never
 slow down a poll (the original called it synchronously inside the poll, SPEC §7.6).
+
+Owns: the pending map of sessions to clear, coalescing and retries, and the one thread that calls
+the proxy. It must not block a caller on the network, nor know about groups beyond their ids and
+keys.
 """
 from __future__ import annotations
 

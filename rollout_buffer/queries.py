@@ -2,6 +2,9 @@
 
 The launcher's two tables need a DDL per backend (identity columns and timestamp types
 differ); the buffer's own ``rollout_buffer_*`` tables use types both backends accept.
+
+Owns: every statement and the schema text (``STATE_DDL``, ``MIGRATIONS``, ``SCHEMA_VERSION``). It
+must not execute anything: there is no connection here.
 """
 from __future__ import annotations
 

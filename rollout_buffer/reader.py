@@ -3,6 +3,8 @@
 Owns: which trainable rows of the active job have been returned to the accumulator. It reads
 only the launcher's ``session_steps`` metadata (ids, flags, step_id, step_reward and the
 weight_version of env_state); it never writes, and it knows nothing of groups or decisions.
+
+It must not write or account: the restart filter only says which rows were accounted before.
 """
 from __future__ import annotations
 

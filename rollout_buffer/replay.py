@@ -5,6 +5,8 @@ database), the replay window (on the monotonic clock for batches this process re
 rebuilding of a recorded batch from the immutable rows with its seed: one shared copy per batch
 however many retries ask at once, at most MAX_REPLAYS batches held, 429 beyond. It runs outside
 the serve lock and decides nothing.
+
+It must not take the serve lock, and it decides nothing.
 """
 from __future__ import annotations
 

@@ -12,6 +12,10 @@ Lock order, outermost first; a thread never takes an earlier lock while holding 
 4. the accumulator's lock (trivial critical sections, no I/O);
 5. the outbox's lock, the notifier's lock, the supervisor's lock (leaves).
 Waits on 1-3 from a request thread are bounded: a stuck database makes a 503, never a hang.
+
+Owns: the wiring, the lifecycle (start, stop), the answers above and the lock order above. It must
+not grow rooms of its own: a new concern gets its own module, and ``Service`` stays at most 250
+lines.
 """
 from __future__ import annotations
 
@@ -241,6 +245,10 @@ class Service:
                                "database": "ok" if problem is None else problem,
                                "polls": {**{k: polls[k] for k in ("count", "with_data", "seconds_total")},
                                          "waiting": self.serving.waiting_polls}}
+        src = None  # only the lag needs the database: with it down, the rest is still answered
+        if js is not None and conns is not None and problem is None:
+            with contextlib.suppress(StorageError):
+                src = conns.get().src
         if js is not None:
-            out.update(js.stats(conns.get().src if conns is not None else None))
+            out.update(js.stats(src))
         return out

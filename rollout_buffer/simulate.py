@@ -37,6 +37,9 @@ Exit status: 0 when every session ran; 143 after SIGTERM (130 after SIGINT): the
 finishes the row it is writing (never a half-written session row), stops at once (a ``--pace``
 sleep is interrupted), prints the summary with ``"interrupted": true`` and exits. 1 when the
 database cannot be written (after retries), 2 for bad arguments.
+
+Owns: the simulator's command line (flags, signals, exit statuses); the engine is simulator.py and
+the replay of an export from_export.py. It must not UPDATE or DELETE a row.
 """
 from __future__ import annotations
 

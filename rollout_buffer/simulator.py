@@ -3,6 +3,9 @@ the way the real launcher does (see simulate.py for the command line and what is
 
 It only INSERTs into the launcher's tables, retrying a write that fails on a locked or lost
 database, and stops cleanly on SIGTERM/SIGINT between two rows.
+
+Owns: planning a job's groups and sessions, pacing and retrying writes, and the run's summary. It
+must not UPDATE or DELETE a row, nor read the buffer's tables.
 """
 from __future__ import annotations
 
@@ -90,7 +93,7 @@ class Simulator:
                     raise
                 print(f"simulate: {what} failed (attempt {attempt}/{WRITE_ATTEMPTS}), retrying in "
                       f"{delay:.2f}s: {exc}", file=sys.stderr, flush=True)
-                if self.db is not None and self.db.backend == "postgres" and getattr(self.db, "broken", False):
+                if self.db is not None and self.db.broken:
                     self.reset_connection()
                 time.sleep(delay)
                 delay = min(delay * 2, 1.0)

@@ -1,6 +1,6 @@
 """``/stats`` as a readable table (``rollout-buffer stats``, ``stats --watch``).
 
-Owns: formatting a /stats document for a terminal. Pure text: no I/O, no HTTP.
+Owns: formatting a /stats document for a terminal. Pure text: it must not do I/O or HTTP.
 """
 from __future__ import annotations
 

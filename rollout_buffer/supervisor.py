@@ -9,6 +9,10 @@ outside it.
 The launcher runs in its own session (so its own process group), which lets
 :meth:`Supervisor.stop` signal the launcher and everything it forked at once and check that
 the whole group is gone.
+
+Owns: the launcher process: starting it, watching it, restarting it by policy, stopping its group,
+adopting one after a restart. It must not know about jobs, groups or the buffer's tables
+(launcher.py records its identity).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Owns the shapes the simulated launcher (simulate.py) fills in and writes as rows; it does no I/O.
 ``group_id`` is ``uuid5(NAMESPACE_OID, f"{env_name}:{task_idx}")``, as the real launcher derives it.
+
+It must not do I/O or draw randomness of its own (the simulator hands it its seeded generator).
 """
 from __future__ import annotations
 

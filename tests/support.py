@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pty
+import subprocess
 import time
 import uuid
 from datetime import datetime, timezone
@@ -206,3 +208,26 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 5.0,
             what = what() if callable(what) else what
             pytest.fail(f"{what} not reached within {timeout} s (last value {value!r})")
         time.sleep(0.02)
+
+
+def run_on_a_terminal(argv: list[str], cwd: Any, stream: str = "stdout", timeout: float = 60.0) -> tuple[int, str, str]:
+    """Run ``argv`` with its ``stream`` ("stdout" or "stderr") on a pseudo-terminal and the other one
+    on a pipe: (exit status, what the terminal got, what the pipe got)."""
+    other = "stderr" if stream == "stdout" else "stdout"
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(argv, cwd=cwd, **{stream: slave, other: subprocess.PIPE})
+        os.close(slave)
+        got = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # the terminal closed: the process has exited
+                break
+            if not chunk:
+                break
+            got += chunk
+        piped = proc.communicate(timeout=timeout)[0 if other == "stdout" else 1]
+    finally:
+        os.close(master)
+    return proc.returncode, got.decode("utf-8", "replace"), piped.decode("utf-8", "replace")

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import json
 import logging
+from urllib.parse import urlsplit
 
 import pytest
 
-from support import Writer, assert_balanced, groups_of, now_text
+from fakes.tcp_forwarder import TcpForwarder
+from support import PG_DSN, Writer, assert_balanced, groups_of, make_launcher_db, now_text, wait_until
 
 
 def test_complete_groups_are_served_whole_with_terminal_rewards(harness, writer):
@@ -193,6 +195,19 @@ def test_restart_training_skips_written_rows_and_tombstones_their_groups(harness
     s = harness.stats()
     assert s["groups"]["dropped"].get("restart_training", 0) >= 3
     assert s["rows"]["dropped"]["late_rows_from_dropped_groups"] == 2
+    assert_balanced(s)
+
+
+def test_restart_training_counts_the_rows_below_the_floor(harness, writer):
+    harness.start(k=2)
+    writer.group("g", 2, steps=2, complete=0)       # 4 rows, read while pending
+    writer.group("h", 2, steps=1)                   # served; its terminal rows set the floor
+    assert list(groups_of(harness.poll())) == ["h"]
+    assert harness.stats()["rows"]["read"] == 6
+    harness.start(k=2, restart_training=True)       # same job: g is tombstoned with its 4 rows
+    s = harness.stats()
+    assert s["rows"]["read"] == 6 and s["rows"]["dropped"] == {"restart_training": 4}
+    assert s["groups"]["dropped"] == {"restart_training": 1} and s["rows"]["served"] == 2
     assert_balanced(s)
 
 
@@ -605,3 +620,33 @@ def test_duplicate_steps_in_many_groups_are_logged_per_kind_not_per_row(harness,
         assert len(groups_of(harness.poll())) == 60
     lines = [r for r in caplog.records if "two rows for step" in r.getMessage()]
     assert len(lines) <= 1, [r.getMessage() for r in lines][:5]  # (0: an earlier test opened the window)
+
+
+def test_stats_and_status_answer_from_memory_while_the_database_is_down(pg_url, harness_factory, caplog):
+    """The figures an operator needs most when the database is gone (/stats, the status page's
+    /status) are in memory: only the lag needs the database, so they answer, with the problem."""
+    make_launcher_db(pg_url)
+    dsn = urlsplit(PG_DSN)
+    relay = TcpForwarder(dsn.port or 5432, dsn.hostname or "127.0.0.1")
+    try:  # the service reaches Postgres through the relay; the test's writer directly
+        h = harness_factory(pg_url.replace(dsn.netloc.rsplit("@", 1)[-1], f"127.0.0.1:{relay.port}", 1),
+                            db_unhealthy_after_s=0.5)
+        h.start(k=2, job="J")
+        w = Writer(pg_url, job="J")
+        w.group("g", 2)
+        w.group("p", 2, complete=1)
+        w.close()
+        assert list(groups_of(h.poll())) == ["g"]
+        relay.down()
+        for path in ("/stats", "/status"):  # before the loop has noticed, and after
+            r = h.client.get(path)
+            assert r.status_code == 200, r.get_data(as_text=True)
+        wait_until(lambda: h.client.get("/health").get_json()["status"] == "degraded", 15, "the loop sees the database down")
+        s = h.client.get("/stats").get_json()
+        assert s["database"] != "ok" and s["lag_rows"] is None
+        assert (s["rows"]["served"], s["rows"]["pending"], s["groups"]["pending"]) == (4, 4, 1)
+        doc = h.client.get("/status").get_json()
+        assert doc["status"] == "degraded" and doc["stats"]["rows"] == s["rows"]
+        assert not [r for r in caplog.records if r.getMessage().startswith("unhandled error")]
+    finally:
+        relay.close()

@@ -25,7 +25,8 @@ from rollout_buffer.stats_table import format_stats
 from rollout_buffer.db import connect
 from support import Writer, make_launcher_db
 from rollout_buffer.errors import RolloutBufferError
-from tests.servers import ROOT, serve
+from servers import ROOT, serve
+from support import wait_until
 
 JOB = "client-job"
 K = 4
@@ -97,11 +98,7 @@ def test_get_rollout_data_with_max_groups(db_url: str, tmp_path: Path) -> None:
     expected = group_ids(db_url)
     with serve(db_url, tmp_path) as srv, BufferClient(srv.url, backoff_s=0.1) as client:
         client.start_rollout(num_repeat_per_sample=K, job_session=JOB)
-        deadline = time.monotonic() + 30
-        while True:  # wait until the service has ingested the rows
-            if client.stats()["groups"]["ready"] == 8 or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        wait_until(lambda: client.stats()["groups"]["ready"] == 8, 30, "the service has ingested the 8 groups")
         doc = client.get_rollout_data(max_groups=3)
         assert doc["success"] is True
         first = {it["instance_id"] for it in doc["data"]["data"]}

@@ -8,6 +8,7 @@ import pytest
 
 from rollout_buffer.config import Config, settings_table
 from rollout_buffer.errors import ConfigError
+from rollout_buffer.launcher import launch_spec
 
 
 def test_defaults_without_aievobox_root(tmp_path, monkeypatch):
@@ -47,12 +48,23 @@ def test_bad_values_name_the_variable(env, needle):
     assert needle in str(exc.value)
 
 
-def test_misspelled_multiplier_is_read_with_a_warning(caplog):
-    caplog.set_level(logging.WARNING)
-    assert Config.from_env({"AIEVOBOC_MULTIPLIER": "2.5"}).multiplier == 2.5
-    assert "AIEVOBOC_MULTIPLIER" in caplog.text
-    both = Config.from_env({"AIEVOBOC_MULTIPLIER": "2.5", "AIEVOBOX_MULTIPLIER": "3"})
-    assert both.multiplier == 3.0
+def test_misspelled_multiplier_is_read_with_a_warning(tmp_path, lite_url, caplog):
+    caplog.set_level(logging.WARNING, logger="rollout_buffer.config")
+    cfg = Config.from_env({"AIEVOBOC_MULTIPLIER": "2.5", "AIEVOBOX_ROOT": str(tmp_path),
+                           "AIEVOBOX_DB_URL": lite_url, "AIEVOBOX_ENV_ROOT": "/envs"})
+    assert cfg.multiplier == 2.5
+    warnings = [r for r in caplog.records if "AIEVOBOC_MULTIPLIER" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
+    assert "AIEVOBOX_MULTIPLIER" in warnings[0].getMessage()
+    argv = list(launch_spec(cfg, "J", 4).argv)  # and the launcher gets it
+    assert argv[argv.index("--multiplier") + 1] == "2.5"
+
+    # Both set: the right name wins, no warning.
+    caplog.clear()
+    cfg = Config.from_env({"AIEVOBOC_MULTIPLIER": "2.5", "AIEVOBOX_MULTIPLIER": "3.0", "AIEVOBOX_DB_URL": lite_url})
+    assert cfg.multiplier == 3.0
+    assert not [r for r in caplog.records if "AIEVOBOC_MULTIPLIER" in r.getMessage()]
+    assert Config.from_env({"AIEVOBOX_DB_URL": lite_url}).multiplier == 1.2
 
 
 def test_postgres_url_sets_storage_type_and_overrides_win():

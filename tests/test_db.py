@@ -6,9 +6,10 @@ import time
 import psycopg
 import pytest
 
-from rollout_buffer.connections import service_connect
+from rollout_buffer import queries as q
 from rollout_buffer.config import Config
-from rollout_buffer.db import connect
+from rollout_buffer.connections import service_connect
+from rollout_buffer.db import connect, to_pyformat
 from rollout_buffer.errors import StorageError
 from support import Writer, assert_balanced, groups_of, make_launcher_db
 
@@ -86,3 +87,32 @@ def test_service_connections_never_prepare_statements_for_a_transaction_pooler(p
         assert db.scalar("SELECT COUNT(*) FROM pg_prepared_statements") == 0
     finally:
         db.close()
+
+
+def test_a_readonly_sqlite_connection_opens_any_path_and_never_creates_one(tmp_path):
+    odd = tmp_path / "a dir?with#odd%chars"
+    odd.mkdir()
+    for url in (f"sqlite://{odd}/launcher.db", f"sqlite:///{odd}/launcher.db"):  # '/abs' and '//abs'
+        make_launcher_db(f"sqlite://{odd}/launcher.db")
+        db = connect(url, readonly=True)
+        try:
+            assert db.scalar("SELECT COUNT(*) FROM session_steps") == 0
+            with pytest.raises(StorageError):
+                db.execute("DELETE FROM session_steps")
+        finally:
+            db.close()
+    with pytest.raises(StorageError, match="cannot open SQLite database"):
+        connect(f"sqlite://{tmp_path}/missing.db", readonly=True)
+    assert not (tmp_path / "missing.db").exists()
+
+
+def test_pyformat_translation_refuses_ambiguous_sql():
+    assert to_pyformat("SELECT a FROM t WHERE b = ? AND c = ?") == "SELECT a FROM t WHERE b = %s AND c = %s"
+    with pytest.raises(StorageError):
+        to_pyformat("SELECT a FROM t WHERE b LIKE '%x'")
+    with pytest.raises(StorageError):
+        to_pyformat("SELECT '?' FROM t")
+    for name in dir(q):  # every statement of the package translates
+        value = getattr(q, name)
+        if isinstance(value, str) and value.lstrip().upper().startswith(("SELECT", "INSERT", "UPDATE", "DELETE")):
+            to_pyformat(value)

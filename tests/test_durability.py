@@ -16,15 +16,14 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 import requests
 
-from support import PG_DSN, Writer, make_launcher_db, wait_until
+from support import PG_DSN, Writer, groups_of, make_launcher_db, wait_until
 from rollout_buffer.db import connect
 from rollout_buffer import procfs
-from servers import Server, log_tail
+from servers import Server, Trainer, assert_exactly_once, assert_stats_balance, complete_groups, kill9, log_tail, uids
 
 pytestmark = pytest.mark.slow
 
@@ -34,37 +33,6 @@ K = 4
 # -- helpers ------------------------------------------------------------------------------------------------
 
 
-def complete_groups(url: str, job: str, k: int = K) -> dict[str, int]:
-    """{group_id: rows of its completed sessions} for every group with k completed sessions."""
-    db = connect(url)
-    try:
-        rows = db.rows("SELECT group_id, session_id, is_session_completed FROM session_steps "
-                       "WHERE job_id = ? AND is_trainable = 1", (job,))
-    finally:
-        db.close()
-    done = {(g, s) for g, s, c in rows if c}
-    per_group: dict[str, int] = {}
-    sessions: dict[str, set[str]] = {}
-    for g, s, _c in rows:
-        if (g, s) in done:
-            per_group[g] = per_group.get(g, 0) + 1
-            sessions.setdefault(g, set()).add(s)
-    return {g: n for g, n in per_group.items() if len(sessions[g]) >= k}
-
-
-def trainable_rows(url: str, job: str) -> int:
-    db = connect(url)
-    try:
-        return int(db.scalar("SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND is_trainable = 1", (job,)))
-    finally:
-        db.close()
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live processes in process group ``pgid``."""
-    return procfs.group_members(pgid)
-
-
 def workers_of(master: int) -> list[int]:
     return procfs.children(master)
 
@@ -72,10 +40,8 @@ def workers_of(master: int) -> list[int]:
 def kill9_and_restart(srv: Server) -> None:
     """kill -9 the whole process group (gunicorn master and worker), then start again on the same DB."""
     assert srv.proc is not None
-    pgid = srv.proc.pid
-    assert len(group_members(pgid)) >= 2, "expected a master and a worker"
-    srv.stop(signal.SIGKILL)
-    wait_until(lambda: not group_members(pgid), 5, "every server process gone")
+    assert len(procfs.group_members(srv.proc.pid)) >= 2, "expected a master and a worker"
+    kill9(srv)
     srv.start()
 
 
@@ -91,131 +57,6 @@ def kill9_worker(srv: Server) -> None:
 
 def new_server(db_url: str, tmp_path: Path, **env: str) -> Server:
     return Server(db_url, tmp_path / "srv", env=env)
-
-
-class Trainer:
-    """An HTTP trainer: one fresh request_id per logical poll, reused only for its retries.
-
-    It keeps every group it was given with the items, and checks that a replay is identical to
-    what it already has.
-    """
-
-    def __init__(self, srv: Server) -> None:
-        self.srv = srv
-        self.session = requests.Session()
-        self.served: dict[str, list[list[dict]]] = {}
-        self.by_request: dict[str, dict] = {}
-        self.retries = 0
-        self.statuses: list[int] = []
-
-    def post(self, body: dict[str, Any]) -> requests.Response:
-        return self.session.post(self.srv.url + "/get_rollout_data", json=body, timeout=60)
-
-    def poll(self, max_groups: int | None = None, request_id: str | None = None, retry_for: float = 30.0) -> dict:
-        """One logical poll; retried with the same request_id on 503 and connection errors."""
-        rid = request_id or uuid.uuid4().hex
-        body: dict[str, Any] = {"request_id": rid}
-        if max_groups is not None:
-            body["max_groups"] = max_groups
-        deadline = time.monotonic() + retry_for
-        while True:
-            try:
-                r = self.post(body)
-                self.statuses.append(r.status_code)
-                if r.status_code == 200:
-                    doc = r.json()
-                    break
-                assert r.status_code == 503, r.text
-                err = r.json()
-                assert err["ok"] is False and err["status"] == 503 and err["error"], err
-            except requests.ConnectionError:
-                self.session.close()
-                self.session = requests.Session()
-            assert time.monotonic() < deadline, f"poll {rid} kept failing for {retry_for:g} s"
-            self.retries += 1
-            time.sleep(0.1)
-        self.record(rid, doc)
-        return doc
-
-    def record(self, rid: str, doc: dict) -> None:
-        if not doc["success"]:
-            assert rid not in self.by_request, "an id bound to a batch answered empty"
-            return
-        meta = doc["data"]["meta_info"]
-        assert meta["request_id"] == rid
-        if rid in self.by_request:  # we had it already: the replay must be identical
-            assert meta["replayed"] is True
-            assert uids(doc) == uids(self.by_request[rid])
-            return
-        self.by_request[rid] = doc
-        for gid, items in by_group(doc).items():
-            self.served.setdefault(gid, []).append(items)
-
-    def drain(self, want: set[str], max_groups: int | None = None, timeout: float = 30.0,
-              pause: float = 0.0) -> None:
-        """Poll until every group of ``want`` arrived, then once more (nothing else may come)."""
-        deadline = time.monotonic() + timeout
-        while not want <= set(self.served):
-            assert time.monotonic() < deadline, f"never served: {sorted(want - set(self.served))}"
-            if not self.poll(max_groups)["success"]:
-                time.sleep(0.05)
-            elif pause:
-                time.sleep(pause)
-        # every row written has been read (so nothing else can become ready), then nothing more comes
-        wait_until(lambda: self.stats().get("lag_rows") == 0, 10, "the service caught up with the rows")
-        assert self.poll()["success"] is False, "served more than expected"
-
-    def stats(self) -> dict:
-        r = self.session.get(self.srv.url + "/stats", timeout=30)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def start_rollout(self, job: str = "job1", k: int = K) -> dict:
-        r = self.session.post(self.srv.url + "/start_rollout", json={"num_repeat_per_sample": k,
-                                                                     "job_session": job}, timeout=30)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-
-def by_group(doc: dict) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for item in doc["data"]["data"]:
-        out.setdefault(item["instance_id"], []).append(item)
-    return out
-
-
-def uids(doc: dict) -> list[str]:
-    return [i["uid"] for i in doc["data"]["data"]]
-
-
-def assert_exactly_once(trainer: Trainer, expected: dict[str, int]) -> None:
-    """Every expected group delivered once, whole; nothing else; no row twice."""
-    twice = {g: len(v) for g, v in trainer.served.items() if len(v) != 1}
-    assert not twice, f"groups served more than once: {twice}"
-    assert set(trainer.served) == set(expected), (
-        f"missing {sorted(set(expected) - set(trainer.served))}, extra {sorted(set(trainer.served) - set(expected))}")
-    sizes = {g: len(v[0]) for g, v in trainer.served.items()}
-    assert sizes == expected
-    pks = [i["extra_info"]["step_pk"] for v in trainer.served.values() for i in v[0]]
-    assert len(pks) == len(set(pks)), "a row was served twice"
-    all_uids = [u for doc in trainer.by_request.values() for u in uids(doc)]
-    assert len(all_uids) == len(set(all_uids))
-
-
-def assert_stats_balance(trainer: Trainer, db_url: str, job: str = "job1") -> dict:
-    """/stats identity holds and every trainable row of the job was read exactly once."""
-    total = trainable_rows(db_url, job)
-
-    def settled() -> dict | None:
-        s = trainer.stats()
-        return s if s["job_session"] == job and s["rows"]["read"] >= total else None
-
-    s = wait_until(settled, 15, "every row read")
-    r = s["rows"]
-    assert r["read"] == total, (r, total)
-    assert r["read"] == r["served"] + r["dropped_total"] + r["rejected_total"] + r["pending"], r
-    assert s["accounting_balanced"] is True
-    return s
 
 
 # -- crash windows --------------------------------------------------------------------------------------------
@@ -365,7 +206,7 @@ def test_request_id_replays_binds_only_data_serialises_and_survives_kill9(tmp_pa
         # the same id twice: the same batch; a different max_groups on the replay is ignored
         first = t.post({"request_id": "A", "max_groups": 3}).json()
         assert first["success"] is True and first["data"]["meta_info"]["replayed"] is False
-        assert len(by_group(first)) == 3
+        assert len(groups_of(first)) == 3
         again = t.post({"request_id": "A", "max_groups": 7}).json()
         assert again["data"]["meta_info"]["replayed"] is True
         assert uids(again) == uids(first)
@@ -407,7 +248,7 @@ def test_request_id_replays_binds_only_data_serialises_and_survives_kill9(tmp_pa
         wait_until(lambda: t.stats()["groups"]["ready"] == 2, 15, "2 new groups ready")
         fresh = t.post({"request_id": "X"}).json()
         assert fresh["success"] is True and fresh["data"]["meta_info"]["replayed"] is False
-        assert set(by_group(fresh)) == {"late0", "late1"}
+        assert set(groups_of(fresh)) == {"late0", "late1"}
         t.record("X", fresh)
 
         # kill -9 after the batch was recorded (the response came back) but the trainer "lost" it
@@ -415,7 +256,7 @@ def test_request_id_replays_binds_only_data_serialises_and_survives_kill9(tmp_pa
             w.group(f"z{i}", K, steps=2)
         wait_until(lambda: t.stats()["groups"]["ready"] == 3, 15, "3 groups ready")
         lost = t.post({"request_id": "Z", "max_groups": 2}).json()
-        assert lost["success"] is True and len(by_group(lost)) == 2
+        assert lost["success"] is True and len(groups_of(lost)) == 2
         kill9_and_restart(srv)
         replay = t.poll(request_id="Z")  # retried while the restarted service loads its state
         assert replay["success"] is True and replay["data"]["meta_info"]["replayed"] is True
@@ -595,7 +436,7 @@ def test_a_poll_before_the_restarted_service_has_loaded_its_state_is_503_not_emp
         assert srv.proc is not None
         pgid = srv.proc.pid
         srv.stop(signal.SIGKILL)
-        wait_until(lambda: not group_members(pgid), 5, "every server process gone")
+        wait_until(lambda: not procfs.group_members(pgid), 5, "every server process gone")
         holder = sqlite3.connect(path, isolation_level=None)
         try:
             holder.execute("PRAGMA locking_mode=EXCLUSIVE")

@@ -14,22 +14,22 @@ from __future__ import annotations
 
 import contextlib
 import shlex
-import signal
 import sys
 import threading
 import time
 import uuid
+from urllib.parse import urlsplit
 from typing import Any
 
 import psycopg
 import pytest
 import requests
 
-from fakes.blackhole import Blackhole
-from support import Writer, make_launcher_db, wait_until
+from fakes.tcp_forwarder import TcpForwarder
+from support import PG_DSN, Writer, groups_of, make_launcher_db, wait_until
+from rollout_buffer import procfs
 from rollout_buffer.db import connect
-from servers import ROOT, Server
-from test_durability import Trainer, assert_stats_balance, by_group, group_members, trainable_rows
+from servers import ROOT, Server, Trainer, assert_stats_balance, kill9, trainable_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
@@ -69,26 +69,9 @@ def ids_of(url: str, session: str) -> list[int]:
         db.close()
 
 
-def kill9(srv: Server) -> None:
-    """kill -9 the whole process group (gunicorn master and worker) and wait until it is gone."""
-    assert srv.proc is not None
-    pgid = srv.proc.pid
-    srv.stop(signal.SIGKILL)
-    wait_until(lambda: not group_members(pgid), 5, "every server process gone")
-
-
 def alter_cache(url: str, cache: int) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f"ALTER TABLE session_steps ALTER COLUMN id SET CACHE {int(cache)}")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            data = f.read()
-    except OSError:
-        return False
-    return data[data.rfind(")") + 2] not in "ZX"
 
 
 class RecordingTrainer(Trainer):
@@ -133,7 +116,7 @@ def test_a_row_committed_late_below_the_low_water_mark_is_served_after_kill9(tmp
         assert g1_max < pk_b < pk_a
         wait_until(lambda: t.stats()["rows"]["read"] == 3, 15, "G1 and G2/A read")
         doc = t.poll()
-        assert set(by_group(doc)) == {"G1"}
+        assert set(groups_of(doc)) == {"G1"}
         # G1 is accounted now: the next save moves the durable mark past it
         wait_until(lambda: saved_job(pg_url, "job1")["low_water_pk"] > g1_max, 15, "low-water mark saved after the poll")
         saved = saved_job(pg_url, "job1")
@@ -309,7 +292,7 @@ def while_locked(srv: Server, pid: int, grace: float) -> None:
     took, r = timed_post(srv.url + "/stop_rollout")
     assert not isinstance(r, str), f"/stop_rollout got no answer in {took:.1f} s ({r})"
     assert r.status_code == 200 and took < grace + 3.0, (took, r.status_code, r.text)
-    wait_until(lambda: not pid_alive(pid), 5, "launcher gone")
+    wait_until(lambda: not procfs.alive(pid), 5, "launcher gone")
 
     def degraded() -> dict | None:
         doc = requests.get(srv.url + "/health", timeout=5).json()
@@ -346,8 +329,10 @@ def test_a_statement_that_never_gets_an_answer_shows_in_health_and_the_service_r
     age of its last tick tells. /health must say so, polls must answer 503 in bounded time, and the
     service must carry on by itself once packets flow again."""
     make_launcher_db(pg_url)
-    with Blackhole() as hole:
-        srv = Server(hole.url(pg_url), tmp_path / "srv")
+    dsn = urlsplit(PG_DSN)
+    relay = TcpForwarder(dsn.port or 5432, dsn.hostname or "127.0.0.1")
+    try:  # the service reaches Postgres through the relay; the test's writer directly
+        srv = Server(pg_url.replace(dsn.netloc.rsplit("@", 1)[-1], f"127.0.0.1:{relay.port}", 1), tmp_path / "srv")
         w = Writer(pg_url)
         srv.start()
         try:
@@ -356,7 +341,7 @@ def test_a_statement_that_never_gets_an_answer_shows_in_health_and_the_service_r
             for gid in ("a", "b"):
                 w.group(gid, 2, steps=1)
             wait_until(lambda: t.stats()["groups"]["ready"] == 2, 15, "2 groups ready")
-            hole.stuck()
+            relay.stall()
             w.group("c", 2, steps=1)  # written while stuck: read once packets flow again
 
             def degraded() -> dict | None:
@@ -367,7 +352,7 @@ def test_a_statement_that_never_gets_an_answer_shows_in_health_and_the_service_r
             assert "has not completed a tick" in h["database"] and h["last_tick_age_s"] >= 10, h
             took, r = timed_post(srv.url + "/get_rollout_data", {"max_groups": 1})
             assert not isinstance(r, str) and r.status_code == 503 and took <= 10.0, (took, r)
-            hole.flowing()
+            relay.flow()
             wait_until(lambda: requests.get(srv.url + "/health", timeout=5).json()["status"] == "healthy", 30,
                        "healthy again")
             t.drain({"a", "b", "c"})
@@ -376,6 +361,8 @@ def test_a_statement_that_never_gets_an_answer_shows_in_health_and_the_service_r
         finally:
             w.close()
             srv.stop()
+    finally:
+        relay.close()
 
 
 # -- scenario 12: two instances on one database --------------------------------------------------------------------

@@ -36,6 +36,7 @@ import requests
 
 from support import Harness, Writer, groups_of, make_launcher_db, wait_until
 from rollout_buffer import db as db_mod
+from rollout_buffer import procfs
 from rollout_buffer.accumulator import Accumulator
 from rollout_buffer.config import Config
 from servers import Server
@@ -88,25 +89,10 @@ def one_row_group(w: Writer, gid: str, k: int, content: str) -> None:
                messages=[{"role": "user", "content": content}], response="a")
 
 
-def proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, ppid) of a process, or None when it is gone."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_text(encoding="ascii", errors="replace")
-    except OSError:
-        return None
-    fields = data.rsplit(")", 1)[1].split()
-    return fields[0], int(fields[1])
-
-
-def alive(pid: int) -> bool:
-    st = proc_stat(pid)
-    return st is not None and st[0] not in ("Z", "X")
-
-
 def worker_pid(master: int) -> int:
     """The gunicorn worker: the master's child (there is no launcher in that test)."""
     def find() -> int | None:
-        kids = [int(p) for p in os.listdir("/proc") if p.isdigit() and (proc_stat(int(p)) or ("", 0))[1] == master]
+        kids = procfs.children(master)
         return kids[0] if len(kids) == 1 else None
     return wait_until(find, 10, "the gunicorn worker")
 
@@ -192,7 +178,7 @@ class TwoInstances:
         self.first.stop()
         self.second.stop()
         for pid in self.pids:
-            if alive(pid):
+            if procfs.alive(pid):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)
 
@@ -494,14 +480,14 @@ def test_an_instance_that_stops_leaves_the_launcher_another_instance_adopted(tmp
         wait_until(lambda: stats(second.url)["groups"]["pending"] == 1, 10, "second instance reads the group")
 
         first.stop(signal.SIGTERM)
-        assert alive(pid), "the stopping instance killed the launcher the other instance had adopted"
+        assert procfs.alive(pid), "the stopping instance killed the launcher the other instance had adopted"
 
         served_after(second, w)
         w.close()
         s = stats(second.url)
         assert s["groups"]["dropped"].get("launcher_exited", 0) == 0, s["groups"]
         assert s["groups"]["pending"] == 1, s["groups"]
-        assert alive(pid)
+        assert procfs.alive(pid)
         health = requests.get(second.url + "/health", timeout=5).json()
         assert health["aievobox_running"] is True and health["launcher"]["pid"] == pid, health
 
@@ -523,7 +509,7 @@ def test_start_rollout_right_after_a_restart_waits_for_the_resume(tmp_path):
         try:
             pid = two.start_launcher(two.first)
             two.first.stop(signal.SIGKILL)  # a crash: the launcher (its own process group) keeps running
-            assert alive(pid)
+            assert procfs.alive(pid)
 
             # Another connection holds SQLite's lock (exclusive: in WAL mode a plain write lock would
             # not block the resume's reads): the restarted service cannot resume the job yet.
@@ -556,7 +542,7 @@ def test_start_rollout_right_after_a_restart_waits_for_the_resume(tmp_path):
             body = r.json()
             assert "already running" in body["message"] and body["pid"] == pid and body["job_session"] == "job1", body
             assert two.starts() == [str(pid)], "a second launcher was started"
-            assert alive(pid)
+            assert procfs.alive(pid)
         finally:
             if lock is not None:
                 lock.close()
@@ -574,7 +560,7 @@ def test_a_bootstrap_retried_after_the_adoption_keeps_the_adopted_launcher(pg_ur
         w.group("pending", 2, complete=1)
         wait_until(lambda: stats(two.first.url)["groups"]["pending"] == 1, 10, "the group read")
         two.first.stop(signal.SIGKILL)
-        assert alive(pid)
+        assert procfs.alive(pid)
 
         holder.execute("BEGIN")
         holder.execute("SELECT * FROM rollout_buffer_jobs WHERE job_id = 'job1' FOR UPDATE")
@@ -598,7 +584,7 @@ def test_a_bootstrap_retried_after_the_adoption_keeps_the_adopted_launcher(pg_ur
         s = stats(two.second.url)
         assert s["groups"]["dropped"].get("launcher_exited", 0) == 0, s["groups"]
         assert s["groups"]["pending"] == 1, s["groups"]
-        assert alive(pid)
+        assert procfs.alive(pid)
 
 
 def test_a_replay_being_rebuilt_never_holds_up_fresh_polls(lite_url, harness_factory, monkeypatch):

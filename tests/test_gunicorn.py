@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 import pytest
 import requests
 
-from support import Writer, make_launcher_db
+from support import Writer, make_launcher_db, wait_until
 from rollout_buffer import procfs
 from rollout_buffer.runner import ServerProcess
 from servers import ROOT, free_port, log_tail, server_env
@@ -46,15 +46,6 @@ def env_for(db_url: str, tmp_path: Path, port: int, **extra: str) -> dict[str, s
 
 group_members = procfs.group_members
 children_of = procfs.children
-
-
-def wait_until(predicate, timeout: float, what: str, log: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not reached within {timeout:g} s"
-                        + (f"\n--- {log} ---\n{log_tail(log)}" if log else ""))
-        time.sleep(0.05)
 
 
 class Proc:
@@ -225,9 +216,10 @@ def test_sigterm_to_the_master_stops_the_launcher_group_and_exits_0(tmp_path, mo
         pid = body["pid"]
         assert isinstance(pid, int) and pid > 0, body
         # the fake marks its start after installing its TERM handling
-        wait_until(lambda: marker.exists() and marker.read_text().strip() == str(pid), 10, "launcher start", log)
+        wait_until(lambda: marker.exists() and marker.read_text().strip() == str(pid), 10,
+                   lambda: f"launcher start\n--- {log} ---\n{log_tail(log)}")
         if mode == "spawn-child":
-            wait_until(child_pid_file.exists, 10, "grandchild start", log)
+            wait_until(child_pid_file.exists, 10, lambda: f"grandchild start\n--- {log} ---\n{log_tail(log)}")
         health = requests.get(srv.url + "/health", timeout=5).json()
         assert health["aievobox_running"] is True and health["launcher"]["pid"] == pid
         st = procfs.stat(pid)

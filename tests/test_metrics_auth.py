@@ -70,7 +70,9 @@ def test_metrics_parse_and_agree_with_stats(harness, writer):
                 return v
         raise KeyError(name)
 
-    assert value("rows_read_total", job="job1") == stats["rows"]["read"] == 6
+    assert value("rows_read_total", job_session="job1") == stats["rows"]["read"] == 6
+    # Prometheus owns the job and instance labels (a scraped one is renamed exported_job)
+    assert not [(n, l) for f in fams.values() for n, l, _ in f["samples"] if {"job", "instance"} & set(l)]
     assert value("rows_served_total") == 4 and value("rows_pending") == 2
     assert value("groups", state="pending") == 1
     assert value("polls_total") >= 2 and math.isfinite(value("poll_duration_seconds_sum"))
@@ -107,3 +109,17 @@ def test_auth_required_everywhere_but_health(authed, method, path):
 
 def test_no_token_means_open(harness):
     assert harness.client.get("/stats").status_code == 200
+
+
+def test_the_status_page_loads_without_the_token_and_holds_no_data_and_no_markup_from_data(authed):
+    """GET / is the page's static HTML (it asks for the token); its data is /status, behind the token.
+    The page builds everything it shows with textContent and DOM nodes, so a job id, a reason or an
+    error text can never become markup, and it names no address but its own."""
+    r = authed.client.get("/")
+    assert r.status_code == 200 and r.mimetype == "text/html"
+    assert "default-src 'none'" in r.headers["Content-Security-Policy"]
+    html = r.get_data(as_text=True)
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
+        assert sink not in html, sink
+    assert re.findall(r"https?://[^\s\"')]+", html) == ["http://www.w3.org/2000/svg"]  # a namespace, never fetched
+    assert authed.client.get("/status").status_code == 401

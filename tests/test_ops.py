@@ -4,8 +4,6 @@ metrics that a running service's /metrics has, and ``rollout-buffer stats --watc
 from __future__ import annotations
 
 import json
-import os
-import pty
 import re
 import subprocess
 import sys
@@ -16,7 +14,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from support import Writer
+from fakes.fake_proxy import closed_port
+from support import Writer, run_on_a_terminal
 from servers import serve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +60,9 @@ def test_every_metric_of_the_dashboard_is_in_metrics(lite_url, tmp_path):
     assert len(dash["panels"]) >= 10 and len(exprs) >= 15
     used = {name for e in exprs for name in re.findall(r"\brollout_buffer_[a-z_]+", e)}
     assert len(used) >= 15
+    # a label Prometheus attaches itself (job, instance) is never the one the dashboard selects on:
+    # a scraped job label is renamed exported_job, so it would select the scrape job instead
+    assert not [e for e in exprs if re.search(r"\b(job|instance)\s*(=~|=|!=)|\b(by|on) \((job|instance)\)|, job\)", e)]
     with serve(lite_url, tmp_path / "srv") as srv:
         _running_job(srv.url, lite_url)
         text = requests.get(srv.url + "/metrics", timeout=10).text
@@ -75,7 +77,8 @@ def test_every_metric_of_the_dashboard_is_in_metrics(lite_url, tmp_path):
     # the labels the dashboard selects or groups by are on those metrics
     for e in exprs:
         for name in re.findall(r"\brollout_buffer_[a-z_]+", e):
-            for label in re.findall(r"\bby \(([a-z_]+)\)", e) + (["job"] if "job=~" in e else []):
+            for label in (re.findall(r"\bby \(([a-z_]+)\)", e) + re.findall(r"\b([a-z_]+)=~", e)
+                          + re.findall(r"label_values\([a-z_]+, ([a-z_]+)\)", e)):
                 if label == "le" and not name.endswith("_bucket"):
                     continue
                 assert all(f'{label}="' in s for s in samples[name]), (e, name, label, samples[name])
@@ -96,24 +99,24 @@ def test_stats_watch_refreshes(lite_url, tmp_path):
         assert r.stdout.count("  job ") == 3 and "\x1b" not in r.stdout
         assert "malformed_row: 1" in r.stdout
         # on a terminal: the table is redrawn in place (cursor home, clear) at each refresh
-        master, slave = pty.openpty()
-        try:
-            proc = subprocess.Popen([sys.executable, "-m", "rollout_buffer", "stats", srv.url, "--watch",
-                                     "--interval", "0.2", "--count", "3"], cwd=ROOT, stdout=slave,
-                                    stderr=subprocess.DEVNULL)
-            os.close(slave)
-            out = b""
-            while True:
-                try:
-                    chunk = os.read(master, 65536)
-                except OSError:  # the terminal closed: the process has exited
-                    break
-                if not chunk:
-                    break
-                out += chunk
-            assert proc.wait(30) == 0
-        finally:
-            os.close(master)
-        text = out.decode()
+        code, text, _ = run_on_a_terminal([sys.executable, "-m", "rollout_buffer", "stats", srv.url, "--watch",
+                                           "--interval", "0.2", "--count", "3"], cwd=ROOT)
+        assert code == 0
         assert text.count("\x1b[H\x1b[2J") == 3 and text.count("  job ") == 3
         assert "ops" in text
+
+
+def test_stats_against_a_service_that_is_down_says_so_without_retrying_or_a_traceback():
+    url = f"http://127.0.0.1:{closed_port()}"
+    # the watch is the retry loop: one attempt per refresh, no retry warnings over the table
+    r = _watch(url)
+    assert r.returncode == 0 and r.stdout.count(f"cannot read {url}/stats") == 3, r.stdout
+    assert "after 1 attempt(s)" in r.stdout and r.stderr == "", r.stderr
+    r = subprocess.run([sys.executable, "-m", "rollout_buffer", "stats", url], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1 and f"rollout-buffer stats: cannot read {url}/stats" in r.stderr
+    assert "Traceback" not in r.stderr
+    for bad in (["--interval", "0"], ["--interval", "-1"], ["--count", "-1"]):
+        r = subprocess.run([sys.executable, "-m", "rollout_buffer", "stats", url, "--watch", *bad], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "expected" in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)

@@ -11,14 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-import time
 import zlib
 from typing import Any, Iterator
 
 import pytest
 import requests
 
-from support import Writer
+from support import Writer, wait_until
 from servers import serve
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -78,13 +77,8 @@ def _served_job(srv_url: str, db_url: str, token: str | None) -> dict:
         w.group("gc", 2, steps=2, complete=1)
     finally:
         w.close()
-    deadline = time.monotonic() + 15
-    while True:
-        doc = requests.get(srv_url + "/status", headers=headers, timeout=10).json()
-        if doc["stats"]["groups"]["ready"] == 2:
-            break
-        assert time.monotonic() < deadline, doc
-        time.sleep(0.05)
+    wait_until(lambda: requests.get(srv_url + "/status", headers=headers, timeout=10).json()["stats"]["groups"]["ready"]
+               == 2, 15, "2 groups ready")
     r = requests.post(srv_url + "/get_rollout_data", json={}, headers=headers, timeout=10)
     assert r.json()["success"] is True
     doc = requests.get(srv_url + "/status", headers=headers, timeout=10).json()
@@ -97,14 +91,8 @@ def _text(driver: Any, el_id: str) -> str:
 
 
 def _wait_text(driver: Any, el_id: str, expected: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = _text(driver, el_id)
-        if got == expected:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"#{el_id} shows {got!r}, expected {expected!r}; page: {driver.page_source[:2000]}")
-        time.sleep(0.1)
+    wait_until(lambda: _text(driver, el_id) == expected, timeout,
+               lambda: f"#{el_id} showing {expected!r} (it shows {_text(driver, el_id)!r}); page: {driver.page_source[:2000]}")
 
 
 def _check_figures(driver: Any, doc: dict) -> None:
@@ -197,6 +185,11 @@ def test_page_without_token_shows_the_services_figures(browser, lite_url, tmp_pa
         browser.get(srv.url + "/")
         _check_figures(browser, doc)
         assert not browser.find_element("id", "token-box").is_displayed()
+        # nothing is loaded from anywhere but the service, and its answer says so to the browser
+        fetched = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+        assert fetched and all(u.startswith(srv.url + "/") for u in fetched), fetched
+        csp = requests.get(srv.url + "/", timeout=10).headers["Content-Security-Policy"]
+        assert "default-src 'none'" in csp and "connect-src 'self'" in csp
         _check_screenshot(browser, tmp_path / "page.png")
         # it refreshes itself: new figures appear without a reload
         w = Writer(lite_url, job="page-job")
@@ -213,17 +206,20 @@ def test_page_with_token_asks_for_it_and_keeps_it_out_of_urls(browser, lite_url,
         assert requests.get(srv.url + "/status", timeout=10).status_code == 401
         doc = _served_job(srv.url, lite_url, TOKEN)
         browser.get(srv.url + "/")
-        box = browser.find_element("id", "token-box")
-        deadline = time.monotonic() + 15
-        while not box.is_displayed():
-            assert time.monotonic() < deadline, "the page did not ask for the token"
-            time.sleep(0.1)
+        wait_until(browser.find_element("id", "token-box").is_displayed, 15, "the page asking for the token")
         assert not browser.find_element("id", "main").is_displayed()
         assert browser.find_element("id", "job").get_attribute("textContent") == "-"  # no figure without the token
         browser.find_element("id", "token-input").send_keys("wrong-token")
         browser.find_element("id", "token-submit").click()
         _wait_text(browser, "token-why", "The token was refused; enter the service's ROLLOUT_BUFFER_TOKEN.")
         assert browser.execute_script("return sessionStorage.getItem('rollout_buffer_token')") is None
+        # a character no HTTP header can carry (a pasted en dash) is refused as such, never stored, and
+        # the service is not reported unreachable (every fetch used to throw and retry forever)
+        browser.find_element("id", "token-input").send_keys(TOKEN[:4] + "\u2013" + TOKEN[5:])
+        browser.find_element("id", "token-submit").click()
+        assert "U+2013" in _text(browser, "token-why")
+        assert browser.execute_script("return sessionStorage.getItem('rollout_buffer_token')") is None
+        assert _text(browser, "overall") == "token required" and not _text(browser, "banner")
         browser.find_element("id", "token-input").send_keys(TOKEN)
         browser.find_element("id", "token-submit").click()
         _check_figures(browser, doc)

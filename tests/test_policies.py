@@ -321,9 +321,9 @@ def test_group_figures_in_meta_info_stats_and_metrics(make, writer):
     assert figures["dropped"]["zero_variance"] == {"groups": 1, "steps_per_session": 2.0,
                                                    "terminal_reward_mean": 1.0}
     text = h.client.get("/metrics").get_data(as_text=True)
-    assert 'rollout_buffer_group_steps_per_session{job="job1",outcome="served",reason=""} 3.0' in text
-    assert 'rollout_buffer_group_terminal_reward_mean{job="job1",outcome="dropped",reason="zero_variance"} 1.0' in text
-    assert 'rollout_buffer_weight_version{job="job1",kind="current"} 4' in text
+    assert 'rollout_buffer_group_steps_per_session{job_session="job1",outcome="served",reason=""} 3.0' in text
+    assert 'rollout_buffer_group_terminal_reward_mean{job_session="job1",outcome="dropped",reason="zero_variance"} 1.0' in text
+    assert 'rollout_buffer_weight_version{job_session="job1",kind="current"} 4' in text
 
 
 def test_a_replayed_batch_carries_the_same_figures_and_partial_flags(make, writer):

@@ -9,19 +9,10 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from rollout_buffer.proxy import ProxyNotifier
-from tests.fakes.fake_proxy import FakeProxy, closed_port
+from fakes.fake_proxy import FakeProxy, closed_port
+from support import wait_until
 
 LOGGER = "rollout_buffer.proxy"
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Poll ``predicate`` until true or ``timeout`` seconds passed."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def thread_names() -> list[str]:
@@ -124,10 +115,14 @@ def test_coalesces_repeats_while_proxy_fails(fake: FakeProxy, make_notifier) -> 
 
     fake.status = 200
     assert wait_until(lambda: rec.calls)
-    time.sleep(0.3)  # several backoff periods: nothing more may be sent
-    assert fake.delivered == [{"session_ids": ["s1", "s2"], "reason": "restart_training", "group_ids": ["g1"]}]
-    assert all(call["session_ids"] == ["s1", "s2"] for call in fake.calls)
-    assert rec.calls == [("restart_training", ["s1", "s2"], ["g1"], ["k"])]
+    # the notifier's thread goes round again (it delivers a later notification): the coalesced one
+    # was not sent a second time meanwhile
+    notifier.notify("job_ended", ["s9"], ["g9"], keys=["k9"])
+    assert wait_until(lambda: len(rec.calls) == 2)
+    assert fake.delivered == [{"session_ids": ["s1", "s2"], "reason": "restart_training", "group_ids": ["g1"]},
+                              {"session_ids": ["s9"], "reason": "job_ended", "group_ids": ["g9"]}]
+    assert all(call["session_ids"] == ["s1", "s2"] for call in fake.calls[:-1])
+    assert rec.calls == [("restart_training", ["s1", "s2"], ["g1"], ["k"]), ("job_ended", ["s9"], ["g9"], ["k9"])]
     assert notifier.pending()["sessions"] == 0
 
 

@@ -8,7 +8,6 @@ tick: only the service's own loop thread (every 20 ms in tests) can have done th
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 import threading
@@ -378,25 +377,6 @@ def test_aievobox_env_config_wins_over_env_root(tmp_path, lite_url):
     assert list(spec.argv) == expected_aievobox_argv(root, lite_url, ["--env-config", "/e/cfg.yaml"],
                                                      "http://10.0.0.1:8000/v1", "job-7", 16)
     assert spec.cwd == root
-
-
-def test_misspelled_multiplier_is_read_with_a_warning(tmp_path, lite_url, caplog):
-    caplog.set_level(logging.WARNING, logger="rollout_buffer.config")
-    cfg = Config.from_env({"AIEVOBOC_MULTIPLIER": "2.5", "AIEVOBOX_ROOT": str(tmp_path),
-                           "AIEVOBOX_DB_URL": lite_url, "AIEVOBOX_ENV_ROOT": "/envs"})
-    assert cfg.multiplier == 2.5
-    warnings = [r for r in caplog.records if "AIEVOBOC_MULTIPLIER" in r.getMessage()]
-    assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
-    assert "AIEVOBOX_MULTIPLIER" in warnings[0].getMessage()
-    argv = list(Service(cfg).launch_spec("J", 4).argv)
-    assert argv[argv.index("--multiplier") + 1] == "2.5"
-
-    # Both set: the right name wins, no warning.
-    caplog.clear()
-    cfg = Config.from_env({"AIEVOBOC_MULTIPLIER": "2.5", "AIEVOBOX_MULTIPLIER": "3.0", "AIEVOBOX_DB_URL": lite_url})
-    assert cfg.multiplier == 3.0
-    assert not [r for r in caplog.records if "AIEVOBOC_MULTIPLIER" in r.getMessage()]
-    assert Config.from_env({"AIEVOBOX_DB_URL": lite_url}).multiplier == 1.2
 
 
 # -- 3. launcher_exited ----------------------------------------------------------------------------

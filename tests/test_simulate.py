@@ -21,6 +21,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from support import wait_until
 from rollout_buffer import db as dbmod
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -232,16 +233,13 @@ def test_sigterm_stops_a_slow_run_promptly(tmp_path: Path) -> None:
          "--pace", "0.5", "--groups", "50"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:  # wait until it is writing rows
+        def writing() -> bool:
             try:
-                if read_rows(url, "job-slow"):
-                    break
-            except Exception:
-                pass
-            time.sleep(0.1)
-        else:
-            pytest.fail("the simulator wrote no row within 15 s")
+                return bool(read_rows(url, "job-slow"))
+            except Exception:  # noqa: BLE001 - its tables may not exist yet
+                return False
+
+        wait_until(writing, 15, "the simulator writing rows")
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=10)

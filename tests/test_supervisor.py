@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from support import wait_until
 from rollout_buffer import procfs
 from rollout_buffer.supervisor import (
     LaunchSpec,
@@ -37,14 +38,6 @@ class FakeClock:
 
 
 pid_alive = procfs.alive
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail("condition not reached in time")
-        time.sleep(0.02)
 
 
 def poll_until(sup: Supervisor, event: str, timeout: float = 5.0) -> list[dict[str, Any]]:
@@ -94,11 +87,16 @@ def make_supervisor() -> Iterator[Callable[..., Supervisor]]:
 
 
 @pytest.fixture
-def own_procs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Processes a test starts itself (outside any supervisor); killed at teardown."""
-    procs: list[subprocess.Popen[bytes]] = []
-    yield procs
-    for proc in procs:
+def hanging_launcher(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A fake launcher that a test starts itself (outside any supervisor, in its own session), once it
+    runs; killed with its group at teardown."""
+    marker = tmp_path / "starts"
+    proc = subprocess.Popen([sys.executable, str(FAKE_LAUNCHER), "--mode", "hang", "--marker", str(marker)],
+                            start_new_session=True)
+    try:
+        wait_until(marker.exists)
+        yield proc
+    finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -166,7 +164,7 @@ def test_on_failure_restarts_with_backoff_then_gives_up(make_supervisor, spec, t
     assert events[0]["will_restart"] is False
     clock.advance(100)
     assert sup.poll() == []
-    wait_for(lambda: count_lines(marker) == 3)
+    wait_until(lambda: count_lines(marker) == 3)
     state = sup.state()
     assert state["restarts"] == 2
     assert state["finished"] is True and state["running"] is False
@@ -206,7 +204,7 @@ def test_stop_terminates_a_hanging_launcher(make_supervisor, spec, tmp_path):
     marker = tmp_path / "starts"
     sup = make_supervisor(restart_policy="on-failure")
     pid = sup.start(spec("--mode", "hang", "--marker", str(marker)))
-    wait_for(marker.exists)
+    wait_until(marker.exists)
     assert sup.poll() == []
     assert sup.state()["running"] is True
     started = time.monotonic()
@@ -227,7 +225,7 @@ def test_stop_kills_a_launcher_that_ignores_term(make_supervisor, spec, tmp_path
     marker = tmp_path / "starts"
     sup = make_supervisor(stop_grace_s=0.5)
     pid = sup.start(spec("--mode", "ignore-term", "--marker", str(marker)))
-    wait_for(marker.exists)
+    wait_until(marker.exists)
     state = sup.stop("shutdown")
     assert state["exit_code"] == -signal.SIGKILL
     assert state["stopped_by"] == "shutdown"
@@ -238,7 +236,7 @@ def test_stop_kills_the_whole_process_group(make_supervisor, spec, tmp_path):
     child_file = tmp_path / "child.pid"
     sup = make_supervisor(stop_grace_s=0.5)
     pid = sup.start(spec("--mode", "spawn-child", "--child-pid-file", str(child_file)))
-    wait_for(child_file.exists)
+    wait_until(child_file.exists)
     grandchild = int(child_file.read_text())
     assert pid_alive(grandchild)
     assert sorted(procfs.group_members(pid)) == sorted([pid, grandchild])
@@ -256,7 +254,7 @@ def test_orphans_of_an_exited_launcher_are_killed(make_supervisor, spec, tmp_pat
     events = poll_until(sup, "exited")
     assert events[-1]["exit_code"] == 3
     grandchild = int(child_file.read_text())
-    wait_for(lambda: not pid_alive(grandchild))
+    wait_until(lambda: not pid_alive(grandchild))
     assert procfs.group_members(pid) == []
 
 
@@ -304,14 +302,8 @@ def test_start_while_running_raises(make_supervisor, spec):
     assert state["stopped_by"] is None and state["restarts"] == 0
 
 
-def test_adopt_watches_a_launcher_we_did_not_spawn(make_supervisor, own_procs, tmp_path):
-    marker = tmp_path / "starts"
-    proc = subprocess.Popen(
-        [sys.executable, str(FAKE_LAUNCHER), "--mode", "hang", "--marker", str(marker)],
-        start_new_session=True,
-    )
-    own_procs.append(proc)
-    wait_for(marker.exists)
+def test_adopt_watches_a_launcher_we_did_not_spawn(make_supervisor, hanging_launcher):
+    proc = hanging_launcher
     ticks = procfs.start_ticks(proc.pid)
     assert ticks is not None
 
@@ -336,14 +328,8 @@ def test_adopt_watches_a_launcher_we_did_not_spawn(make_supervisor, own_procs, t
     assert state["exit_code"] is None
 
 
-def test_stop_of_an_adopted_launcher(make_supervisor, own_procs, tmp_path):
-    marker = tmp_path / "starts"
-    proc = subprocess.Popen(
-        [sys.executable, str(FAKE_LAUNCHER), "--mode", "hang", "--marker", str(marker)],
-        start_new_session=True,
-    )
-    own_procs.append(proc)
-    wait_for(marker.exists)
+def test_stop_of_an_adopted_launcher(make_supervisor, hanging_launcher):
+    proc = hanging_launcher
     sup = make_supervisor()
     assert sup.adopt(proc.pid, proc.pid, procfs.start_ticks(proc.pid), None) is True
     state = sup.stop()
