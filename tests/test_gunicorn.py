@@ -262,12 +262,12 @@ def test_a_worker_that_crashes_leaves_the_launcher_to_the_next_worker(tmp_path):
                 return launcher["pid"] == pid and launcher["running"] and launcher["adopted"]
             return False
 
-        wait_until(adopted, 20, "the next worker adopted the launcher", log)
+        wait_until(adopted, 20, lambda: f"the next worker adopted the launcher\n--- {log} ---\n{log_tail(log)}")
         st = procfs.stat(pid)
         assert st is not None and st.alive, "the launcher was stopped with the crashed worker"
         os.kill(srv.pid, signal.SIGTERM)  # a real shutdown still stops it
         assert srv.proc.wait(30) == 0, log_tail(log)
-    wait_until(lambda: not group_members(pid), 10, "the launcher stopped at shutdown", log)
+    wait_until(lambda: not group_members(pid), 10, "the launcher stopped at shutdown")
 
 
 # -- serving over real HTTP while an external writer adds rows ------------------------------------------------
