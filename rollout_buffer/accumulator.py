@@ -10,8 +10,6 @@ beyond its own monotonic one.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import threading
 import time
@@ -19,7 +17,8 @@ from collections import OrderedDict
 from typing import Callable, Iterable
 
 from .accounting import Counts
-from .group import Group
+from .group import Group, Undecided
+from .ready import ReadyQueue
 from .model import (DROPPED, INVALID_GROUP, INVALID_SESSION, LATE_DROPPED, LATE_SERVED,
                     MALFORMED, MISSING_GROUP, OVERSAMPLED, REJECTED, ROW_DROPPED, SERVED, TTL, BadText, Decisions, Drop, Policy, Row, RowEvent, Take)
 
@@ -40,11 +39,11 @@ class Accumulator:
         self.policy = policy or Policy()
         self.lock = threading.Lock()
         self.pending: OrderedDict[str, Group] = OrderedDict()  # incomplete, oldest activity first
-        self.ready: OrderedDict[str, Group] = OrderedDict()    # ready, first ready first
-        # serve order by version: a heap of (key, seq, group_id) beside ``ready`` (stale entries skipped)
-        self._order: list[tuple[int, int, str]] | None = None if self.policy.serve_order == "ready" else []
-        self._seq = itertools.count()
-        self._track_wv = self.policy.max_off_policy is not None or self._order is not None
+        self.ready = ReadyQueue(self.policy.serve_order)       # ready, in the serve order
+        self._track_wv = self.policy.max_off_policy is not None or self.policy.serve_order != "ready"
+        # with over-sampling, a served group's late rows are its other sessions' (a served session
+        # writes nothing after its completed row), whether they come while it is built or after
+        self._late_served = OVERSAMPLED if self.policy.oversample else LATE_SERVED
         self.trainer_version: int | None = None  # the last current_weight_version a poll sent
         self.rows_version = 0                    # the largest weight_version of an ingested row
         self.counts = Counts()
@@ -53,6 +52,8 @@ class Accumulator:
         self.tainted: set[str] = set()                         # sessions with a row lacking group_id
         self.tainted_groups: set[str] = set()                  # groups with a row lacking a session_id
         self.session_group: dict[str, str] = {}                # session -> its undecided group (O(1) lookups)
+        self.excluded: dict[str, set[str]] = {}  # group -> sessions dropped as oversampled before a restart
+        self.undecided = Undecided()  # every undecided group: the oldest and the low-water mark in O(log n)
         self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
 
     # -- versions ---------------------------------------------------------------------------------
@@ -102,10 +103,7 @@ class Accumulator:
                 gid = str(gid)
                 status = self.decided.get(gid)
                 if status is not None:
-                    # with over-sampling, a served group's late rows are its other sessions' (a served
-                    # session writes nothing after its completed row)
-                    reason = (OVERSAMPLED if self.policy.oversample else LATE_SERVED) if status == SERVED \
-                        else LATE_DROPPED
+                    reason = self._late_served if status == SERVED else LATE_DROPPED
                     self.counts.dropped[reason] += 1
                     out.rows.append(RowEvent(pk, ROW_DROPPED, reason, gid, sid))
                     continue
@@ -114,11 +112,15 @@ class Accumulator:
                     g = self.ready.get(gid) or self.taken.get(gid)
                     if g is None:
                         g = self.pending[gid] = Group(gid, now)
+                        self.undecided.add(g)
+                        if self.excluded:  # sessions it dropped as oversampled before a restart
+                            g.excluded = self.excluded.pop(gid, None)
                 else:
                     self.pending.move_to_end(gid)
                 g.last_seen = now
-                if g.chosen is not None and sid not in g.chosen:
-                    self.counts.dropped[OVERSAMPLED] += 1  # a session beyond the K it serves: never served
+                if g.chosen is not None and sid not in g.chosen or g.excluded is not None and sid in g.excluded:
+                    g.exclude(sid)  # a session beyond the K it serves: never served, even if K changes
+                    self.counts.dropped[OVERSAMPLED] += 1
                     out.rows.append(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, gid, sid))
                     continue
                 pks = g.sessions.get(sid)
@@ -131,11 +133,9 @@ class Accumulator:
                 self.counts.pending_rows += 1
                 if g.min_pk is None or pk < g.min_pk:
                     g.min_pk = pk
-                if track_wv and wv is not None:
-                    if g.wv is None:
-                        g.wv = {}
-                    if wv < g.wv.get(sid, wv + 1):
-                        g.wv[sid] = wv
+                    self.undecided.min_pk_changed(g)
+                if track_wv:
+                    g.add_version(sid, wv)
                 if completed:
                     c = g.completed.get(sid)
                     term = (step_id if step_id is not None else -1, pk)
@@ -146,37 +146,40 @@ class Accumulator:
                 if (sid in self.tainted or gid in self.tainted_groups) and g.taken is None:
                     self._drop(g, MALFORMED, out)
                     continue
-                if len(g.completed) >= k and gid in self.pending:
-                    del self.pending[gid]
-                    self._became_ready(g, out)
+                if len(g.completed) >= k:
+                    if gid in self.pending:
+                        del self.pending[gid]
+                        self._became_ready(g, out)
+                    elif g.taken is None:
+                        self._choose(g, out)  # ready short of K at the TTL, it reached K while it waited
         return out
 
     def _became_ready(self, g: Group, out: Decisions) -> None:
         """(Lock held.) A group has K completed sessions, or is served short at the TTL: choose its
         sessions (over-sampling), apply the policies, and queue it or drop it."""
-        if self.policy.oversample and len(g.completed) >= self.k:
-            self._choose(g, out)
-        p = self.policy
-        reason = g.refusal(p, self.current_version)
+        self._choose(g, out)
+        reason = g.refusal(self.policy, self.current_version)
         if reason is not None:
             self._drop(g, reason, out)
             return
         g.ready_at = self.clock()
-        self.ready[g.group_id] = g
-        if self._order is not None:
-            g.order_key = (g.min_wv if p.serve_order == "oldest_version" else -g.min_wv, next(self._seq), g.group_id)
-            heapq.heappush(self._order, g.order_key)
+        self.ready.push(g)
         out.newly_ready += 1
 
     def _choose(self, g: Group, out: Decisions) -> None:
-        """Over-sampling: the group keeps its first K completed sessions; the rows of every other
-        session are dropped as oversampled now (and so are their later rows)."""
+        """Over-sampling: a group with K completed sessions that has not chosen K yet (ready, ready
+        short of K at the TTL, given back by a poll, or K lowered) keeps its first K; the rows of
+        every other session are dropped as oversampled now (and so are their later rows)."""
+        if not self.policy.oversample or len(g.completed) < self.k or g.chosen is not None \
+                and len(g.chosen) <= self.k:
+            return
         for sid, pks in g.choose(self.k).items():
             if self.session_group.get(sid) == g.group_id:
                 del self.session_group[sid]
             self.counts.pending_rows -= len(pks)
             self.counts.dropped[OVERSAMPLED] += len(pks)
             out.rows.extend(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, g.group_id, sid) for pk in pks)
+        self.undecided.min_pk_changed(g)
 
     def _undecided(self, gid: str | None) -> Group | None:
         if gid is None:
@@ -212,7 +215,8 @@ class Accumulator:
         out.drops.append(drop)
 
     def _forget(self, g: Group) -> None:
-        """A group was decided: drop it from the session index (O(its sessions))."""
+        """A group was decided: drop it from the session index (O(its sessions)) and the undecided."""
+        self.undecided.remove(g)
         for sid in g.sessions:
             if self.session_group.get(sid) == g.group_id:
                 del self.session_group[sid]
@@ -266,7 +270,7 @@ class Accumulator:
         with self.lock:
             self.changes += 1
             while self.ready and (max_groups is None or len(takes) < max_groups):
-                g = self._pop_ready()
+                g = self.ready.pop_next()
                 gid = g.group_id
                 completed, incomplete = {}, {}
                 for sid, pks in g.sessions.items():
@@ -274,18 +278,8 @@ class Accumulator:
                 g.taken = {sid: len(pks) for sid, pks in g.sessions.items()}
                 self.taken[gid] = g
                 takes.append(Take(gid, completed, incomplete, g.rewards(), g.partial and len(completed) < self.k,
-                                  g.ready_at))
+                                  g.ready_at, g.min_version(completed)))
         return takes
-
-    def _pop_ready(self) -> Group:
-        """(Lock held, ready not empty.) The next group in the serve order."""
-        if self._order is None:
-            return self.ready.popitem(last=False)[1]
-        while True:
-            _, _, gid = heapq.heappop(self._order)
-            g = self.ready.pop(gid, None)
-            if g is not None:
-                return g
 
     def retake(self, takes: list[Take]) -> list[Take]:
         """Hand back exactly these earlier takes (released after a COMMIT that did happen after all),
@@ -316,10 +310,8 @@ class Accumulator:
                 if (self.tainted and not self.tainted.isdisjoint(g.sessions)) or t.group_id in self.tainted_groups:
                     self._drop(g, MALFORMED, out)
                     continue
-                self.ready[t.group_id] = g
-                self.ready.move_to_end(t.group_id, last=False)
-                if self._order is not None and g.order_key is not None:
-                    heapq.heappush(self._order, g.order_key)  # its old place in the version order
+                self._choose(g, out)  # its other sessions may have completed while it was taken
+                self.ready.put_front(g)  # first again, at its old place in a version order
         return out
 
     def commit(self, plan: Decisions) -> Decisions:
@@ -339,7 +331,7 @@ class Accumulator:
                 if g is None:
                     continue
                 settled.add(s.group_id)
-                self._settle(g, out, LATE_SERVED)
+                self._settle(g, out, self._late_served)
                 self.decided[s.group_id] = SERVED
                 self.counts.group_served(len(s.take.served_pks), len(s.take.incomplete_pks), len(s.take.completed),
                                          s.rewards)
@@ -375,7 +367,7 @@ class Accumulator:
                 if g is None:
                     continue
                 status, reason = decided[t.group_id]
-                self._settle(g, out, LATE_SERVED if status == SERVED else LATE_DROPPED)
+                self._settle(g, out, self._late_served if status == SERVED else LATE_DROPPED)
                 self.decided[t.group_id] = status
                 if status == SERVED:
                     self.counts.group_served(len(t.served_pks), len(t.incomplete_pks), len(t.completed), t.rewards)
@@ -401,14 +393,15 @@ class Accumulator:
         policy). Returns how many became ready, and the plan of what the policies decided."""
         with self.lock:
             self.k = k
-            moved = False
+            moved, out = False, Decisions()
             for gid, g in list(self.ready.items()):
                 if len(g.completed) < k:  # K was raised: not ready any more (and open to more sessions)
                     del self.ready[gid]
                     self.pending[gid], g.chosen, moved = g, None, True
+                elif len(g.completed) > k:  # K was lowered: over-sampling keeps the first K
+                    self._choose(g, out)
             if moved:  # expire() stops at the first live group: put them back in idle order (rare)
                 self.pending = OrderedDict(sorted(self.pending.items(), key=lambda kv: kv[1].last_seen))
-            out = Decisions()
             for gid, g in list(self.pending.items()):
                 if len(g.completed) >= k:
                     del self.pending[gid]
@@ -423,16 +416,15 @@ class Accumulator:
     def low_water(self, cursor: int) -> int:
         """Smallest pk that is still pending (rows below it are all accounted), or cursor + 1."""
         with self.lock:
-            mins = [g.min_pk for d in (self.pending, self.ready, self.taken) for g in d.values()
-                    if g.min_pk is not None]
-        return min(mins) if mins else cursor + 1
+            low = self.undecided.low_water()
+        return cursor + 1 if low is None else low
 
     def stats(self) -> dict:
         """Counters and gauges; the accounting identity holds in them."""
         with self.lock:
             now = self.clock()
-            oldest = min((g.first_seen for d in (self.pending, self.ready, self.taken) for g in d.values()),
-                         default=None)
+            first = self.undecided.oldest()
+            oldest = None if first is None else first.first_seen
             counts = self.counts.view()
             return {
                 "job_id": self.job_id,

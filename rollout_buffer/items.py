@@ -221,7 +221,8 @@ def cached_weight_version(env_state: Any) -> int:
 
 def ingest_fields(step_id: Any, step_reward: Any, env_state: Any) -> tuple[int | None, float | None, int | None]:
     """A row's (step_id, terminal-reward candidate, weight_version) at ingest, each None when the
-    value is unusable: ingest never rejects a row, its build does (with the reason)."""
+    value is unusable: ingest never rejects a row, its build does (with the reason). The version is
+    None (unknown until the build) also for an env_state too long to read at ingest ('')."""
     try:
         sid = int(step_id) if not isinstance(step_id, (bytes, BadText)) else None
     except (TypeError, ValueError):

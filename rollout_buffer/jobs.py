@@ -94,6 +94,7 @@ class Jobs:
             acc.set_versions(row.get("trainer_version"), row.get("rows_version"))
         acc.tainted.update(store.tainted_sessions(job_id))
         acc.tainted_groups.update(g for g in store.tainted_groups(job_id) if g not in totals.decided)
+        acc.excluded.update(store.oversampled_sessions(job_id))
         accounted = None
         if (totals.decided or totals.accounted_rows) and self.launcher_tables_exist(src):
             upto = int(src.scalar(q.MAX_JOB_ID, (job_id,)) or 0)

@@ -129,7 +129,9 @@ class Take:
 
     ``rewards`` are the completed sessions' terminal rewards as ingested (for the figures of a
     group refused at serving), ``partial`` marks a group served short at the TTL
-    (``ROLLOUT_BUFFER_MIN_GROUP_SIZE``), ``ready_at`` is when it became ready (monotonic)."""
+    (``ROLLOUT_BUFFER_MIN_GROUP_SIZE``), ``ready_at`` is when it became ready (monotonic),
+    ``min_wv`` the min weight_version of its completed sessions' rows known at ingest (None: none
+    known, or no policy needed them)."""
 
     group_id: str
     completed: dict[str, tuple[int, ...]]
@@ -137,6 +139,7 @@ class Take:
     rewards: tuple[float, ...] = ()
     partial: bool = False
     ready_at: float | None = None
+    min_wv: int | None = None
 
     @property
     def served_pks(self) -> list[int]:

@@ -277,6 +277,11 @@ TAINTED_SESSIONS = ("SELECT DISTINCT session_id FROM rollout_buffer_rows WHERE j
 # Groups with a row whose session_id is not text (they can never be served whole).
 TAINTED_GROUPS = ("SELECT DISTINCT group_id FROM rollout_buffer_rows WHERE job_id = ? "
                   "AND reason = 'invalid_session_id' AND group_id IS NOT NULL")
+# Sessions of undecided groups dropped as oversampled (after a restart they stay out of their group).
+OVERSAMPLED_SESSIONS = ("SELECT DISTINCT r.group_id, r.session_id FROM rollout_buffer_rows r WHERE r.job_id = ? "
+                        "AND r.reason = 'oversampled' AND r.group_id IS NOT NULL AND r.session_id IS NOT NULL "
+                        "AND NOT EXISTS (SELECT 1 FROM rollout_buffer_groups g WHERE g.job_id = r.job_id "
+                        "AND g.group_id = r.group_id)")
 # Late rows whose sessions the proxy has not confirmed clearing.
 UNNOTIFIED_ROWS = ("SELECT job_id, step_pk, reason, group_id, session_id FROM rollout_buffer_rows "
                    "WHERE notified = 0 AND session_id IS NOT NULL")
@@ -298,12 +303,17 @@ BATCH_EXISTS = "SELECT 1 FROM rollout_buffer_batches WHERE batch_id = ?"
 # -- the launcher's rows ------------------------------------------------------------------------
 # Ingest reads metadata only: id, session, group, completed flag, and what the policies and the
 # figures need (step_id, step_reward, and env_state only where it names a weight_version, so a
-# large env_state without one never crosses the wire). Per backend: instr/strpos.
+# large env_state without one never crosses the wire). An env_state longer than
+# ENV_STATE_INGEST_CHARS is not read either (a batch of 20,000 such rows would take gigabytes):
+# '' stands for it, a version known only when its group is built. Per backend: instr/strpos.
+ENV_STATE_INGEST_CHARS = 4096
 _INGEST_COLUMNS = {
     "sqlite": ("id, session_id, group_id, is_session_completed, step_id, step_reward, "
-               "CASE WHEN instr(env_state, 'weight_version') > 0 THEN env_state END"),
+               "CASE WHEN instr(env_state, 'weight_version') = 0 THEN NULL "
+               f"WHEN length(env_state) > {ENV_STATE_INGEST_CHARS} THEN '' ELSE env_state END"),
     "postgres": ("id, session_id, group_id, is_session_completed, step_id, step_reward, "
-                 "CASE WHEN strpos(env_state, 'weight_version') > 0 THEN env_state END"),
+                 "CASE WHEN strpos(env_state, 'weight_version') = 0 THEN NULL "
+                 f"WHEN length(env_state) > {ENV_STATE_INGEST_CHARS} THEN '' ELSE env_state END"),
 }
 # Ingest: the metadata of the next trainable rows of a job, in id order.
 READ_AFTER = {b: f"SELECT {cols} FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ? "

@@ -210,6 +210,7 @@ class Serving:
         started = time.perf_counter()
         max_groups, request_id = poll.max_groups, poll.request_id
         policy, current = self.config.policy, js.acc.current_version
+        built_version = spent = 0  # the largest version of the rows built; bytes built and refused
         stats: dict[str, dict] = {}  # group_id -> its meta_info.group_stats entry
         seed = secrets.token_bytes(16)
         budget = self.config.max_response_bytes
@@ -228,6 +229,13 @@ class Serving:
                 if not takes:
                     break
                 taken.extend(takes)
+                fresh = []
+                for t in takes:  # stale by the versions read at ingest: dropped without reading a row
+                    if t.min_wv is not None and policy.stale(current, t.min_wv, poll.max_off_policy):
+                        refused.append((t, STALE, {}))
+                    else:
+                        fresh.append(t)
+                takes = fresh
                 # bodies are read a few hundred rows at a time (FETCH_CHUNK), as they are built, so
                 # a poll holds the rows of a few groups, not of every group it takes
                 i = 0
@@ -257,19 +265,27 @@ class Serving:
                             else:
                                 retry.append(t)
                             continue
+                        # versions not read at ingest (a long env_state) count once built
+                        built_version = max(built_version, max(g.weight_versions, default=0))
+                        current = max(current, built_version)
                         # again just before it is served: a group can go stale while it waits
                         reason = STALE if policy.stale(current, min(g.weight_versions, default=0),
                                                        poll.max_off_policy) else \
                             ZERO_VARIANCE if policy.zero_variance(g.session_rewards) else None
                         if reason is not None:
+                            # a refused build costs what a served one does: a poll builds about a budget
+                            spent += len(buf) - start
                             del buf[start:]
                             refused.append((t, reason, {}))
+                            if spent + len(buf) + meta_size > budget:
+                                leftover, full = takes[i:], True
+                                break
                             continue
                         st = stats[t.group_id] = group_stats_of(t, g, js.acc.clock())
                         # the body is buf plus a head and a meta_info tail that lists the group ids
                         # twice (finished_groups, group_stats), its figures and maybe partial_groups
                         meta_size += 2 * json_len(t.group_id) + len(json.dumps(st, separators=(",", ":"))) + 2
-                        if built and len(buf) + meta_size > budget:
+                        if built and spent + len(buf) + meta_size > budget:
                             del buf[g.start:]  # does not fit: it stays ready for the next poll
                             leftover = takes[i - 1:]
                             full = True
@@ -280,6 +296,8 @@ class Serving:
             js.acc.release(taken)
             raise
         self._release(pair, js, leftover + retry)
+        if built_version > js.acc.rows_version:
+            js.acc.set_versions(rows=built_version)
         plan = self._plan(js, seed, request_id, built, refused, stats)
         chunks: list[Any] = []
         if built:

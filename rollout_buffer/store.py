@@ -180,6 +180,13 @@ class Store:
         """Groups with a row whose session_id was not text (they are dropped when they appear)."""
         return [r[0] for r in self.db.rows(q.TAINTED_GROUPS, (job_id,))]
 
+    def oversampled_sessions(self, job_id: str) -> dict[str, set[str]]:
+        """Undecided groups -> their sessions dropped as oversampled (never to be served)."""
+        out: dict[str, set[str]] = {}
+        for gid, sid in self.db.rows(q.OVERSAMPLED_SESSIONS, (job_id,)):
+            out.setdefault(gid, set()).add(sid)
+        return out
+
     def row_pks_from(self, job_id: str, pk: int) -> set[int]:
         """pks accounted one by one at or above pk."""
         return {int(r[0]) for r in self.db.rows(q.ROW_PKS_FROM, (job_id, pk))}

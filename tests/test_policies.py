@@ -135,6 +135,84 @@ def test_a_poll_overrides_max_off_policy_and_the_trainer_version_is_the_last_sen
     assert_balanced(h.stats())
 
 
+def test_a_long_env_state_is_not_read_at_ingest_and_its_version_counts_once_built(make, writer):
+    """Ingest reads env_state only up to 4,096 characters (a batch of long ones would take gigabytes):
+    a longer one's version is unknown until its group is built, never taken as 0 (stale) at ready."""
+    h = make(max_off_policy=1)
+    h.start(k=2)
+    pad = "x" * 5000
+    writer.group("short", 2, env_state=wv(5))
+    writer.group("old-long", 2, env_state={"weight_version": 2, "pad": pad})
+    writer.group("new-long", 2, env_state={"weight_version": 9, "pad": pad})
+    h.settle()
+    s = h.stats()
+    assert s["versions"]["rows"] == 5 and s["groups"]["ready"] == 3 and s["groups"]["dropped"] == {}
+    doc = h.poll()
+    assert [x["group_id"] for x in doc["data"]["meta_info"]["group_stats"]] == ["short", "new-long"]
+    assert {i["extra_info"]["weight_version"] for i in groups_of(doc)["new-long"]} == {9}
+    assert doc["data"]["meta_info"]["filtered"] == {"stale": 1}  # old-long: 5 - 2 > 1, judged when built
+    s = h.stats()
+    assert s["versions"]["rows"] == 9  # the built rows' version counts from now on
+    assert_balanced(s)
+
+
+def fetch_counter(monkeypatch) -> list[int]:
+    """Counts the rows a poll reads from the database (every body is read by serving.fetch_takes)."""
+    import rollout_buffer.serving as serving
+    read = [0]
+    real = serving.fetch_takes
+
+    def counting(src, takes, cap):
+        read[0] += sum(len(t.served_pks) for t in takes)
+        return real(src, takes, cap)
+    monkeypatch.setattr(serving, "fetch_takes", counting)
+    return read
+
+
+def test_groups_stale_by_their_ingested_versions_are_dropped_without_reading_a_row(make, writer, monkeypatch):
+    """The trainer's version jumps past every ready group: the poll drops them all from what ingest
+    knows, instead of reading and building the whole backlog to throw it away."""
+    h = make(max_off_policy=2)
+    h.start(k=2)
+    for g in range(40):
+        writer.group(f"g{g}", 2, steps=3, env_state=wv(5))
+    h.settle()
+    assert h.stats()["groups"]["ready"] == 40
+    read = fetch_counter(monkeypatch)
+    doc = h.poll(current_weight_version=8, max_groups=4)  # 8 - 5 > 2
+    assert doc["success"] is False and read == [0]
+    s = h.stats()
+    assert s["groups"]["dropped"] == {"stale": 40} and s["groups"]["ready"] == 0
+    assert_balanced(s)
+
+
+def test_a_poll_builds_about_one_budget_of_groups_it_refuses(make, writer, monkeypatch):
+    """Versions not known at ingest (the setting unset, the bound sent by the poll): a refused group
+    is built before it is judged, so the bytes it took count against the poll's byte budget."""
+    h = make(max_response_bytes=16 * 1024)
+    h.start(k=2)
+    for g in range(40):
+        writer.group(f"g{g}", 2, steps=3, env_state=wv(5))
+    h.settle()
+    import rollout_buffer.serving as serving
+    built, real = [0], serving.build_group
+
+    def counting(*a, **kw):
+        built[0] += 1
+        return real(*a, **kw)
+    monkeypatch.setattr(serving, "build_group", counting)
+    doc = h.poll(current_weight_version=8, max_off_policy=2)
+    assert doc["success"] is False
+    first = h.stats()["groups"]["dropped"]["stale"]
+    assert 1 <= first < 40 and built[0] == first  # about a budget's worth; the others wait for the next polls
+    for _ in range(40):
+        if not h.poll(current_weight_version=8, max_off_policy=2)["success"] and not h.stats()["groups"]["ready"]:
+            break
+    s = h.stats()
+    assert s["groups"]["dropped"] == {"stale": 40}
+    assert_balanced(s)
+
+
 @pytest.mark.parametrize("body", [{"max_off_policy": -1}, {"max_off_policy": "2"}, {"max_off_policy": 1.5},
                                   {"current_weight_version": -3}, {"current_weight_version": True}])
 def test_bad_policy_fields_in_a_poll_are_400(make, body):
@@ -228,6 +306,92 @@ def test_oversampling_bound_k_completed_is_ready_k_minus_one_is_not(make, writer
     writer.group("exact", 4, complete=3)
     assert list(groups_of(h.poll())) == ["exact"]
     assert h.stats()["groups"]["pending"] == 1
+
+
+def sessions_served(doc: dict, gid: str) -> dict[str, list[int]]:
+    """session -> the step_ids served for it (a whole session is 1..n)."""
+    out: dict[str, list[int]] = {}
+    for i in groups_of(doc).get(gid, []):
+        out.setdefault(i["extra_info"]["session_id"], []).append(i["extra_info"]["steps"])
+    return out
+
+
+def test_a_session_dropped_as_oversampled_stays_out_when_k_is_raised(make, writer, proxy):
+    """K raised on a running job sends a chosen group back to pending: the session it dropped as
+    oversampled (its first rows accounted and cleared) must never come back, half, as a new session."""
+    h = make(oversample=1)
+    h.start(k=2)
+    writer.step("g", "s2", 1)
+    writer.session("g", "s0", 2, reward=0.1)
+    writer.session("g", "s1", 2, reward=0.9)   # ready: s2's first row is dropped as oversampled
+    h.settle()
+    h.start(k=3)                                # the same job, K raised: g needs a third session
+    writer.step("g", "s2", 2, completed=True, step_reward=0.4)
+    assert h.poll()["success"] is False         # s2 completing does not make it the third session
+    writer.session("g", "s3", 2, reward=0.5)
+    doc = h.poll()
+    assert sessions_served(doc, "g") == {"s0": [1, 2], "s1": [1, 2], "s3": [1, 2]}
+    s = h.stats()
+    assert s["rows"]["dropped"] == {"oversampled": 2}
+    assert_balanced(s)
+    assert proxy.wait_for(lambda p: cleared(p, "oversampled") == {"s2"})
+
+
+def test_a_session_first_seen_after_the_choice_stays_out_when_k_is_raised(make, writer, proxy):
+    """A session whose first row comes after its group chose its K is dropped as oversampled; K
+    raised later must not let it in with its later rows."""
+    h = make(oversample=1)
+    h.start(k=2)
+    writer.session("g", "s0", 2, reward=0.1)
+    writer.session("g", "s1", 2, reward=0.9)
+    writer.step("g", "s2", 1)                   # after the choice: oversampled
+    h.settle()
+    h.start(k=3)
+    writer.step("g", "s2", 2, completed=True, step_reward=0.4)
+    writer.session("g", "s3", 2, reward=0.5)
+    doc = h.poll()
+    assert sessions_served(doc, "g") == {"s0": [1, 2], "s1": [1, 2], "s3": [1, 2]}
+    s = h.stats()
+    assert s["rows"]["dropped"] == {"oversampled": 2}
+    assert_balanced(s)
+
+
+def test_k_lowered_on_a_running_job_cuts_a_ready_group_to_its_first_k(make, writer, proxy):
+    h = make(oversample=1)
+    h.start(k=3)
+    writer.session("g", "s0", 2, reward=0.1)
+    writer.session("g", "s1", 2, reward=0.9)
+    writer.session("g", "s2", 2, reward=0.5)    # ready with three
+    h.settle()
+    h.start(k=2)
+    doc = h.poll()
+    assert sessions_served(doc, "g") == {"s0": [1, 2], "s1": [1, 2]}
+    s = h.stats()
+    assert s["rows"]["dropped"] == {"oversampled": 2}
+    assert_balanced(s)
+    assert proxy.wait_for(lambda p: cleared(p, "oversampled") == {"s2"})
+
+
+def test_a_partial_group_reaching_k_while_it_waits_serves_k_sessions(make, writer, proxy):
+    """Ready short of K at the TTL, a group with over-sampling gets its other sessions' completions:
+    it is served with the first K, never with K + N."""
+    h = make(oversample=2, ttl_s=0.3, min_group_size=2)
+    h.start(k=3)
+    for i in range(5):
+        writer.step("g", f"s{i}", 1)
+    for i in range(2):
+        writer.step("g", f"s{i}", 2, completed=True, step_reward=0.1 * i)
+    wait_until(lambda: h.stats()["groups"]["ready"] == 1, 10, "the partial group ready")
+    for i in range(2, 5):
+        writer.step("g", f"s{i}", 2, completed=True, step_reward=0.1 * i)
+    doc = h.poll()
+    assert sessions_served(doc, "g") == {"s0": [1, 2], "s1": [1, 2], "s2": [1, 2]}
+    assert doc["data"]["meta_info"]["partial_groups"] == []
+    assert "partial_group" not in doc["data"]["data"][0]["extra_info"]
+    s = h.stats()
+    assert s["rows"]["dropped"] == {"oversampled": 4}
+    assert_balanced(s)
+    assert proxy.wait_for(lambda p: cleared(p, "oversampled") == {"s3", "s4"})
 
 
 # -- partial groups at the TTL --------------------------------------------------------------------------------
