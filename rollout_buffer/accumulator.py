@@ -17,7 +17,7 @@ from collections import OrderedDict
 from typing import Callable, Iterable
 
 from .accounting import Counts
-from .group import Group
+from .group import Group, Undecided
 from .ready import ReadyQueue
 from .model import (DROPPED, INVALID_GROUP, INVALID_SESSION, LATE_DROPPED, LATE_SERVED,
                     MALFORMED, MISSING_GROUP, OVERSAMPLED, REJECTED, ROW_DROPPED, SERVED, TTL, BadText, Decisions, Drop, Policy, Row, RowEvent, Take)
@@ -53,6 +53,7 @@ class Accumulator:
         self.tainted_groups: set[str] = set()                  # groups with a row lacking a session_id
         self.session_group: dict[str, str] = {}                # session -> its undecided group (O(1) lookups)
         self.excluded: dict[str, set[str]] = {}  # group -> sessions dropped as oversampled before a restart
+        self.undecided = Undecided()  # every undecided group: the oldest and the low-water mark in O(log n)
         self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
 
     # -- versions ---------------------------------------------------------------------------------
@@ -84,11 +85,14 @@ class Accumulator:
                 self.counts.rows_read += 1
                 if wv is not None and wv > self.rows_version:
                     self.rows_version = wv
+                if isinstance(gid, (int, float)) and not isinstance(gid, bool):
+                    gid = str(gid)  # a number (an untyped column) names its group as its text does
                 if not isinstance(sid, str) or isinstance(sid, BadText) or not sid:
                     self._reject_session(pk, gid, out)
                     continue
-                if gid is None or gid == "" or isinstance(gid, BadText):
-                    reason = MISSING_GROUP if not isinstance(gid, BadText) else INVALID_GROUP
+                if gid is None or gid == "" or not isinstance(gid, str) or isinstance(gid, BadText):
+                    # no group, or one that is not text (undecodable, a BLOB): never served under a garbled id
+                    reason = MISSING_GROUP if gid is None or gid == "" else INVALID_GROUP
                     self.counts.rejected[reason] += 1
                     out.rows.append(RowEvent(pk, REJECTED, reason, None, sid))
                     self.tainted.add(sid)
@@ -108,6 +112,7 @@ class Accumulator:
                     g = self.ready.get(gid) or self.taken.get(gid)
                     if g is None:
                         g = self.pending[gid] = Group(gid, now)
+                        self.undecided.add(g)
                         if self.excluded:  # sessions it dropped as oversampled before a restart
                             g.excluded = self.excluded.pop(gid, None)
                 else:
@@ -128,6 +133,7 @@ class Accumulator:
                 self.counts.pending_rows += 1
                 if g.min_pk is None or pk < g.min_pk:
                     g.min_pk = pk
+                    self.undecided.min_pk_changed(g)
                 if track_wv:
                     g.add_version(sid, wv)
                 if completed:
@@ -173,6 +179,7 @@ class Accumulator:
             self.counts.pending_rows -= len(pks)
             self.counts.dropped[OVERSAMPLED] += len(pks)
             out.rows.extend(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, g.group_id, sid) for pk in pks)
+        self.undecided.min_pk_changed(g)
 
     def _undecided(self, gid: str | None) -> Group | None:
         if gid is None:
@@ -208,7 +215,8 @@ class Accumulator:
         out.drops.append(drop)
 
     def _forget(self, g: Group) -> None:
-        """A group was decided: drop it from the session index (O(its sessions))."""
+        """A group was decided: drop it from the session index (O(its sessions)) and the undecided."""
+        self.undecided.remove(g)
         for sid in g.sessions:
             if self.session_group.get(sid) == g.group_id:
                 del self.session_group[sid]
@@ -408,16 +416,15 @@ class Accumulator:
     def low_water(self, cursor: int) -> int:
         """Smallest pk that is still pending (rows below it are all accounted), or cursor + 1."""
         with self.lock:
-            mins = [g.min_pk for d in (self.pending, self.ready, self.taken) for g in d.values()
-                    if g.min_pk is not None]
-        return min(mins) if mins else cursor + 1
+            low = self.undecided.low_water()
+        return cursor + 1 if low is None else low
 
     def stats(self) -> dict:
         """Counters and gauges; the accounting identity holds in them."""
         with self.lock:
             now = self.clock()
-            oldest = min((g.first_seen for d in (self.pending, self.ready, self.taken) for g in d.values()),
-                         default=None)
+            first = self.undecided.oldest()
+            oldest = None if first is None else first.first_seen
             counts = self.counts.view()
             return {
                 "job_id": self.job_id,

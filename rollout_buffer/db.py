@@ -27,7 +27,7 @@ from typing import Any, Iterator, Sequence
 
 from .errors import ClosedError, ConfigError, DataError, IntegrityError, StorageError
 from .model import BadText
-from .queries import LAUNCHER_DDL
+from .queries import LAUNCHER_DDL, TABLE_WRITERS
 
 logger = logging.getLogger(__name__)
 
@@ -209,8 +209,9 @@ class Database:
         """Close the connection; idempotent."""
         raise NotImplementedError
 
-    def snapshot_horizon(self) -> tuple[int, int] | None:
-        """(xmin, xmax) of the current snapshot where writers can commit out of id order, else None."""
+    def table_writers(self) -> frozenset[str] | None:
+        """Where writers can commit out of id order: the transactions writing session_steps now, else
+        None (SQLite serialises writers)."""
         return None
 
     def answers(self) -> bool:
@@ -375,10 +376,8 @@ class PostgresDatabase(Database):
         """SQLSTATE class 22 (data exception), e.g. a timestamp out of range while loading a row."""
         return isinstance(exc, self._psycopg.DataError)
 
-    def snapshot_horizon(self) -> tuple[int, int] | None:
-        row = self.rows("SELECT pg_snapshot_xmin(pg_current_snapshot())::text, "
-                        "pg_snapshot_xmax(pg_current_snapshot())::text")[0]
-        return int(row[0]), int(row[1])
+    def table_writers(self) -> frozenset[str] | None:
+        return frozenset(r[0] for r in self.rows(TABLE_WRITERS))
 
     @property
     def broken(self) -> bool:

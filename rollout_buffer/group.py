@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import heapq
+from collections import OrderedDict
+
 from .model import STALE, ZERO_VARIANCE, Policy
 
 
@@ -107,3 +110,39 @@ class Group:
             self.n_rows -= len(pks)
         self.min_pk = min((min(pks) for pks in self.sessions.values()), default=None)
         return removed
+
+
+class Undecided:
+    """Every undecided group of a job in creation order (the oldest first) and a lazy heap of their
+    smallest pks, so the oldest group and the low-water mark cost O(log n), not a scan of every
+    group under the accumulator's lock (a /stats or a cursor save with 200k pending groups)."""
+
+    def __init__(self) -> None:
+        self.groups: OrderedDict[str, Group] = OrderedDict()
+        self._mins: list[tuple[int, str]] = []  # (min_pk, group_id); an entry counts while it is current
+
+    def add(self, g: Group) -> None:
+        self.groups[g.group_id] = g
+
+    def remove(self, g: Group) -> None:
+        self.groups.pop(g.group_id, None)
+
+    def min_pk_changed(self, g: Group) -> None:
+        if g.min_pk is not None:
+            if len(self._mins) > 2 * len(self.groups) + 64:  # entries of decided groups or old minima
+                self._mins = [(x.min_pk, x.group_id) for x in self.groups.values() if x.min_pk is not None]
+                heapq.heapify(self._mins)
+            heapq.heappush(self._mins, (g.min_pk, g.group_id))
+
+    def oldest(self) -> Group | None:
+        return next(iter(self.groups.values()), None)
+
+    def low_water(self) -> int | None:
+        """The smallest pk of an undecided group, or None."""
+        while self._mins:
+            pk, gid = self._mins[0]
+            g = self.groups.get(gid)
+            if g is not None and g.min_pk == pk:
+                return pk
+            heapq.heappop(self._mins)
+        return None

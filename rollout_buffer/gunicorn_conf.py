@@ -90,12 +90,19 @@ def post_worker_init(worker) -> None:
     service.start()
 
 
+def worker_abort(worker) -> None:
+    """gunicorn aborts a worker that stopped answering it (its timeout): that is a crash, not a stop."""
+    worker.rb_crashed = True
+
+
 def worker_exit(server, worker) -> None:
-    """Stop the service (and the launcher) when the worker exits; also runs after a failed boot."""
+    """Stop the service when the worker exits; also runs after a failed boot. The launcher is stopped
+    only when the worker was asked to stop (SIGTERM, SIGINT): a worker that crashed (an exception out
+    of its loop, an abort) leaves it running, as a kill -9 would, and the next worker adopts it."""
     app = getattr(worker, "wsgi", None)
     service = getattr(app, "extensions", {}).get("rollout_buffer") if app is not None else None
     if service is not None:
-        service.stop()
+        service.stop(keep_launcher=worker.alive or getattr(worker, "rb_crashed", False))
 
 
 def worker_int(worker) -> None:

@@ -21,9 +21,11 @@ import math
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterator, Sequence
 
+from .logconfig import EventLog
 from .model import BadText, Take
 
 logger = logging.getLogger(__name__)
+_events = EventLog(logger)  # a launcher that writes every step twice must not write a line per row
 
 # Column positions of queries.BODY_COLUMNS.
 PK, SID, STEP, GID, MESSAGES, RESPONSE, STEP_REWARD, ENV_STATE, TRUNCATED, COMPLETED, CREATED, JOB, TRAINABLE = range(13)
@@ -306,8 +308,8 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
     sid_json = ""
     for sid, step_id, pk, text, end, empty, row, wv, step_reward, ts, completed in prepared:
         if (sid, step_id) in seen_steps:
-            logger.warning("group %s session %s has two rows for step %s (step_pk %s); serving both",
-                           take.group_id, sid, step_id, pk)
+            _events.event("duplicate step", logging.WARNING, "group %s session %s has two rows for step %s "
+                          "(step_pk %s); serving both", take.group_id, sid, step_id, pk)
         seen_steps.add((sid, step_id))
         if sid != prev_sid:
             prev_sid = sid

@@ -19,7 +19,7 @@ from .db import Database, redact
 from .errors import StorageError
 from .model import JOB_ENDED, RESTART_TRAINING, Decisions, Drop
 from .notifications import Outbox
-from .reader import Accounted, Reader
+from .reader import MIN_ID, Accounted, Reader, first_read_after
 from .store import Store
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class JobState:
     def stats(self, src: Database | None) -> dict:
         """The job's accounting and gauges for /stats; ``src`` (if given) for the lag (rows not read yet)."""
         s = self.acc.stats()
-        s["cursor"] = self.reader.cursor
+        s["cursor"] = 0 if self.reader.cursor == MIN_ID else self.reader.cursor  # (nothing read yet)
         s["floor_pk"] = self.floor_pk
         s["lag_rows"] = None
         if src is not None:
@@ -98,7 +98,7 @@ class Jobs:
         accounted = None
         if (totals.decided or totals.accounted_rows) and self.launcher_tables_exist(src):
             upto = int(src.scalar(q.MAX_JOB_ID, (job_id,)) or 0)
-            accounted = Accounted(job_id, upto, store.row_pks_from(job_id, start_after))
+            accounted = Accounted(job_id, upto, store.row_pks_from(job_id, first_read_after(start_after)))
         reader = Reader(job_id, start_after, self.config.ingest_batch, clock=self.clock)
         return JobState(job_id, k, floor_pk, acc, reader, accounted)
 

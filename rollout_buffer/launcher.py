@@ -16,7 +16,7 @@ import logging
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from . import procfs
 from .config import Config
@@ -303,16 +303,23 @@ class Launcher:
                 logger.error("launcher of job %s exited with code %s (log: %s)", job_id, ev.get("exit_code"),
                              state.get("log_path"))
 
-    def stop_for_shutdown(self, conns: Any, job_id: str | None, standby_hosts: set[str]) -> None:
-        """The service shuts down: stop the launcher (TERM, grace, KILL) and record it, unless
-        another instance has adopted it meanwhile, or a standby on this host will (a rolling update):
-        then it is not ours to kill. Stopped for a standby on another host, it is recorded as handed
-        over: that one starts a fresh launcher."""
+    def stop_for_shutdown(self, conns: Any, job_id: str | None, standbys: Callable[[Any], set[str]],
+                          keep: bool = False) -> None:
+        """The service shuts down: stop the launcher (TERM, grace, KILL) and record it, unless the worker
+        is going down unasked (``keep``: the next worker adopts it), another instance has adopted it
+        meanwhile, or a standby on this host will (a rolling update): then it is not ours to kill.
+        Stopped for a standby on another host (``standbys(conns)``: their hosts), it is recorded as
+        handed over: that one starts a fresh launcher."""
+        pid = self.supervisor.state()["pid"]
+        if keep:
+            logger.warning("the worker is going down unasked: launcher pid %s is left running for the next "
+                           "worker to adopt", pid)
+            return
         store, elsewhere = None, False
         with contextlib.suppress(StorageError):
             store = conns.get().store
             elsewhere = job_id is not None and self.owned_elsewhere(store, job_id)
-        pid = self.supervisor.state()["pid"]
+        standby_hosts = standbys(conns)
         if elsewhere or self.host_id in standby_hosts:
             logger.warning("not stopping launcher pid %s of job %s: %s", pid, job_id, "another instance adopted it"
                            if elsewhere else "the standby on this host takes the job and the launcher over")

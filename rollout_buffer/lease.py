@@ -37,7 +37,7 @@ from typing import Any, Callable
 import requests
 
 from . import procfs
-from . import queries as q
+from . import lease_sql as sql
 from .config import Config
 from .connections import service_connect
 from .db import Database, redact, sqlite_path
@@ -126,8 +126,9 @@ class Lease:
             self._thread = threading.Thread(target=self._run, name="rollout-buffer-lease", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the thread; an owner gives the lease up (a standby takes it at once); leave the instances."""
+    def stop(self, timeout: float = 10.0, release: bool = True) -> None:
+        """Stop the thread; an owner gives the lease up (a standby takes it at once) unless ``release`` is
+        False; leave the instances."""
         if not self.enabled:
             return
         self._stop.set()
@@ -136,10 +137,10 @@ class Lease:
             self._thread.join(timeout)
         with contextlib.suppress(StorageError), \
                 service_connect(self.config, self.config.effective_state_db_url, bound_s=self.seconds / 3) as db:
-            if self.role == OWNER and self.epoch is not None:  # (a connection of this thread: never the loop's)
-                db.execute(q.LEASE_RENEW[db.backend], (-1.0, SCOPE, self.instance_id, self.epoch))  # given up
+            if release and self.role == OWNER and self.epoch is not None:  # (this thread's own connection)
+                db.execute(sql.LEASE_RENEW[db.backend], (-1.0, SCOPE, self.instance_id, self.epoch))  # given up
                 logger.info("gave the lease up (epoch %s): a standby can take over at once", self.epoch)
-            db.execute(q.INSTANCES_PRUNE[db.backend], (1e18, self.instance_id))
+            db.execute(sql.INSTANCES_PRUNE[db.backend], (1e18, self.instance_id))
         self.role, self.epoch = STANDBY, None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # the flock goes with it
@@ -179,7 +180,7 @@ class Lease:
         epoch = self.state_epoch
         if self.role != OWNER or epoch is None or epoch != self.epoch:
             raise LeaseLost("this instance does not own the job (any more); nothing was recorded")
-        if db.scalar(q.LEASE_FENCE[db.backend], (SCOPE, self.instance_id, epoch)) is None:
+        if db.scalar(sql.LEASE_FENCE[db.backend], (SCOPE, self.instance_id, epoch)) is None:
             self.nudge()  # the thread finds out who has it
             raise LeaseLost(f"another instance took the job over (this instance's epoch {epoch} has ended); "
                             "nothing was recorded")
@@ -213,7 +214,7 @@ class Lease:
     def refuse_unfenced(self, db: Database) -> None:
         """(No lease) Never decide next to an instance that owns the job under a lease: unfenced, this
         one's decisions would conflict with its. A ConfigError (the loop retries) until it is gone."""
-        h = None if self.enabled else _holder(db.fetchone(q.LEASE_GET[db.backend], (SCOPE,)), self.clock())
+        h = None if self.enabled else _holder(db.fetchone(sql.LEASE_GET[db.backend], (SCOPE,)), self.clock())
         if h is not None and not h.released and h.expires_in > 0:
             raise ConfigError(f"instance {h.url or h.instance} owns this database's job under a lease, and this one "
                               "runs with ROLLOUT_BUFFER_LEASE_SECONDS=0 (unfenced): it waits until that lease ends; "
@@ -222,7 +223,7 @@ class Lease:
     @staticmethod
     def live_instances(db: Database, within_s: float) -> list[dict[str, Any]]:
         """Instances (owner and standbys) seen within the last seconds."""
-        return db.fetchall(q.INSTANCES_LIVE[db.backend], (within_s,))
+        return db.fetchall(sql.INSTANCES_LIVE[db.backend], (within_s,))
 
     def standby_hosts(self, conns: Any) -> set[str]:
         """The hosts of the other live instances that wait as standbys (a graceful stop hands the launcher
@@ -308,7 +309,7 @@ class Lease:
             logger.warning("reading the lease failed (retrying): %s", redact(str(exc)))
 
     def _renew(self, db: Database, started: float) -> None:
-        if db.execute(q.LEASE_RENEW[db.backend], (self.seconds, SCOPE, self.instance_id, self.epoch)) == 1:
+        if db.execute(sql.LEASE_RENEW[db.backend], (self.seconds, SCOPE, self.instance_id, self.epoch)) == 1:
             self._deadline = started + self.seconds - self.margin
             self.counts["renewals"] += 1
             if (self.problem or "").startswith("cannot renew"):
@@ -332,7 +333,7 @@ class Lease:
             return
         h = self._read(db)
         if h is None:
-            if db.execute(q.LEASE_INSERT[db.backend], (SCOPE, *self._me(), self.seconds)) == 1:
+            if db.execute(sql.LEASE_INSERT[db.backend], (SCOPE, *self._me(), self.seconds)) == 1:
                 self._won(1, started, 0.0, "the first owner of this database")
                 return
             h = self._read(db)
@@ -340,10 +341,10 @@ class Lease:
             self._set(STANDBY, None, f"the owner is {h.url or h.instance}" if h else "no lease row")
             return
         with db.transaction():
-            h = _holder(db.fetchone(q.LEASE_LOCK[db.backend], (SCOPE,)), self.clock())  # waits for fenced writes
+            h = _holder(db.fetchone(sql.LEASE_LOCK[db.backend], (SCOPE,)), self.clock())  # waits for fenced writes
             why = self._why_free(h, sqlite) if h is not None else None
             taken = why is not None and db.execute(
-                q.LEASE_TAKE[db.backend], self._me() + (self.seconds, SCOPE, h.epoch)) == 1
+                sql.LEASE_TAKE[db.backend], self._me() + (self.seconds, SCOPE, h.epoch)) == 1
         if taken:
             self._won(h.epoch + 1, started, 0.0 if h.released or h.expires_in > 0 else -h.expires_in, why)
         else:
@@ -372,7 +373,7 @@ class Lease:
         return (self.instance_id, self.url, self.host_id, pid, procfs.start_ticks(pid))
 
     def _read(self, db: Database) -> Holder | None:
-        self.holder = _holder(db.fetchone(q.LEASE_GET[db.backend], (SCOPE,)), self.clock())
+        self.holder = _holder(db.fetchone(sql.LEASE_GET[db.backend], (SCOPE,)), self.clock())
         return self.holder
 
     def _won(self, epoch: int, started: float, free_for: float, why: str) -> None:
@@ -395,13 +396,13 @@ class Lease:
 
     def _seen(self, db: Database) -> None:
         if self._leaving and self.role != OWNER:
-            db.execute(q.INSTANCES_PRUNE[db.backend], (1e18, self.instance_id))
+            db.execute(sql.INSTANCES_PRUNE[db.backend], (1e18, self.instance_id))
             return
-        db.execute(q.INSTANCE_SEEN[db.backend], (self.instance_id, self.host_id, self.url, self.role, self.report))
+        db.execute(sql.INSTANCE_SEEN[db.backend], (self.instance_id, self.host_id, self.url, self.role, self.report))
         now = self.clock()
         if now - self._pruned_at > 60.0:
             self._pruned_at = now
-            db.execute(q.INSTANCES_PRUNE[db.backend], (INSTANCE_KEEP_S, ""))
+            db.execute(sql.INSTANCES_PRUNE[db.backend], (INSTANCE_KEEP_S, ""))
 
     def _flock(self, db: Database) -> bool:
         """SQLite: the lease is an exclusive flock next to the state database (released by the kernel

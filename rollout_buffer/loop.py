@@ -26,7 +26,7 @@ from .launcher import Launcher
 from .lease import OWNER, Lease
 from .model import LAUNCHER_EXITED, LauncherState
 from .notifications import Outbox
-from .store import Store
+from .store import Store, steady_wall
 
 logger = logging.getLogger(__name__)
 
@@ -316,7 +316,7 @@ class Loop:
         self._housekept_at = now
         self.outbox.events.flush()  # the rate-limited log lines' summaries
         check_sequence(src)
-        wall = time.time()
+        wall = steady_wall()
         store.prune_batches(wall - 2 * self.config.replay_retention_s)
         if self.config.job_retention_s > 0:
             for job in store.ended_jobs(wall - self.config.job_retention_s):

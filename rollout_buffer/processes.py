@@ -86,8 +86,8 @@ def rotate_log(path: str, max_bytes: int = LOG_MAX_BYTES, keep: int = LOG_KEEP) 
     and truncate it in place. The process's descriptor is O_APPEND, so it goes on writing at the
     new end; renaming would leave it writing into the rotated file. Returns True if rotated."""
     try:
-        if os.path.getsize(path) <= max_bytes:
-            return False
+        if not os.path.exists(path) or os.path.getsize(path) <= max_bytes:
+            return False  # (not written yet: nothing to rotate, nothing to warn about)
         for i in range(keep - 1, 0, -1):
             if os.path.exists(f"{path}.{i}"):
                 os.replace(f"{path}.{i}", f"{path}.{i + 1}")

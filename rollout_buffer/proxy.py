@@ -288,11 +288,13 @@ class ProxyNotifier:
 
     def _post(self, session: requests.Session, reason: str, session_ids: list[str],
               group_ids: list[str]) -> bool:
-        """One POST; True on any 2xx. Records and logs (rate-limited) failures."""
+        """One POST; True on any 2xx (3xx included among the failures). Records and logs (rate-limited) failures."""
         body = {"session_ids": session_ids, "reason": reason, "group_ids": group_ids}
         try:
+            # a redirect is not the proxy clearing anything (an auth gateway's login page would answer
+            # 200 to the GET it turns into): never followed, it counts as a failure and is retried
             resp = session.post(self.url, json=body,  # type: ignore[arg-type]
-                                timeout=(self.connect_timeout, self.read_timeout))
+                                timeout=(self.connect_timeout, self.read_timeout), allow_redirects=False)
             try:
                 ok = 200 <= resp.status_code < 300
                 error = None if ok else f"HTTP {resp.status_code} from {self.url}"

@@ -231,38 +231,6 @@ SAVE_LAUNCHER = ("UPDATE rollout_buffer_jobs SET launcher_pid = ?, launcher_pgid
 # The instance that owns a job's launcher.
 LAUNCHER_OWNER = "SELECT launcher_owner FROM rollout_buffer_jobs WHERE job_id = ?"
 
-# -- the lease and the instances (lease.py); {now} is the database's clock, in epoch seconds -----
-_NOW = {"postgres": "EXTRACT(EPOCH FROM now())", "sqlite": "(julianday('now') - 2440587.5) * 86400.0"}
-
-
-def _by_backend(sql: str, postgres_tail: str = "") -> dict[str, str]:
-    return {"postgres": sql.format(now=_NOW["postgres"]) + postgres_tail, "sqlite": sql.format(now=_NOW["sqlite"])}
-
-
-# The lease as it is, with the database's time (LOCK: for a takeover, it waits for every fenced transaction).
-LEASE_GET = _by_backend("SELECT *, {now} AS db_now FROM rollout_buffer_lease WHERE scope = ?")
-LEASE_LOCK = {b: sql + (" FOR UPDATE" if b == "postgres" else "") for b, sql in LEASE_GET.items()}
-# The first owner of a fresh database (two racing instances: one INSERT wins); columns in table order.
-LEASE_INSERT = _by_backend("INSERT INTO rollout_buffer_lease VALUES (?, ?, ?, ?, ?, ?, 1, {now} + ?, {now}, {now}) "
-                           "ON CONFLICT (scope) DO NOTHING")
-# A takeover: a new owner and the next epoch, if nobody took it meanwhile.
-LEASE_TAKE = _by_backend(
-    "UPDATE rollout_buffer_lease SET owner = ?, owner_url = ?, owner_host = ?, owner_pid = ?, owner_start_ticks = ?, "
-    "epoch = epoch + 1, lease_until = {now} + ?, acquired_at = {now}, renewed_at = {now} WHERE scope = ? AND epoch = ?")
-# The owner renews (no lock the fence waits for); renewed for -1 s it is given up (a graceful stop).
-LEASE_RENEW = _by_backend("UPDATE rollout_buffer_lease SET lease_until = {now} + ?, renewed_at = {now} "
-                          "WHERE scope = ? AND owner = ? AND epoch = ?")
-# The fence, first in every transaction that records a decision: a row only while this owner's epoch holds.
-LEASE_FENCE = _by_backend("SELECT 1 FROM rollout_buffer_lease WHERE scope = ? AND owner = ? AND epoch = ?", " FOR KEY SHARE")
-# This instance is alive (its role, URL and what it saw of a launcher on its host); columns in table order.
-INSTANCE_SEEN = _by_backend("INSERT INTO rollout_buffer_instances VALUES (?, ?, ?, ?, {now}, ?) ON CONFLICT "
-                            "(instance_id) DO UPDATE SET url = excluded.url, role = excluded.role, "
-                            "seen_at = excluded.seen_at, launcher_report = excluded.launcher_report")
-# Instances seen within some seconds.
-INSTANCES_LIVE = _by_backend("SELECT * FROM rollout_buffer_instances WHERE seen_at >= {now} - ?")
-# Forget instances not seen for a while (every restart is a new instance), and one that stops.
-INSTANCES_PRUNE = _by_backend("DELETE FROM rollout_buffer_instances WHERE seen_at < {now} - ? OR instance_id = ?")
-
 # -- retention ----------------------------------------------------------------------------------
 # Batches recorded before a time, oldest first, a few at a time (past the replay window).
 PRUNE_BATCHES = ("DELETE FROM rollout_buffer_batches WHERE batch_id IN (SELECT batch_id FROM rollout_buffer_batches "
@@ -378,6 +346,11 @@ ROWS_AT_OR_BELOW = ("SELECT id, group_id, session_id FROM session_steps "
                     "WHERE job_id = ? AND is_trainable = 1 AND id <= ?")
 # Stats: trainable rows written but not read yet.
 COUNT_AFTER = "SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ?"
+# Postgres: the transactions writing session_steps now (ingest's safe cursor waits for them). A writer
+# holds the table's RowExclusiveLock from before it takes an id until it ends; only this database's.
+TABLE_WRITERS = ("SELECT DISTINCT virtualtransaction FROM pg_catalog.pg_locks WHERE locktype = 'relation' "
+                 "AND mode = 'RowExclusiveLock' AND relation = to_regclass('session_steps') "
+                 "AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())")
 # Postgres: how many values the sequence of session_steps.id caches per backend (must be 1).
 SEQUENCE_CACHE = ("SELECT seqcache FROM pg_catalog.pg_sequence WHERE seqrelid = "
                   "pg_get_serial_sequence('session_steps', 'id')::regclass")

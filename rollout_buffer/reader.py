@@ -18,17 +18,32 @@ from .items import ingest_fields
 from .model import Row
 
 
+MIN_ID = -(2 ** 63)  # the smallest id a BIGINT (or a SQLite INTEGER) holds
+
+
+def first_read_after(start_after: int) -> int:
+    """The id reading starts after. 0 (no floor, nothing read yet) means before the smallest id there
+    can be: a row written with an id of 0 or below (by hand, into an identity column) is read and
+    accounted like any other, never skipped for good."""
+    return MIN_ID if start_after == 0 else start_after
+
+
 class Reader:
     """The job's ingest cursor: every trainable row is returned exactly once.
 
     On SQLite writers are serialised, so ids become visible in order and ``id > cursor`` is enough.
     On Postgres a smaller id can commit after a larger one. The reader keeps a *safe* cursor,
     below which every row is known to be visible, re-reads the window between it and the largest
-    id seen, and skips ids it already returned. At the first read of a tick it pairs that
-    snapshot's xmax with the largest id seen at the end of a tick at least ``HORIZON_LAG_S``
-    earlier; once the snapshot xmin passes that xmax, every transaction that could hold a smaller
-    id has finished (the lag covers the instant between an INSERT taking its id from the sequence
-    and getting its transaction id), and the safe cursor moves up to that id.
+    id seen, and skips ids it already returned. Just before each read it asks which transactions
+    are writing ``session_steps`` (they hold its RowExclusiveLock from before they take an id until
+    they end). At the first read of a tick it pairs those writers with the largest id seen at the
+    end of a tick at least ``HORIZON_LAG_S`` earlier: a transaction that could still commit a
+    smaller id is one of them (the lag covers the instant between an INSERT taking its id and the
+    lock list showing it). Once none of them is writing any more, at a later read, that read's
+    snapshot holds every such row, and the safe cursor moves up to that id. Only writers of this
+    table count: a transaction left open elsewhere on the server (another database, pg_dump, an
+    idle session) no longer holds the cursor back, as the snapshot's xmin did, which made every
+    tick re-read a window that grew for as long as it stayed open.
 
     ``read`` does not move the cursor: ``advance`` does, once the caller has ingested the rows, so a
     failure in between re-reads them instead of losing them.
@@ -39,12 +54,13 @@ class Reader:
     def __init__(self, job_id: str, start_after: int, batch: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.job_id = job_id
+        start_after = first_read_after(start_after)
         self.cursor = start_after
         self.max_seen = start_after
         self.batch = batch
         self.clock = clock
         self.seen: set[int] = set()
-        self.horizons: collections.deque[tuple[int, int]] = collections.deque()
+        self.horizons: collections.deque[tuple[frozenset[str], int]] = collections.deque()
         self.tick_ends: collections.deque[tuple[float, int]] = collections.deque([(float("-inf"), start_after)])
         self.first_read_of_tick = True
         self.caught_up = False
@@ -59,8 +75,9 @@ class Reader:
 
     def read(self, db: Database) -> list[Row]:
         """The next rows not returned before, as :class:`~rollout_buffer.model.Row` values."""
+        # before the snapshot: a writer that has ended by now committed before it (or rolled back)
+        horizon = db.table_writers()
         with db.read_snapshot():
-            horizon = db.snapshot_horizon()
             window: list[tuple] = []
             if horizon is not None and self.cursor < self.max_seen:
                 window = db.rows(q.READ_WINDOW[db.backend], (self.job_id, self.cursor, self.max_seen))
@@ -89,7 +106,7 @@ class Reader:
             return
         self._postgres = True
         self.seen.update(r[0] for r in new)
-        xmin, xmax = horizon
+        writers: frozenset[str] = horizon
         if self.first_read_of_tick:
             self.first_read_of_tick = False
             limit = self.clock() - self.HORIZON_LAG_S
@@ -99,9 +116,9 @@ class Reader:
             if paired is not None:
                 self.tick_ends.appendleft(paired)  # still the newest old-enough end for the next tick
                 if not self.horizons or self.horizons[-1][1] < paired[1]:
-                    self.horizons.append((xmax, paired[1]))
+                    self.horizons.append((writers, paired[1]))
         moved = False
-        while self.horizons and xmin >= self.horizons[0][0]:
+        while self.horizons and not (self.horizons[0][0] & writers):
             self.cursor = max(self.cursor, self.horizons.popleft()[1])
             moved = True
         if moved:

@@ -22,6 +22,7 @@ from .fetch import fetch_rows, take_from_rows
 from .items import PARTIAL_FLAG, Body, GroupItems, Malformed, build_group, response_chunks
 from .jobs import JobState
 from .model import Batch
+from .store import steady_wall
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class RequestIds:
     def load(self, store: Any, job_id: str) -> None:
         """(Serve lock held.) Load the job's recent request_ids, once per job."""
         if self._job != job_id:
-            since = time.time() - self.config.replay_retention_s
+            since = steady_wall() - self.config.replay_retention_s
             self._ids = dict.fromkeys(store.recent_request_ids(job_id, since))
             self._job = job_id
 
@@ -70,9 +71,10 @@ class RequestIds:
 
     def age(self, request_id: str, recorded_at: float) -> float:
         """Seconds since the batch was recorded: on the monotonic clock when this process recorded
-        it (a wall-clock step cannot shift the replay window), else by the stored wall time."""
+        it (a wall-clock step cannot shift the replay window), else by the stored wall time (never
+        aged by a forward step while this process runs)."""
         mono = self._ids.get(request_id)
-        return time.monotonic() - mono if mono is not None else time.time() - recorded_at
+        return time.monotonic() - mono if mono is not None else steady_wall() - recorded_at
 
 
 class _Replay:

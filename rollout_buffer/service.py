@@ -6,8 +6,7 @@ the launcher (``launcher``), ownership of the job (``lease``; a standby's answer
 Only what is left here is the wiring, ``/start_rollout``, ``/stop_rollout``, ``/health``, ``/stats``.
 
 Lock order, outermost first; a thread never takes an earlier lock while holding a later one:
-1. ``start_lock``: one /start_rollout at a time (job selection, launcher start); the loop takes
-   it only with ``blocking=False`` (a fresh launcher after a takeover);
+1. ``start_lock``: one /start_rollout at a time (the loop, to relaunch, only ``blocking=False``);
 2. ``tick_lock``: one loop tick, or a job swap;
 3. ``serve_lock``: one poll serving (the loop takes it with ``blocking=False`` to save the cursor,
    and with a bounded wait to drop the job's state when the lease is lost);
@@ -97,8 +96,9 @@ class Service:
         self.loop.start()
         logger.info("rollout-buffer service started (db %s)", redact(self.config.db_url))
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop the loop, the launcher (TERM, grace, KILL) and the notifier; idempotent."""
+    def stop(self, timeout: float = 10.0, *, keep_launcher: bool = False) -> None:
+        """Stop the loop, the launcher (TERM, grace, KILL) and the notifier; idempotent. With
+        ``keep_launcher`` (the worker crashed) the launcher runs on, for the next worker to adopt."""
         if self._closed:
             return
         self._closed = True
@@ -107,9 +107,9 @@ class Service:
         self.loop.stop(timeout)
         js = self.jobs.current
         if self.supervisor.state()["running"]:
-            with self.connection() as conns:
-                self.launcher.stop_for_shutdown(conns, js.job_id if js else None, self.lease.standby_hosts(conns))
-        self.lease.stop()  # gives the lease up: a standby takes over at once
+            with self.connection() as conns:  # (opened only when the launcher's fate needs the database)
+                self.launcher.stop_for_shutdown(conns, js.job_id if js else None, self.lease.standby_hosts, keep_launcher)
+        self.lease.stop(release=not keep_launcher)  # a crashed worker's successor here sees its pid gone
         self.notifier.stop()
         logger.info("rollout-buffer service stopped")
 

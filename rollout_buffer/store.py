@@ -26,6 +26,17 @@ from .model import (DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED, Batch, Deci
                     GroupKey, LauncherState, NotifyKey, RowKey, Served)
 
 
+_WALL0, _MONO0 = time.time(), time.monotonic()
+
+
+def steady_wall() -> float:
+    """Epoch seconds for ageing what was recorded (batches, ended jobs), never ahead of this process's
+    monotonic clock: a wall clock stepped forward (NTP, a resumed VM) would otherwise age everything at
+    once, and housekeeping would delete the batch of a poll answered a second ago (its retry would then
+    get new groups, and the first batch's groups would be lost)."""
+    return min(time.time(), _WALL0 + time.monotonic() - _MONO0)
+
+
 STATE_NAMES = frozenset(ddl.split(" IF NOT EXISTS ", 1)[1].split()[0] for ddl in q.STATE_DDL)
 
 

@@ -34,6 +34,7 @@ from .errors import RolloutBufferError
 logger = logging.getLogger(__name__)
 
 RESTART_POLICIES = ("never", "on-failure")
+LOG_MIN_FREE_BYTES = 1 << 20  # less free space in the launcher log directory refuses a start
 
 
 class LauncherError(RolloutBufferError):
@@ -285,28 +286,30 @@ class Supervisor:
             exe if os.access(os.path.join(spec.cwd or "", exe), os.X_OK) else None)
         if found is None:
             raise LauncherError(f"cannot start launcher: executable {exe!r} not found or not executable")
+        log_dir = os.path.dirname(spec.log_path) or "."
         try:
-            os.makedirs(os.path.dirname(spec.log_path) or ".", exist_ok=True)
+            os.makedirs(log_dir, exist_ok=True)
+            st = os.statvfs(log_dir)
         except OSError as exc:
             raise LauncherError(f"cannot create the launcher log directory for {spec.log_path!r}: {exc}") from exc
+        if st.f_bavail * st.f_frsize < LOG_MIN_FREE_BYTES:  # its output would fail, and it with it
+            raise LauncherError(f"the launcher log directory {log_dir!r} has {st.f_bavail * st.f_frsize} bytes "
+                                "free (the disk is full); free some space and start again")
 
     def _spawn(self, spec: LaunchSpec) -> int:
         """Start the process for ``spec`` and record it as running; return its pid."""
         self.preflight(spec)
         try:
-            log_dir = os.path.dirname(spec.log_path)
-            if log_dir:
-                os.makedirs(log_dir, exist_ok=True)
             processes.rotate_log(spec.log_path)
-            log = open(spec.log_path, "ab")
+            log = open(spec.log_path, "ab", buffering=0)  # unbuffered: a full disk fails here, not at close
+            try:
+                log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting launcher: {shown(spec.argv)}\n".encode())
+            except OSError:
+                log.close()
+                raise
         except OSError as exc:
-            raise LauncherError(f"cannot open launcher log {spec.log_path!r}: {exc}") from exc
+            raise LauncherError(f"cannot write the launcher log {spec.log_path!r}: {exc}") from exc
         try:
-            log.write(
-                f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting launcher: "
-                f"{shown(spec.argv)}\n".encode()
-            )
-            log.flush()
             proc = subprocess.Popen(
                 list(spec.argv),
                 cwd=spec.cwd,
@@ -318,9 +321,7 @@ class Supervisor:
                 close_fds=True,
             )
         except FileNotFoundError as exc:
-            raise LauncherError(
-                f"cannot start launcher: executable {spec.argv[0]!r} not found ({exc})"
-            ) from exc
+            raise LauncherError(f"cannot start launcher: executable {spec.argv[0]!r} not found ({exc})") from exc
         except PermissionError as exc:
             raise LauncherError(
                 f"cannot start launcher: permission denied for {spec.argv[0]!r} "
@@ -397,9 +398,7 @@ class Supervisor:
         try:
             pid = self._spawn(self._spec)
         except LauncherError as exc:
-            self._events.append(
-                {"event": "restart_failed", "error": str(exc), "attempt": self._restarts}
-            )
+            self._events.append({"event": "restart_failed", "error": str(exc), "attempt": self._restarts})
             if not self._schedule_restart():
                 self._events.append(
                     {"event": "gave_up", "pid": self._pid, "exit_code": self._exit_code,

@@ -321,6 +321,28 @@ def test_row_without_group_id_is_rejected_and_taints_its_group(harness, writer):
     assert_balanced(s)
 
 
+def test_a_blob_group_id_is_rejected_and_a_numeric_one_names_its_group(lite_url, harness_factory):
+    """A BLOB group_id was served under the instance_id "b'g-blob'" (its Python repr); a number in an
+    untyped column names its group as its text does (SQLite's TEXT affinity stores it so)."""
+    import sqlite3
+
+    h = harness_factory(lite_url)
+    h.start(k=2)
+    conn = sqlite3.connect(lite_url[len("sqlite://"):])
+    cols = ("session_id, step_id, env_name, llm_model, group_id, job_id, messages, response, step_reward, reward, "
+            "env_state, is_terminal, is_truncated, is_session_completed, is_trainable, created_at")
+    sql = f"INSERT INTO session_steps ({cols}) VALUES (?, 1, 'e', 'm', ?, 'job1', '[]', 'r', 1, 1, NULL, 1, 0, 1, 1, ?)"
+    with conn:
+        for sid, gid in (("b1", b"g-blob"), ("b2", b"g-blob"), ("n1", 42), ("n2", "42")):
+            conn.execute(sql, (sid, gid, now_text()))
+    conn.close()
+    doc = h.poll()
+    assert list(groups_of(doc)) == ["42"]
+    s = h.stats()
+    assert s["rows"]["rejected"] == {"invalid_utf8_group_id": 2} and s["rows"]["served"] == 2
+    assert_balanced(s)
+
+
 def test_polls_do_not_log_pending_state_at_info(harness, writer, caplog):
     # SPEC §7.12: every poll logged the whole pending dictionary at INFO.
     harness.start(k=4)
@@ -585,6 +607,19 @@ def test_a_flood_of_bad_rows_is_logged_per_kind_not_per_row(harness, writer, cap
         assert harness.stats()["rows"]["rejected"] == {"missing_group_id": 300}
     lines = [r for r in caplog.records if "rejected row" in r.getMessage()]
     assert 1 <= len(lines) <= 3, [r.getMessage() for r in lines][:5]
+
+
+def test_duplicate_steps_in_many_groups_are_logged_per_kind_not_per_row(harness, writer, caplog):
+    """A launcher that retries inserts writes a step twice in every session: one WARNING per row
+    served (and again per replay) flooded the log."""
+    harness.start(k=1)
+    for g in range(60):
+        writer.step(f"g{g}", f"s{g}", 1, created_at="2026-12-02 10:00:00+00:00")
+        writer.step(f"g{g}", f"s{g}", 1, created_at="2026-12-02 10:00:01+00:00", completed=True)
+    with caplog.at_level(logging.INFO, logger="rollout_buffer"):
+        assert len(groups_of(harness.poll())) == 60
+    lines = [r for r in caplog.records if "two rows for step" in r.getMessage()]
+    assert len(lines) <= 1, [r.getMessage() for r in lines][:5]  # (0: an earlier test opened the window)
 
 
 def test_stats_and_status_answer_from_memory_while_the_database_is_down(pg_url, harness_factory, caplog):

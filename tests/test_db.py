@@ -71,6 +71,24 @@ def test_sqlite_service_connections_are_durable(lite_url, tmp_path):
         db.close()
 
 
+def test_service_connections_never_prepare_statements_for_a_transaction_pooler(pg_url, tmp_path):
+    """Also suspected in issue 14: psycopg prepares a statement run 5 times on a connection, and behind
+    a transaction-pooling PgBouncer the next run lands on another server connection where it does not
+    exist ("prepared statement ... does not exist"). The store records plans with executemany."""
+    make_launcher_db(pg_url)
+    config = Config.from_env({}, db_url=pg_url, run_dir=str(tmp_path))
+    db = service_connect(config, pg_url)
+    try:
+        db.execute("CREATE TEMP TABLE decided (job_id TEXT, step_pk BIGINT)")
+        for i in range(10):
+            db.rows("SELECT id FROM session_steps WHERE job_id = ? AND id > ?", ("j", i))
+            db.executemany("INSERT INTO decided (job_id, step_pk) VALUES (?, ?)", [("j", i), ("j", -i)])
+        assert db.scalar("SELECT COUNT(*) FROM decided") == 20
+        assert db.scalar("SELECT COUNT(*) FROM pg_prepared_statements") == 0
+    finally:
+        db.close()
+
+
 def test_a_readonly_sqlite_connection_opens_any_path_and_never_creates_one(tmp_path):
     odd = tmp_path / "a dir?with#odd%chars"
     odd.mkdir()

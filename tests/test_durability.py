@@ -458,3 +458,46 @@ def test_a_poll_before_the_restarted_service_has_loaded_its_state_is_503_not_emp
         assert_stats_balance(t, db_url)
     finally:
         srv.stop()
+
+
+def test_an_on_failure_restart_pending_at_a_kill9_is_carried_out_after_it(tmp_path):
+    """Also suspected in issue 14 (seen once): the launcher exits 3, will_restart is true, the service
+    is killed during the backoff, and after the restart nobody relaunches it."""
+    import shlex
+    import sys
+
+    url = "sqlite://" + str(tmp_path / "launcher.db")
+    make_launcher_db(url)
+    marker = tmp_path / "launcher.starts"
+    fake = Path(__file__).resolve().parent / "fakes" / "fake_launcher.py"
+    srv = Server(url, tmp_path / "srv", launcher="auto", env={
+        "ROLLOUT_BUFFER_LAUNCHER_CMD": shlex.join([sys.executable, str(fake), "--mode", "exit1", "--marker",
+                                                   str(marker)]),
+        "ROLLOUT_BUFFER_RESTART_POLICY": "on-failure", "ROLLOUT_BUFFER_RESTART_BACKOFF_SECONDS": "600"})
+    srv.start()
+    try:
+        r = requests.post(srv.url + "/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "j"},
+                          timeout=30)
+        assert r.status_code == 200, r.text
+
+        def pending_restart() -> bool:
+            launcher = requests.get(srv.url + "/health", timeout=5).json()["launcher"]
+            if not (launcher["exit_code"] == 1 and launcher["will_restart"] is True):
+                return False
+            db = connect(url)  # and recorded: a kill before that is a launcher that ended unseen
+            try:
+                return db.scalar("SELECT launcher_state FROM rollout_buffer_jobs WHERE job_id = 'j'") == \
+                    "restart_pending"
+            finally:
+                db.close()
+
+        wait_until(pending_restart, 15, "the launcher exited and its restart (in 600 s) is recorded")
+        assert len(marker.read_text().split()) == 1
+        pgid = srv.proc.pid
+        srv.stop(signal.SIGKILL)
+        wait_until(lambda: not procfs.group_members(pgid), 5, "the killed service gone")
+        srv.start()
+        wait_until(lambda: len(marker.read_text().split()) == 2, 15,
+                   lambda: f"the pending restart carried out after the kill -9 ({log_tail(srv.log_path, 20)})")
+    finally:
+        srv.stop()

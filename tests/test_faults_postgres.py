@@ -19,13 +19,15 @@ import sys
 import threading
 import time
 import uuid
+from urllib.parse import urlsplit
 from typing import Any
 
 import psycopg
 import pytest
 import requests
 
-from support import Writer, groups_of, make_launcher_db, wait_until
+from fakes.tcp_forwarder import TcpForwarder
+from support import PG_DSN, Writer, groups_of, make_launcher_db, wait_until
 from rollout_buffer import procfs
 from rollout_buffer.db import connect
 from servers import ROOT, Server, Trainer, assert_stats_balance, free_port, kill9, trainable_rows
@@ -320,6 +322,48 @@ def while_locked(srv: Server, pid: int, grace: float) -> None:
            if isinstance(r, str) or s > 10.0 or r.status_code != 503 or not r.headers.get("Retry-After")]
     assert len(answers) == 20 and not bad, bad
     assert h_during.status_code == 200 and health_took < 2.0, health_took
+
+
+def test_a_statement_that_never_gets_an_answer_shows_in_health_and_the_service_recovers(tmp_path, pg_url):
+    """A hung PgBouncer or a network path that stops carrying packets: the server-side timeouts cannot
+    answer a statement whose answer never arrives, the loop hangs in it without failing, and only the
+    age of its last tick tells. /health must say so, polls must answer 503 in bounded time, and the
+    service must carry on by itself once packets flow again."""
+    make_launcher_db(pg_url)
+    dsn = urlsplit(PG_DSN)
+    relay = TcpForwarder(dsn.port or 5432, dsn.hostname or "127.0.0.1")
+    try:  # the service reaches Postgres through the relay; the test's writer directly
+        srv = Server(pg_url.replace(dsn.netloc.rsplit("@", 1)[-1], f"127.0.0.1:{relay.port}", 1), tmp_path / "srv")
+        w = Writer(pg_url)
+        srv.start()
+        try:
+            t = Trainer(srv)
+            t.start_rollout(k=2)
+            for gid in ("a", "b"):
+                w.group(gid, 2, steps=1)
+            wait_until(lambda: t.stats()["groups"]["ready"] == 2, 15, "2 groups ready")
+            relay.stall()
+            w.group("c", 2, steps=1)  # written while stuck: read once packets flow again
+
+            def degraded() -> dict | None:
+                doc = requests.get(srv.url + "/health", timeout=5).json()
+                return doc if doc["status"] == "degraded" else None
+
+            h = wait_until(degraded, 20, "/health degraded while the loop waits for an answer")
+            assert "has not completed a tick" in h["database"] and h["last_tick_age_s"] >= 10, h
+            took, r = timed_post(srv.url + "/get_rollout_data", {"max_groups": 1})
+            assert not isinstance(r, str) and r.status_code == 503 and took <= 10.0, (took, r)
+            relay.flow()
+            wait_until(lambda: requests.get(srv.url + "/health", timeout=5).json()["status"] == "healthy", 30,
+                       "healthy again")
+            t.drain({"a", "b", "c"})
+            assert all(len(v) == 1 for v in t.served.values())
+            assert_stats_balance(t, pg_url)
+        finally:
+            w.close()
+            srv.stop()
+    finally:
+        relay.close()
 
 
 # -- scenario 12: two instances on one database --------------------------------------------------------------------

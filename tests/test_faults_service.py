@@ -332,6 +332,35 @@ def test_batches_past_twice_the_replay_window_are_deleted_in_the_background(db_u
     assert count(db_url, batches) == 1, "a batch inside its replay window must be kept"
 
 
+def first_served_second_written(url: str, harness_factory: Any, **overrides: Any) -> tuple[Harness, Writer, dict]:
+    """A service whose group "first" was served to request_id r1, with group "second" written."""
+    h = harness_factory(url, **overrides)
+    h.start(k=2)
+    writer = Writer(url)
+    writer.group("first", 2)
+    first = h.poll(request_id="r1")
+    assert list(groups_of(first)) == ["first"]
+    writer.group("second", 2)
+    return h, writer, first
+
+
+def test_a_wall_clock_step_forward_neither_expires_nor_deletes_a_fresh_batch(lite_url, harness_factory, monkeypatch):
+    """Also suspected in issue 14: a forward step of the wall clock turned a retry into a 410. And with
+    housekeeping, the step deleted the batch of a poll answered a second ago: its retry then got new
+    groups under the same request_id, and the first batch's groups were lost."""
+    monkeypatch.setattr(importlib.import_module("rollout_buffer.loop"), "HOUSEKEEPING_S", 0.0)  # every tick
+    h, writer, first = first_served_second_written(lite_url, harness_factory, replay_retention_s=60.0)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600.0)  # NTP steps the clock an hour ahead
+    assert h.service.sync() and h.service.sync()  # housekeeping has run with the stepped clock
+    assert count(lite_url, "SELECT COUNT(*) FROM rollout_buffer_batches") == 1, "the fresh batch was deleted"
+    again = h.poll(request_id="r1")  # the retry of r1, a second later
+    assert again["data"]["meta_info"]["replayed"] is True and list(groups_of(again)) == ["first"]
+    assert [i["uid"] for i in again["data"]["data"]] == [i["uid"] for i in first["data"]["data"]]
+    assert list(groups_of(h.poll(request_id="r2"))) == ["second"]
+    writer.close()
+
+
 def test_an_ended_job_is_purged_and_selecting_it_again_serves_only_new_groups(lite_url, harness_factory,
                                                                               monkeypatch, tmp_path):
     _fast_housekeeping(monkeypatch)
@@ -562,3 +591,37 @@ def test_a_bootstrap_retried_after_the_adoption_keeps_the_adopted_launcher(pg_ur
         assert s["groups"]["dropped"].get("launcher_exited", 0) == 0, s["groups"]
         assert s["groups"]["pending"] == 1, s["groups"]
         assert procfs.alive(pid)
+
+
+def test_a_replay_being_rebuilt_never_holds_up_fresh_polls(lite_url, harness_factory, monkeypatch):
+    """Also suspected in issue 14: a client replaying one request_id in a loop rebuilt up to 256 MiB
+    each time under the serving lock. A rebuild is held in the middle here: a fresh poll must not wait
+    for it, and the replay is the same batch once it is let go."""
+    replay_mod = importlib.import_module("rollout_buffer.replay")
+    h, w, first = first_served_second_written(lite_url, harness_factory)
+    h.settle()
+
+    entered, release = threading.Event(), threading.Event()
+    real_fetch = replay_mod.fetch_rows
+
+    def held_fetch(*a: Any, **kw: Any) -> Any:
+        entered.set()
+        assert release.wait(30)
+        return real_fetch(*a, **kw)
+
+    monkeypatch.setattr(replay_mod, "fetch_rows", held_fetch)
+    answers: list[Any] = []
+    th = threading.Thread(target=lambda: answers.append(h.client.post("/get_rollout_data", json={"request_id": "r1"})))
+    th.start()
+    try:
+        assert entered.wait(10), "the replay did not start rebuilding"
+        started = time.monotonic()
+        fresh = h.client.post("/get_rollout_data", json={"request_id": "r2"})
+        assert fresh.status_code == 200 and list(groups_of(fresh.get_json())) == ["second"]
+        assert time.monotonic() - started < 2.0, "a fresh poll waited for a replay being rebuilt"
+    finally:
+        release.set()
+        th.join(30)
+    assert answers and answers[0].status_code == 200
+    assert answers[0].get_json()["data"]["data"] == first["data"]["data"]
+    w.close()

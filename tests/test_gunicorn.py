@@ -241,6 +241,35 @@ def test_sigterm_to_the_master_stops_the_launcher_group_and_exits_0(tmp_path, mo
     assert "rollout-buffer service stopped" in text, text[-3000:]
 
 
+def test_a_worker_that_crashes_leaves_the_launcher_to_the_next_worker(tmp_path):
+    """gunicorn aborts a worker that stops answering it (its timeout); the worker's exit used to stop
+    the launcher as a shutdown would, while a kill -9 of the worker left it running."""
+    db_url = "sqlite://" + str(tmp_path / "launcher.db")
+    make_launcher_db(db_url)
+    port = free_port()
+    cmd = shlex.join([sys.executable, str(FAKE_LAUNCHER), "--mode", "hang"])
+    env = env_for(db_url, tmp_path, port, ROLLOUT_BUFFER_LAUNCHER_CMD=cmd)
+    log = tmp_path / "gunicorn.log"
+    with running(gunicorn_argv("wsgi:app"), ROOT, env, port, log) as srv:
+        pid = start_rollout(srv.url, 2, "job1")["pid"]
+        worker = [p for p in group_members(srv.pid) if p != srv.pid]
+        assert len(worker) == 1, worker
+        os.kill(worker[0], signal.SIGABRT)  # what gunicorn sends a worker past its timeout
+
+        def adopted() -> bool:
+            with contextlib.suppress(requests.RequestException):
+                launcher = requests.get(srv.url + "/health", timeout=5).json()["launcher"]
+                return launcher["pid"] == pid and launcher["running"] and launcher["adopted"]
+            return False
+
+        wait_until(adopted, 20, lambda: f"the next worker adopted the launcher\n--- {log} ---\n{log_tail(log)}")
+        st = procfs.stat(pid)
+        assert st is not None and st.alive, "the launcher was stopped with the crashed worker"
+        os.kill(srv.pid, signal.SIGTERM)  # a real shutdown still stops it
+        assert srv.proc.wait(30) == 0, log_tail(log)
+    wait_until(lambda: not group_members(pid), 10, "the launcher stopped at shutdown")
+
+
 # -- serving over real HTTP while an external writer adds rows ------------------------------------------------
 
 

@@ -190,6 +190,22 @@ def test_non_2xx_is_a_failure_and_retried(make_notifier, caplog: pytest.LogCaptu
     assert "500" in warnings[0].getMessage()
 
 
+@pytest.mark.parametrize("status", [301, 302, 303, 307])
+def test_a_redirect_is_a_failure_never_followed(make_notifier, status) -> None:
+    """An auth gateway in front of the proxy answers 302 to its login page: following it turned the
+    redirect into a 200, the sessions were marked cleared, and the proxy never freed them."""
+    with FakeProxy(status=status, location="/login") as fake:
+        rec = Recorder()
+        notifier = make_notifier(base_url=fake.url, on_delivered=rec)
+        notifier.start()
+        notifier.notify("incomplete_group_ttl", ["s1"], ["g1"], keys=[1])
+        assert wait_until(lambda: notifier.pending()["failures"] >= 2)
+        assert not rec.calls and fake.gets == 0
+        assert notifier.pending()["sessions"] == 1 and str(status) in notifier.pending()["last_error"]
+        fake.status = 200  # the proxy answers again: delivered then
+        assert wait_until(lambda: rec.calls)
+
+
 def test_large_reasons_are_split_and_delivered_once(fake: FakeProxy, make_notifier) -> None:
     rec = Recorder()
     notifier = make_notifier(base_url=fake.url, on_delivered=rec, max_ids_per_request=3)

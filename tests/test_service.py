@@ -655,3 +655,99 @@ def test_a_launcher_that_cannot_start_leaves_the_active_job_and_its_groups_alone
         assert h3.stats()["groups"]["pending"] == 1
     finally:
         w.close()
+
+
+@pytest.fixture
+def full_dir(tmp_path):
+    """A directory on a tiny tmpfs filled to the last byte (a full disk)."""
+    import subprocess
+
+    path = tmp_path / "full"
+    path.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {done.stderr.strip()}")
+    try:
+        fd = os.open(path / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while True:
+                os.write(fd, b"x" * 4096)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_full_log_disk_refuses_the_start_clearly_before_the_job_is_switched(harness_factory, lite_url, full_dir):
+    """The launcher's log directory is full: the start used to switch the job (dropping A's groups as
+    job_ended) and then answer an opaque 'internal error' (the failed flush at close masked the cause)."""
+    w = Writer(lite_url)
+    try:
+        h = harness_factory(lite_url, launcher="none")
+        h.start(k=2, job="A")
+        w.group("ready", 2, steps=1, job="A")
+        h.settle()
+        h.stop()
+        h2 = harness_factory(lite_url, launcher_cmd=fake_cmd("hang"), run_dir=str(full_dir))
+        r = h2.client.post("/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "B"})
+        assert r.status_code == 500, r.get_json()
+        assert "disk is full" in r.get_json()["error"] and "unchanged" in r.get_json()["error"], r.get_json()
+        assert h2.stats()["job_session"] == "A" and h2.stats()["groups"]["dropped_total"] == 0
+        assert list(groups_of(h2.poll())) == ["ready"]
+    finally:
+        w.close()
+
+
+def test_a_launcher_log_that_cannot_be_written_is_a_clear_500(harness_factory, lite_url, tmp_path):
+    """Space left, but the log file itself refuses writes (a quota, /dev/full): the error says so."""
+    logs = tmp_path / "devfull-logs"
+    logs.mkdir()
+    (logs / "launcher-B.log").symlink_to("/dev/full")
+    h = harness_factory(lite_url, launcher_cmd=fake_cmd("hang"), run_dir=str(logs))
+    r = h.client.post("/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "B"})
+    assert r.status_code == 500, r.get_json()
+    assert "cannot write the launcher log" in r.get_json()["error"] and "No space left" in r.get_json()["error"]
+    assert launcher(h)["running"] is False
+
+
+def test_a_blob_session_in_an_idle_group_is_recorded_and_cleared_and_serving_goes_on(harness_factory, lite_url,
+                                                                                     proxy):
+    """Issue 14, scenario 2: a BLOB session_id sorted with text ones made the TTL drop of its group
+    fail after it was decided in memory, so the drop was neither recorded nor sent to the proxy."""
+    import sqlite3
+
+    h = harness_factory(lite_url, ttl_s=0.4, proxy_host="127.0.0.1", proxy_port=proxy.port,
+                        proxy_read_timeout_s=2.0)
+    h.start(k=3)
+    w = Writer(lite_url)
+    w.step("g-idle", "text-session", 1)
+    conn = sqlite3.connect(lite_url[len("sqlite://"):])
+    with conn:
+        conn.execute("INSERT INTO session_steps (session_id, step_id, env_name, llm_model, group_id, job_id, "
+                     "messages, response, created_at) VALUES (?, 1, 'e', 'm', 'g-idle', 'job1', '[]', 'r', "
+                     "'2026-01-01 00:00:00')", (b"blob-session",))
+    conn.close()
+    wait_until(lambda: h.stats()["groups"]["dropped_total"] == 1, 10, "g-idle dropped")
+    decided = connect_rows(lite_url, "SELECT group_id, status, reason FROM rollout_buffer_groups")
+    assert decided == [("g-idle", "dropped", "malformed_row")]
+    assert proxy.wait_for(lambda p: "text-session" in proxy_sessions(p, "malformed_row", delivered=True))
+    w.group("ok", 3, steps=1)
+    assert list(groups_of(h.poll())) == ["ok"]
+    s = h.stats()
+    assert s["rows"]["rejected"] == {"invalid_session_id": 1}
+    assert_balanced(s)
+    w.close()
+
+
+def connect_rows(url: str, sql: str) -> list[tuple]:
+    from rollout_buffer.db import connect
+
+    db = connect(url)
+    try:
+        return [tuple(r) for r in db.rows(sql)]
+    finally:
+        db.close()

@@ -4,7 +4,8 @@ Runs ``http.server.ThreadingHTTPServer`` in a daemon thread on port 0 (or a port
 reserved with :func:`closed_port`, to bring a "down" proxy up later). Knobs: ``status``
 (what to answer), ``script`` (statuses answered first, one per request, e.g. ``[503, 503]``),
 ``hold_s`` (hold each request that long before answering, to simulate a hung proxy; ``close()``
-releases held requests at once). :meth:`FakeProxy.set_mode` switches a running proxy between
+releases held requests at once), ``location`` (sent with a 3xx status: a redirect, as an auth
+gateway in front of the proxy answers; every GET is answered 200, like its login page). :meth:`FakeProxy.set_mode` switches a running proxy between
 ``"up"``, ``"down"`` (the socket is closed: connection refused) and ``"hung"`` (requests are read
 and recorded, then held without an answer until the mode changes, when they are dropped).
 """
@@ -40,8 +41,10 @@ class FakeProxy:
     """A recording stand-in for the LLM proxy; usable as a context manager."""
 
     def __init__(self, *, port: int = 0, status: int = 200, hold_s: float = 0.0,
-                 script: list[int] | None = None) -> None:
+                 script: list[int] | None = None, location: str | None = None) -> None:
         self.status = status
+        self.location = location
+        self.gets = 0
         self.hold_s = hold_s
         self.script = list(script or [])
         self._lock = threading.Lock()
@@ -179,8 +182,15 @@ class FakeProxy:
                 fake._answered(status, body)
                 self._reply(status, json.dumps({"cleared": len(body.get("session_ids", []))}).encode())
 
+            def do_GET(self) -> None:  # noqa: N802 - stdlib name
+                with fake._lock:
+                    fake.gets += 1
+                self._reply(200, b'{"page": "login"}')
+
             def _reply(self, status: int, payload: bytes) -> None:
                 self.send_response(status)
+                if 300 <= status < 400 and fake.location:
+                    self.send_header("Location", fake.location)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()

@@ -2,7 +2,10 @@
 
 Listens on port 0 and relays every connection to ``target`` in two daemon threads. ``down()``
 cuts every open connection and refuses new ones (as a database host that has gone away); ``up()``
-accepts again. ``close()`` stops listening. Use it to point a service at a database it then loses.
+accepts again. ``stall()`` keeps every connection open but forwards nothing more either way (a
+hung PgBouncer, a network path that stopped carrying packets: a statement sent gets no answer, a
+new connection no reply to its startup); ``flow()`` forwards what was held and carries on.
+``close()`` stops listening. Use it to point a service at a database it then loses.
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ class TcpForwarder:
         self._lock = threading.Lock()
         self._open: list[socket.socket] = []
         self._up = True
+        self._flowing = threading.Event()
+        self._flowing.set()
         threading.Thread(target=self._accept, name="tcp-forwarder", daemon=True).start()
 
     def _accept(self) -> None:
@@ -51,13 +56,13 @@ class TcpForwarder:
             for a, b in ((client, server), (server, client)):
                 threading.Thread(target=self._pipe, args=(a, b), name="tcp-forwarder-pipe", daemon=True).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while True:
                 data = src.recv(65536)
                 if not data:
                     break
+                self._flowing.wait()  # stalled: held here, unanswered
                 dst.sendall(data)
         except OSError:
             pass
@@ -66,6 +71,7 @@ class TcpForwarder:
 
     def down(self) -> None:
         """Cut every relayed connection and refuse new ones."""
+        self._flowing.set()  # held data goes to a cut socket: its pipe ends
         with self._lock:
             self._up = False
             conns, self._open = self._open, []
@@ -74,6 +80,13 @@ class TcpForwarder:
     def up(self) -> None:
         with self._lock:
             self._up = True
+
+    def stall(self) -> None:
+        """Keep every connection open, forward nothing more (see the module doc)."""
+        self._flowing.clear()
+
+    def flow(self) -> None:
+        self._flowing.set()
 
     def close(self) -> None:
         self.down()
