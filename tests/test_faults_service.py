@@ -43,12 +43,12 @@ from rollout_buffer.config import Config
 from servers import Server
 
 FAKE_LAUNCHER = Path(__file__).resolve().parent / "fakes" / "fake_launcher.py"
-LOOP_THREAD = "rollout-buffer-loop"
+BACKGROUND = "rollout-buffer-"  # the loop and lease threads: their statements are not a poll's
 
 
 # -- helpers ---------------------------------------------------------------------------------------
 class DbTouches:
-    """Connections opened and statements run by request threads (the loop thread is not counted)."""
+    """Connections opened and statements run by request threads (the loop and lease threads are not counted)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.connects = 0
@@ -56,7 +56,7 @@ class DbTouches:
         real_connect = db_mod.connect
 
         def connect(*a: Any, **kw: Any) -> Any:
-            if threading.current_thread().name != LOOP_THREAD:
+            if not threading.current_thread().name.startswith(BACKGROUND):
                 self.connects += 1
             return real_connect(*a, **kw)
 
@@ -65,7 +65,7 @@ class DbTouches:
                 monkeypatch.setattr(mod, "connect", connect)
         for cls in (db_mod.SqliteDatabase, db_mod.PostgresDatabase):
             def counted(obj: Any, *a: Any, _run: Any = cls._run, **kw: Any) -> Any:
-                if threading.current_thread().name != LOOP_THREAD:
+                if not threading.current_thread().name.startswith(BACKGROUND):
                     self.statements += 1
                 return _run(obj, *a, **kw)
 
