@@ -27,6 +27,7 @@ from .metrics import render_metrics
 from .model import PollRequest
 from .page import page_html, status_document
 from .connections import LazyPair
+from .redelivery import parse_skip
 from .service import Service
 
 logger = logging.getLogger(__name__)
@@ -216,7 +217,8 @@ def start_rollout() -> tuple[dict[str, Any], int]:
     k = parse_k(body.get("num_repeat_per_sample"))
     restart = parse_bool("restart_training", body.get("restart_training"))
     job = parse_job_session(body.get("job_session"))
-    status, out = service().start_rollout(conns(), k=k, restart_training=restart, job_session=job)
+    skip = parse_skip(body.get("skip_instance_ids"))  # a checkpoint's groups: the others are delivered again
+    status, out = service().start_rollout(conns(), k=k, restart_training=restart, job_session=job, skip=skip)
     return out, status
 
 

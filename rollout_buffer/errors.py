@@ -1,10 +1,13 @@
 """Exception hierarchy: every error this package raises on purpose is a RolloutBufferError.
 
-Owns: the exception classes. It must not import anything of the package.
+Owns: the exception classes, and :func:`bounded` (a lock waited for at most a few seconds, else a
+503). It must not import anything of the package.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import threading
+from typing import Any, Iterator
 
 
 class RolloutBufferError(Exception):
@@ -54,3 +57,15 @@ class ApiError(RolloutBufferError):
         self.status = status
         self.message = message
         self.context = context
+
+
+@contextlib.contextmanager
+def bounded(lock: threading.Lock, holder: str, wait_s: float) -> Iterator[None]:
+    """Hold ``lock``, waiting at most ``wait_s``: a request behind a stuck one answers 503, never hangs."""
+    if not lock.acquire(timeout=wait_s):
+        raise ApiError(503, f"{holder} has been busy for over {wait_s:.0f} s (the database may be stuck); retry",
+                       retry_after=2)
+    try:
+        yield
+    finally:
+        lock.release()

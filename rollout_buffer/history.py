@@ -1,6 +1,7 @@
 """Recent activity for the status page: 15 minutes of ingest and serve rates, the last 20 batches.
 
-Owns: an in-memory ring of 10-second buckets (rows ingested, groups and items served) and the
+Owns: the poll counts and latency histogram (:class:`PollStats`, for /stats and /metrics), an
+in-memory ring of 10-second buckets (rows ingested, groups and items served) and the
 last batches a poll sent (groups, items, bytes, build and send time). The loop records ingest,
 serving records each batch; the status page reads a snapshot. Nothing here is durable (a restart
 starts an empty history) and nothing does I/O: every critical section is a few additions.
@@ -17,6 +18,7 @@ from typing import Any, Callable
 BUCKET_S = 10.0
 WINDOW_S = 15 * 60.0
 BATCHES_KEPT = 20
+POLL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 
 
 class _Bucket:
@@ -88,3 +90,26 @@ class History:
             series["served_groups_per_s"].append(round(groups / span, 3))
             series["served_items_per_s"].append(round(items / span, 3))
         return {"bucket_s": BUCKET_S, "window_s": WINDOW_S, "rates": series, "batches": batches}
+
+
+class PollStats:
+    """Poll counts and a latency histogram, for /stats and /metrics."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+        self.with_data = 0
+        self.seconds = 0.0
+        self.buckets: collections.Counter = collections.Counter()
+
+    def observe(self, seconds: float, with_data: bool) -> None:
+        with self._lock:
+            self.count += 1
+            self.with_data += with_data
+            self.seconds += seconds
+            self.buckets[next((b for b in POLL_BUCKETS if seconds <= b), float("inf"))] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"count": self.count, "with_data": self.with_data, "seconds_total": round(self.seconds, 6),
+                    "buckets": {b: self.buckets.get(b, 0) for b in (*POLL_BUCKETS, float("inf"))}}

@@ -241,8 +241,15 @@ _ITEM_TAIL = ('%s{"role":"assistant","content":%s}],"reward":%r,"extra_info":{"t
               '"finish_reason":"%s","session_id":%s,"env_id":%s,"group_id":%s,"weight_version":%d,'
               '"truncated":%s,"step_pk":%d,"is_session_completed":%s,"step_reward":%r,"terminal_reward":%r%s}}')
 
-# Extra keys of extra_info (JSON text that follows the last key): a group served short at the TTL.
+# Extra keys of extra_info (JSON text that follows the last key): a group served short at the TTL,
+# a served group delivered again after the trainer restarted from a checkpoint (redelivery.py).
 PARTIAL_FLAG = ',"partial_group":true'
+REDELIVERED_FLAG = ',"redelivered":true'
+
+
+def item_flags(partial: bool, redelivered: bool) -> str:
+    """The extra_info keys a group's items carry (build_group's ``flags``)."""
+    return (PARTIAL_FLAG if partial else "") + (REDELIVERED_FLAG if redelivered else "")
 
 
 def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id: str,

@@ -20,6 +20,7 @@ from .errors import StorageError
 from .model import JOB_ENDED, RESTART_TRAINING, Decisions, Drop
 from .notifications import Outbox
 from .reader import MIN_ID, Accounted, Reader, first_read_after
+from .redelivery import Redeliveries
 from .store import Store
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,15 @@ class JobState:
         self.cursor_saved_at = 0.0
         self.saved_cursor: tuple | None = None  # (cursor, low-water, trainer version, rows version) saved
         self.saved_marker: tuple | None = None
+        self.redeliveries = Redeliveries()  # served groups to deliver again, ahead of ready ones
 
+    def ready_count(self) -> int:
+        """Groups a poll could be given now: queued redeliveries and ready groups."""
+        return len(self.redeliveries) + len(self.acc.ready)
+
+    def in_flight(self) -> bool:
+        """A poll holds groups it has not recorded yet (it may be binding a request_id)."""
+        return bool(self.acc.taken or self.redeliveries.taken)
 
     def stats(self, src: Database | None) -> dict:
         """The job's accounting and gauges for /stats; ``src`` (if given) for the lag (rows not read yet)."""
@@ -56,6 +65,7 @@ class JobState:
                 s["lag_rows"] = int(src.scalar(q.COUNT_AFTER, (self.job_id, self.reader.max_seen)) or 0)
         r = s["rows"]
         s["accounting_balanced"] = r["read"] == r["served"] + r["dropped_total"] + r["rejected_total"] + r["pending"]
+        s["redelivery"] = self.redeliveries.stats()
         return s
 
 
@@ -100,7 +110,9 @@ class Jobs:
             upto = int(src.scalar(q.MAX_JOB_ID, (job_id,)) or 0)
             accounted = Accounted(job_id, upto, store.row_pks_from(job_id, first_read_after(start_after)))
         reader = Reader(job_id, start_after, self.config.ingest_batch, clock=self.clock)
-        return JobState(job_id, k, floor_pk, acc, reader, accounted)
+        js = JobState(job_id, k, floor_pk, acc, reader, accounted)
+        js.redeliveries = Redeliveries(store.redelivery_queue(job_id), store.redelivery_totals(job_id))
+        return js
 
     def resume(self, src: Database, store: Store) -> dict | None:
         """At start: make the stored active job current again. Returns its stored row, or None."""

@@ -141,6 +141,7 @@ class Take:
     partial: bool = False
     ready_at: float | None = None
     min_wv: int | None = None
+    redelivered: bool = False  # a served group delivered again (redelivery.py): no decision of its own
 
     @property
     def served_pks(self) -> list[int]:
@@ -220,9 +221,11 @@ class Decisions:
     served: list[Served] = field(default_factory=list)
     batch: Batch | None = None
     newly_ready: int = 0
+    # served groups delivered again: group_id -> None (in ``batch``) or why it could not be
+    redelivered: dict[str, str | None] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.drops or self.rows or self.served or self.batch)
+        return bool(self.drops or self.rows or self.served or self.batch or self.redelivered)
 
     def extend(self, other: "Decisions") -> None:
         """Merge another plan into this one (a batch is never merged)."""

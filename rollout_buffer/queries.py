@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-SCHEMA_VERSION = 4
+from . import redelivery_sql
+
+SCHEMA_VERSION = 5
 
 # -- the launcher's tables (SPEC §2); created only by `rollout-buffer init-db` and tests ------
 
@@ -195,6 +197,7 @@ MIGRATIONS = {
     3: (
         "ALTER TABLE rollout_buffer_jobs ADD COLUMN launcher_host TEXT",  # adopted only there (issue 12)
     ),
+    4: (redelivery_sql.DDL,),  # served groups to deliver again after a trainer crash (issue 11)
 }
 
 # The buffer's tables and indexes that exist (CREATE INDEX IF NOT EXISTS waits for every open write).

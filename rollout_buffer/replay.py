@@ -19,7 +19,7 @@ from .config import Config
 from .connections import Pair
 from .errors import ApiError, StorageError
 from .fetch import fetch_rows, take_from_rows
-from .items import PARTIAL_FLAG, Body, GroupItems, Malformed, build_group, response_chunks
+from .items import Body, GroupItems, Malformed, build_group, item_flags, response_chunks
 from .jobs import JobState
 from .model import Batch
 from .store import steady_wall
@@ -142,12 +142,13 @@ class Replayer:
         buf = bytearray()
         meta = batch.meta or {}
         partial = set(meta.get("partial_groups") or ())
+        again = set(meta.get("redelivered") or ())
         for gid in batch.group_ids:
             pks = pair.store.group_pks(js.job_id, gid)
             rows = fetch_rows(pair.src, pks)
             try:
                 groups.append(build_group(take_from_rows(gid, pks, rows), rows, batch.seed, js.job_id, buf,
-                                          PARTIAL_FLAG if gid in partial else ""))
+                                          item_flags(gid in partial, gid in again)))
             except Malformed as exc:  # pragma: no cover - rows are immutable
                 raise ApiError(500, f"batch {batch.batch_id} cannot be rebuilt: {exc}") from exc
         # the figures, filtered and partial groups are sent as recorded (the rows cannot give them again)

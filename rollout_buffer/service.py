@@ -32,7 +32,7 @@ from typing import Any, Callable
 from .config import Config
 from .connections import LazyPair, state_connection
 from .db import redact
-from .errors import ApiError, ClosedError, LeaseLost, StorageError
+from .errors import ApiError, ClosedError, LeaseLost, StorageError, bounded
 from .history import History
 from .items import Body
 from .jobs import Jobs
@@ -42,6 +42,7 @@ from .loop import Health, Loop
 from .model import PollRequest
 from .notifications import Outbox
 from .proxy import ProxyNotifier
+from .redelivery import redeliver
 from .serving import Serving
 from .supervisor import LaunchSpec, Supervisor
 
@@ -138,9 +139,9 @@ class Service:
         """Serve ready groups (or replay the batch bound to request_id), long-polling up to wait_s."""
         return self.serving.get_rollout_data(conns, poll)
 
-    def start_rollout(self, conns: LazyPair, *, k: int, restart_training: bool,
-                      job_session: str | None) -> tuple[int, dict[str, Any]]:
-        """Select the job, start its launcher. Returns (HTTP status, body)."""
+    def start_rollout(self, conns: LazyPair, *, k: int, restart_training: bool, job_session: str | None,
+                      skip: list[str] | None = None) -> tuple[int, dict[str, Any]]:
+        """Select the job, start its launcher (or redeliver: see _redeliver). Returns (status, body)."""
         self.lease.check(10.0)  # LeaseLost on a standby: answered with 307 (app.standby_answer)
         if not self.loop.bootstrapped.is_set():
             # Before the active job is resumed and its launcher adopted, "not running" would be a lie.
@@ -148,27 +149,25 @@ class Service:
             if not self.loop.bootstrapped.wait(10.0):
                 raise ApiError(503, "the service is still loading its state from the database: "
                                f"{self.health_state.last_error or 'still starting'}", retry_after=2)
-        if not self._start_lock.acquire(timeout=LOCK_WAIT_S):
-            raise ApiError(503, "another /start_rollout is still in progress; retry", retry_after=2)
-        try:
-            return self._start_rollout(conns, k, restart_training, job_session)
-        finally:
-            self._start_lock.release()
+        with bounded(self._start_lock, "another /start_rollout", LOCK_WAIT_S):
+            return self._start_rollout(conns, k, restart_training, job_session, skip or [])
 
-    def _start_rollout(self, conns: LazyPair, k: int, restart_training: bool,
-                       job_session: str | None) -> tuple[int, dict[str, Any]]:
+    def _start_rollout(self, conns: LazyPair, k: int, restart_training: bool, job_session: str | None,
+                       skip: list[str]) -> tuple[int, dict[str, Any]]:
         js = self.jobs.current
         pid = self.launcher.running_pid()  # here, or on another host
         if pid is not None:
             if js is not None and job_session not in (None, js.job_id):
                 raise ApiError(409, f"the launcher of job {js.job_id!r} is still running (pid "
                                f"{pid}); POST /stop_rollout first or name that job", job_session=js.job_id, pid=pid)
-            return 200, {"message": "AIEvoBox is already running", "pid": pid, "job_session": js.job_id if js else None}
+            return 200, {"message": "AIEvoBox is already running", "pid": pid, "job_session": js.job_id if js else None,
+                         **self._redeliver(conns, js, skip)}
+        same = js is not None and js.job_id == job_session and not restart_training  # no new job: redeliver
         job_id = job_session or uuid.uuid4().hex
         if self.launcher.managed:
             self.launcher.preflight(job_id, k)
         pair = conns.get()
-        with self._locked(self._tick_lock, "the background loop"), self._locked(self._serve_lock, "a poll"):
+        with bounded(self._tick_lock, "the background loop", LOCK_WAIT_S), bounded(self._serve_lock, "a poll", LOCK_WAIT_S):
             try:
                 js = self.jobs.select(pair.src, pair.store, job_id, k, restart_training)
             except StorageError as exc:
@@ -184,17 +183,14 @@ class Service:
                     restart_training, pid)
         return 200, {"message": "Rollout started", "pid": pid, "job_session": job_id, "k": k,
                      "restart_training": restart_training, "floor_pk": js.floor_pk,
-                     "launcher": self.config.launcher_kind}
+                     "launcher": self.config.launcher_kind, **(self._redeliver(conns, js, skip) if same else {})}
 
-    @contextlib.contextmanager
-    def _locked(self, lock: threading.Lock, holder: str):
-        if not lock.acquire(timeout=LOCK_WAIT_S):
-            raise ApiError(503, f"{holder} has been busy for over {LOCK_WAIT_S:.0f} s (the database may be "
-                           "stuck); retry", retry_after=2)
-        try:
-            yield
-        finally:
-            lock.release()
+    def _redeliver(self, conns: LazyPair, js: Any, skip: list[str]) -> dict[str, Any]:
+        """A call that began no new job, with a checkpoint's skip list: queue served groups again."""
+        if js is None or not skip:
+            return {}
+        return redeliver(conns.get(), js, skip, self._serve_lock, self.serving.settle_uncertain,
+                         self.loop.ready_signal.notify)
 
     def stop_rollout(self) -> dict[str, Any]:
         """Stop the launcher (idempotent); the job stays selected and ready groups stay servable.

@@ -17,6 +17,7 @@ import secrets
 import threading
 import time
 import uuid
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -24,9 +25,10 @@ from .config import Config
 from .connections import LazyPair, Pair
 from .errors import ApiError, IntegrityError, LeaseLost, StorageError
 from .fetch import FETCH_CHUNK, fetch_takes
-from .history import History
+from .history import History, PollStats
 from .figures import group_stats
-from .items import PARTIAL_FLAG, Body, GroupItems, Malformed, build_group, empty_body, response_chunks
+from .items import Body, GroupItems, Malformed, build_group, empty_body, item_flags, response_chunks
+from . import redelivery
 from .replay import Replayer, RequestIds
 from .jobs import JobState, Jobs
 from .loop import Health, Loop
@@ -37,32 +39,8 @@ from .notifications import Outbox
 logger = logging.getLogger(__name__)
 
 TAKE_STEP = 64  # groups taken from the ready queue at a time
-POLL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 SERVE_LOCK_WAIT_S = 8.0  # a poll behind a stuck one answers 503 rather than hang
 MAX_BUILD_FAILURES = 3  # a group whose build fails unexpectedly this often is dropped (build_failed)
-
-
-class PollStats:
-    """Poll counts and a latency histogram, for /stats and /metrics."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.count = 0
-        self.with_data = 0
-        self.seconds = 0.0
-        self.buckets: collections.Counter = collections.Counter()
-
-    def observe(self, seconds: float, with_data: bool) -> None:
-        with self._lock:
-            self.count += 1
-            self.with_data += with_data
-            self.seconds += seconds
-            self.buckets[next((b for b in POLL_BUCKETS if seconds <= b), float("inf"))] += 1
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {"count": self.count, "with_data": self.with_data, "seconds_total": round(self.seconds, 6),
-                    "buckets": {b: self.buckets.get(b, 0) for b in (*POLL_BUCKETS, float("inf"))}}
 
 
 @dataclass(frozen=True)
@@ -132,7 +110,7 @@ class Serving:
         if not self.loop.bootstrapped.is_set():
             return  # _poll answers 503 while loading
         js = self.jobs.current
-        if js is None or len(js.acc.ready) >= min_groups:
+        if js is None or js.ready_count() >= min_groups:
             return
         if request_id is not None:
             if not self._rids.loaded(js.job_id) and self.serve_lock.acquire(timeout=SERVE_LOCK_WAIT_S):
@@ -149,7 +127,7 @@ class Serving:
                 return
             self._waiting += 1
         try:
-            self.loop.ready_signal.wait(lambda: self.jobs.current is not js or len(js.acc.ready) >= min_groups,
+            self.loop.ready_signal.wait(lambda: self.jobs.current is not js or js.ready_count() >= min_groups,
                                         wait_s, self.should_stop)
         finally:
             with self._waiting_lock:
@@ -182,7 +160,7 @@ class Serving:
         if problem:
             raise ApiError(503, f"the database is unreachable: {problem}", retry_after=3)
         # (with an id: a poll in flight may be binding this very id, so it is waited for)
-        if not js.acc.ready and (request_id is None or not js.acc.taken
+        if not js.ready_count() and (request_id is None or not js.in_flight()
                                  and not self._rids.may_be_bound(js.job_id, request_id)):
             # nothing to serve and nothing to replay: answered from memory, no database touched
             self.loop.nudge()
@@ -195,8 +173,7 @@ class Serving:
             js = self.jobs.current
             assert js is not None
             pair = conns.get()
-            if self._uncertain is not None:
-                self._reconcile(pair, js)
+            self.settle_uncertain(pair, js)
             if request_id is not None:
                 self._rids.load(pair.store, js.job_id)
                 replay = pair.store.batch_for_request(js.job_id, request_id)
@@ -235,7 +212,7 @@ class Serving:
             full = False
             while not full and (max_groups is None or len(built) < max_groups):
                 want = TAKE_STEP if max_groups is None else min(TAKE_STEP, max_groups - len(built))
-                takes = js.acc.take_ready(want)
+                takes = redelivery.take(pair, js, want)
                 if not takes:
                     break
                 taken.extend(takes)
@@ -264,7 +241,7 @@ class Serving:
                         try:
                             if t.group_id in unreadable:
                                 raise unreadable[t.group_id]
-                            g = build_group(t, rows, seed, js.job_id, buf, PARTIAL_FLAG if t.partial else "")
+                            g = build_group(t, rows, seed, js.job_id, buf, item_flags(t.partial, t.redelivered))
                         except Malformed as exc:
                             refused.append((t, MALFORMED, exc.bad))
                             continue
@@ -279,7 +256,7 @@ class Serving:
                         built_version = max(built_version, max(g.weight_versions, default=0))
                         current = max(current, built_version)
                         # again just before it is served: a group can go stale while it waits
-                        reason = STALE if policy.stale(current, min(g.weight_versions, default=0),
+                        reason = None if t.redelivered else STALE if policy.stale(current, min(g.weight_versions, default=0),
                                                        poll.max_off_policy) else \
                             ZERO_VARIANCE if policy.zero_variance(g.session_rewards) else None
                         if reason is not None:
@@ -303,7 +280,7 @@ class Serving:
                         built.append((t, g))
                     del rows
         except BaseException:
-            js.acc.release(taken)
+            redelivery.release(js, taken)
             raise
         self._release(pair, js, leftover + retry)
         if built_version > js.acc.rows_version:
@@ -315,8 +292,7 @@ class Serving:
             chunks = response_chunks([g for _, g in built], buf, {
                 "job_session": js.job_id, "batch_id": plan.batch.batch_id, "request_id": request_id,
                 "replayed": False, "groups": len(built), **plan.batch.meta})
-            plan = Decisions(drops=plan.drops, rows=plan.rows, served=plan.served,
-                             batch=Batch(**{**plan.batch.__dict__, "n_bytes": sum(map(len, chunks))}))
+            plan.batch = dataclasses.replace(plan.batch, n_bytes=sum(map(len, chunks)))
         self._record(pair, js, plan, [t for t, _ in built] + [t for t, _, _ in refused])
         if leftover:
             self.loop.nudge()
@@ -334,6 +310,9 @@ class Serving:
         """The one decision of a poll: its batch, served groups, refused groups and their bad rows."""
         plan, job_id = Decisions(), js.job_id
         for t, reason, bad in refused:
+            if t.redelivered:  # it stays served: only its redelivery fails
+                plan.redelivered[t.group_id] = reason
+                continue
             plan.drops.append(Drop(t.group_id, reason, [pk for pk in t.all_pks if pk not in bad], t.sessions,
                                    t.rewards))
             plan.rows.extend(RowEvent(pk, REJECTED, why, t.group_id, None) for pk, why in bad.items())
@@ -345,10 +324,12 @@ class Serving:
             filtered = collections.Counter(js.acc.filtered_since_batch())
             filtered.update(d.reason for d in plan.drops)
             meta = {"group_stats": [stats[t.group_id] for t, _ in built], "filtered": dict(filtered),
-                    "partial_groups": sorted(t.group_id for t, _ in built if t.partial)}
+                    "partial_groups": sorted(t.group_id for t, _ in built if t.partial),
+                    "redelivered": [t.group_id for t, _ in built if t.redelivered]}
             plan.batch = Batch(batch_id, job_id, request_id, seed, [t.group_id for t, _ in built],
                                sum(g.n_items for _, g in built), 0, meta)
-            plan.served = [Served(t, batch_id, tuple(g.session_rewards)) for t, g in built]
+            plan.served = [Served(t, batch_id, tuple(g.session_rewards)) for t, g in built if not t.redelivered]
+            plan.redelivered.update((gid, None) for gid in meta["redelivered"])
         return plan
 
     def _failed(self, js: JobState, t: Take, exc: Exception) -> bool:
@@ -400,24 +381,26 @@ class Serving:
         except BaseException:
             # the COMMIT may have happened: the next poll checks before serving anything
             self._uncertain = Uncertain(js.job_id, plan, done)
-            js.acc.release(done)
+            redelivery.release(js, done)
             raise
         self._apply(pair, js, plan)
 
     def _apply(self, pair: Pair, js: JobState, plan: Decisions) -> None:
         late = js.acc.commit(plan)
+        js.redeliveries.settled(plan)
         self.outbox.act_quietly(pair.store, js.job_id, late)  # rows that arrived while the groups were built
         self.outbox.notify(js.job_id, plan)
 
     def _release(self, pair: Pair, js: JobState, takes: list[Take]) -> None:
         """Give taken groups back to the ready queue (and record any that had to be dropped instead)."""
         if takes:
-            self.outbox.act_quietly(pair.store, js.job_id, js.acc.release(takes))
+            self.outbox.act_quietly(pair.store, js.job_id, redelivery.release(js, takes))
 
     def _settle_conflict(self, pair: Pair, js: JobState, takes: list[Take]) -> None:
         """A decision of another instance is already stored for some of these groups: take its word
         for them (never serve them again) and give the others back."""
-        decided = {}
+        redelivery.release(js, [t for t in takes if t.redelivered])  # they stay served: queued again
+        decided, takes = {}, [t for t in takes if not t.redelivered]
         for t in takes:
             d = pair.store.group_decision(js.job_id, t.group_id)
             if d is not None:
@@ -427,6 +410,11 @@ class Serving:
         self.outbox.act_quietly(pair.store, js.job_id, late)
         logger.warning("%d groups of job %s were already decided by another instance; settled from its record",
                        len(decided), js.job_id)
+
+    def settle_uncertain(self, pair: Pair, js: JobState) -> None:
+        """(Serve lock held.) Settle a poll whose COMMIT's outcome is unknown, before anything else."""
+        if self._uncertain is not None:
+            self._reconcile(pair, js)
 
     def _reconcile(self, pair: Pair, js: JobState) -> None:
         """After a serving COMMIT whose outcome is unknown: if it did happen, settle its groups now
@@ -442,7 +430,7 @@ class Serving:
         if committed:
             logger.warning("a serving commit of job %s reported an error but happened (%d groups); settling "
                            "its groups", js.job_id, len(u.plan.served) + len(u.plan.drops))
-            js.acc.retake(u.takes)
+            redelivery.retake(js, u.takes)
             self._apply(pair, js, u.plan)
 
     # -- replay --------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from . import queries as q
+from . import redelivery_sql as rq
 from .db import Database, connect, create_launcher_tables
 from .errors import StorageError
 from .figures import finite_sum
@@ -245,6 +246,33 @@ class Store:
             st.executemany(q.INSERT_ROW, [
                 (job_id, r.step_pk, r.outcome, r.reason, r.group_id, r.session_id, 0 if r.session_id else 1, now)
                 for r in plan.rows])
+            st.executemany(rq.SETTLE, [
+                (rq.DELIVERED if why is None else f"failed:{why}", b.batch_id if why is None and b else None,
+                 1 if why is None else 0, now, job_id, gid) for gid, why in plan.redelivered.items()])
+
+    # -- redelivery (issue 11) -------------------------------------------------------------------
+    def queue_redeliveries(self, job_id: str, skip: set[str]) -> tuple[list[str], int]:
+        """In one fenced transaction: queue again every served group of the job not in ``skip`` (in the
+        order they were served), and cancel queued ones that ``skip`` names. Returns (the queue, how
+        many queued groups were cancelled)."""
+        now = time.time()
+        with self.decision():
+            served = [r[0] for r in self.db.rows(rq.SERVED_GROUPS, (job_id,))]
+            again = [g for g in served if g not in skip]
+            seq = int(self.db.scalar(rq.NEXT_SEQ, (job_id,)))
+            self.db.executemany(rq.QUEUE, [(job_id, g, seq + i, now) for i, g in enumerate(again)])
+            cancel = [g for g in self.redelivery_queue(job_id) if g in skip]
+            self.db.executemany(rq.CANCEL, [(now, job_id, g) for g in cancel])
+        return again, len(cancel)
+
+    def redelivery_queue(self, job_id: str) -> list[str]:
+        """The job's groups queued to be delivered again, in queue order."""
+        return [r[0] for r in self.db.rows(rq.QUEUED_GROUPS, (job_id,))]
+
+    def redelivery_totals(self, job_id: str) -> dict[str, int]:
+        """Groups of the job asked for again, delivered again, cancelled and failed (all time)."""
+        r = self.db.fetchone(rq.TOTALS, (job_id,)) or {}
+        return {k: int(r.get(k) or 0) for k in ("requested", "delivered", "cancelled", "failed")}
 
     # -- batches --------------------------------------------------------------------------------
     def batch_for_request(self, job_id: str, request_id: str) -> tuple[Batch, float] | None:
@@ -279,6 +307,7 @@ class Store:
         with self.decision():
             n = self.db.execute(q.PURGE_GROUPS, (job_id, job_id, limit))
             n += self.db.execute(q.PURGE_ROWS, (job_id, job_id, limit))
+            n += self.db.execute(rq.PURGE, (job_id, job_id, limit))
             return n + self.db.execute(q.PURGE_BATCHES, (job_id, limit))
 
     def mark_purged(self, job_id: str, read_upto: int) -> None:
