@@ -79,6 +79,11 @@ def render_metrics(service: "Service") -> str:
                                  ("terminal_reward_mean", "group_terminal_reward_mean", "Mean terminal reward")):
             out.metric(name, "gauge", f"{help_} of the served and the dropped groups (by reason): drop bias.",
                        [({"job_session": job, "outcome": o, "reason": r}, f[key]) for o, r, f in figs if f[key] is not None])
+        rd = s["redelivery"]
+        out.metric("redelivery_queued", "gauge", "Served groups queued to be delivered again (a trainer crash).",
+                   [(j, rd["queued"])])
+        out.metric("redeliveries_total", "counter", "Served groups asked for again, by what became of them.",
+                   [({"job_session": job, "outcome": k}, rd[k]) for k in ("requested", "delivered", "cancelled", "failed")])
         v = s["versions"]
         out.metric("weight_version", "gauge", "The job's current version, the trainer's last and the rows' largest.",
                    [({"job_session": job, "kind": k}, v[k]) for k in ("current", "trainer", "rows") if v[k] is not None])

@@ -4,6 +4,7 @@ launcher process for the upstream client's "already running" call."""
 from __future__ import annotations
 
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -71,6 +72,9 @@ def test_a_checkpoint_of_six_batches_of_ten_gets_batches_seven_to_ten_again_and_
     assert s["redelivery"] == {"queued": 0, "requested": 8, "delivered": 8, "cancelled": 0, "failed": 0}
     assert s["groups"]["served"] == 22  # a redelivery is not a second decision
     assert_balanced(s)
+    metrics = harness.client.get("/metrics").get_data(as_text=True).splitlines()
+    assert 'rollout_buffer_redeliveries_total{job_session="job1",outcome="delivered"} 8' in metrics
+    assert 'rollout_buffer_redelivery_queued{job_session="job1"} 0' in metrics
 
 
 def test_a_redelivered_batch_replays_identically_for_its_request_id(harness, writer):
@@ -185,7 +189,6 @@ def test_redelivery_survives_kill_9_of_the_service(db_url, writer, tmp_path):
             if r.status_code == 200 and (r.json()["success"] or not body.get("expect")):
                 return r.json()
             assert r.status_code in (200, 503), r.text
-            import time
             time.sleep(0.05)
         raise AssertionError("no data")
 
