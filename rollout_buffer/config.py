@@ -198,6 +198,9 @@ SETTINGS: tuple[Setting, ...] = (
             "(bounds the memory one group can take)"),
     Setting("max_waiting_polls", PREFIX + "MAX_WAITING_POLLS", 8, _int(0, 1024),
             "long-polls (wait_s > 0) that may wait at once; more answer at once"),
+    Setting("prebuild", PREFIX + "PREBUILD", True, _bool,
+            "build the next response in the background while ready groups wait and no poll runs, for the "
+            "shape the trainer last asked for (at most one, within MAX_RESPONSE_BYTES)"),
     # --- training-data policies (issue 10); every one is off by default ---
     Setting("max_off_policy", PREFIX + "MAX_OFF_POLICY", None, _opt_int(0),
             "drop a group as stale when current version - min weight_version of its items > this (unset: off); "
@@ -290,6 +293,7 @@ class Config:
     max_response_bytes: int = 256 * 1024 * 1024
     max_group_bytes: int = 1024 * 1024 * 1024
     max_waiting_polls: int = 8
+    prebuild: bool = True
     max_off_policy: int | None = None
     drop_zero_variance: bool = False
     zero_variance_epsilon: float = 1e-6

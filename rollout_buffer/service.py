@@ -77,7 +77,8 @@ class Service:
                          history=self.history, lease=self.lease, on_reset=lambda: self.serving.forget(),
                          start_lock=self._start_lock)
         self.serving = Serving(config, jobs=self.jobs, outbox=self.outbox, loop=self.loop,
-                               health=self.health_state, serve_lock=self._serve_lock, history=self.history)
+                               health=self.health_state, serve_lock=self._serve_lock, history=self.history,
+                               connection=self.connection)
         self.serving.guard = lambda: self.lease.check(2.0)
         self._started = False
         self._closed = False
@@ -105,6 +106,7 @@ class Service:
         self._closed = True
         self.lease.leaving()  # a standby that stops takes nothing over, and is no longer one
         self.loop.ready_signal.interrupt(close=True)
+        self.serving.prebuilt.stop()
         self.loop.stop(timeout)
         js = self.jobs.current
         if self.supervisor.state()["running"]:
@@ -169,6 +171,7 @@ class Service:
         pair = conns.get()
         with bounded(self._tick_lock, "the background loop", LOCK_WAIT_S), bounded(self._serve_lock, "a poll", LOCK_WAIT_S):
             try:
+                self.serving.settle(pair, self.jobs.current)  # its prebuilt draft's groups go back first
                 js = self.jobs.select(pair.src, pair.store, job_id, k, restart_training)
             except StorageError as exc:
                 raise exc if isinstance(exc, LeaseLost) else ApiError(
@@ -189,7 +192,7 @@ class Service:
         """A call that began no new job, with a checkpoint's skip list: queue served groups again."""
         if js is None or not skip:
             return {}
-        return redeliver(conns.get(), js, skip, self._serve_lock, self.serving.settle_uncertain,
+        return redeliver(conns.get(), js, skip, self._serve_lock, self.serving.settle,
                          self.loop.ready_signal.notify)
 
     def stop_rollout(self) -> dict[str, Any]:
@@ -236,11 +239,12 @@ class Service:
                                "database": "ok" if problem is None else problem,
                                "polls": {**{k: polls[k] for k in ("count", "with_data", "seconds_total")},
                                          "waiting": self.serving.waiting_polls},
+                               "prebuilt": self.serving.prebuilt.stats(),
                                "lease": self.lease.stats()}
         src = None  # only the lag needs the database: with it down, the rest is still answered
         if js is not None and conns is not None and problem is None:
             with contextlib.suppress(StorageError):
                 src = conns.get().src
         if js is not None:
-            out.update(js.stats(src))
+            out.update(js.stats(src, self.serving.prebuilt.held(js)))
         return out

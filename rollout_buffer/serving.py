@@ -1,9 +1,9 @@
 """Serving a poll: plan, record, apply, send; replay a request_id; reconcile an uncertain COMMIT.
 
-Owns: ``POST /get_rollout_data`` from the taking of ready groups to the bytes of the answer. A
-poll takes ready groups a few at a time (so it costs what it serves, never the size of the
-backlog), builds them into one buffer within the byte budget, and makes ONE plan of it (served
-groups, malformed drops and their rejected rows, the batch). The store records the plan in one
+Owns: ``POST /get_rollout_data`` from the draft to the bytes of the answer. A poll claims the
+draft built before it (prebuilt.py) or builds one (draft.py: groups taken a few at a time, so it
+costs what it serves, never the size of the backlog), and makes ONE plan of it (served groups,
+redelivered ones, malformed drops and their rejected rows, the batch). The store records the plan in one
 transaction before the first byte is sent; then the same plan is applied to the accumulator and
 handed to the outbox. A replay rebuilds a recorded batch from the immutable rows with the same
 seed, outside the serve lock and bounded in number. It must not ingest or decide anything else.
@@ -11,34 +11,30 @@ seed, outside the serve lock and bounded in number. It must not ingest or decide
 from __future__ import annotations
 
 import collections
-import json
+import dataclasses
 import logging
-import secrets
 import threading
 import time
 import uuid
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import redelivery
 from .config import Config
 from .connections import LazyPair, Pair
+from .draft import Draft, Shape
 from .errors import ApiError, IntegrityError, LeaseLost, StorageError
-from .fetch import FETCH_CHUNK, fetch_takes
 from .history import History, PollStats
-from .figures import group_stats
-from .items import Body, GroupItems, Malformed, build_group, empty_body, item_flags, response_chunks
-from . import redelivery
-from .replay import Replayer, RequestIds
+from .items import Body, GroupItems, empty_body, response_chunks
 from .jobs import JobState, Jobs
 from .loop import Health, Loop
-from .model import (BUILD_FAILED, GROUP_TOO_LARGE, MALFORMED, REJECTED, STALE, ZERO_VARIANCE, Batch, Decisions, Drop,
-                    PollRequest, RowEvent, Served, Take)
+from .model import REJECTED, Batch, Decisions, Drop, PollRequest, RowEvent, Served, Take
 from .notifications import Outbox
+from .prebuilt import Prebuilder
+from .replay import Replayer, RequestIds
 
 logger = logging.getLogger(__name__)
 
-TAKE_STEP = 64  # groups taken from the ready queue at a time
 SERVE_LOCK_WAIT_S = 8.0  # a poll behind a stuck one answers 503 rather than hang
 MAX_BUILD_FAILURES = 3  # a group whose build fails unexpectedly this often is dropped (build_failed)
 
@@ -52,24 +48,12 @@ class Uncertain:
     takes: list[Take]
 
 
-def group_stats_of(t: Take, g: GroupItems, now: float) -> dict[str, Any]:
-    """meta_info.group_stats of a group as it is served: wait since ready (``now`` on the
-    accumulator's monotonic clock), age since its first served row was written (wall clock)."""
-    wait = None if t.ready_at is None else now - t.ready_at
-    age = None if g.first_ts is None else time.time() - g.first_ts
-    return group_stats(t.group_id, g.session_rewards, g.n_items, g.weight_versions, wait, age)
-
-
-def json_len(value: str) -> int:
-    """Bytes of a string as meta_info encodes it (ASCII-escaped JSON), not its length in characters."""
-    return len(json.dumps(value))
-
-
 class Serving:
     """Answers polls for the active job."""
 
     def __init__(self, config: Config, *, jobs: Jobs, outbox: Outbox, loop: Loop, health: Health,
-                 serve_lock: threading.Lock, history: History | None = None) -> None:
+                 serve_lock: threading.Lock, history: History | None = None,
+                 connection: Callable[[], LazyPair] | None = None) -> None:
         self.config = config
         self.history = history or History()  # the status page's last batches and serve rate
         self.jobs = jobs
@@ -86,6 +70,20 @@ class Serving:
         self.guard: Callable[[], None] = lambda: None  # raises when this instance may not serve (a standby)
         self._failures: dict[tuple[str, str], int] = {}
         self.replayer = Replayer(config, self._rids)
+        self.prebuilt = Prebuilder(config, jobs=jobs, loop=loop, serve_lock=serve_lock,
+                                   connection=connection or (lambda: LazyPair(config)), failed=self._failed,
+                                   release=self._release, ready=self._may_prebuild)
+
+    def _may_prebuild(self) -> bool:
+        """This instance owns the job, has loaded it, its database answers, and no COMMIT is uncertain
+        (the next poll settles it first: its groups must not be built into a draft meanwhile)."""
+        if not self.loop.bootstrapped.is_set() or self.health.problem() or self._uncertain is not None:
+            return False
+        try:
+            self.guard()
+        except Exception:  # noqa: BLE001 - a standby (LeaseLost) or a lease not known yet
+            return False
+        return True
 
     def get_rollout_data(self, conns: LazyPair, poll: PollRequest) -> Body:
         """Serve ready groups (or replay the batch bound to request_id); the caller sends the body
@@ -110,7 +108,7 @@ class Serving:
         if not self.loop.bootstrapped.is_set():
             return  # _poll answers 503 while loading
         js = self.jobs.current
-        if js is None or js.ready_count() >= min_groups:
+        if js is None or self.available(js) >= min_groups:
             return
         if request_id is not None:
             if not self._rids.loaded(js.job_id) and self.serve_lock.acquire(timeout=SERVE_LOCK_WAIT_S):
@@ -127,11 +125,15 @@ class Serving:
                 return
             self._waiting += 1
         try:
-            self.loop.ready_signal.wait(lambda: self.jobs.current is not js or js.ready_count() >= min_groups,
+            self.loop.ready_signal.wait(lambda: self.jobs.current is not js or self.available(js) >= min_groups,
                                         wait_s, self.should_stop)
         finally:
             with self._waiting_lock:
                 self._waiting -= 1
+
+    def available(self, js: JobState) -> int:
+        """Groups a poll would be given now: queued redeliveries, ready groups and the prebuilt draft's."""
+        return js.ready_count() + self.prebuilt.groups(js)
 
     @property
     def waiting_polls(self) -> int:
@@ -140,6 +142,7 @@ class Serving:
     def forget(self) -> None:
         """This instance lost the job: what it remembered of its polls may be stale once it owns it again."""
         self._uncertain = None
+        self.prebuilt.draft = None  # its groups go with the job's state
         self._failures.clear()
         self._rids.forget()
 
@@ -160,7 +163,7 @@ class Serving:
         if problem:
             raise ApiError(503, f"the database is unreachable: {problem}", retry_after=3)
         # (with an id: a poll in flight may be binding this very id, so it is waited for)
-        if not js.ready_count() and (request_id is None or not js.in_flight()
+        if not self.available(js) and (request_id is None or not js.in_flight()
                                  and not self._rids.may_be_bound(js.job_id, request_id)):
             # nothing to serve and nothing to replay: answered from memory, no database touched
             self.loop.nudge()
@@ -173,7 +176,8 @@ class Serving:
             js = self.jobs.current
             assert js is not None
             pair = conns.get()
-            self.settle_uncertain(pair, js)
+            if self._uncertain is not None:
+                self._reconcile(pair, js)
             if request_id is not None:
                 self._rids.load(pair.store, js.job_id)
                 replay = pair.store.batch_for_request(js.job_id, request_id)
@@ -195,110 +199,35 @@ class Serving:
     # -- serve -------------------------------------------------------------------------------------
     def _serve(self, pair: Pair, js: JobState, poll: PollRequest) -> Body:
         started = time.perf_counter()
-        max_groups, request_id = poll.max_groups, poll.request_id
-        policy, current = self.config.policy, js.acc.current_version
-        built_version = spent = 0  # the largest version of the rows built; bytes built and refused
-        stats: dict[str, dict] = {}  # group_id -> its meta_info.group_stats entry
-        seed = secrets.token_bytes(16)
-        budget = self.config.max_response_bytes
-        buf = bytearray()
-        built: list[tuple[Take, GroupItems]] = []
-        refused: list[tuple[Take, str, dict[int, str]]] = []  # dropped instead: (take, reason, bad rows)
-        meta_size = 1024 + 2 * json_len(request_id or "")
-        leftover: list[Take] = []
-        retry: list[Take] = []  # failed for an unexpected reason: back to the queue after this poll
-        taken: list[Take] = []
+        policy, shape, request_id = self.config.policy, Shape(poll.max_groups, poll.max_off_policy), poll.request_id
+        d, back = self.prebuilt.claim(js, shape, policy)  # built before the poll, if it still fits
+        self._release(pair, js, back)
+        d = d or Draft(js.job_id, shape, self.config.max_response_bytes)
         try:
-            full = False
-            while not full and (max_groups is None or len(built) < max_groups):
-                want = TAKE_STEP if max_groups is None else min(TAKE_STEP, max_groups - len(built))
-                takes = redelivery.take(pair, js, want)
-                if not takes:
-                    break
-                taken.extend(takes)
-                fresh = []
-                for t in takes:  # stale by the versions read at ingest: dropped without reading a row
-                    if t.min_wv is not None and policy.stale(current, t.min_wv, poll.max_off_policy):
-                        refused.append((t, STALE, {}))
-                    else:
-                        fresh.append(t)
-                takes = fresh
-                # bodies are read a few hundred rows at a time (FETCH_CHUNK), as they are built, so
-                # a poll holds the rows of a few groups, not of every group it takes
-                i = 0
-                while i < len(takes) and not full:
-                    j, n = i, 0
-                    while j < len(takes) and (j == i or n + len(takes[j].served_pks) <= FETCH_CHUNK):
-                        n += len(takes[j].served_pks)
-                        j += 1
-                    rows, too_large, unreadable = self._fetch(pair, takes[i:j])
-                    for t in takes[i:j]:
-                        i += 1
-                        if t.group_id in too_large:
-                            refused.append((t, GROUP_TOO_LARGE, {}))
-                            continue
-                        start = len(buf)
-                        try:
-                            if t.group_id in unreadable:
-                                raise unreadable[t.group_id]
-                            g = build_group(t, rows, seed, js.job_id, buf, item_flags(t.partial, t.redelivered))
-                        except Malformed as exc:
-                            refused.append((t, MALFORMED, exc.bad))
-                            continue
-                        except Exception as exc:  # noqa: BLE001 - a poison pill must not block every poll
-                            del buf[start:]
-                            if self._failed(js, t, exc):
-                                refused.append((t, BUILD_FAILED, {}))
-                            else:
-                                retry.append(t)
-                            continue
-                        # versions not read at ingest (a long env_state) count once built
-                        built_version = max(built_version, max(g.weight_versions, default=0))
-                        current = max(current, built_version)
-                        # again just before it is served: a group can go stale while it waits
-                        reason = None if t.redelivered else STALE if policy.stale(current, min(g.weight_versions, default=0),
-                                                       poll.max_off_policy) else \
-                            ZERO_VARIANCE if policy.zero_variance(g.session_rewards) else None
-                        if reason is not None:
-                            # a refused build costs what a served one does: a poll builds about a budget
-                            spent += len(buf) - start
-                            del buf[start:]
-                            refused.append((t, reason, {}))
-                            if spent + len(buf) + meta_size > budget:
-                                leftover, full = takes[i:], True
-                                break
-                            continue
-                        st = stats[t.group_id] = group_stats_of(t, g, js.acc.clock())
-                        # the body is buf plus a head and a meta_info tail that lists the group ids
-                        # twice (finished_groups, group_stats), its figures and maybe partial_groups
-                        meta_size += 2 * json_len(t.group_id) + len(json.dumps(st, separators=(",", ":"))) + 2
-                        if built and spent + len(buf) + meta_size > budget:
-                            del buf[g.start:]  # does not fit: it stays ready for the next poll
-                            leftover = takes[i - 1:]
-                            full = True
-                            break
-                        built.append((t, g))
-                    del rows
+            d.build(pair, js, policy, self.config.max_group_bytes, lambda t, e: self._failed(js, t, e))
+            d.fit_request_id(request_id)
         except BaseException:
-            redelivery.release(js, taken)
+            redelivery.release(js, d.taken)
             raise
-        self._release(pair, js, leftover + retry)
-        if built_version > js.acc.rows_version:
-            js.acc.set_versions(rows=built_version)
-        plan = self._plan(js, seed, request_id, built, refused, stats)
+        leftover = d.give_back()
+        self._release(pair, js, leftover)
+        if d.built_version > js.acc.rows_version:
+            js.acc.set_versions(rows=d.built_version)
+        built = d.built
+        plan = self._plan(js, d.seed, request_id, built, d.refused, d.stats)
         chunks: list[Any] = []
         if built:
             assert plan.batch is not None and plan.batch.meta is not None
-            chunks = response_chunks([g for _, g in built], buf, {
+            chunks = response_chunks([g for _, g in built], d.buf, {
                 "job_session": js.job_id, "batch_id": plan.batch.batch_id, "request_id": request_id,
                 "replayed": False, "groups": len(built), **plan.batch.meta})
             plan.batch = dataclasses.replace(plan.batch, n_bytes=sum(map(len, chunks)))
-        self._record(pair, js, plan, [t for t, _ in built] + [t for t, _, _ in refused])
+        self._record(pair, js, plan, d.done)
         if leftover:
             self.loop.nudge()
         if not built:
             return empty_body({"job_session": js.job_id})
-        logger.debug("served %d groups (%d bytes) of job %s; %d left ready", len(built), len(buf), js.job_id,
+        logger.debug("served %d groups (%d bytes) of job %s; %d left ready", len(built), len(d.buf), js.job_id,
                      len(leftover))
         assert plan.batch is not None
         entry = self.history.batch(plan.batch.batch_id, groups=len(built), items=plan.batch.n_items,
@@ -342,30 +271,6 @@ class Serving:
             del self._failures[key]
             return True
         return False
-
-    def _fetch(self, pair: Pair, takes: list[Take]) -> tuple[dict[int, tuple], set[str], dict[str, Exception]]:
-        """fetch_takes, and when a fetch fails while the database answers: the groups whose own rows
-        cannot be read (a value the driver cannot decode), each with its error."""
-        cap = self.config.max_group_bytes
-        try:
-            rows, too_large = fetch_takes(pair.src, takes, cap)
-            return rows, too_large, {}
-        except StorageError as exc:
-            # narrow only a failure about a value read; a locked, slow or lost database is a 503
-            if not exc.about_data or not pair.src.answers():
-                raise
-        rows, too_large, unreadable = {}, set(), {}
-        for t in takes:  # one group at a time, to find the poison
-            try:
-                r, big = fetch_takes(pair.src, [t], cap)
-            except StorageError as exc:
-                if not exc.about_data or not pair.src.answers():
-                    raise
-                unreadable[t.group_id] = exc
-                continue
-            rows.update(r)
-            too_large |= big
-        return rows, too_large, unreadable
 
     def _record(self, pair: Pair, js: JobState, plan: Decisions, done: list[Take]) -> None:
         """Record the plan, then apply it to memory and hand it to the outbox."""
@@ -411,10 +316,14 @@ class Serving:
         logger.warning("%d groups of job %s were already decided by another instance; settled from its record",
                        len(decided), js.job_id)
 
-    def settle_uncertain(self, pair: Pair, js: JobState) -> None:
-        """(Serve lock held.) Settle a poll whose COMMIT's outcome is unknown, before anything else."""
-        if self._uncertain is not None:
+    def settle(self, pair: Pair, js: JobState | None) -> None:
+        """(Serve lock held.) Before a decision outside a poll (another job or K, a redelivery): settle
+        a poll whose COMMIT's outcome is unknown, and give the prebuilt draft's groups back."""
+        if self._uncertain is not None and js is not None:
             self._reconcile(pair, js)
+        d = self.prebuilt.discard()
+        if d is not None and js is not None and d.job_id == js.job_id:
+            self._release(pair, js, d.taken)
 
     def _reconcile(self, pair: Pair, js: JobState) -> None:
         """After a serving COMMIT whose outcome is unknown: if it did happen, settle its groups now

@@ -526,16 +526,16 @@ def test_a_group_too_large_to_build_is_dropped_and_others_are_served(db_url, har
 
 
 def test_a_group_whose_build_keeps_failing_is_dropped_after_bounded_tries(harness, writer, monkeypatch):
-    from rollout_buffer import serving
+    from rollout_buffer import draft, serving
 
-    real = serving.build_group
+    real = draft.build_group
 
     def build(take, *a, **kw):
         if take.group_id == "poison":
             raise RuntimeError("an unexpected failure nobody anticipated")
         return real(take, *a, **kw)
 
-    monkeypatch.setattr(serving, "build_group", build)
+    monkeypatch.setattr(draft, "build_group", build)
     harness.start(k=2)
     writer.group("poison", 2, steps=2)
     harness.settle()

@@ -157,15 +157,15 @@ def test_a_long_env_state_is_not_read_at_ingest_and_its_version_counts_once_buil
 
 
 def fetch_counter(monkeypatch) -> list[int]:
-    """Counts the rows a poll reads from the database (every body is read by serving.fetch_takes)."""
-    import rollout_buffer.serving as serving
+    """Counts the rows a poll reads from the database (every body is read by draft.fetch_takes)."""
+    import rollout_buffer.draft as draft
     read = [0]
-    real = serving.fetch_takes
+    real = draft.fetch_takes
 
     def counting(src, takes, cap):
         read[0] += sum(len(t.served_pks) for t in takes)
         return real(src, takes, cap)
-    monkeypatch.setattr(serving, "fetch_takes", counting)
+    monkeypatch.setattr(draft, "fetch_takes", counting)
     return read
 
 
@@ -188,19 +188,20 @@ def test_groups_stale_by_their_ingested_versions_are_dropped_without_reading_a_r
 
 def test_a_poll_builds_about_one_budget_of_groups_it_refuses(make, writer, monkeypatch):
     """Versions not known at ingest (the setting unset, the bound sent by the poll): a refused group
-    is built before it is judged, so the bytes it took count against the poll's byte budget."""
-    h = make(max_response_bytes=16 * 1024)
+    is built before it is judged, so the bytes it took count against the poll's byte budget. (No
+    response is built ahead here: what is counted is the poll's own build.)"""
+    h = make(max_response_bytes=16 * 1024, prebuild=False)
     h.start(k=2)
     for g in range(40):
         writer.group(f"g{g}", 2, steps=3, env_state=wv(5))
     h.settle()
-    import rollout_buffer.serving as serving
-    built, real = [0], serving.build_group
+    import rollout_buffer.draft as draft
+    built, real = [0], draft.build_group
 
     def counting(*a, **kw):
         built[0] += 1
         return real(*a, **kw)
-    monkeypatch.setattr(serving, "build_group", counting)
+    monkeypatch.setattr(draft, "build_group", counting)
     doc = h.poll(current_weight_version=8, max_off_policy=2)
     assert doc["success"] is False
     first = h.stats()["groups"]["dropped"]["stale"]
