@@ -350,6 +350,12 @@ class Accumulator:
                 self.counts.batch_reported(plan.batch.meta.get("filtered"))
         return out
 
+    def is_tainted(self, t: Take) -> bool:
+        """A taken group one of whose sessions wrote a row without group_id (or a row of it had no
+        session_id) since: given back, it is dropped as malformed."""
+        with self.lock:
+            return t.group_id in self.tainted_groups or not self.tainted.isdisjoint(t.sessions)
+
     def filtered_since_batch(self) -> dict[str, int]:
         """Groups dropped since the last served batch, by reason (meta_info.filtered)."""
         with self.lock:

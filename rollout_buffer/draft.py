@@ -83,10 +83,13 @@ class Draft:
         self.taken = [t for t in self.taken if t.group_id not in gone]
         return back
 
-    def stale_verdicts_hold(self, policy: Policy, current: int) -> bool:
-        """The policies' verdicts still hold at ``current`` (a version that moved since the draft was
-        built can make a built group stale, or a refused one fresh)."""
-        bound = self.shape.max_off_policy
+    def still_holds(self, acc: Any, policy: Policy) -> bool:
+        """Its verdicts still hold at the job's version now (a version that moved since the draft was
+        built can make a built group stale, or a refused one fresh), and no built group was tainted
+        meanwhile (a session of it wrote a row without group_id: it is dropped as malformed)."""
+        bound, current = self.shape.max_off_policy, acc.current_version
+        if any(not t.redelivered and acc.is_tainted(t) for t, _ in self.built):
+            return False
         if any(not t.redelivered and policy.stale(current, min(g.weight_versions, default=0), bound)
                for t, g in self.built):
             return False

@@ -58,7 +58,7 @@ class Prebuilder:
         d, self.draft = self.draft, None
         if d is None:
             return None, []
-        if d.job_id == js.job_id and d.shape == shape and d.stale_verdicts_hold(policy, js.acc.current_version):
+        if d.job_id == js.job_id and d.shape == shape and d.still_holds(js.acc, policy):
             self.counts["claims"] += 1
             return d, []
         self.counts["discards"] += 1

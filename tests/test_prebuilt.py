@@ -82,6 +82,22 @@ def test_a_group_that_goes_stale_while_in_the_draft_is_dropped_not_served(db_url
     assert_balanced(s)
 
 
+def test_a_group_tainted_while_in_the_draft_is_dropped_as_malformed_as_a_ready_one_would_be(harness, writer):
+    harness.start(k=2)
+    sessions = {f"g{i}": writer.group(f"g{i}", 2, steps=2) for i in range(3)}
+    harness.settle()
+    assert len(groups_of(harness.poll(max_groups=1))) == 1
+    wait_until(lambda: (draft_of(harness) or {}).get("groups") == 1, 10, "a draft of one group")
+    drafted = next(g for g in ("g1", "g2") if harness.service.current.acc.taken.get(g))
+    writer.step(None, sessions[drafted][0], 3)  # a row of one of its sessions, without group_id
+    harness.settle()
+    doc = harness.poll(max_groups=1)
+    assert drafted not in groups_of(doc)
+    s = harness.stats()
+    assert s["groups"]["dropped"] == {"malformed_row": 1} and s["rows"]["rejected"] == {"missing_group_id": 1}
+    assert_balanced(s)
+
+
 def test_a_new_job_drops_the_drafts_groups_as_job_ended_never_loses_them(harness, writer, db_url):
     with_a_draft(harness, writer, 3, 1)
     harness.start(k=2, job="job2")
