@@ -10,6 +10,7 @@ beyond its own monotonic one.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -350,11 +351,19 @@ class Accumulator:
                 self.counts.batch_reported(plan.batch.meta.get("filtered"))
         return out
 
-    def is_tainted(self, t: Take) -> bool:
-        """A taken group one of whose sessions wrote a row without group_id (or a row of it had no
-        session_id) since: given back, it is dropped as malformed."""
+    def recheck(self, t: Take) -> Take | None:
+        """A taken group about to be served from a draft built earlier: None when it was tainted
+        meanwhile (a session wrote a row without group_id: given back, it is dropped as malformed);
+        else its take again, with the sessions that appeared or grew since as incomplete (cleared as
+        incomplete in a served group, as at any poll, not as late rows)."""
         with self.lock:
-            return t.group_id in self.tainted_groups or not self.tainted.isdisjoint(t.sessions)
+            g = self.taken.get(t.group_id)
+            if g is None or g.taken is None or t.group_id in self.tainted_groups \
+                    or not self.tainted.isdisjoint(g.sessions):
+                return None
+            incomplete = {sid: tuple(pks) for sid, pks in g.sessions.items() if sid not in t.completed}
+            g.taken.update((sid, len(pks)) for sid, pks in incomplete.items())
+            return dataclasses.replace(t, incomplete=incomplete)
 
     def filtered_since_batch(self) -> dict[str, int]:
         """Groups dropped since the last served batch, by reason (meta_info.filtered)."""
@@ -413,11 +422,6 @@ class Accumulator:
                     del self.pending[gid]
                     self._became_ready(g, out)
         return out.newly_ready, out
-
-    def has_ready(self) -> bool:
-        """True when a poll would get data (no lock needed for a racy peek, but take it anyway)."""
-        with self.lock:
-            return bool(self.ready)
 
     def low_water(self, cursor: int) -> int:
         """Smallest pk that is still pending (rows below it are all accounted), or cursor + 1."""

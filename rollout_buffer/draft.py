@@ -84,15 +84,21 @@ class Draft:
         return back
 
     def still_holds(self, acc: Any, policy: Policy) -> bool:
-        """Its verdicts still hold at the job's version now (a version that moved since the draft was
-        built can make a built group stale, or a refused one fresh), and no built group was tainted
-        meanwhile (a session of it wrote a row without group_id: it is dropped as malformed)."""
+        """At the claim: its verdicts still hold at the job's version now (a version that moved since
+        the draft was built can make a built group stale, or a refused one fresh), and no built group
+        was tainted meanwhile; its takes are refreshed (acc.recheck). False: discard it."""
         bound, current = self.shape.max_off_policy, acc.current_version
-        if any(not t.redelivered and acc.is_tainted(t) for t, _ in self.built):
-            return False
-        if any(not t.redelivered and policy.stale(current, min(g.weight_versions, default=0), bound)
-               for t, g in self.built):
-            return False
+        built = []
+        for t, g in self.built:
+            if not t.redelivered:
+                fresh = acc.recheck(t)
+                if fresh is None:
+                    return False
+                t = fresh
+            if not t.redelivered and policy.stale(current, min(g.weight_versions, default=0), bound):
+                return False
+            built.append((t, g))
+        self.built = built
         return all(policy.stale(current, t.min_wv, bound) for t, reason, _ in self.refused
                    if reason == STALE and t.min_wv is not None)
 

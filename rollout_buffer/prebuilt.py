@@ -3,7 +3,7 @@
 The trainer polls, trains for seconds, and polls again; building a 256 MiB response costs about
 a second of CPU on the poll's path. While ready groups wait and the serve lock is free, this
 thread builds the next response (a :class:`~rollout_buffer.draft.Draft`) for the shape the
-trainer last asked for. A poll of that shape claims it and records it exactly as a draft built on
+trainer last asked for (before its first poll, ``{}``: what the upstream client sends). A poll of that shape claims it and records it exactly as a draft built on
 its own path: the same checks (staleness is checked again at the poll's versions), the same
 durable record before the first byte, the same replay (the draft's seed is the batch's). A draft
 is not a decision: it is not recorded, and a kill -9 loses nothing (its groups are read again).
@@ -42,9 +42,11 @@ class Prebuilder:
         self.jobs, self.loop, self.serve_lock = jobs, loop, serve_lock
         self._connection, self._failed, self._release, self._ready = connection, failed, release, ready
         self.draft: Draft | None = None  # read and replaced only under the serve lock
-        self.shape: Shape | None = None  # the last poll's
+        self.shape = Shape()  # the last poll's; before any, the upstream client's: {}
         self.counts = {"builds": 0, "claims": 0, "discards": 0}
         self.building = False  # set under the serve lock, read by polls without it
+        self._count = threading.Lock()
+        self.polls_waiting = 0  # polls waiting for the serve lock: the builder starts nothing meanwhile
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -54,11 +56,12 @@ class Prebuilder:
         hold at the job's version now; else the draft is discarded. Returns (the draft or None, the
         takes the caller must give back)."""
         self.shape = shape
-        self.start()  # at the first poll: until the trainer asks, there is no shape to build for
         d, self.draft = self.draft, None
         if d is None:
             return None, []
-        if d.job_id == js.job_id and d.shape == shape and d.still_holds(js.acc, policy):
+        # in a version order a group that became ready since may come before the draft's: rebuild
+        in_order = policy.serve_order == "ready" or not js.acc.ready
+        if d.job_id == js.job_id and d.shape == shape and in_order and d.still_holds(js.acc, policy):
             self.counts["claims"] += 1
             return d, []
         self.counts["discards"] += 1
@@ -70,6 +73,17 @@ class Prebuilder:
         if d is not None:
             self.counts["discards"] += 1
         return d
+
+    def poll_acquires(self, lock: threading.Lock, timeout: float) -> bool:
+        """A poll takes the serve lock; while it waits, the builder starts no new build (a stream of
+        ready groups must never keep a poll behind extension after extension)."""
+        with self._count:
+            self.polls_waiting += 1
+        try:
+            return lock.acquire(timeout=timeout)
+        finally:
+            with self._count:
+                self.polls_waiting -= 1
 
     def groups(self, js: Any) -> int:
         """Groups the draft holds for this job, built or refused (a poll must come for them: they count
@@ -103,8 +117,8 @@ class Prebuilder:
     def _wanted(self) -> bool:
         """(Cheap, no lock.) Groups wait for a shape the trainer asked for, and the draft has room."""
         js, d = self.jobs.current, self.draft
-        return (self.shape is not None and js is not None and js.ready_count() > 0
-                and (d is None or d.job_id == js.job_id and d.room()))
+        return (js is not None and js.ready_count() > 0  # (a version order is not extended: see claim)
+                and (d is None or d.job_id == js.job_id and d.room() and self.config.serve_order == "ready"))
 
     def _run(self) -> None:
         conns: LazyPair | None = None
@@ -113,7 +127,7 @@ class Prebuilder:
             if self._stop.is_set() or not self._wanted() or not self._ready():
                 time.sleep(0.05)  # an interrupt (stop_rollout, a role change) must not spin
                 continue
-            if not self.serve_lock.acquire(blocking=False):
+            if self.polls_waiting or not self.serve_lock.acquire(blocking=False):
                 time.sleep(0.01)  # a poll is running: it serves what is ready
                 continue
             try:
@@ -140,7 +154,7 @@ class Prebuilder:
     def _build(self, conns: LazyPair) -> None:
         """(Serve lock held.) Build or extend the draft for the last shape."""
         js, shape = self.jobs.current, self.shape
-        if js is None or shape is None or not self._wanted():
+        if js is None or not self._wanted():
             return
         pair = conns.get()
         d = self.draft if self.draft is not None else Draft(js.job_id, shape, self.config.max_response_bytes)

@@ -96,6 +96,7 @@ class Service:
         self.notifier.start()
         self.lease.start()
         self.loop.start()
+        self.serving.prebuilt.start()
         logger.info("rollout-buffer service started (db %s)", redact(self.config.db_url))
 
     def stop(self, timeout: float = 10.0, *, keep_launcher: bool = False) -> None:
@@ -233,8 +234,7 @@ class Service:
         js = self.jobs.current
         problem = self.health_state.problem()
         polls = self.serving.stats.snapshot()
-        out: dict[str, Any] = {"job_session": js.job_id if js else None,
-                               "launcher": self.launcher.summary(),
+        out: dict[str, Any] = {"job_session": js.job_id if js else None, "launcher": self.launcher.summary(),
                                "proxy_notifications": self.notifier.pending(),
                                "database": "ok" if problem is None else problem,
                                "polls": {**{k: polls[k] for k in ("count", "with_data", "seconds_total")},

@@ -168,7 +168,7 @@ class Serving:
             # nothing to serve and nothing to replay: answered from memory, no database touched
             self.loop.nudge()
             return empty_body({"job_session": js.job_id})
-        if not self.serve_lock.acquire(timeout=SERVE_LOCK_WAIT_S):
+        if not self.prebuilt.poll_acquires(self.serve_lock, SERVE_LOCK_WAIT_S):
             raise ApiError(503, "another poll has been holding the serving lock for over "
                            f"{SERVE_LOCK_WAIT_S:.0f} s (the database may be stuck); retry", retry_after=2)
         replay = None

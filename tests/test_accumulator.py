@@ -129,11 +129,11 @@ def test_a_poll_costs_what_it_serves_not_the_backlog():
 def test_raising_k_makes_ready_groups_pending_again():
     acc = Accumulator("j", 2)
     acc.ingest([(1, "a", "g", 1), (2, "b", "g", 1)])
-    assert acc.has_ready()
+    assert list(acc.ready) == ["g"]
     acc.set_k(3)
-    assert not acc.has_ready() and acc.stats()["groups"]["pending"] == 1
+    assert not acc.ready and acc.stats()["groups"]["pending"] == 1
     acc.ingest([(3, "c", "g", 1)])
-    assert acc.has_ready()
+    assert list(acc.ready) == ["g"]
 
 
 def test_ready_staleness_counts_the_served_sessions_versions_known_at_ingest():

@@ -260,7 +260,7 @@ def test_response_byte_budget_holds_with_non_ascii_group_ids(lite_url, harness_f
 def test_backlog_drain_without_max_groups_takes_what_it_serves(lite_url, harness_factory, monkeypatch):
     n_groups = 5000
     w = Writer(lite_url)
-    h = harness_factory(lite_url, max_response_bytes=100_000)
+    h = harness_factory(lite_url, max_response_bytes=100_000, prebuild=False)  # the poll's own path
     h.start(k=1)
     with w.db.transaction():
         for g in range(n_groups):

@@ -68,7 +68,7 @@ def test_min_groups_holds_the_answer_until_that_many_are_ready(harness, writer):
     writer.group("g1", 2, steps=1)
     writer.group("g2", 2, steps=1)
     assert harness.service.sync()
-    assert wait_until(lambda: len(harness.service.current.acc.ready) == 2, what="two ready")
+    assert wait_until(lambda: harness.stats()["groups"]["ready"] == 2, what="two ready")
     assert harness.service.sync() and p.doc is None  # two ready, ticks ran: still waiting
     writer.group("g3", 2, steps=1)
     assert sorted(groups_of(p.result())) == ["g1", "g2", "g3"]

@@ -12,7 +12,7 @@ import requests
 
 from rollout_buffer.db import connect
 from servers import Server, kill9
-from support import assert_balanced, groups_of
+from support import assert_balanced, groups_of, wait_until
 
 FAKE_LAUNCHER = Path(__file__).parent / "fakes" / "fake_launcher.py"
 
@@ -196,7 +196,9 @@ def test_redelivery_survives_kill_9_of_the_service(db_url, writer, tmp_path):
         post("/start_rollout", {"num_repeat_per_sample": 2, "job_session": "job1"})
         for i in range(12):
             writer.group(f"g{i:02d}", 2, steps=2)
+        wait_until(lambda: s.get(srv.url + "/stats", timeout=30).json()["groups"]["ready"] == 12, 15, "12 ready")
         batches = [finished(poll(max_groups=2, expect=True)) for _ in range(6)]
+        assert all(len(b) == 2 for b in batches)
         lost = [g for b in batches[3:] for g in b]
         r = post("/start_rollout", {"num_repeat_per_sample": 2, "job_session": "job1", "restart_training": False,
                                     "skip_instance_ids": [g for b in batches[:3] for g in b]})
