@@ -54,12 +54,13 @@ class JobState:
         """A poll holds groups it has not recorded yet (it may be binding a request_id)."""
         return bool(self.acc.taken or self.redeliveries.taken)
 
-    def stats(self, src: Database | None, prebuilt: int = 0) -> dict:
+    def stats(self, src: Database | None, prebuilt: int | None = 0) -> dict:
         """The job's accounting and gauges for /stats; ``src`` (if given) for the lag (rows not read yet).
-        ``prebuilt`` groups (taken into the draft built before the poll) count as ready, not in flight."""
+        ``prebuilt`` groups (taken into the draft built before the poll; None: every taken group, a
+        draft is being built) count as ready, not in flight."""
         s = self.acc.stats()
         g = s["groups"]
-        moved = min(prebuilt, g["in_flight"])
+        moved = g["in_flight"] if prebuilt is None else min(prebuilt, g["in_flight"])
         g["ready"], g["in_flight"], g["prebuilt"] = g["ready"] + moved, g["in_flight"] - moved, moved
         s["cursor"] = 0 if self.reader.cursor == MIN_ID else self.reader.cursor  # (nothing read yet)
         s["floor_pk"] = self.floor_pk

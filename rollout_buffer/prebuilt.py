@@ -88,11 +88,15 @@ class Prebuilder:
     def groups(self, js: Any) -> int:
         """Groups the draft holds for this job, built or refused (a poll must come for them: they count
         as ready), and at least 1 while a build runs (its groups are neither ready nor in a draft yet)."""
-        return max(self.held(js), 1 if self.building else 0)
+        held = self.held(js)
+        return 1 if held is None else held
 
-    def held(self, js: Any) -> int:
-        """Groups the draft holds for this job (built and refused: taken, waiting for a poll)."""
+    def held(self, js: Any) -> int | None:
+        """Groups the draft holds for this job (taken, waiting for a poll); None while a build runs:
+        then every taken group is the builder's (no poll holds the serve lock meanwhile)."""
         d = self.draft
+        if self.building:
+            return None
         return len(d.built) + len(d.refused) if d is not None and d.job_id == js.job_id else 0
 
     def stats(self) -> dict[str, Any]:
