@@ -352,14 +352,15 @@ class Accumulator:
         return out
 
     def recheck(self, t: Take) -> Take | None:
-        """A taken group about to be served from a draft built earlier: None when it was tainted
-        meanwhile (a session wrote a row without group_id: given back, it is dropped as malformed);
-        else its take again, with the sessions that appeared or grew since as incomplete (cleared as
-        incomplete in a served group, as at any poll, not as late rows)."""
+        """A taken group about to be served from a draft built earlier: None when an unbuilt poll would
+        serve it otherwise (its served sessions grew or another completed) or drop it (a session wrote
+        a row without group_id); else its take with the sessions that appeared or grew since as
+        incomplete (cleared as incomplete in a served group, as at any poll, not as late rows)."""
         with self.lock:
             g = self.taken.get(t.group_id)
             if g is None or g.taken is None or t.group_id in self.tainted_groups \
-                    or not self.tainted.isdisjoint(g.sessions):
+                    or not self.tainted.isdisjoint(g.sessions) or set(g.completed) != set(t.completed) \
+                    or any(len(g.sessions.get(sid, ())) != len(pks) for sid, pks in t.completed.items()):
                 return None
             incomplete = {sid: tuple(pks) for sid, pks in g.sessions.items() if sid not in t.completed}
             g.taken.update((sid, len(pks)) for sid, pks in incomplete.items())

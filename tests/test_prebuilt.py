@@ -98,6 +98,22 @@ def test_a_group_tainted_while_in_the_draft_is_dropped_as_malformed_as_a_ready_o
     assert_balanced(s)
 
 
+def test_a_served_session_that_grew_while_in_the_draft_is_served_as_an_unbuilt_poll_would(harness, writer):
+    harness.start(k=2)
+    sessions = {f"g{i}": writer.group(f"g{i}", 2, steps=2) for i in range(3)}
+    harness.settle()
+    assert len(groups_of(harness.poll(max_groups=1))) == 1
+    wait_until(lambda: (draft_of(harness) or {}).get("groups") == 1, 10, "a draft of one group")
+    drafted = next(g for g in ("g1", "g2") if harness.service.current.acc.taken.get(g))
+    sid = sessions[drafted][0]
+    writer.step(drafted, sid, 3, completed=True, step_reward=0.9)  # its session goes on and ends again
+    harness.settle()
+    items = groups_of(harness.poll(max_groups=1))[drafted]
+    mine = [i for i in items if i["extra_info"]["session_id"] == sid]
+    assert [i["extra_info"]["steps"] for i in mine] == [1, 2, 3] and {i["reward"] for i in mine} == {0.9}
+    assert_balanced(harness.stats())
+
+
 def test_a_new_job_drops_the_drafts_groups_as_job_ended_never_loses_them(harness, writer, db_url):
     with_a_draft(harness, writer, 3, 1)
     harness.start(k=2, job="job2")
