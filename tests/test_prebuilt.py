@@ -27,6 +27,16 @@ def with_a_draft(h, writer, groups: int, max_groups: int, **poll) -> None:
     wait_until(lambda: (draft_of(h) or {}).get("groups") == max_groups, 10, f"a draft of {max_groups} groups")
 
 
+def one_group_drafted(h, writer) -> tuple[dict[str, list[str]], str]:
+    """Three groups, one served (max_groups=1), one built into the draft: (their sessions, the drafted one)."""
+    h.start(k=2)
+    sessions = {f"g{i}": writer.group(f"g{i}", 2, steps=2) for i in range(3)}
+    h.settle()
+    assert len(groups_of(h.poll(max_groups=1))) == 1
+    wait_until(lambda: (draft_of(h) or {}).get("groups") == 1, 10, "a draft of one group")
+    return sessions, next(g for g in ("g1", "g2") if h.service.current.acc.taken.get(g))
+
+
 def stale_env(v: int) -> dict:
     return {"weight_version": v}
 
@@ -83,12 +93,7 @@ def test_a_group_that_goes_stale_while_in_the_draft_is_dropped_not_served(db_url
 
 
 def test_a_group_tainted_while_in_the_draft_is_dropped_as_malformed_as_a_ready_one_would_be(harness, writer):
-    harness.start(k=2)
-    sessions = {f"g{i}": writer.group(f"g{i}", 2, steps=2) for i in range(3)}
-    harness.settle()
-    assert len(groups_of(harness.poll(max_groups=1))) == 1
-    wait_until(lambda: (draft_of(harness) or {}).get("groups") == 1, 10, "a draft of one group")
-    drafted = next(g for g in ("g1", "g2") if harness.service.current.acc.taken.get(g))
+    sessions, drafted = one_group_drafted(harness, writer)
     writer.step(None, sessions[drafted][0], 3)  # a row of one of its sessions, without group_id
     harness.settle()
     doc = harness.poll(max_groups=1)
@@ -99,12 +104,7 @@ def test_a_group_tainted_while_in_the_draft_is_dropped_as_malformed_as_a_ready_o
 
 
 def test_a_served_session_that_grew_while_in_the_draft_is_served_as_an_unbuilt_poll_would(harness, writer):
-    harness.start(k=2)
-    sessions = {f"g{i}": writer.group(f"g{i}", 2, steps=2) for i in range(3)}
-    harness.settle()
-    assert len(groups_of(harness.poll(max_groups=1))) == 1
-    wait_until(lambda: (draft_of(harness) or {}).get("groups") == 1, 10, "a draft of one group")
-    drafted = next(g for g in ("g1", "g2") if harness.service.current.acc.taken.get(g))
+    sessions, drafted = one_group_drafted(harness, writer)
     sid = sessions[drafted][0]
     writer.step(drafted, sid, 3, completed=True, step_reward=0.9)  # its session goes on and ends again
     harness.settle()
