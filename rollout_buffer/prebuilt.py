@@ -3,8 +3,8 @@
 The trainer polls, trains for seconds, and polls again; building a 256 MiB response costs about
 a second of CPU on the poll's path. While ready groups wait and the serve lock is free, this
 thread builds the next response (a :class:`~rollout_buffer.draft.Draft`) for the shape the
-trainer last asked for (before its first poll, ``{}``: what the upstream client sends). A poll of that shape claims it and records it exactly as a draft built on
-its own path: the same checks (staleness is checked again at the poll's versions), the same
+trainer last asked for (before its first poll, ``{}``: what the upstream client sends). A poll of
+that shape claims it and records it exactly as a draft built on its own path: the same checks (staleness is checked again at the poll's versions), the same
 durable record before the first byte, the same replay (the draft's seed is the batch's). A draft
 is not a decision: it is not recorded, and a kill -9 loses nothing (its groups are read again).
 
@@ -89,7 +89,7 @@ class Prebuilder:
         """Groups the draft holds for this job, built or refused (a poll must come for them: they count
         as ready), and at least 1 while a build runs (its groups are neither ready nor in a draft yet)."""
         held = self.held(js)
-        return 1 if held is None else held
+        return 1 if held is None else held  # (while building: at least one, so a poll waits for it)
 
     def held(self, js: Any) -> int | None:
         """Groups the draft holds for this job (taken, waiting for a poll); None while a build runs:
@@ -119,7 +119,7 @@ class Prebuilder:
             self._thread.join(timeout)
 
     def _wanted(self) -> bool:
-        """(Cheap, no lock.) Groups wait for a shape the trainer asked for, and the draft has room."""
+        """(Cheap, no lock.) Groups wait, and there is no draft or one that may be extended."""
         js, d = self.jobs.current, self.draft
         return (js is not None and js.ready_count() > 0  # (a version order is not extended: see claim)
                 and (d is None or d.job_id == js.job_id and d.room() and self.config.serve_order == "ready"))
@@ -137,12 +137,11 @@ class Prebuilder:
             try:
                 conns = conns or self._connection()
                 self._build(conns)
-            except (LeaseLost, StorageError) as exc:
-                logger.debug("prebuild skipped: %s", exc)
-                conns = self._close(conns)
-                time.sleep(0.5)
-            except Exception:  # noqa: BLE001 - the thread must survive; a poll builds on its own path
-                logger.exception("building a response ahead of the poll failed")
+            except Exception as exc:  # noqa: BLE001 - the thread must survive; a poll builds on its own path
+                if isinstance(exc, (LeaseLost, StorageError)):
+                    logger.debug("prebuild skipped: %s", exc)  # a standby, or the database: polls say so
+                else:
+                    logger.exception("building a response ahead of the poll failed")
                 conns = self._close(conns)
                 time.sleep(0.5)
             finally:
