@@ -10,8 +10,8 @@ __version__ = "0.1.0"
 
 
 def create_app(config=None):  # noqa: D401 - thin re-export, nothing runs at import
-    """Build the Flask app (see :func:`rollout_buffer.app.create_app`)."""
-    from .app import create_app as _create_app
+    """Build the Flask app (see :func:`rollout_buffer.web.app.create_app`)."""
+    from rollout_buffer.web.app import create_app as _create_app
 
     return _create_app(config)
 

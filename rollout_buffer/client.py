@@ -40,7 +40,7 @@ from urllib.parse import urljoin, urlsplit
 
 import requests
 
-from .errors import RolloutBufferError
+from rollout_buffer.core.errors import RolloutBufferError
 
 logger = logging.getLogger(__name__)
 

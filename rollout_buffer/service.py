@@ -29,22 +29,22 @@ import time
 import uuid
 from typing import Any, Callable
 
-from .config import Config
-from .connections import LazyPair, state_connection
-from .db import redact
-from .errors import ApiError, ClosedError, LeaseLost, StorageError, bounded
-from .history import History
-from .items import Body
-from .jobs import Jobs
-from .launcher import Launcher, launch_spec
-from .lease import Lease
-from .loop import Health, Loop
-from .model import PollRequest
-from .notifications import Outbox
-from .proxy import ProxyNotifier
-from .redelivery import redeliver
-from .serving import Serving
-from .supervisor import LaunchSpec, Supervisor
+from rollout_buffer.core.config import Config
+from rollout_buffer.storage.connections import LazyPair, state_connection
+from rollout_buffer.storage.db import redact
+from rollout_buffer.core.errors import ApiError, ClosedError, LeaseLost, StorageError, bounded
+from rollout_buffer.core.history import History
+from rollout_buffer.core.items import Body
+from rollout_buffer.runtime.jobs import Jobs
+from rollout_buffer.launcher.launcher import Launcher, launch_spec
+from rollout_buffer.runtime.lease import Lease
+from rollout_buffer.runtime.loop import Health, Loop
+from rollout_buffer.core.model import PollRequest
+from rollout_buffer.runtime.notifications import Outbox
+from rollout_buffer.runtime.proxy import ProxyNotifier
+from rollout_buffer.serving.redelivery import redeliver
+from rollout_buffer.serving.poll import Serving
+from rollout_buffer.launcher.supervisor import LaunchSpec, Supervisor
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from rollout_buffer.runner import SCRUB_NAMES, SCRUB_PREFIXES
+from rollout_buffer.tools.runner import SCRUB_NAMES, SCRUB_PREFIXES
 from support import Harness, Writer, fresh_pg_schema, make_config, make_launcher_db, require_pg
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import requests
 
 from fakes.fake_proxy import FakeProxy
-from rollout_buffer.procfs import group_members
+from rollout_buffer.launcher.procfs import group_members
 from servers import ROOT, Server, log_tail
 
 WRITER = Path(__file__).resolve().parent / "fakes" / "fault_writer.py"
@@ -602,7 +602,7 @@ class Run:
         return self.out
 
     def _run(self) -> None:
-        from rollout_buffer.db import connect, create_launcher_tables
+        from rollout_buffer.storage.db import connect, create_launcher_tables
 
         db = connect(self.url)
         try:

@@ -29,9 +29,9 @@ import pytest
 import requests
 
 from support import groups_of, wait_until
-from rollout_buffer import procfs
-from rollout_buffer.db import connect
-from rollout_buffer.runner import ServerProcess, clean_env, free_port, log_tail
+from rollout_buffer.launcher import procfs
+from rollout_buffer.storage.db import connect
+from rollout_buffer.tools.runner import ServerProcess, clean_env, free_port, log_tail
 
 ROOT = Path(__file__).resolve().parent.parent
 __all__ = ["ROOT", "Server", "Trainer", "assert_exactly_once", "assert_stats_balance", "complete_groups", "free_port",

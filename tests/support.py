@@ -19,10 +19,10 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from rollout_buffer import queries as q
-from rollout_buffer.app import create_app
-from rollout_buffer.config import Config
-from rollout_buffer.db import connect, create_launcher_tables
+from rollout_buffer.storage import queries as q
+from rollout_buffer.web.app import create_app
+from rollout_buffer.core.config import Config
+from rollout_buffer.storage.db import connect, create_launcher_tables
 
 
 PG_DSN = os.environ.get("ROLLOUT_BUFFER_TEST_PG", "postgresql://root@127.0.0.1:5432/test")

@@ -28,9 +28,9 @@ sys.path.insert(0, ROOT)
 
 import requests  # noqa: E402
 
-from rollout_buffer import queries as q  # noqa: E402
-from rollout_buffer.db import connect, create_launcher_tables  # noqa: E402
-from rollout_buffer.runner import ServerProcess, clean_env, free_port  # noqa: E402
+from rollout_buffer.storage import queries as q  # noqa: E402
+from rollout_buffer.storage.db import connect, create_launcher_tables  # noqa: E402
+from rollout_buffer.tools.runner import ServerProcess, clean_env, free_port  # noqa: E402
 
 JOB = "export-rss"
 

@@ -46,16 +46,16 @@ import psycopg  # noqa: E402
 import requests  # noqa: E402
 
 import pg_bench  # noqa: E402  (the Postgres copy of the drain's rows, and its runner)
-from rollout_buffer import procfs  # noqa: E402
+from rollout_buffer.launcher import procfs  # noqa: E402
 from rollout_buffer.client import BufferClient, groups_of  # noqa: E402
-from rollout_buffer.config import Config  # noqa: E402
-from rollout_buffer.connections import service_connect  # noqa: E402
-from rollout_buffer.lease import Lease  # noqa: E402
-from rollout_buffer.model import Batch, Decisions, Served, Take  # noqa: E402
-from rollout_buffer.store import Store  # noqa: E402
-from rollout_buffer.db import connect, create_launcher_tables  # noqa: E402
-from rollout_buffer.queries import INSERT_STEP  # noqa: E402
-from rollout_buffer.runner import ServerProcess, clean_env, free_port, serve_argv  # noqa: E402
+from rollout_buffer.core.config import Config  # noqa: E402
+from rollout_buffer.storage.connections import service_connect  # noqa: E402
+from rollout_buffer.runtime.lease import Lease  # noqa: E402
+from rollout_buffer.core.model import Batch, Decisions, Served, Take  # noqa: E402
+from rollout_buffer.storage.store import Store  # noqa: E402
+from rollout_buffer.storage.db import connect, create_launcher_tables  # noqa: E402
+from rollout_buffer.storage.queries import INSERT_STEP  # noqa: E402
+from rollout_buffer.tools.runner import ServerProcess, clean_env, free_port, serve_argv  # noqa: E402
 
 
 def pct(xs: list[float], p: float) -> float:

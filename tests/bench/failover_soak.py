@@ -34,7 +34,7 @@ import psycopg  # noqa: E402
 
 from failover_bench import Instance, fresh_database, keep_writing, wait  # noqa: E402
 from rollout_buffer.client import BufferClient, groups_of  # noqa: E402
-from rollout_buffer.db import connect, create_launcher_tables  # noqa: E402
+from rollout_buffer.storage.db import connect, create_launcher_tables  # noqa: E402
 
 
 def soak(args: argparse.Namespace, url: str, work: str) -> bool:

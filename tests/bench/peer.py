@@ -33,7 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 BENCH = os.environ.get("BENCH_DIR", os.path.join(os.path.dirname(ROOT), "shared", "bench"))
 sys.path.insert(0, ROOT)
-from rollout_buffer import procfs  # noqa: E402  (stdlib only: works under any interpreter)
+from rollout_buffer.launcher import procfs  # noqa: E402  (stdlib only: works under any interpreter)
 
 
 def die(msg: str) -> None:

@@ -1,0 +1,450 @@
+"""In-memory grouping of one job's rows, under one lock, with no I/O.
+
+Owns: the undecided groups of one job (pending, ready in the serve order, taken by a poll), the
+tombstones of decided ones, the policies' decisions when a group becomes ready, and the job's
+counters (:mod:`~rollout_buffer.core.accounting`). Pending state holds metadata only (see
+:mod:`~rollout_buffer.core.group`); bodies stay in the database until served. Every method returns
+*decisions* (a plan: drops, rows accounted one by one, groups ready) for the caller to record and
+act on after the lock is released; it must not touch the database, the proxy or the clock
+beyond its own monotonic one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable, Iterable
+
+from rollout_buffer.core.accounting import Counts
+from rollout_buffer.core.group import Group, Undecided
+from rollout_buffer.core.ready import ReadyQueue
+from rollout_buffer.core.model import (DROPPED, INVALID_GROUP, INVALID_SESSION, LATE_DROPPED, LATE_SERVED,
+                    MALFORMED, MISSING_GROUP, OVERSAMPLED, REJECTED, ROW_DROPPED, SERVED, TTL, BadText, Decisions, Drop, Policy, Row, RowEvent, Take)
+
+logger = logging.getLogger(__name__)
+
+
+class Accumulator:
+    """Groups one job's rows until K sessions of a group have completed.
+
+    All state is guarded by ``self.lock``; every public method takes it, and no method does I/O.
+    """
+
+    def __init__(self, job_id: str, k: int, *, clock: Callable[[], float] = time.monotonic,
+                 policy: Policy | None = None) -> None:
+        self.job_id = job_id
+        self.k = k
+        self.clock = clock
+        self.policy = policy or Policy()
+        self.lock = threading.Lock()
+        self.pending: OrderedDict[str, Group] = OrderedDict()  # incomplete, oldest activity first
+        self.ready = ReadyQueue(self.policy.serve_order)       # ready, in the serve order
+        self._track_wv = self.policy.max_off_policy is not None or self.policy.serve_order != "ready"
+        # with over-sampling, a served group's late rows are its other sessions' (a served session
+        # writes nothing after its completed row), whether they come while it is built or after
+        self._late_served = OVERSAMPLED if self.policy.oversample else LATE_SERVED
+        self.trainer_version: int | None = None  # the last current_weight_version a poll sent
+        self.rows_version = 0                    # the largest weight_version of an ingested row
+        self.counts = Counts()
+        self.taken: dict[str, Group] = {}                      # handed to a poll, not yet decided
+        self.decided: dict[str, str] = {}                      # group_id -> served | dropped
+        self.tainted: set[str] = set()                         # sessions with a row lacking group_id
+        self.tainted_groups: set[str] = set()                  # groups with a row lacking a session_id
+        self.session_group: dict[str, str] = {}                # session -> its undecided group (O(1) lookups)
+        self.excluded: dict[str, set[str]] = {}  # group -> sessions dropped as oversampled before a restart
+        self.undecided = Undecided()  # every undecided group: the oldest and the low-water mark in O(log n)
+        self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
+
+    # -- versions ---------------------------------------------------------------------------------
+    @property
+    def current_version(self) -> int:
+        """The job's current version: the larger of the trainer's last and the rows' largest."""
+        t = self.trainer_version
+        return self.rows_version if t is None else max(t, self.rows_version)
+
+    def set_versions(self, trainer: int | None = None, rows: int | None = None) -> None:
+        """A poll's current_weight_version (the last one wins), or the stored ones after a restart."""
+        with self.lock:
+            if trainer is not None:
+                self.trainer_version = trainer
+            if rows is not None:
+                self.rows_version = max(self.rows_version, rows)
+
+    # -- ingest -------------------------------------------------------------------------------
+    def ingest(self, rows: Iterable[Row]) -> Decisions:
+        """Add new rows (distinct step_pks, each seen once)."""
+        out = Decisions()
+        with self.lock:
+            self.changes += 1
+            now = self.clock()
+            track_wv, k = self._track_wv, self.k
+            for r in rows:
+                pk, sid, gid, completed = r[0], r[1], r[2], r[3]
+                step_id, reward, wv = (r[4], r[5], r[6]) if len(r) > 4 else (None, None, 0)
+                self.counts.rows_read += 1
+                if wv is not None and wv > self.rows_version:
+                    self.rows_version = wv
+                if isinstance(gid, (int, float)) and not isinstance(gid, bool):
+                    gid = str(gid)  # a number (an untyped column) names its group as its text does
+                if not isinstance(sid, str) or isinstance(sid, BadText) or not sid:
+                    self._reject_session(pk, gid, out)
+                    continue
+                if gid is None or gid == "" or not isinstance(gid, str) or isinstance(gid, BadText):
+                    # no group, or one that is not text (undecodable, a BLOB): never served under a garbled id
+                    reason = MISSING_GROUP if gid is None or gid == "" else INVALID_GROUP
+                    self.counts.rejected[reason] += 1
+                    out.rows.append(RowEvent(pk, REJECTED, reason, None, sid))
+                    self.tainted.add(sid)
+                    other = self._undecided(self.session_group.get(sid))  # O(1): the session index
+                    if other is not None and other.taken is None:
+                        self._drop(other, MALFORMED, out)
+                    continue
+                gid = str(gid)
+                status = self.decided.get(gid)
+                if status is not None:
+                    reason = self._late_served if status == SERVED else LATE_DROPPED
+                    self.counts.dropped[reason] += 1
+                    out.rows.append(RowEvent(pk, ROW_DROPPED, reason, gid, sid))
+                    continue
+                g = self.pending.get(gid)
+                if g is None:
+                    g = self.ready.get(gid) or self.taken.get(gid)
+                    if g is None:
+                        g = self.pending[gid] = Group(gid, now)
+                        self.undecided.add(g)
+                        if self.excluded:  # sessions it dropped as oversampled before a restart
+                            g.excluded = self.excluded.pop(gid, None)
+                else:
+                    self.pending.move_to_end(gid)
+                g.last_seen = now
+                if g.chosen is not None and sid not in g.chosen or g.excluded is not None and sid in g.excluded:
+                    g.exclude(sid)  # a session beyond the K it serves: never served, even if K changes
+                    self.counts.dropped[OVERSAMPLED] += 1
+                    out.rows.append(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, gid, sid))
+                    continue
+                pks = g.sessions.get(sid)
+                if pks is None:
+                    g.sessions[sid] = [pk]
+                    self.session_group[sid] = gid
+                else:
+                    pks.append(pk)
+                g.n_rows += 1
+                self.counts.pending_rows += 1
+                if g.min_pk is None or pk < g.min_pk:
+                    g.min_pk = pk
+                    self.undecided.min_pk_changed(g)
+                if track_wv:
+                    g.add_version(sid, wv)
+                if completed:
+                    c = g.completed.get(sid)
+                    term = (step_id if step_id is not None else -1, pk)
+                    if c is None:
+                        g.completed[sid] = (pk, term, reward)
+                    elif term > c[1]:  # the terminal reward is the last completed row's (SPEC §3)
+                        g.completed[sid] = (min(pk, c[0]), term, reward)
+                if (sid in self.tainted or gid in self.tainted_groups) and g.taken is None:
+                    self._drop(g, MALFORMED, out)
+                    continue
+                if len(g.completed) >= k:
+                    if gid in self.pending:
+                        del self.pending[gid]
+                        self._became_ready(g, out)
+                    elif g.taken is None:
+                        self._choose(g, out)  # ready short of K at the TTL, it reached K while it waited
+        return out
+
+    def _became_ready(self, g: Group, out: Decisions) -> None:
+        """(Lock held.) A group has K completed sessions, or is served short at the TTL: choose its
+        sessions (over-sampling), apply the policies, and queue it or drop it."""
+        self._choose(g, out)
+        reason = g.refusal(self.policy, self.current_version)
+        if reason is not None:
+            self._drop(g, reason, out)
+            return
+        g.ready_at = self.clock()
+        self.ready.push(g)
+        out.newly_ready += 1
+
+    def _choose(self, g: Group, out: Decisions) -> None:
+        """Over-sampling: a group with K completed sessions that has not chosen K yet (ready, ready
+        short of K at the TTL, given back by a poll, or K lowered) keeps its first K; the rows of
+        every other session are dropped as oversampled now (and so are their later rows)."""
+        if not self.policy.oversample or len(g.completed) < self.k or g.chosen is not None \
+                and len(g.chosen) <= self.k:
+            return
+        for sid, pks in g.choose(self.k).items():
+            if self.session_group.get(sid) == g.group_id:
+                del self.session_group[sid]
+            self.counts.pending_rows -= len(pks)
+            self.counts.dropped[OVERSAMPLED] += len(pks)
+            out.rows.extend(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, g.group_id, sid) for pk in pks)
+        self.undecided.min_pk_changed(g)
+
+    def _undecided(self, gid: str | None) -> Group | None:
+        if gid is None:
+            return None
+        return self.pending.get(gid) or self.ready.get(gid) or self.taken.get(gid)
+
+    def _reject_session(self, pk: int, gid: object, out: Decisions) -> None:
+        """A row whose session_id is not text (a BLOB, NULL, a number, invalid UTF-8): it cannot be
+        served nor cleared at the proxy. Its group can never be served whole: it is dropped now, or
+        as soon as it appears, or (taken by a poll) when the poll gives it back."""
+        self.counts.rejected[INVALID_SESSION] += 1
+        ok_gid = str(gid) if isinstance(gid, str) and gid and not isinstance(gid, BadText) else None
+        out.rows.append(RowEvent(pk, REJECTED, INVALID_SESSION, ok_gid, None))
+        if ok_gid is None or ok_gid in self.decided:
+            return
+        self.tainted_groups.add(ok_gid)
+        g = self._undecided(ok_gid)
+        if g is not None and g.taken is None:
+            self._drop(g, MALFORMED, out)
+
+    def _drop(self, g: Group, reason: str, out: Decisions) -> None:
+        """Decide an undecided group as dropped (lock held). Never a taken group: its poll decides it."""
+        gid = g.group_id
+        assert g.taken is None, gid
+        drop = Drop(gid, reason, g.all_pks(), g.session_ids(), g.rewards())  # first: nothing is mutated if this fails
+        self.changes += 1
+        self.pending.pop(gid, None)
+        self.ready.pop(gid, None)
+        self.decided[gid] = DROPPED
+        self.counts.pending_rows -= g.n_rows
+        self.counts.group_dropped(reason, g.n_rows, len(g.sessions), drop.rewards)
+        self._forget(g)
+        out.drops.append(drop)
+
+    def _forget(self, g: Group) -> None:
+        """A group was decided: drop it from the session index (O(its sessions)) and the undecided."""
+        self.undecided.remove(g)
+        for sid in g.sessions:
+            if self.session_group.get(sid) == g.group_id:
+                del self.session_group[sid]
+        self.tainted_groups.discard(g.group_id)
+
+    # -- dropping -------------------------------------------------------------------------------
+    def expire(self, ttl_s: float) -> Decisions:
+        """Drop incomplete groups idle for ttl_s on the monotonic clock (oldest first, O(expired)).
+
+        With a minimum group size, a group with at least that many completed sessions is made
+        ready instead, to be served with only its completed sessions (``partial``)."""
+        out = Decisions()
+        if ttl_s <= 0:
+            return out
+        with self.lock:
+            now = self.clock()
+            while self.pending:
+                g = next(iter(self.pending.values()))
+                if now - g.last_seen < ttl_s:
+                    break
+                self._give_up(g, TTL, out)
+        return out
+
+    def drop_all(self, reason: str, *, include_ready: bool, partial: bool = False) -> Decisions:
+        """Drop every incomplete group (and the ready ones when include_ready); with ``partial`` (the
+        launcher exited: they can never complete) those with the minimum group size are served short."""
+        out = Decisions()
+        with self.lock:
+            for g in list(self.pending.values()):
+                self._give_up(g, reason, out) if partial else self._drop(g, reason, out)
+            if include_ready:
+                for g in list(self.ready.values()):
+                    self._drop(g, reason, out)
+        return out
+
+    def _give_up(self, g: Group, reason: str, out: Decisions) -> None:
+        """(Lock held.) An incomplete group that cannot wait any longer: ready short of K when it has
+        the minimum group size (ROLLOUT_BUFFER_MIN_GROUP_SIZE), else dropped with ``reason``."""
+        least = self.policy.min_group_size
+        if least is not None and least < self.k and len(g.completed) >= least:
+            del self.pending[g.group_id]
+            g.partial = True
+            self._became_ready(g, out)
+        else:
+            self._drop(g, reason, out)
+
+    # -- serving ----------------------------------------------------------------------------------
+    def take_ready(self, max_groups: int | None) -> list[Take]:
+        """Hand ready groups to a poll, first ready first; they stay undecided until commit/release."""
+        takes: list[Take] = []
+        with self.lock:
+            self.changes += 1
+            while self.ready and (max_groups is None or len(takes) < max_groups):
+                g = self.ready.pop_next()
+                gid = g.group_id
+                completed, incomplete = {}, {}
+                for sid, pks in g.sessions.items():
+                    (completed if sid in g.completed else incomplete)[sid] = tuple(pks)
+                g.taken = {sid: len(pks) for sid, pks in g.sessions.items()}
+                self.taken[gid] = g
+                takes.append(Take(gid, completed, incomplete, g.rewards(), g.partial and len(completed) < self.k,
+                                  g.ready_at, g.min_version(completed)))
+        return takes
+
+    def retake(self, takes: list[Take]) -> list[Take]:
+        """Hand back exactly these earlier takes (released after a COMMIT that did happen after all),
+        so commit() settles them with their original snapshot. Returns those still undecided."""
+        found = []
+        with self.lock:
+            self.changes += 1
+            for t in takes:
+                g = self.ready.pop(t.group_id, None) or self.pending.pop(t.group_id, None)
+                if g is None:
+                    continue
+                g.taken = {sid: len(pks) for sid, pks in list(t.completed.items()) + list(t.incomplete.items())}
+                self.taken[t.group_id] = g
+                found.append(t)
+        return found
+
+    def release(self, takes: list[Take]) -> Decisions:
+        """Give taken groups back, at the front and in their order (the poll failed or ran out of budget).
+
+        A group one of whose sessions wrote a row without group_id meanwhile is dropped instead."""
+        out = Decisions()
+        with self.lock:
+            for t in reversed(takes):
+                g = self.taken.pop(t.group_id, None)
+                if g is None:
+                    continue
+                g.taken = None
+                if (self.tainted and not self.tainted.isdisjoint(g.sessions)) or t.group_id in self.tainted_groups:
+                    self._drop(g, MALFORMED, out)
+                    continue
+                self._choose(g, out)  # its other sessions may have completed while it was taken
+                self.ready.put_front(g)  # first again, at its old place in a version order
+        return out
+
+    def commit(self, plan: Decisions) -> Decisions:
+        """Apply a RECORDED serving plan to memory: its served groups become served and its drops
+        (malformed groups) dropped, with their rejected rows counted; nothing is derived again.
+
+        Only groups this accumulator still holds as taken are settled (a plan applied twice counts
+        once). Rows added to a group while it was taken become late rows of the decided group:
+        returns them, as a new plan for the caller to record.
+        """
+        out = Decisions()
+        with self.lock:
+            self.changes += 1
+            settled: set[str] = set()
+            for s in plan.served:
+                g = self.taken.pop(s.group_id, None)
+                if g is None:
+                    continue
+                settled.add(s.group_id)
+                self._settle(g, out, self._late_served)
+                self.decided[s.group_id] = SERVED
+                self.counts.group_served(len(s.take.served_pks), len(s.take.incomplete_pks), len(s.take.completed),
+                                         s.rewards)
+            for d in plan.drops:
+                g = self.taken.pop(d.group_id, None)
+                if g is None:
+                    continue
+                settled.add(d.group_id)
+                self._settle(g, out, LATE_DROPPED)
+                self.decided[d.group_id] = DROPPED
+                self.counts.group_dropped(d.reason, len(d.pks), len(d.clear_sessions), d.rewards)
+            for r in plan.rows:
+                if r.outcome == REJECTED and r.group_id in settled:
+                    self.counts.rejected[r.reason] += 1
+            if plan.batch is not None and plan.batch.meta:
+                self.counts.batch_reported(plan.batch.meta.get("filtered"))
+        return out
+
+    def recheck(self, t: Take) -> Take | None:
+        """A taken group about to be served from a draft built earlier: None when an unbuilt poll would
+        serve it otherwise (its served sessions grew or another completed) or drop it (a session wrote
+        a row without group_id); else its take with the sessions that appeared or grew since as
+        incomplete (cleared as incomplete in a served group, as at any poll, not as late rows)."""
+        with self.lock:
+            g = self.taken.get(t.group_id)
+            if g is None or g.taken is None or t.group_id in self.tainted_groups \
+                    or not self.tainted.isdisjoint(g.sessions) or set(g.completed) != set(t.completed) \
+                    or any(len(g.sessions.get(sid, ())) != len(pks) for sid, pks in t.completed.items()):
+                return None
+            incomplete = {sid: tuple(pks) for sid, pks in g.sessions.items() if sid not in t.completed}
+            g.taken.update((sid, len(pks)) for sid, pks in incomplete.items())
+            return dataclasses.replace(t, incomplete=incomplete)
+
+    def filtered_since_batch(self) -> dict[str, int]:
+        """Groups dropped since the last served batch, by reason (meta_info.filtered)."""
+        with self.lock:
+            return dict(+self.counts.filtered)
+
+    def settle_decided(self, takes: list[Take], decided: dict[str, tuple[str, str | None]]) -> Decisions:
+        """Taken groups that another instance already decided ({group_id: (status, reason)}, from
+        its record in the store): take its word, count them as it decided, never serve them again.
+        Returns the late rows (rows that arrived while taken) for the caller to record."""
+        out = Decisions()
+        with self.lock:
+            self.changes += 1
+            for t in takes:
+                g = self.taken.pop(t.group_id, None)
+                if g is None:
+                    continue
+                status, reason = decided[t.group_id]
+                self._settle(g, out, self._late_served if status == SERVED else LATE_DROPPED)
+                self.decided[t.group_id] = status
+                if status == SERVED:
+                    self.counts.group_served(len(t.served_pks), len(t.incomplete_pks), len(t.completed), t.rewards)
+                else:
+                    self.counts.group_dropped(reason or MALFORMED, len(t.all_pks), len(t.sessions), t.rewards)
+        return out
+
+    def _settle(self, g: Group, out: Decisions, late_reason: str) -> None:
+        """Remove a taken group from pending state; rows that arrived while taken become late rows."""
+        assert g.taken is not None
+        self.counts.pending_rows -= g.n_rows
+        self._forget(g)
+        for sid, pks in g.sessions.items():
+            extra = pks[g.taken.get(sid, 0):]
+            for pk in extra:
+                self.counts.dropped[late_reason] += 1
+                out.rows.append(RowEvent(pk, ROW_DROPPED, late_reason, g.group_id, sid))
+        g.taken = None
+
+    # -- reading -------------------------------------------------------------------------------
+    def set_k(self, k: int) -> tuple[int, Decisions]:
+        """Change K; groups that now have K completed sessions become ready (or are dropped by a
+        policy). Returns how many became ready, and the plan of what the policies decided."""
+        with self.lock:
+            self.k = k
+            moved, out = False, Decisions()
+            for gid, g in list(self.ready.items()):
+                if len(g.completed) < k:  # K was raised: not ready any more (and open to more sessions)
+                    del self.ready[gid]
+                    self.pending[gid], g.chosen, moved = g, None, True
+                elif len(g.completed) > k:  # K was lowered: over-sampling keeps the first K
+                    self._choose(g, out)
+            if moved:  # expire() stops at the first live group: put them back in idle order (rare)
+                self.pending = OrderedDict(sorted(self.pending.items(), key=lambda kv: kv[1].last_seen))
+            for gid, g in list(self.pending.items()):
+                if len(g.completed) >= k:
+                    del self.pending[gid]
+                    self._became_ready(g, out)
+        return out.newly_ready, out
+
+    def low_water(self, cursor: int) -> int:
+        """Smallest pk that is still pending (rows below it are all accounted), or cursor + 1."""
+        with self.lock:
+            low = self.undecided.low_water()
+        return cursor + 1 if low is None else low
+
+    def stats(self) -> dict:
+        """Counters and gauges; the accounting identity holds in them."""
+        with self.lock:
+            now = self.clock()
+            first = self.undecided.oldest()
+            oldest = None if first is None else first.first_seen
+            counts = self.counts.view()
+            return {
+                "job_id": self.job_id,
+                "k": self.k,
+                "rows": counts["rows"],
+                "groups": {"pending": len(self.pending), "ready": len(self.ready), "in_flight": len(self.taken),
+                           **counts["groups"]},
+                "oldest_pending_group_age_s": None if oldest is None else round(now - oldest, 3),
+                "figures": counts["figures"],
+                "versions": {"current": self.current_version, "trainer": self.trainer_version,
+                             "rows": self.rows_version},
+            }

@@ -1,0 +1,148 @@
+"""One prompt group that is not decided yet, and the policies' verdict on it once it is ready.
+
+Owns: the metadata a group holds while undecided (its sessions' row pks, which sessions
+completed and with what terminal reward, the weight versions the policies need) and the verdict
+of the training-data policies on a ready group. No I/O and no lock: the accumulator's lock
+guards every group; it decides nothing about other groups, and it must not record or act on its verdict.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import heapq
+from collections import OrderedDict
+
+from rollout_buffer.core.model import STALE, ZERO_VARIANCE, Policy
+
+
+class Group:
+    """One prompt group that is not decided yet."""
+
+    __slots__ = ("group_id", "sessions", "completed", "n_rows", "last_seen", "first_seen", "min_pk",
+                 "taken", "wv", "chosen", "excluded", "partial", "ready_at", "min_wv", "order_key")
+
+    def __init__(self, group_id: str, now: float) -> None:
+        self.group_id = group_id
+        self.sessions: dict[str, list[int]] = {}  # session -> its rows' pks (metadata only)
+        # sessions that wrote their completed row -> (first completing pk, terminal (step_id, pk), reward)
+        self.completed: dict[str, tuple[int, tuple[int, int], float | None]] = {}
+        self.n_rows = 0
+        self.last_seen = now
+        self.first_seen = now
+        self.min_pk: int | None = None
+        self.taken: dict[str, int] | None = None  # session -> rows handed to the server
+        # the weight versions known at ingest, only when a policy needs them: one int while every row
+        # read has that version (the common case, and small), else session -> its rows' min version
+        self.wv: int | dict[str, int] | None = None
+        self.chosen: frozenset[str] | None = None  # over-sampling: the K sessions it will serve, once ready
+        # over-sampling: sessions dropped as oversampled, for good (a change of K, a restart, a partial
+        # group reaching K never lets one back in: its rows already read are accounted as dropped)
+        self.excluded: set[str] | None = None
+        self.partial = False                       # made ready at the TTL short of K (min group size)
+        self.ready_at: float | None = None
+        self.min_wv: int | None = None             # min weight_version of its served sessions (known at ingest)
+        self.order_key: tuple[int, int, str] | None = None  # its entry in a version serve order
+
+    def session_ids(self) -> list[str]:
+        return sorted(self.sessions)
+
+    def all_pks(self) -> list[int]:
+        return sorted(pk for pks in self.sessions.values() for pk in pks)
+
+    def rewards(self) -> tuple[float, ...]:
+        """The terminal rewards of its completed sessions (those known at ingest)."""
+        return tuple(c[2] for c in self.completed.values() if c[2] is not None)
+
+    def exclude(self, sid: str) -> None:
+        """Over-sampling: a session whose rows are dropped as oversampled stays out for good."""
+        if self.excluded is None:
+            self.excluded = {sid}
+        else:
+            self.excluded.add(sid)
+
+    def add_version(self, sid: str, wv: int | None) -> None:
+        """The weight version of a row of session ``sid`` just added (None: unknown at ingest)."""
+        w = self.wv
+        if w is None:  # its first row
+            self.wv = wv if wv is not None else {}
+        elif w.__class__ is int:
+            if wv != w:  # the first row of another version (or unknown): per session from now on
+                d = {s: w for s, pks in self.sessions.items() if s != sid or len(pks) > 1}
+                if wv is not None and wv < d.get(sid, wv + 1):
+                    d[sid] = wv
+                self.wv = d
+        elif wv is not None and wv < w.get(sid, wv + 1):  # type: ignore[union-attr]
+            w[sid] = wv  # type: ignore[index]
+
+    def min_version(self, sessions: Iterable[str]) -> int | None:
+        """The min weight_version known at ingest of these sessions' rows; None when none is known."""
+        w = self.wv
+        if w is None or isinstance(w, int):
+            return w
+        return min((w[s] for s in sessions if s in w), default=None)
+
+    def refusal(self, policy: Policy, current_version: int) -> str | None:
+        """A ready group's verdict: the drop reason of a policy that refuses it, or None.
+
+        Stale: current - min weight_version of the sessions it serves > max_off_policy, over the
+        versions known at ingest (a row whose env_state was not read, too long or unreadable, does
+        not count: its build judges it; with none known, only the build does). Zero variance: the
+        terminal rewards of its completed sessions all within epsilon (only when all are known)."""
+        if self.wv is not None:
+            self.min_wv = self.min_version(self.chosen if self.chosen is not None else self.completed)
+            if self.min_wv is not None and policy.stale(current_version, self.min_wv):
+                return STALE
+        if policy.drop_zero_variance and None not in (c[2] for c in self.completed.values()) \
+                and policy.zero_variance(self.rewards()):
+            return ZERO_VARIANCE
+        return None
+
+    def choose(self, k: int) -> dict[str, list[int]]:
+        """Over-sampling: keep the first k completed sessions (in the order of their completing rows'
+        ids) and forget the others for good (``excluded``); returns the sessions removed, with their
+        rows' pks."""
+        self.chosen = frozenset(sorted(self.completed, key=lambda s: self.completed[s][0])[:k])
+        removed = {sid: self.sessions.pop(sid) for sid in [s for s in self.sessions if s not in self.chosen]}
+        if removed:
+            self.excluded = set(removed) if self.excluded is None else self.excluded | set(removed)
+        for sid, pks in removed.items():
+            self.completed.pop(sid, None)
+            self.n_rows -= len(pks)
+        self.min_pk = min((min(pks) for pks in self.sessions.values()), default=None)
+        return removed
+
+
+class Undecided:
+    """Every undecided group of a job in creation order (the oldest first) and a lazy heap of their
+    smallest pks, so the oldest group and the low-water mark cost O(log n), not a scan of every
+    group under the accumulator's lock (a /stats or a cursor save with 200k pending groups)."""
+
+    def __init__(self) -> None:
+        self.groups: OrderedDict[str, Group] = OrderedDict()
+        self._mins: list[tuple[int, str]] = []  # (min_pk, group_id); an entry counts while it is current
+
+    def add(self, g: Group) -> None:
+        self.groups[g.group_id] = g
+
+    def remove(self, g: Group) -> None:
+        self.groups.pop(g.group_id, None)
+
+    def min_pk_changed(self, g: Group) -> None:
+        if g.min_pk is not None:
+            if len(self._mins) > 2 * len(self.groups) + 64:  # entries of decided groups or old minima
+                self._mins = [(x.min_pk, x.group_id) for x in self.groups.values() if x.min_pk is not None]
+                heapq.heapify(self._mins)
+            heapq.heappush(self._mins, (g.min_pk, g.group_id))
+
+    def oldest(self) -> Group | None:
+        return next(iter(self.groups.values()), None)
+
+    def low_water(self) -> int | None:
+        """The smallest pk of an undecided group, or None."""
+        while self._mins:
+            pk, gid = self._mins[0]
+            g = self.groups.get(gid)
+            if g is not None and g.min_pk == pk:
+                return pk
+            heapq.heappop(self._mins)
+        return None

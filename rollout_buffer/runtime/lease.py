@@ -1,0 +1,440 @@
+"""Ownership of the job: the lease in the state database, its fence, and who else is there.
+
+Owns: the ``rollout_buffer_lease`` row (one per state database, which holds exactly one active
+job): the owner, its advertised URL, host and pid, the epoch, and ``lease_until`` by the
+database's clock. Its own thread (``rollout-buffer-lease``) and connection acquire it, renew it
+every third of ``ROLLOUT_BUFFER_LEASE_SECONDS`` and give it up on a graceful stop, so a renewal
+never waits behind a stuck tick or poll. On SQLite the lease is a ``flock`` on
+``<state db>.owner.lock`` (one host). It also keeps this instance's row in
+``rollout_buffer_instances`` (role, URL, host, and ``report``: what the loop saw of a launcher
+on this host), and checks once that ``ROLLOUT_BUFFER_ADVERTISE_URL`` answers as this instance.
+What a standby answers (307 to the owner, or 503) is the app's, from ``role`` and ``holder``.
+
+The epoch is the fencing token. :meth:`Lease.fence` is the first statement of every transaction
+that records a decision: it takes a KEY SHARE lock on the lease row while the epoch is the one the
+job's state was loaded under (``state_epoch``), and raises LeaseLost (the transaction rolls back)
+otherwise. A takeover locks the row FOR UPDATE: it waits for the transactions that passed the
+fence, and every later fence sees the new epoch. Renewals take no lock the fence conflicts with.
+No clock decides who may write: ``lease_until`` only says when a standby may take over, and the
+owner's own deadline (its monotonic clock, a margin short of the lease) only stops what the
+database cannot fence, such as the launcher. No session state: it works through PgBouncer.
+
+It must not touch the job's state or the launcher: the loop drops and resumes the job when
+``epoch`` and ``state_epoch`` differ.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import fcntl
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import requests
+
+from rollout_buffer.launcher import procfs
+from rollout_buffer.storage import lease_sql as sql
+from rollout_buffer.core.config import Config
+from rollout_buffer.storage.connections import service_connect
+from rollout_buffer.storage.db import Database, redact, sqlite_path
+from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost, StorageError
+from rollout_buffer.storage.store import Store
+
+logger = logging.getLogger(__name__)
+
+SCOPE = "job"  # the one row: the state database's active job
+OWNER, STANDBY, STARTING = "owner", "standby", "starting"
+RETRY_S = 0.5  # after a failed step
+STANDBY_POLL_S = 0.5  # a standby reads the lease at least this often (a released lease is taken within it)
+INSTANCE_KEEP_S = 600.0  # rows of instances not seen for this long are deleted
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The lease row as this instance last read it."""
+
+    instance: str | None
+    url: str | None
+    host: str | None
+    pid: int | None
+    start_ticks: int | None
+    epoch: int
+    expires_in: float  # seconds of lease left when it was read, by the database's clock
+    length: float  # the owner's lease (lease_until - renewed_at): it renews every third of it
+    released: bool  # given up by a graceful stop
+    read_at: float  # monotonic
+
+    def left(self, now: float) -> float:
+        return self.expires_in - (now - self.read_at)
+
+    def shown(self, now: float) -> dict[str, Any]:
+        return {"url": self.url, "instance": self.instance, "host": self.host, "epoch": self.epoch,
+                "lease_expires_in_s": round(max(0.0, self.left(now)), 1)}
+
+
+def _holder(row: dict[str, Any] | None, now: float) -> Holder | None:
+    if row is None:
+        return None
+    until, renewed = float(row["lease_until"]), float(row["renewed_at"])
+    return Holder(row["owner"], row["owner_url"], row["owner_host"], row["owner_pid"], row["owner_start_ticks"],
+                  int(row["epoch"]), until - float(row["db_now"]), max(0.0, until - renewed), until < renewed, now)
+
+
+class Lease:
+    """This instance's part in the lease: its role, its epoch, and the thread that keeps them."""
+
+    def __init__(self, config: Config, instance_id: str, *, on_change: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.seconds = config.lease_s
+        self.margin = min(2.0, max(0.2, self.seconds / 10))  # the owner stops this much before the lease ends
+        self.instance_id = instance_id
+        self.host_id = config.host_id or procfs.host_id()
+        self.url = config.advertise_url
+        self.on_change = on_change
+        self.clock = clock
+        self.enabled = self.seconds > 0  # 0: no lease; this instance owns the job, and nothing is fenced
+        self.role = STARTING if self.enabled else OWNER
+        self.epoch: int | None = None
+        self.state_epoch: int | None = None  # the epoch the loop loaded the job's state under
+        self.holder: Holder | None = None
+        self.report: str | None = None  # the loop: what it saw of a launcher recorded on this host
+        self.problem: str | None = None  # why this instance cannot own or renew (shown by /health)
+        self.counts: collections.Counter = collections.Counter()
+        self.takeover_s: float | None = None
+        self._deadline = 0.0
+        self._took_at: float | None = None
+        self._free_for = 0.0
+        self.advertised: str | None = None  # ROLLOUT_BUFFER_ADVERTISE_URL: None (not checked), ok, unverified, wrong
+        self._db: Database | None = None
+        self._lock_fd: int | None = None
+        self._pruned_at = float("-inf")
+        self._failing_since: float | None = None
+        self._leaving = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self.decided = threading.Event()  # set once the first step has read or taken the lease
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.enabled:
+            self._thread = threading.Thread(target=self._run, name="rollout-buffer-lease", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0, release: bool = True) -> None:
+        """Stop the thread; an owner gives the lease up (a standby takes it at once) unless ``release`` is
+        False; leave the instances."""
+        if not self.enabled:
+            return
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with contextlib.suppress(StorageError), \
+                service_connect(self.config, self.config.effective_state_db_url, bound_s=self.seconds / 3) as db:
+            if release and self.role == OWNER and self.epoch is not None:  # (this thread's own connection)
+                db.execute(sql.LEASE_RENEW[db.backend], (-1.0, SCOPE, self.instance_id, self.epoch))  # given up
+                logger.info("gave the lease up (epoch %s): a standby can take over at once", self.epoch)
+            db.execute(sql.INSTANCES_PRUNE[db.backend], (1e18, self.instance_id))
+        self.role, self.epoch = STANDBY, None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # the flock goes with it
+            self._lock_fd = None
+
+    def nudge(self) -> None:
+        self._wake.set()
+
+    def leaving(self) -> None:
+        """The service is stopping: a standby no longer takes the job and stops counting as one (an owner
+        that stops at the same moment must not hand its launcher to it); an owner keeps the lease
+        until stop() gives it up."""
+        self._leaving = True
+        self.nudge()
+
+    # -- what the others ask -----------------------------------------------------------------------
+    def holds(self) -> bool:
+        """Owner, and surely still so by this instance's clock (SQLite: while the flock is held)."""
+        return self.role == OWNER and (not self.enabled or self._lock_fd is not None or self.clock() < self._deadline)
+
+    def check(self, wait_s: float, sure: bool = True) -> None:
+        """Raise LeaseLost unless this instance owns the job (waiting ``wait_s`` for its first look at
+        the lease); a 503 when it owns it but cannot be sure it still does (renewals failing), unless
+        ``sure`` is False (/stop_rollout: stopping the launcher is always safe, and must not wait)."""
+        if self.role == STARTING:
+            self.decided.wait(wait_s)
+        if self.role != OWNER:
+            raise LeaseLost("this instance is not the owner of the job")
+        if sure and not self.holds():
+            raise ApiError(503, self.problem or "this instance cannot renew its lease; retry", retry_after=2)
+
+    def fence(self, db: Database) -> None:
+        """First statement of a decision's transaction: LeaseLost unless the job's state was loaded
+        under the epoch the database holds for this instance."""
+        if not self.enabled:
+            return
+        epoch = self.state_epoch
+        if self.role != OWNER or epoch is None or epoch != self.epoch:
+            raise LeaseLost("this instance does not own the job (any more); nothing was recorded")
+        if db.scalar(sql.LEASE_FENCE[db.backend], (SCOPE, self.instance_id, epoch)) is None:
+            self.nudge()  # the thread finds out who has it
+            raise LeaseLost(f"another instance took the job over (this instance's epoch {epoch} has ended); "
+                            "nothing was recorded")
+
+    def resumed(self) -> None:
+        """The loop has loaded the job under the current epoch: the takeover is complete."""
+        if self._took_at is not None:
+            self.takeover_s = self._free_for + (self.clock() - self._took_at)
+            self._took_at = None
+            if self.counts["takeovers"]:
+                logger.warning("serving as the owner %.1f s after the previous lease ended", self.takeover_s)
+
+    def describe(self) -> dict[str, Any]:
+        """Role, owner and lease for /health (no secret: URLs carry no user or password)."""
+        now = self.clock()
+        if self.role == OWNER:
+            owner: dict[str, Any] | None = {"url": self.url, "instance": self.instance_id, "host": self.host_id,
+                                            "epoch": self.epoch,
+                                            "lease_expires_in_s": round(max(0.0, self._deadline + self.margin - now), 1)}
+        else:
+            owner = self.holder.shown(now) if self.holder is not None else None
+        return {"role": self.role, "instance": self.instance_id, "host": self.host_id, "advertise_url": self.url,
+                "owner": owner if self.enabled else None, "lease_seconds": self.seconds, "lease_problem": self.problem}
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for /stats and /metrics."""
+        return {"role": self.role, "epoch": self.epoch, "renewals": self.counts["renewals"],
+                "renewal_failures": self.counts["renewal_failures"], "acquired": self.counts["acquired"],
+                "takeovers": self.counts["takeovers"], "last_takeover_s": self.takeover_s}
+
+    def refuse_unfenced(self, db: Database) -> None:
+        """(No lease) Never decide next to an instance that owns the job under a lease: unfenced, this
+        one's decisions would conflict with its. A ConfigError (the loop retries) until it is gone."""
+        h = None if self.enabled else _holder(db.fetchone(sql.LEASE_GET[db.backend], (SCOPE,)), self.clock())
+        if h is not None and not h.released and h.expires_in > 0:
+            raise ConfigError(f"instance {h.url or h.instance} owns this database's job under a lease, and this one "
+                              "runs with ROLLOUT_BUFFER_LEASE_SECONDS=0 (unfenced): it waits until that lease ends; "
+                              "give every instance a lease (the default)")
+
+    @staticmethod
+    def live_instances(db: Database, within_s: float) -> list[dict[str, Any]]:
+        """Instances (owner and standbys) seen within the last seconds."""
+        return db.fetchall(sql.INSTANCES_LIVE[db.backend], (within_s,))
+
+    def standby_hosts(self, conns: Any) -> set[str]:
+        """The hosts of the other live instances that wait as standbys (a graceful stop hands the launcher
+        over to one on this host); none when it cannot be known."""
+        if not self.enabled:
+            return set()
+        with contextlib.suppress(StorageError):
+            return {i["host_id"] for i in self.live_instances(conns.get().st, min(self.seconds, 5.0))
+                    if i["role"] == STANDBY and i["instance_id"] != self.instance_id}
+        return set()
+
+    # -- the thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                wait = self._step()
+            except Exception:  # noqa: BLE001 - the thread must survive anything, or nobody renews
+                logger.exception("the lease thread failed a step (retrying)")
+                self._close()
+                wait = RETRY_S
+            self._wake.wait(wait)
+            self._wake.clear()
+        self._close()
+
+    def _step(self) -> float:
+        started = self.clock()
+        try:
+            db = self._connect()
+            if self.role == OWNER:
+                self._renew(db, started)
+            else:
+                self._try_acquire(db, started)
+            self._seen(db)
+        except StorageError as exc:
+            self._failed(exc, started)
+            return RETRY_S
+        if self._failing_since is not None:
+            logger.info("the lease's database answers again after %.1f s", self.clock() - self._failing_since)
+            self._failing_since = None
+            if self.problem and self.problem.startswith("cannot"):
+                self.problem = None
+        self.decided.set()
+        if self.role == OWNER:
+            return self.seconds / 3
+        left = self.holder.left(self.clock()) if self.holder is not None else 0.0
+        return max(0.1, min(STANDBY_POLL_S, left + 0.05))
+
+    def _connect(self) -> Database:
+        if self._db is None:
+            # a renewal must never wait longer than a third of the lease, whatever the other timeouts
+            db = service_connect(self.config, self.config.effective_state_db_url, bound_s=self.seconds / 3)
+            try:
+                Store(db).ensure_schema()
+            except BaseException:
+                db.close()
+                raise
+            self._db = db
+        return self._db
+
+    def _close(self) -> None:
+        db, self._db = self._db, None
+        if db is not None:
+            db.close()
+
+    def _failed(self, exc: StorageError, started: float) -> None:
+        self._close()
+        now = self.clock()
+        first = self._failing_since is None
+        if first:
+            self._failing_since = now
+        if self.role == OWNER:
+            self.counts["renewal_failures"] += 1
+            if not self.holds():
+                told = (self.problem or "").startswith("cannot renew")
+                self.problem = (f"cannot renew the lease for {now - self._failing_since:.0f} s ({redact(str(exc))}): "
+                                "this owner stops deciding until it can")
+                if not told:
+                    logger.error("%s", self.problem)
+            elif first:
+                logger.warning("renewing the lease failed (retrying): %s", redact(str(exc)))
+        elif first:
+            self.problem = f"cannot read the lease: {redact(str(exc))}"
+            logger.warning("reading the lease failed (retrying): %s", redact(str(exc)))
+
+    def _renew(self, db: Database, started: float) -> None:
+        if db.execute(sql.LEASE_RENEW[db.backend], (self.seconds, SCOPE, self.instance_id, self.epoch)) == 1:
+            self._deadline = started + self.seconds - self.margin
+            self.counts["renewals"] += 1
+            if (self.problem or "").startswith("cannot renew"):
+                logger.warning("the lease is renewed again (epoch %s): deciding again", self.epoch)
+                self.problem = None
+            return
+        self._read(db)
+        h = self.holder
+        self._set(STANDBY, None, f"another instance took the job over ({h.url or h.instance if h else 'unknown'}, "
+                                 f"epoch {h.epoch if h else '?'})")
+
+    def _try_acquire(self, db: Database, started: float) -> None:
+        if self._leaving:
+            return
+        if self.url and self.advertised is None:
+            self._check_advertised()
+        sqlite = db.backend == "sqlite"
+        if sqlite and not self._flock(db):
+            self._read(db)
+            self._set(STANDBY, None, "another instance holds the database's lock")
+            return
+        h = self._read(db)
+        if h is None:
+            if db.execute(sql.LEASE_INSERT[db.backend], (SCOPE, *self._me(), self.seconds)) == 1:
+                self._won(1, started, 0.0, "the first owner of this database")
+                return
+            h = self._read(db)
+        if h is None or self._why_free(h, sqlite) is None:
+            self._set(STANDBY, None, f"the owner is {h.url or h.instance}" if h else "no lease row")
+            return
+        with db.transaction():
+            h = _holder(db.fetchone(sql.LEASE_LOCK[db.backend], (SCOPE,)), self.clock())  # waits for fenced writes
+            why = self._why_free(h, sqlite) if h is not None else None
+            taken = why is not None and db.execute(
+                sql.LEASE_TAKE[db.backend], self._me() + (self.seconds, SCOPE, h.epoch)) == 1
+        if taken:
+            self._won(h.epoch + 1, started, 0.0 if h.released or h.expires_in > 0 else -h.expires_in, why)
+        else:
+            self._read(db)
+            self._set(STANDBY, None, "another instance took the lease first")
+
+    def _why_free(self, h: Holder, sqlite: bool) -> str | None:
+        """Why the lease may be taken now, or None."""
+        if sqlite:
+            return "the previous owner's lock is free"
+        if h.released:
+            return f"{h.url or h.instance} gave it up"
+        # with a wrong advertised URL, a correct standby gets the first go (a third of a lease)
+        if h.expires_in <= (-self.seconds / 3 if self.advertised == "wrong" else 0):
+            return f"the lease of {h.url or h.instance} ended {-h.expires_in:.1f} s ago"
+        if h.instance == self.instance_id:
+            return "it is this instance's own"
+        if h.host == self.host_id and h.pid:
+            st = procfs.stat(int(h.pid))
+            if st is None or not st.alive or (h.start_ticks is not None and st.start_ticks != int(h.start_ticks)):
+                return f"its owner's process (pid {h.pid} on this host) has ended"
+        return None
+
+    def _me(self) -> tuple:
+        pid = os.getpid()
+        return (self.instance_id, self.url, self.host_id, pid, procfs.start_ticks(pid))
+
+    def _read(self, db: Database) -> Holder | None:
+        self.holder = _holder(db.fetchone(sql.LEASE_GET[db.backend], (SCOPE,)), self.clock())
+        return self.holder
+
+    def _won(self, epoch: int, started: float, free_for: float, why: str) -> None:
+        self._deadline = started + self.seconds - self.margin
+        self._took_at, self._free_for = self.clock(), free_for
+        self.counts["acquired"] += 1
+        if epoch > 1:
+            self.counts["takeovers"] += 1
+        self._set(OWNER, epoch, f"{why} (epoch {epoch})")
+
+    def _set(self, role: str, epoch: int | None, why: str) -> None:
+        old = self.role
+        self.epoch = epoch  # before the role: a reader that sees OWNER sees its epoch
+        self.role = role
+        if old != role:
+            self.problem = None if self.advertised != "wrong" else self.problem
+            log = logger.warning if old == OWNER or role == OWNER else logger.info
+            log("role: %s -> %s: %s", old, role, why)
+            self.on_change()
+
+    def _seen(self, db: Database) -> None:
+        if self._leaving and self.role != OWNER:
+            db.execute(sql.INSTANCES_PRUNE[db.backend], (1e18, self.instance_id))
+            return
+        db.execute(sql.INSTANCE_SEEN[db.backend], (self.instance_id, self.host_id, self.url, self.role, self.report))
+        now = self.clock()
+        if now - self._pruned_at > 60.0:
+            self._pruned_at = now
+            db.execute(sql.INSTANCES_PRUNE[db.backend], (INSTANCE_KEEP_S, ""))
+
+    def _flock(self, db: Database) -> bool:
+        """SQLite: the lease is an exclusive flock next to the state database (released by the kernel
+        when this process dies)."""
+        if self._lock_fd is None:
+            fd = os.open(sqlite_path(db.url) + ".owner.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            self._lock_fd = fd
+        return True
+
+    def _check_advertised(self) -> None:
+        """Once: ROLLOUT_BUFFER_ADVERTISE_URL must answer as this instance, or standbys would redirect
+        clients elsewhere. One that answers as another instance is reported (/health degraded), and
+        a correctly configured standby takes an ended lease first; it still may own the job (a job
+        served under a wrong URL beats no job served)."""
+        try:
+            r = requests.get(self.url + "/health", timeout=(1.0, 2.0))
+            seen = r.json().get("instance") if r.status_code == 200 else f"HTTP {r.status_code}"
+        except (requests.RequestException, ValueError, AttributeError) as exc:
+            self.advertised = "unverified"
+            logger.warning("could not check ROLLOUT_BUFFER_ADVERTISE_URL=%s from here (%s); standbys redirect "
+                           "clients to it", self.url, type(exc).__name__)
+            return
+        if seen == self.instance_id:
+            self.advertised = "ok"
+            return
+        self.advertised = "wrong"
+        self.problem = (f"ROLLOUT_BUFFER_ADVERTISE_URL={self.url} answers as another instance ({seen!r}), not as this "
+                        "one: while this instance owns the job, standbys redirect clients there; set it to this "
+                        "instance's own URL")
+        logger.error("%s", self.problem)

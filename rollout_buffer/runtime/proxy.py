@@ -1,0 +1,347 @@
+"""ProxyNotifier: tells the LLM proxy to free the sessions of dropped groups, in the background.
+
+``POST {base_url}/admin/clear_sessions`` with ``{"session_ids": [...], "reason": ..., "group_ids": [...]}``
+(SPEC §3). Callers only ever touch an in-memory pending map under a small lock; one named daemon
+thread owns the ``requests.Session`` and does all network I/O, so a dead or hung proxy can never
+slow down a poll (the original called it synchronously inside the poll, SPEC §7.6).
+
+Owns: the pending map of sessions to clear, coalescing and retries, and the one thread that calls
+the proxy. It must not block a caller on the network, nor know about groups beyond their ids and
+keys.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import requests
+
+from rollout_buffer.core.errors import RolloutBufferError
+
+logger = logging.getLogger(__name__)
+
+CLEAR_PATH = "/admin/clear_sessions"
+
+#: Called after every session of one reason was acknowledged by the proxy:
+#: ``on_delivered(reason, session_ids, group_ids, keys)``.
+DeliveredCallback = Callable[[str, list[str], list[str], list[Any]], None]
+
+
+class ProxyNotifierError(RolloutBufferError):
+    """The proxy notifier cannot be started: its previous thread is still running."""
+
+
+@dataclass
+class _Entry:
+    """What is waiting to be sent for one reason; ids are sets so repeats are stored once."""
+
+    sessions: set[str] = field(default_factory=set)
+    groups: set[str] = field(default_factory=set)
+    keys: list[Any] = field(default_factory=list)
+    # Hashable keys already in ``keys``: repeated notifies must not grow memory (SPEC §3 "bounded").
+    seen_keys: set[Any] = field(default_factory=set)
+
+    def merge(self, sessions: Iterable[str], groups: Iterable[str], keys: Iterable[Any]) -> None:
+        """Add ids and keys, keeping each distinct id and hashable key once."""
+        self.sessions.update(sessions)
+        self.groups.update(groups)
+        for key in keys:
+            try:
+                if key in self.seen_keys:
+                    continue
+                self.seen_keys.add(key)
+            except TypeError:  # unhashable token: keep it, we cannot dedupe it
+                pass
+            self.keys.append(key)
+
+
+class ProxyNotifier:
+    """Delivers clear_sessions notifications to the LLM proxy from one background thread.
+
+    ``notify()`` never blocks on the network and never raises: it coalesces ids into a
+    pending map and wakes the thread. The thread sends one POST per reason (split into
+    requests of at most ``max_ids_per_request`` session ids), retries failures with
+    exponential backoff, and calls ``on_delivered`` once every id of a reason was
+    acknowledged, so the caller can mark its persisted records as delivered. What is
+    still pending at ``stop()`` stays pending: the caller persisted it and re-sends it
+    after a restart. With ``base_url=None`` notifications are disabled (one warning).
+    """
+
+    #: At most one failure WARNING per this many seconds while the proxy stays unreachable.
+    WARN_INTERVAL_S = 60.0
+    #: How long the idle thread sleeps when nothing wakes it (a safety net, not a poll).
+    IDLE_WAIT_S = 5.0
+
+    def __init__(
+        self,
+        *,
+        base_url: str | None,
+        connect_timeout: float = 2.0,
+        read_timeout: float = 10.0,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        on_delivered: DeliveredCallback | None = None,
+        name: str = "rollout-buffer-proxy",
+        max_ids_per_request: int = 5000,
+    ) -> None:
+        if max_ids_per_request < 1:
+            raise ValueError(f"max_ids_per_request must be >= 1, got {max_ids_per_request!r}")
+        self.base_url = base_url.rstrip("/") if base_url else None
+        self.url = f"{self.base_url}{CLEAR_PATH}" if self.base_url else None
+        self.connect_timeout = float(connect_timeout)
+        self.read_timeout = float(read_timeout)
+        self.backoff_s = float(backoff_s)
+        self.backoff_max_s = float(backoff_max_s)
+        self.on_delivered = on_delivered
+        self.name = name
+        self.max_ids_per_request = int(max_ids_per_request)
+
+        self._lock = threading.Lock()  # guards _pending, _inflight and the counters below
+        self._pending: dict[str, _Entry] = {}
+        self._inflight: dict[str, _Entry] = {}  # taken by the thread, not yet acknowledged
+        self._failures = 0
+        self._delivered_calls = 0
+        self._last_error: str | None = None
+
+        # Owned by the notifier thread only (no lock needed).
+        self._fail_streak = 0
+        self._last_answered: bool | None = None  # None: no attempt yet
+        self._last_warn_at: float | None = None
+        self._warned_since = 0  # failures since the last WARNING line
+
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._lifecycle = threading.Lock()  # serialises start()/stop()
+        self._thread: threading.Thread | None = None
+        self._session: requests.Session | None = None
+        self._warned_disabled = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def enabled(self) -> bool:
+        """True when a proxy URL is configured."""
+        return self.base_url is not None
+
+    def start(self) -> None:
+        """Start the notifier thread; idempotent. Starts nothing when no proxy is configured.
+
+        A stopped notifier may be started again (pending ids are kept), unless its old
+        thread is still stuck, which raises :class:`ProxyNotifierError`.
+        """
+        with self._lifecycle:
+            if not self.enabled:
+                return
+            if self._thread is not None:
+                if not self._stop.is_set():
+                    return  # already running
+                if self._thread.is_alive():
+                    raise ProxyNotifierError(
+                        f"cannot restart proxy notifier {self.name!r}: its previous thread is still alive")
+            self._stop.clear()
+            self._wake.set()  # deliver whatever was notified before start() at once
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+            logger.info("proxy notifier started, url=%s", self.url)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread and close its session; idempotent. Pending ids stay pending."""
+        with self._lifecycle:
+            thread = self._thread
+            if thread is None or self._stop.is_set():
+                return
+            self._stop.set()
+            self._wake.set()
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.error("proxy notifier thread %r still alive %.1fs after stop(); "
+                             "abandoning it (daemon)", self.name, timeout)
+            session = self._session
+            if session is not None:
+                session.close()  # idempotent; the thread closes it too on the way out
+            stats = self.pending()
+            if stats["sessions"]:
+                logger.info("proxy notifier stopped with %d session(s) still pending (%s); "
+                            "they are re-sent after a restart", stats["sessions"], stats["reasons"])
+            else:
+                logger.info("proxy notifier stopped")
+
+    # ------------------------------------------------------------------ callers' side
+
+    def notify(self, reason: str, session_ids: Iterable[str], group_ids: Iterable[str],
+               keys: Iterable[Any] = ()) -> None:
+        """Queue sessions to be cleared at the proxy. Never blocks on the network, never raises.
+
+        Repeated ids are stored once per reason. ``keys`` are opaque tokens handed back to
+        ``on_delivered`` once the proxy acknowledged every session of the reason.
+        """
+        try:
+            if not self.enabled:
+                if not self._warned_disabled:
+                    self._warned_disabled = True
+                    logger.warning("no LLM proxy configured (LLM_PROXY_HOST unset): "
+                                   "clear_sessions notifications are disabled")
+                return
+            sessions = {str(s) for s in session_ids}
+            groups = {str(g) for g in group_ids}
+            keys = list(keys)
+            if not sessions and not groups and not keys:
+                return
+            with self._lock:
+                self._pending.setdefault(str(reason), _Entry()).merge(sessions, groups, keys)
+            self._wake.set()
+        except Exception:  # a caller's bad argument must not break a poll
+            logger.exception("proxy notify(%r) failed; notification not queued", reason)
+
+    def pending(self) -> dict[str, Any]:
+        """Counters for /health and stats: pending (including in-flight) sessions per reason."""
+        with self._lock:
+            reasons: dict[str, int] = {}
+            for reason in self._pending.keys() | self._inflight.keys():
+                waiting = self._pending.get(reason)
+                flying = self._inflight.get(reason)
+                if waiting is not None and flying is not None:
+                    reasons[reason] = len(waiting.sessions | flying.sessions)
+                else:
+                    entry = waiting if waiting is not None else flying
+                    reasons[reason] = len(entry.sessions)  # type: ignore[union-attr]
+            return {
+                "sessions": sum(reasons.values()),
+                "reasons": reasons,
+                "failures": self._failures,
+                "delivered_calls": self._delivered_calls,
+                "last_error": self._last_error,
+                "enabled": self.enabled,
+            }
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        session = requests.Session()
+        # No urllib3 Retry: POST is not retried by it anyway, and our loop below is the retry
+        # (with backoff that stop() can interrupt).
+        self._session = session
+        try:
+            while not self._stop.is_set():
+                delay: float | None
+                try:
+                    delay = self._tick(session)
+                except Exception:
+                    logger.exception("proxy notifier tick failed")
+                    delay = self._backoff_delay()
+                if delay is not None:
+                    # Backoff waits on stop, not wake: new notifies must not cut a backoff short.
+                    self._stop.wait(delay)
+                else:
+                    self._wake.wait(self.IDLE_WAIT_S)
+            # One final attempt, only if the proxy answered last time: a dead proxy must not
+            # delay shutdown. Anything left stays pending for the caller to re-send.
+            if self._last_answered:
+                try:
+                    self._tick(session)
+                except Exception:
+                    logger.exception("proxy notifier final flush failed")
+        finally:
+            session.close()
+
+    def _tick(self, session: requests.Session) -> float | None:
+        """Send everything pending. Returns a backoff delay after a failure, else None."""
+        self._wake.clear()  # before the swap: a notify after this point wakes the next wait
+        with self._lock:
+            if not self._pending:
+                return None
+            batch, self._pending = self._pending, {}
+            self._inflight = batch
+        try:
+            for reason in sorted(batch):
+                entry = batch[reason]
+                all_ids = sorted(entry.sessions)
+                groups = sorted(entry.groups)
+                keys = list(entry.keys)
+                for start in range(0, max(len(all_ids), 1), self.max_ids_per_request):
+                    chunk = all_ids[start:start + self.max_ids_per_request]
+                    if not self._post(session, reason, chunk, groups):
+                        return self._backoff_delay()
+                    with self._lock:
+                        entry.sessions.difference_update(chunk)
+                with self._lock:
+                    del self._inflight[reason]
+                logger.info("proxy cleared %d session(s), %d group(s), reason=%s",
+                            len(all_ids), len(groups), reason)
+                if self.on_delivered is not None:
+                    try:
+                        self.on_delivered(reason, all_ids, groups, keys)
+                    except Exception:
+                        logger.exception("proxy on_delivered callback failed for reason=%s", reason)
+            return None
+        finally:
+            # Whatever was not acknowledged goes back to pending (merged with newer notifies).
+            with self._lock:
+                leftover, self._inflight = self._inflight, {}
+                for reason, entry in leftover.items():
+                    if entry.sessions or entry.groups or entry.keys:
+                        self._pending.setdefault(reason, _Entry()).merge(
+                            entry.sessions, entry.groups, entry.keys)
+
+    def _post(self, session: requests.Session, reason: str, session_ids: list[str],
+              group_ids: list[str]) -> bool:
+        """One POST; True on any 2xx (3xx included among the failures). Records and logs (rate-limited) failures."""
+        body = {"session_ids": session_ids, "reason": reason, "group_ids": group_ids}
+        try:
+            # a redirect is not the proxy clearing anything (an auth gateway's login page would answer
+            # 200 to the GET it turns into): never followed, it counts as a failure and is retried
+            resp = session.post(self.url, json=body,  # type: ignore[arg-type]
+                                timeout=(self.connect_timeout, self.read_timeout), allow_redirects=False)
+            try:
+                ok = 200 <= resp.status_code < 300
+                error = None if ok else f"HTTP {resp.status_code} from {self.url}"
+            finally:
+                resp.close()  # the body is ignored
+        except requests.RequestException as exc:
+            ok, error = False, f"{type(exc).__name__}: {exc}"
+        if ok:
+            self._on_success()
+        else:
+            self._on_failure(error or "unknown error", len(session_ids), reason)
+        return ok
+
+    def _on_success(self) -> None:
+        if self._fail_streak:
+            logger.info("proxy reachable again at %s after %d failed attempt(s)",
+                        self.url, self._fail_streak)
+        self._fail_streak = 0
+        self._last_answered = True
+        self._last_warn_at = None
+        self._warned_since = 0
+        with self._lock:
+            self._delivered_calls += 1
+            self._last_error = None
+
+    def _on_failure(self, error: str, n_sessions: int, reason: str) -> None:
+        self._fail_streak += 1
+        self._last_answered = False
+        self._warned_since += 1
+        with self._lock:
+            self._failures += 1
+            self._last_error = error
+        now = time.monotonic()
+        if self._last_warn_at is None or now - self._last_warn_at >= self.WARN_INTERVAL_S:
+            logger.warning("proxy clear_sessions failed (%d failure(s) since last report, %d in a row): "
+                           "%s; %d session(s) for reason=%s kept pending, retrying in %.1fs",
+                           self._warned_since, self._fail_streak, error, n_sessions, reason,
+                           self._peek_delay())
+            self._last_warn_at = now
+            self._warned_since = 0
+
+    def _peek_delay(self) -> float:
+        # The exponent is capped so a long outage cannot overflow the float.
+        return min(self.backoff_s * (2 ** min(max(self._fail_streak - 1, 0), 30)), self.backoff_max_s)
+
+    def _backoff_delay(self) -> float:
+        """Delay before the next attempt: backoff_s doubling per consecutive failure, capped."""
+        if self._fail_streak == 0:  # an unexpected exception rather than a failed POST
+            self._fail_streak = 1
+        return self._peek_delay()

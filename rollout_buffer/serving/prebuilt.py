@@ -1,0 +1,175 @@
+"""Responses built before the poll: one draft, built while ready groups wait and no poll runs.
+
+The trainer polls, trains for seconds, and polls again; building a 256 MiB response costs about
+a second of CPU on the poll's path. While ready groups wait and the serve lock is free, this
+thread builds the next response (a :class:`~rollout_buffer.serving.draft.Draft`) for the shape the
+trainer last asked for (before its first poll, ``{}``: what the upstream client sends). A poll of
+that shape claims it and records it exactly as a draft built on its own path: the same checks (staleness is checked again at the poll's versions), the same
+durable record before the first byte, the same replay (the draft's seed is the batch's). A draft
+is not a decision: it is not recorded, and a kill -9 loses nothing (its groups are read again).
+
+Owns: the one draft (at most one, bounded by the response budget, shown in /stats), the last
+shape, and the thread that builds and extends it. A new ready group extends the draft while it
+has room; another shape, a moved version (a policy verdict), a new K or job, a redelivery or a
+lost lease discards it (its groups go back to the front of their queues). It must not record or
+send anything, and it takes the serve lock only without waiting (a poll is never kept behind it
+for more than one build).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from rollout_buffer.core.config import Config
+from rollout_buffer.storage.connections import LazyPair
+from rollout_buffer.serving.draft import Draft, Shape
+from rollout_buffer.core.errors import LeaseLost, StorageError
+from rollout_buffer.core.model import Take
+
+logger = logging.getLogger(__name__)
+
+
+class Prebuilder:
+    """The prebuilt draft and the thread that builds it."""
+
+    def __init__(self, config: Config, *, jobs: Any, loop: Any, serve_lock: threading.Lock,
+                 connection: Callable[[], LazyPair], failed: Callable[[Any, Take, Exception], bool],
+                 release: Callable[[Any, Any, list[Take]], None], ready: Callable[[], bool]) -> None:
+        self.config = config
+        self.enabled = config.prebuild
+        self.jobs, self.loop, self.serve_lock = jobs, loop, serve_lock
+        self._connection, self._failed, self._release, self._ready = connection, failed, release, ready
+        self.draft: Draft | None = None  # read and replaced only under the serve lock
+        self.shape = Shape()  # the last poll's; before any, the upstream client's: {}
+        self.counts = {"builds": 0, "claims": 0, "discards": 0}
+        self.building = False  # set under the serve lock, read by polls without it
+        self._count = threading.Lock()
+        self.polls_waiting = 0  # polls waiting for the serve lock: the builder starts nothing meanwhile
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- under the serve lock (serving) ----------------------------------------------------------
+    def claim(self, js: Any, shape: Shape, policy: Any) -> tuple[Draft | None, list[Take]]:
+        """A poll takes the draft when it was built for this job and shape and the policies' verdicts
+        hold at the job's version now; else the draft is discarded. Returns (the draft or None, the
+        takes the caller must give back)."""
+        self.shape = shape
+        d, self.draft = self.draft, None
+        if d is None:
+            return None, []
+        # in a version order a group that became ready since may come before the draft's: rebuild
+        in_order = policy.serve_order == "ready" or not js.acc.ready
+        if d.job_id == js.job_id and d.shape == shape and in_order and d.still_holds(js.acc, policy):
+            self.counts["claims"] += 1
+            return d, []
+        self.counts["discards"] += 1
+        return None, d.taken
+
+    def discard(self) -> Draft | None:
+        """Drop the draft (the caller releases its takes); counted."""
+        d, self.draft = self.draft, None
+        if d is not None:
+            self.counts["discards"] += 1
+        return d
+
+    def poll_acquires(self, lock: threading.Lock, timeout: float) -> bool:
+        """A poll takes the serve lock; while it waits, the builder starts no new build (a stream of
+        ready groups must never keep a poll behind extension after extension)."""
+        with self._count:
+            self.polls_waiting += 1
+        try:
+            return lock.acquire(timeout=timeout)
+        finally:
+            with self._count:
+                self.polls_waiting -= 1
+
+    def groups(self, js: Any) -> int:
+        """Groups the draft holds for this job, built or refused (a poll must come for them: they count
+        as ready), and at least 1 while a build runs (its groups are neither ready nor in a draft yet)."""
+        held = self.held(js)
+        return 1 if held is None else held  # (while building: at least one, so a poll waits for it)
+
+    def held(self, js: Any) -> int | None:
+        """Groups the draft holds for this job (taken, waiting for a poll); None while a build runs:
+        then every taken group is the builder's (no poll holds the serve lock meanwhile)."""
+        d = self.draft
+        if self.building:
+            return None
+        return len(d.built) + len(d.refused) if d is not None and d.job_id == js.job_id else 0
+
+    def stats(self) -> dict[str, Any]:
+        d = self.draft
+        draft = None if d is None else {"job_session": d.job_id, "groups": len(d.built), "refused": len(d.refused),
+                                        "bytes": len(d.buf), "full": not d.room(), "max_groups": d.shape.max_groups,
+                                        "build_s": round(d.built_s, 6)}
+        return {"enabled": self.enabled, "draft": draft, **self.counts}
+
+    # -- the thread --------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.enabled and self._thread is None and not self._stop.is_set():
+            self._thread = threading.Thread(target=self._run, name="rollout-buffer-prebuild", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self.loop.ready_signal.interrupt()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _wanted(self) -> bool:
+        """(Cheap, no lock.) Groups wait, and there is no draft or one that may be extended."""
+        js, d = self.jobs.current, self.draft
+        return (js is not None and js.ready_count() > 0  # (a version order is not extended: see claim)
+                and (d is None or d.job_id == js.job_id and d.room() and self.config.serve_order == "ready"))
+
+    def _run(self) -> None:
+        conns: LazyPair | None = None
+        while not self._stop.is_set():
+            self.loop.ready_signal.wait(self._wanted, 1.0, self._stop.is_set)
+            if self._stop.is_set() or not self._wanted() or not self._ready():
+                time.sleep(0.05)  # an interrupt (stop_rollout, a role change) must not spin
+                continue
+            if self.polls_waiting or not self.serve_lock.acquire(blocking=False):
+                time.sleep(0.01)  # a poll is running: it serves what is ready
+                continue
+            try:
+                conns = conns or self._connection()
+                self._build(conns)
+            except Exception as exc:  # noqa: BLE001 - the thread must survive; a poll builds on its own path
+                if isinstance(exc, (LeaseLost, StorageError)):
+                    logger.debug("prebuild skipped: %s", exc)  # a standby, or the database: polls say so
+                else:
+                    logger.exception("building a response ahead of the poll failed")
+                conns = self._close(conns)
+                time.sleep(0.5)
+            finally:
+                self.serve_lock.release()
+        self._close(conns)
+
+    @staticmethod
+    def _close(conns: LazyPair | None) -> None:
+        if conns is not None:
+            conns.close()
+        return None
+
+    def _build(self, conns: LazyPair) -> None:
+        """(Serve lock held.) Build or extend the draft for the last shape."""
+        js, shape = self.jobs.current, self.shape
+        if js is None or not self._wanted():
+            return
+        pair = conns.get()
+        d = self.draft if self.draft is not None else Draft(js.job_id, shape, self.config.max_response_bytes)
+        self.building = True  # (cleared only once the draft is in place: a poll never sees neither)
+        try:
+            d.build(pair, js, self.config.policy, self.config.max_group_bytes, lambda t, e: self._failed(js, t, e))
+            self._release(pair, js, d.give_back())
+            self.draft = d if d.taken else None
+            self.counts["builds"] += 1
+        except BaseException:
+            self.draft = None
+            self._release(pair, js, d.taken)
+            raise
+        finally:
+            self.building = False

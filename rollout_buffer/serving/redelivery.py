@@ -1,0 +1,159 @@
+"""Delivering served groups again after the trainer restarted from a checkpoint (issue 11).
+
+The upstream trainer calls ``/start_rollout`` once per process, with ``skip_instance_ids``: the
+groups its checkpoint holds. When that call does not begin a new job (the launcher is "already
+running", or it names the active job with ``restart_training: false``) and the list is not
+empty, every group of the active job that was served and is not in the list is queued again,
+ahead of new groups: the trainer crashed after they were served and before a checkpoint held
+them. A queued group is rebuilt from its immutable rows (as a replay is, with the poll's new
+seed: new uids) and its items carry ``extra_info.redelivered: true``.
+
+Owns: the active job's queue (:class:`Redeliveries`), the rule that fills it (:func:`redeliver`),
+and turning a queued group back into a Take for a poll (:func:`take`). The queue is recorded
+(store, fenced by the lease) before memory changes and loaded with the job after a restart. A
+redelivered group keeps its decision (served); only its redelivery is settled, in the same
+transaction as the batch that carries it. It must not touch an undecided group, and a
+redelivered group never passes through the accumulator's ready queue.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Any, Callable
+
+from rollout_buffer.storage.connections import Pair
+from rollout_buffer.core.errors import ApiError, LeaseLost, StorageError, bounded
+from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
+from rollout_buffer.core.model import Decisions, Take
+
+logger = logging.getLogger(__name__)
+
+ROWS_MISSING = "rows_missing"  # a row of the group is gone from session_steps: it cannot be rebuilt
+LOCK_WAIT_S = 8.0
+
+
+class Redeliveries:
+    """The active job's served groups waiting to be delivered again, in order, and their figures."""
+
+    def __init__(self, queued: list[str] | None = None, totals: dict[str, int] | None = None) -> None:
+        self._lock = threading.Lock()
+        self._queue: collections.deque[str] = collections.deque(queued or ())
+        self.taken: set[str] = set()  # popped by a poll that has not recorded nor given them back
+        self.totals = {"requested": 0, "delivered": 0, "cancelled": 0, "failed": 0, **(totals or {})}
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def replace(self, queue: list[str], cancelled: int) -> None:
+        """The queue as the store recorded it for a new skip list."""
+        with self._lock:
+            self._queue = collections.deque(queue)
+            self.totals["requested"] += len(queue)
+            self.totals["cancelled"] += cancelled
+
+    def pop(self, n: int) -> list[str]:
+        with self._lock:
+            out = [self._queue.popleft() for _ in range(min(n, len(self._queue)))]
+            self.taken.update(out)
+            return out
+
+    def put_front(self, group_ids: list[str]) -> None:
+        """Give popped groups back, first again and in their order (a poll failed or ran out of budget)."""
+        with self._lock:
+            self._queue.extendleft(reversed([g for g in group_ids if g not in self._queue]))
+            self.taken.difference_update(group_ids)
+
+    def remove(self, group_ids: list[str]) -> None:
+        with self._lock:
+            gone = set(group_ids)
+            self._queue = collections.deque(g for g in self._queue if g not in gone)
+            self.taken -= gone
+
+    def settled(self, plan: Decisions) -> None:
+        """A recorded plan delivered some groups again, or found that it could not."""
+        with self._lock:
+            for gid, why in plan.redelivered.items():
+                self.totals["delivered" if why is None else "failed"] += 1
+                self.taken.discard(gid)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"queued": len(self._queue), **self.totals}
+
+
+def take(pair: Pair, js: Any, want: int) -> list[Take]:
+    """A poll's next groups: queued redeliveries first (rebuilt from their rows), then ready ones."""
+    out: list[Take] = []
+    popped = js.redeliveries.pop(want) if len(js.redeliveries) else []
+    try:
+        for gid in popped:
+            t = _take_again(pair, js, gid)
+            if t is not None:
+                out.append(t)
+    except BaseException:
+        js.redeliveries.put_front(popped)
+        raise
+    if len(out) < want:
+        out += js.acc.take_ready(want - len(out))
+    return out
+
+
+def _take_again(pair: Pair, js: Any, gid: str) -> Take | None:
+    """A served group as a Take again, from the pks its decision recorded; None (recorded as failed)
+    when one of its rows is gone: a group is never delivered again with fewer items than it had."""
+    pks = pair.store.group_pks(js.job_id, gid)
+    rows = fetch_rows(pair.src, pks)
+    t = take_from_rows(gid, pks, rows)
+    if pks and len(rows) == len(pks) and t.completed:
+        return Take(gid, t.completed, {}, partial=len(t.completed) < js.acc.k, redelivered=True)
+    plan = Decisions(redelivered={gid: ROWS_MISSING})
+    pair.store.record(js.job_id, plan)
+    js.redeliveries.settled(plan)
+    logger.error("group %s of job %s cannot be delivered again: %d of its %d rows are gone", gid, js.job_id,
+                 len(pks) - len(rows), len(pks))
+    return None
+
+
+def release(js: Any, takes: list[Take]) -> Decisions:
+    """Give a poll's takes back: redeliveries to the front of their queue, the others to the accumulator."""
+    js.redeliveries.put_front([t.group_id for t in takes if t.redelivered])
+    return js.acc.release([t for t in takes if not t.redelivered])
+
+
+def retake(js: Any, takes: list[Take]) -> None:
+    """Takes of a COMMIT that did happen after all: they leave their queues again."""
+    js.redeliveries.remove([t.group_id for t in takes if t.redelivered])
+    js.acc.retake([t for t in takes if not t.redelivered])
+
+
+def parse_skip(value: Any) -> list[str] | None:
+    """``skip_instance_ids`` of a /start_rollout body: a list of group ids (text or integers)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) or type(v) is int for v in value):
+        raise ApiError(400, "skip_instance_ids must be a list of group ids (strings or integers): "
+                       f"got {type(value).__name__}", field="skip_instance_ids")
+    return [str(v) for v in value]
+
+
+def redeliver(pair: Pair, js: Any, skip: list[str], serve_lock: threading.Lock,
+              settle: Callable[[Pair, Any], None], on_queued: Callable[[], None]) -> dict[str, Any]:
+    """Queue again every served group of the active job that ``skip`` does not name; returns the
+    /start_rollout answer's ``redelivery``. Holds the serve lock: no poll is building meanwhile
+    (``settle`` first settles a poll whose COMMIT is uncertain, so the store is the whole truth)."""
+    with bounded(serve_lock, "a poll", LOCK_WAIT_S):
+        try:
+            settle(pair, js)
+            queue, cancelled = pair.store.queue_redeliveries(js.job_id, set(skip))
+        except LeaseLost:
+            raise
+        except StorageError as exc:
+            raise ApiError(503, f"the database is unreachable: {exc}; the groups to deliver again were not "
+                           "recorded, retry", retry_after=3) from exc
+        js.redeliveries.replace(queue, cancelled)
+    on_queued()
+    if queue:
+        logger.warning("the trainer restarted from a checkpoint holding %d groups: %d served groups of job %s "
+                       "are queued to be delivered again", len(set(skip)), len(queue), js.job_id)
+    return {"redelivery": {"queued": len(queue), "cancelled": cancelled, "skip_instance_ids": len(skip)}}

@@ -1,0 +1,66 @@
+"""Reading the bodies of the rows a poll serves, by primary key, in chunks.
+
+Owns: the body queries of serving and replay, the per-group byte cap while reading (a huge group
+is stopped as soon as it passes it), and rebuilding a served group's Take from its recorded pks.
+It reads the launcher's table only.
+
+It must not write, and it reads the launcher's table only.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from rollout_buffer.storage import queries as q
+from rollout_buffer.storage.db import Database
+from rollout_buffer.core.items import COMPLETED, MESSAGES, RESPONSE, SID
+from rollout_buffer.core.model import Take
+
+FETCH_CHUNK = 900  # pks per body query (SQLite's default variable limit is far above)
+
+
+def fetch_rows(src: Database, pks: list[int], query: Callable[[int, str], str] = q.fetch_bodies) -> dict[int, tuple]:
+    """The body columns (queries.BODY_COLUMNS) of the given rows, by pk (``query``: the statement for
+    n pks, ``fetch_bodies`` or one that selects more columns after those, as the export's)."""
+    out: dict[int, tuple] = {}
+    for i in range(0, len(pks), FETCH_CHUNK):
+        chunk = pks[i:i + FETCH_CHUNK]
+        for r in src.rows(query(len(chunk), src.backend), q.fetch_bodies_params(chunk, src.backend), binary=True):
+            out[r[0]] = r
+    return out
+
+
+def fetch_takes(src: Database, takes: list[Take], cap: int) -> tuple[dict[int, tuple], set[str]]:
+    """The body rows of the served sessions of ``takes``, and the groups whose rows alone exceed
+    ``cap`` bytes (stopped as soon as they do, so one huge group never holds more than the cap)."""
+    owner = {pk: t.group_id for t in takes for pk in t.served_pks}
+    pks = list(owner)
+    sizes: dict[str, int] = {}
+    too_large: set[str] = set()
+    out: dict[int, tuple] = {}
+    for i in range(0, len(pks), FETCH_CHUNK):
+        chunk = [pk for pk in pks[i:i + FETCH_CHUNK] if owner[pk] not in too_large]
+        if not chunk:
+            continue
+        for r in src.rows(q.fetch_bodies(len(chunk), src.backend), q.fetch_bodies_params(chunk, src.backend),
+                          binary=True):
+            gid = owner[r[0]]
+            size = sizes[gid] = sizes.get(gid, 0) + len(r[MESSAGES] or b"") + len(r[RESPONSE] or "")
+            if size > cap:
+                too_large.add(gid)
+            out[r[0]] = r
+        if too_large:
+            for pk in [pk for pk in out if owner[pk] in too_large]:
+                del out[pk]
+    return out, too_large
+
+
+def take_from_rows(group_id: str, pks: list[int], rows: dict[int, tuple]) -> Take:
+    """Rebuild a served group's Take from its recorded pks: sessions with a completed row are complete."""
+    done = {r[SID] for r in rows.values() if r[COMPLETED]}
+    completed: dict[str, list[int]] = {}
+    incomplete: dict[str, list[int]] = {}
+    for pk in pks:
+        r = rows.get(pk)
+        if r is not None:
+            (completed if r[SID] in done else incomplete).setdefault(r[SID], []).append(pk)
+    return Take(group_id, {s: tuple(p) for s, p in completed.items()}, {s: tuple(p) for s, p in incomplete.items()})

@@ -1,0 +1,285 @@
+"""``rollout-buffer demo``: the whole system on one machine, with no configuration.
+
+It makes a work directory (SQLite database, logs), starts the service under gunicorn as a
+subprocess with the built-in simulated launcher, then acts as a trainer with
+:class:`rollout_buffer.client.BufferClient`: one ``/start_rollout``, then polls
+``/get_rollout_data`` with a live progress line until the launcher has finished and nothing is
+pending or ready. Every group received is checked (exactly K distinct sessions, one reward per
+session, never a group twice), a summary table is printed, and the server is always stopped.
+
+Exit status: 0 when every check passed and at least one group was served, 1 otherwise
+(including a timeout or a server that did not start), 130 on Ctrl-C.
+
+Owns: the demo's work directory, its trainer loop, checks and summary. It must not reach into the
+service: it runs it through the runner and talks to it through the client, as a user would.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from typing import Any, TextIO
+
+from rollout_buffer.client import BufferClient, BufferError, groups_of
+from rollout_buffer.tools.progress import Progress
+from rollout_buffer.tools.runner import ServerProcess, clean_env, free_port, log_tail
+from rollout_buffer.storage.store import init_database
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 30.0
+POLL_INTERVAL_S = 0.5
+STOP_WAIT_S = 15.0
+
+
+# --policies: what the demo turns on (the simulator's weight_version moves every 50 rows, and a
+# fifth of its groups end with equal rewards, so each policy has something to do)
+POLICY_ENV = {"ROLLOUT_BUFFER_MAX_OFF_POLICY": "3", "ROLLOUT_BUFFER_DROP_ZERO_VARIANCE": "1",
+              "ROLLOUT_BUFFER_OVERSAMPLE": "1"}
+POLICY_REASONS = ("stale", "zero_variance", "oversampled")
+
+
+def server_env(db_url: str, run_dir: str, *, groups: int, pace: float, policies: bool = False) -> dict[str, str]:
+    """The server's environment: ours without any rollout-buffer setting, plus the demo's."""
+    sim = f"--groups {groups} --pace {pace} --max-steps 4 --fail-rate 0.1" + (" --flat-rate 0.2" if policies else "")
+    return clean_env({
+        "AIEVOBOX_DB_URL": db_url,
+        "AIEVOBOX_RUN_DIR": run_dir,
+        "ROLLOUT_BUFFER_LAUNCHER": "simulate",
+        "ROLLOUT_BUFFER_SIMULATE_ARGS": sim,
+        "AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS": "60",
+        "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "5",
+        "ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS": "20",
+        **(POLICY_ENV if policies else {}),
+    })
+
+
+class Checker:
+    """What the trainer verifies about every group it receives."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.groups: list[str] = []
+        self.seen: set[str] = set()
+        self.items = 0
+        self.sessions = 0
+        self.rewards: list[float] = []
+        self.session_rewards: list[float] = []
+        self.problems: list[str] = []
+
+    def add(self, gid: str, items: list[dict[str, Any]]) -> None:
+        if gid in self.seen:
+            self.problems.append(f"group {gid} received twice")
+            return
+        self.seen.add(gid)
+        self.groups.append(gid)
+        self.items += len(items)
+        by_session: dict[str, set[float]] = collections.defaultdict(set)
+        for it in items:
+            extra = it.get("extra_info") or {}
+            sid = extra.get("session_id")
+            reward = it.get("reward")
+            if sid is None or reward is None:
+                self.problems.append(f"group {gid}: an item lacks extra_info.session_id or reward")
+                continue
+            by_session[sid].add(float(reward))
+            self.rewards.append(float(reward))
+        if len(by_session) != self.k:
+            self.problems.append(f"group {gid}: {len(by_session)} distinct sessions, expected K={self.k}")
+        for sid, rs in by_session.items():
+            if len(rs) != 1:
+                self.problems.append(f"group {gid}: session {sid} has items with different rewards {sorted(rs)}")
+            self.session_rewards.append(next(iter(rs)))
+        self.sessions += len(by_session)
+
+
+def _reasons(d: Any) -> str:
+    if not isinstance(d, dict) or not d:
+        return "none"
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items()))
+
+
+def launcher_summary(log_path: str | None) -> dict[str, Any] | None:
+    """The simulator's final ``SIMULATE {json}`` line from its log, or None."""
+    if not log_path:
+        return None
+    for line in reversed(log_tail(log_path, 20).splitlines()):
+        if line.startswith("SIMULATE "):
+            try:
+                return json.loads(line[len("SIMULATE "):])
+            except ValueError:
+                return None
+    return None
+
+
+def _finished(stats: dict[str, Any]) -> bool:
+    """The launcher has finished, every row is read and no group is pending, ready or in flight."""
+    launcher = stats.get("launcher") or {}
+    groups = stats.get("groups") or {}
+    if not launcher.get("finished") or stats.get("lag_rows") != 0:
+        return False
+    return sum(int(groups.get(k) or 0) for k in ("pending", "ready", "in_flight")) == 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Run the demo (see the module docstring). Returns the exit status."""
+    groups = int(getattr(args, "groups", 24))
+    k = int(getattr(args, "k", 4))
+    pace = float(getattr(args, "pace", 0.005))
+    timeout = float(getattr(args, "timeout", 300.0))
+    if groups < 1 or k < 1 or pace < 0 or timeout <= 0:
+        print(f"rollout-buffer demo: invalid arguments groups={groups} k={k} pace={pace} timeout={timeout}: "
+              "expected groups >= 1, k >= 1, pace >= 0, timeout > 0", file=sys.stderr)
+        return 2
+    workdir = os.path.abspath(args.dir) if getattr(args, "dir", None) else tempfile.mkdtemp(
+        prefix="rollout-buffer-demo-")
+    logs = os.path.join(workdir, "logs")
+    os.makedirs(logs, exist_ok=True)
+    db_path = os.path.join(workdir, "demo.db")
+    db_url = "sqlite://" + db_path
+    server_log = os.path.join(workdir, "server.log")
+    port = int(getattr(args, "port", 0) or 0) or free_port()
+    url = f"http://127.0.0.1:{port}"
+    out = sys.stdout
+
+    # The launcher's tables, so the service never reads before the simulator has created them.
+    init_database(db_url)
+
+    print(f"rollout-buffer demo: {groups} groups x K={k} sessions, simulated launcher (pace {pace:g} s/row)")
+    print(f"  work dir {workdir}")
+    print(f"  server   {url}  (log {server_log})")
+    policies = bool(getattr(args, "policies", False))
+    if policies:
+        print("  policies " + ", ".join(f"{k.replace('ROLLOUT_BUFFER_', '')}={v}" for k, v in POLICY_ENV.items()))
+    server = ServerProcess(port, server_env(db_url, logs, groups=groups, pace=pace, policies=policies), server_log,
+                           cwd=workdir)
+    started = time.monotonic()
+    server.spawn()
+    client: BufferClient | None = None
+    progress = Progress(out)
+    try:
+        problem = server.wait_healthy(HEALTH_TIMEOUT_S)
+        if problem:
+            print(f"rollout-buffer demo: the server did not start: {problem}", file=sys.stderr)
+            print(f"--- last lines of {server_log} ---\n{log_tail(server_log)}", file=sys.stderr)
+            return 1
+        client = BufferClient(url, timeout=60.0, retries=5, backoff_s=0.2, backoff_max_s=2.0)
+        started_doc = client.start_rollout(num_repeat_per_sample=k)
+        job = started_doc.get("job_session")
+        print(f"  job      {job}  (launcher pid {started_doc.get('pid')})")
+        checker = Checker(k)
+        t0 = time.monotonic()
+        stats: dict[str, Any] = {}
+        stats_at = 0.0
+        timed_out = False
+        while True:
+            elapsed = time.monotonic() - t0
+            if elapsed > timeout:
+                timed_out = True
+                break
+            doc = client.get_rollout_data()
+            got = groups_of(doc) if doc.get("success") else []
+            for gid, items in got:
+                checker.add(gid, items)
+            now = time.monotonic()
+            if not got or now - stats_at >= POLL_INTERVAL_S:
+                stats = client.stats()
+                stats_at = now
+                g = stats.get("groups") or {}
+                r = stats.get("rows") or {}
+                rate = (r.get("read") or 0) / max(elapsed, 1e-6)
+                progress.show(f"  {elapsed:6.1f} s  groups {len(checker.groups):4d}  items {checker.items:6d}  "
+                              f"{rate:8.0f} rows/s  pending {g.get('pending', 0):3d}  "
+                              f"dropped {g.get('dropped_total', 0):3d}")
+                if not got and _finished(stats):
+                    progress.show(progress.last_text, force=True)
+                    break
+            if not got:
+                time.sleep(POLL_INTERVAL_S)
+        wall = time.monotonic() - started
+        if not timed_out:
+            stats = client.stats()
+        progress.end()
+        return _summary(out, checker, stats, wall=wall, workdir=workdir, db_path=db_path, logs=logs,
+                        server_log=server_log, timed_out=timed_out, timeout=timeout, policies=policies)
+    except BufferError as exc:
+        progress.end()
+        print(f"rollout-buffer demo: the buffer failed: {exc}", file=sys.stderr)
+        print(f"--- last lines of {server_log} ---\n{log_tail(server_log)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        progress.end()
+        print("rollout-buffer demo: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if client is not None:
+            client.close()
+        code = server.stop(wait_s=STOP_WAIT_S)
+        if code not in (0, None, -signal.SIGTERM):
+            print(f"rollout-buffer demo: the server exited with code {code} (see {server_log})", file=sys.stderr)
+
+
+def _summary(out: TextIO, checker: Checker, stats: dict[str, Any], *, wall: float, workdir: str, db_path: str,
+             logs: str, server_log: str, timed_out: bool, timeout: float, policies: bool = False) -> int:
+    g = stats.get("groups") or {}
+    r = stats.get("rows") or {}
+    balanced = stats.get("accounting_balanced")
+    served_by_server = g.get("served")
+    problems = list(checker.problems)
+    if timed_out:
+        problems.append(f"timed out after {timeout:g} s before the launcher finished and the buffer drained")
+    if not checker.groups:
+        problems.append("no group was served")
+    if balanced is not True:
+        problems.append(f"accounting not balanced in /stats: rows {r}")
+    sim = launcher_summary((stats.get("launcher") or {}).get("log_path"))
+    by_policy = {k: v for k, v in (g.get("dropped") or {}).items() if k in POLICY_REASONS}
+    if sim is not None and not timed_out and not policies and sim.get("complete_groups") != len(checker.groups):
+        problems.append(f"the simulator completed {sim.get('complete_groups')} groups, the trainer received "
+                        f"{len(checker.groups)}")
+    if sim is not None and not timed_out and policies \
+            and sim.get("complete_groups", 0) > len(checker.groups) + sum(by_policy.values()):
+        # over-sampling serves a group once K of its K+1 sessions completed: more may be served
+        problems.append(f"the simulator completed {sim.get('complete_groups')} groups, the trainer received "
+                        f"{len(checker.groups)} and {sum(by_policy.values())} were dropped by a policy")
+    if served_by_server is not None and served_by_server != len(checker.groups):
+        problems.append(f"/stats says {served_by_server} groups served, the trainer received {len(checker.groups)}")
+    avg = sum(checker.rewards) / len(checker.rewards) if checker.rewards else 0.0
+    avg_s = sum(checker.session_rewards) / len(checker.session_rewards) if checker.session_rewards else 0.0
+    rows = [
+        ("groups served", f"{len(checker.groups)}"),
+        ("items (steps)", f"{checker.items}"),
+        ("sessions", f"{checker.sessions}"),
+        ("dropped groups", f"{g.get('dropped_total', 0)}  ({_reasons(g.get('dropped'))})"),
+        ("rejected rows", f"{r.get('rejected_total', 0)}  ({_reasons(r.get('rejected'))})"),
+        *([("policies", f"stale {by_policy.get('stale', 0)} groups, zero_variance "
+                        f"{by_policy.get('zero_variance', 0)} groups, oversampled "
+                        f"{(r.get('dropped') or {}).get('oversampled', 0)} rows")] if policies else []),
+        ("rows read", f"{r.get('read', 0)}  (served {r.get('served', 0)}, dropped {r.get('dropped_total', 0)}, "
+                      f"pending {r.get('pending', 0)})"),
+        ("avg reward", f"{avg:.3f} per item, {avg_s:.3f} per session"),
+        ("wall time", f"{wall:.1f} s"),
+        ("simulator", "-" if sim is None else f"{sim.get('sessions')} sessions ({sim.get('completed_sessions')} "
+                      f"completed, {sim.get('failed_sessions')} crashed), {sim.get('complete_groups')} complete "
+                      "groups"),
+        ("database", db_path),
+        ("logs", f"{logs}  (server: {server_log})"),
+        ("accounting balanced", "yes" if balanced is True else "no"),
+        ("checks", "passed" if not problems else f"FAILED ({len(problems)})"),
+    ]
+    width = max(len(a) for a, _ in rows)
+    out.write("\nsummary\n")
+    for label, value in rows:
+        out.write(f"  {label:<{width}}  {value}\n")
+    for p in problems[:20]:
+        out.write(f"  ! {p}\n")
+    if len(problems) > 20:
+        out.write(f"  ! ... and {len(problems) - 20} more\n")
+    out.flush()
+    return 0 if not problems else 1

@@ -1,0 +1,378 @@
+"""``rollout-buffer export``: every group the buffer decided for a job, as JSONL (gzipped for ``.gz``).
+
+Owns: the export format (README "Export format", one record per line) and streaming it. One
+record per decided group (served or dropped), plus one per rejected row that has no usable group;
+each carries its sessions and their steps as the launcher wrote them, every row with its outcome
+and reason, and for a served group its items exactly as the trainer got them: rebuilt from the
+immutable rows with the batch's uid seed, as a replayed poll is (``fetch.take_from_rows`` then
+``items.build_group``), so the uids are the same.
+
+Memory is constant in the job's size: decided groups and the rows accounted one by one are read
+in keyset pages sorted by group_id and merged, one group's rows are fetched at a time, and batch
+seeds are kept in a small cache. It only reads, so it runs against a live service on either
+backend. The file is written as ``FILE.partial`` and renamed when complete.
+
+It must not write to either database: it only reads, through read-only connections.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import gzip
+import json
+import math
+import os
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from datetime import datetime
+from typing import IO, Any, Iterator, Sequence, TextIO
+
+from rollout_buffer.storage import queries as q
+from rollout_buffer.storage.db import Database, connect
+from rollout_buffer.core.errors import RolloutBufferError
+from rollout_buffer.core.items import (PARTIAL_FLAG, COMPLETED, CREATED, ENV_STATE, GID, MESSAGES, RESPONSE, SID, STEP, STEP_REWARD, TRUNCATED,
+                    Malformed, build_group, epoch, weight_version)
+from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
+from rollout_buffer.tools.progress import Progress, bar
+from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
+
+WHAT = ("served", "dropped", "all")
+PAGE = 500
+SEED_CACHE = 1024
+# Positions of queries.EXPORT_EXTRA_COLUMNS after BODY_COLUMNS.
+ENV_NAME, LLM_MODEL, CUM_REWARD, TERMINAL = range(len(q.BODY_COLUMNS), len(q.BODY_COLUMNS) + 4)
+FORMAT_VERSION = 1
+
+
+class ExportError(RolloutBufferError):
+    """The export cannot be made (no such job, unreadable database)."""
+
+
+@dataclass
+class Summary:
+    """What an export wrote."""
+
+    records: int = 0
+    bytes: int = 0
+
+
+def _open_out(path: str, gz: bool) -> IO[str]:
+    if gz:
+        return gzip.open(path, "wt", encoding="utf-8", newline="\n")
+    return open(path, "w", encoding="utf-8", newline="\n")
+
+
+def _number(v: Any) -> Any:
+    """A JSON number, or the text of a value that is not a finite one ('nan', 'inf', ...)."""
+    if v is None:
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return str(v)
+    if not math.isfinite(f):
+        return str(f)
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else f
+
+
+def _text(v: Any) -> str | None:
+    if v is None:
+        return None
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return bytes(v).decode("utf-8", "replace")
+    if isinstance(v, datetime):
+        return v.isoformat(sep=" ")
+    return str(v)
+
+
+def _messages(raw: Any) -> dict[str, Any]:
+    """{"messages": list} when the stored history is a JSON list, else {"messages": None, "messages_text": raw}."""
+    text = _text(raw)
+    try:
+        value = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+        if isinstance(value, list):
+            return {"messages": value}
+    except (TypeError, ValueError, RecursionError):
+        pass
+    return {"messages": None, "messages_text": text}
+
+
+def _wv(env_state: Any) -> int | None:
+    try:
+        return weight_version(env_state)
+    except Malformed:
+        return None
+
+
+def step_record(row: Sequence[Any], outcome: str, reason: str | None) -> dict[str, Any]:
+    """One launcher row as an export step."""
+    try:
+        ts: float | None = epoch(row[CREATED])
+    except Malformed:
+        ts = None
+    out: dict[str, Any] = {"step_pk": int(row[0]), "step_id": _number(row[STEP])}
+    out.update(_messages(row[MESSAGES]))
+    out.update({
+        "response": _text(row[RESPONSE]), "step_reward": _number(row[STEP_REWARD]),
+        "reward": _number(row[CUM_REWARD]), "weight_version": _wv(row[ENV_STATE]), "env_state": _text(row[ENV_STATE]),
+        "truncated": bool(row[TRUNCATED]), "terminal": bool(row[TERMINAL]), "completed": bool(row[COMPLETED]),
+        "created_at": _text(row[CREATED]), "timestamp": ts, "env_name": _text(row[ENV_NAME]),
+        "llm_model": _text(row[LLM_MODEL]), "outcome": outcome, "reason": reason})
+    return out
+
+
+def sessions_of(rows: dict[int, tuple], outcomes: dict[int, tuple[str, str | None]]) -> list[dict[str, Any]]:
+    """The sessions of some rows, sorted by session_id, their steps by (step_id, step_pk), each with
+    its terminal reward: the step_reward of its last completed row (None when it never completed)."""
+    by_session: dict[str, list[tuple]] = collections.defaultdict(list)
+    for pk, r in rows.items():
+        by_session[_text(r[SID]) or ""].append(r)
+    out = []
+    for sid in sorted(by_session):
+        def order(r: tuple) -> tuple:
+            try:
+                return (0, int(r[STEP]), int(r[0]))
+            except (TypeError, ValueError):
+                return (1, 0, int(r[0]))
+        steps = sorted(by_session[sid], key=order)
+        done = [r for r in steps if r[COMPLETED]]
+        out.append({"session_id": sid, "completed": bool(done),
+                    "terminal_reward": _number(done[-1][STEP_REWARD]) if done else None,
+                    "steps": [step_record(r, *outcomes[int(r[0])]) for r in steps]})
+    return out
+
+
+class Exporter:
+    """Streams one job's records from a source (launcher) and a state connection."""
+
+    def __init__(self, src: Database, st: Database, job_id: str) -> None:
+        self.src = src
+        self.st = st
+        self.job_id = job_id
+        # batch_id -> (uid seed, its partial groups), None once the batch was pruned
+        self._seeds: collections.OrderedDict[str, tuple[bytes, frozenset[str]] | None] = collections.OrderedDict()
+
+    def count(self) -> int:
+        """How many records an ``all`` export has."""
+        return int(self.st.scalar(q.EXPORT_COUNT_GROUPS, (self.job_id,)) or 0) + int(
+            self.st.scalar(q.EXPORT_COUNT_ORPHANS, (self.job_id,)) or 0)
+
+    def check_job(self) -> None:
+        if self.st.fetchone(q.GET_JOB, (self.job_id,)) is None:
+            known = [r[0] for r in self.st.rows(q.EXPORT_RECENT_JOBS)]
+            raise ExportError(f"no job {self.job_id!r} in the buffer's tables; known jobs (newest first): "
+                              f"{', '.join(known) or 'none'}")
+
+    # -- the two sorted streams --------------------------------------------------------------------
+    def _groups(self) -> Iterator[dict[str, Any]]:
+        after = ""
+        while True:
+            page = self.st.fetchall(q.EXPORT_GROUPS[self.st.backend], (self.job_id, after, PAGE))
+            yield from page
+            if len(page) < PAGE:
+                return
+            after = page[-1]["group_id"]
+
+    def _group_rows(self) -> Iterator[tuple]:
+        gid, pk = "", -1 << 62
+        while True:
+            page = self.st.rows(q.EXPORT_GROUP_ROWS[self.st.backend], (self.job_id, gid, gid, pk, PAGE))
+            yield from page
+            if len(page) < PAGE:
+                return
+            gid, pk = page[-1][0], int(page[-1][1])
+
+    def _orphans(self) -> Iterator[tuple]:
+        pk = -1 << 62
+        while True:
+            page = self.st.rows(q.EXPORT_ORPHAN_ROWS, (self.job_id, pk, PAGE))
+            yield from page
+            if len(page) < PAGE:
+                return
+            pk = int(page[-1][0])
+
+    # -- records -----------------------------------------------------------------------------------
+    def records(self, what: str = "all") -> Iterator[str]:
+        """The export's lines (JSON text without the newline), groups in group_id order, then the
+        rejected rows without a group in step_pk order."""
+        if what not in WHAT:
+            raise ExportError(f"--what {what!r}: expected one of {', '.join(WHAT)}")
+        extra = self._group_rows()
+        pending = next(extra, None)
+        for g in self._groups():
+            gid = g["group_id"]
+            accounted: list[tuple] = []
+            while pending is not None and pending[0] <= gid:
+                if pending[0] == gid:
+                    accounted.append(pending)
+                pending = next(extra, None)  # a row of an undecided group (never rejected) is skipped
+            if what == "all" or (what == "served") == (g["status"] == SERVED):
+                yield self._group_record(g, accounted)
+        if what != "served":
+            for r in self._orphans():
+                yield self._orphan_record(r)
+
+    def _rows(self, pks: list[int]) -> dict[int, tuple]:
+        return fetch_rows(self.src, pks, q.fetch_export_rows)
+
+    def _seed(self, batch_id: str) -> tuple[bytes, frozenset[str]] | None:
+        if batch_id not in self._seeds:
+            r = self.st.fetchone(q.BATCH_SEED, (batch_id,))
+            meta = json.loads(r["meta"]) if r is not None and r.get("meta") else {}
+            self._seeds[batch_id] = (bytes.fromhex(r["seed"]), frozenset(meta.get("partial_groups") or ())) \
+                if r is not None else None
+            if len(self._seeds) > SEED_CACHE:
+                self._seeds.popitem(last=False)
+        return self._seeds[batch_id]
+
+    def _group_record(self, g: dict[str, Any], accounted: list[tuple]) -> str:
+        gid, status, reason = g["group_id"], g["status"], g["reason"]
+        pks = [int(p) for p in (g["pks"] or "").split(",") if p]
+        extra = {int(r[1]): (r[2], r[3]) for r in accounted}
+        rows = self._rows(sorted(set(pks) | set(extra)))
+        outcomes: dict[int, tuple[str, str | None]] = {}
+        items_json: str | None = None
+        uids = None
+        if status == SERVED:
+            take = take_from_rows(gid, pks, {pk: rows[pk] for pk in pks if pk in rows})
+            for pk in take.served_pks:
+                outcomes[pk] = (SERVED, None)
+            for pk in take.incomplete_pks:
+                outcomes[pk] = (DROPPED, INCOMPLETE_IN_SERVED)
+            items_json, uids = self._items(take, rows, g["batch_id"])
+        else:
+            for pk in pks:
+                outcomes[pk] = (DROPPED, reason)
+        for pk, (outcome, why) in extra.items():
+            outcomes[pk] = (REJECTED if outcome == REJECTED else DROPPED, why)
+        record = {"format": FORMAT_VERSION, "job_id": self.job_id, "group_id": gid, "status": status,
+                  "reason": reason, "batch_id": g["batch_id"], "decided_at": _number(g["resolved_at"]),
+                  "missing_step_pks": sorted(set(outcomes) - set(rows)),
+                  "sessions": sessions_of(rows, outcomes)}
+        if items_json is None:
+            return json.dumps(record, ensure_ascii=False)
+        record["uids"] = uids
+        # the items are spliced in as the trainer received them, byte for byte
+        head = json.dumps(record, ensure_ascii=False)
+        return head[:-1] + ',"items":[' + items_json + "]}"
+
+    def _items(self, take: Any, rows: dict[int, tuple], batch_id: str | None) -> tuple[str, str]:
+        """The served items of a group as JSON text, and whether their uids are the served ones."""
+        known = self._seed(batch_id) if batch_id else None
+        seed, partial = known if known is not None else (None, frozenset())
+        buf = bytearray()
+        try:
+            build_group(take, rows, seed or b"\0" * 16, self.job_id, buf,
+                        PARTIAL_FLAG if take.group_id in partial else "")
+        except Malformed as exc:  # pragma: no cover - served rows were valid and rows are immutable
+            return json.dumps({"error": f"cannot rebuild: {exc.reason}"}), "unbuildable"
+        text = buf.decode("utf-8")
+        if seed is not None:
+            return text, "as_served"
+        # the batch (and its seed) was pruned after the replay window: the uids cannot be known
+        items = json.loads("[" + text + "]")
+        for it in items:
+            it["uid"] = None
+        return json.dumps(items, ensure_ascii=False)[1:-1], "lost"
+
+    def _orphan_record(self, r: tuple) -> str:
+        pk, outcome, reason, recorded_at = int(r[0]), r[1], r[2], r[3]
+        rows = self._rows([pk])
+        record = {"format": FORMAT_VERSION, "job_id": self.job_id, "group_id": None, "status": REJECTED,
+                  "reason": reason, "batch_id": None, "decided_at": _number(recorded_at),
+                  "missing_step_pks": [] if pk in rows else [pk],
+                  "sessions": sessions_of(rows, {pk: (REJECTED if outcome == REJECTED else DROPPED, reason)})}
+        if rows:
+            record["group_id_text"] = _text(rows[pk][GID])  # what the row held instead of a usable group_id
+        return json.dumps(record, ensure_ascii=False)
+
+
+def export(src: Database, st: Database, job_id: str, path: str, *, what: str = "all",
+           progress_to: TextIO | None = None) -> Summary:
+    """Write the job's records to ``path`` (gzip when it ends in .gz); returns what was written."""
+    ex = Exporter(src, st, job_id)
+    ex.check_job()
+    total = ex.count() if what == "all" else None
+    progress = Progress(progress_to) if progress_to is not None else None
+    summary = Summary()
+    started = shown = time.monotonic()
+    partial = path + ".partial"
+    try:
+        with _open_out(partial, gz=path.endswith(".gz")) as f:
+            for line in ex.records(what):
+                f.write(line)
+                f.write("\n")
+                summary.records += 1
+                summary.bytes += len(line) + 1
+                now = time.monotonic()
+                if progress is not None and now - shown >= 0.2:
+                    shown = now
+                    rate = summary.records / max(now - started, 1e-6)
+                    progress.show(f"  export {bar(summary.records, total)}  {summary.records} records  "
+                                  f"{summary.bytes / 1e6:7.1f} MB  {rate:6.0f} records/s")
+        os.replace(partial, path)
+    except BaseException:
+        if progress is not None:
+            progress.end()
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise
+    if progress is not None:
+        progress.show(f"  export {bar(summary.records, total or summary.records)}  {summary.records} records  "
+                      f"{summary.bytes / 1e6:7.1f} MB  {time.monotonic() - started:.1f} s", force=True)
+        progress.end()
+    return summary
+
+
+def read_export(path: str) -> Iterator[dict[str, Any]]:
+    """The records of an export file, one at a time (plain or gzip, told by its first bytes). A file
+    that is not an export (a line that is no JSON object, a truncated or corrupt gzip, bytes that are
+    not UTF-8) raises ExportError naming the line."""
+    with open(path, "rb") as probe:
+        gz = probe.read(2) == b"\x1f\x8b"
+    opener = gzip.open if gz else open
+    n = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:  # type: ignore[operator]
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except ValueError as exc:
+                        raise ExportError(f"{path}:{n}: not a JSON record ({exc})") from None
+                    if not isinstance(record, dict) or not isinstance(record.get("sessions", []), list):
+                        raise ExportError(f"{path}:{n}: not an export record (a JSON object with its sessions)")
+                    yield record
+    except (EOFError, gzip.BadGzipFile, UnicodeDecodeError, zlib.error) as exc:
+        raise ExportError(f"{path}: unreadable after line {n} ({type(exc).__name__}: {exc}); "
+                          "a truncated or corrupt file?") from None
+
+
+def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, what: str) -> int:
+    """``rollout-buffer export``: the exit status (0 written, 1 database or file trouble, 2 bad arguments).
+    The databases are opened read-only (SQLite: a mistyped path is an error, never a new empty
+    file). The progress bar is shown on a terminal only; the last line says what was written."""
+    if what not in WHAT:
+        print(f"rollout-buffer export: --what {what!r}: expected one of {', '.join(WHAT)}", file=sys.stderr)
+        return 2
+    src = st = None
+    try:
+        src = connect(db_url, readonly=True)
+        st = connect(state_db_url, readonly=True) if state_db_url and state_db_url != db_url else src
+        summary = export(src, st, job_id, out, what=what, progress_to=sys.stderr if sys.stderr.isatty() else None)
+    except ExportError as exc:
+        print(f"rollout-buffer export: {exc}", file=sys.stderr)
+        return 2
+    except RolloutBufferError as exc:
+        print(f"rollout-buffer export: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the output cannot be written (no such directory, no space, no permission)
+        print(f"rollout-buffer export: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    finally:
+        for db in {id(d): d for d in (src, st) if d is not None}.values():
+            db.close()
+    print(f"exported {summary.records} records of job {job_id} to {out} ({summary.bytes / 1e6:.1f} MB)")
+    return 0

@@ -1,0 +1,129 @@
+"""``python -m rollout_buffer.simulate --from-export FILE``: write an export back as launcher rows.
+
+Owns: turning export records (``rollout_buffer.tools.export``) into ``job_environments`` and
+``session_steps`` rows of a new job, at the simulator's ``--pace``, with the simulator's
+signals, retries and final ``SIMULATE {json}`` line. A trainer can then be debugged against real
+data with no environment at all.
+
+What is written back: every record of the file, group by group in file order, the steps of a
+group's sessions interleaved round-robin (as concurrent sessions write them). Each session gets
+a fresh session_id (env_id) as a new launcher run would, the group keeps its group_id, and every
+step keeps its content: messages (the stored text when it was not a JSON list, so a malformed row
+is malformed again), response, step_reward, reward, env_state, the truncated/terminal/completed
+flags, env_name and llm_model. Rows that arrived after their group was decided (``late_rows_*``)
+are left out: in a new job they would have joined the group before its decision, so the same
+groups come back. ``created_at`` is the time of writing.
+
+It must not read or write the buffer's tables: it reads the export file and INSERTs launcher rows,
+as a launcher does.
+"""
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from typing import Any
+
+from rollout_buffer.tools.export import read_export
+from rollout_buffer.storage.queries import INSERT_ENV, INSERT_STEP
+from rollout_buffer.tools.simulator import Simulator
+from rollout_buffer.tools.workload import LLM_MODEL
+
+LATE = "late_rows_"
+
+
+def _number(v: Any, backend: str) -> Any:
+    """A reward of the export, as the database can hold it. 'nan', 'inf', '-inf' stand for non-finite
+    numbers; absent is 0. A value that is no number (text the launcher stored) or NaN on SQLite
+    (which would store NULL) is written as its text: the row is rejected again
+    (non_finite_step_reward), as it was, instead of stopping the replay. Postgres gets NaN for it."""
+    if v is None:
+        return 0.0
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        f = math.nan
+    if math.isnan(f) and backend == "sqlite":
+        return str(v)
+    return f
+
+
+def _messages_text(step: dict[str, Any]) -> str:
+    if step.get("messages") is None:
+        return step.get("messages_text") or ""
+    return json.dumps(step["messages"], ensure_ascii=False)
+
+
+class ExportReplayer(Simulator):
+    """Writes the records of an export file as the rows of ``--job-id``."""
+
+    def __init__(self, args: Any, url: str) -> None:
+        super().__init__(args, url)
+        self.records = 0
+        self.sessions = 0
+        self.group_ids: set[str] = set()
+
+    def run(self) -> None:
+        a = self.args
+        self.check_stop()
+        self.ensure_tables()
+        if not a.quiet:
+            print(f"simulate: job {a.job_id}: writing back {a.from_export}, pace {a.pace}s -> {self.connect().safe_url}",
+                  flush=True)
+        first = True
+        for record in read_export(a.from_export):
+            self.check_stop()
+            sessions = [(str(uuid.uuid4()), [st for st in s.get("steps", [])
+                                             if not str(st.get("reason") or "").startswith(LATE)])
+                        for s in record.get("sessions", [])]
+            sessions = [(sid, steps) for sid, steps in sessions if steps]
+            if not sessions:
+                continue
+            self.records += 1
+            self.sessions += len(sessions)
+            gid = record.get("group_id")
+            if gid is not None:
+                self.group_ids.add(gid)
+            self._environments(record, sessions)
+            for i in range(max(len(steps) for _, steps in sessions)):
+                for sid, steps in sessions:
+                    if i < len(steps):
+                        if a.pace > 0 and not first:
+                            self.pause(a.pace)
+                        first = False
+                        self._step(sid, gid, steps[i])
+                        self.progress()
+
+    def _environments(self, record: dict[str, Any], sessions: list[tuple[str, list[dict[str, Any]]]]) -> None:
+        a, created = self.args, self.now()
+        params = json.dumps({"replayed_from": record.get("job_id"), "group_id": record.get("group_id")})
+        rows = [(a.job_id, sid, steps[0].get("env_name") or "replay", params, None, record.get("group_id"), 0, 0,
+                 created) for sid, steps in sessions]
+
+        def insert(db: Any) -> None:
+            with db.transaction():
+                db.executemany(INSERT_ENV, rows)
+        self.write(insert, "inserting job_environments")
+
+    def _step(self, sid: str, gid: str | None, st: dict[str, Any]) -> None:
+        a = self.args
+
+        def insert(db: Any) -> None:
+            db.execute(INSERT_STEP, (
+                sid, st.get("step_id"), st.get("env_name") or "replay", st.get("llm_model") or LLM_MODEL, gid,
+                a.job_id, _messages_text(st), st.get("response") or "", _number(st.get("step_reward"), db.backend),
+                _number(st.get("reward"), db.backend), st.get("env_state"), int(bool(st.get("terminal"))),
+                int(bool(st.get("truncated"))), int(bool(st.get("completed"))), 1, self.now()))
+        self.write(insert, f"inserting step {st.get('step_id')} of session {sid}")
+        self.rows += 1
+
+    def progress_line(self, rate: float) -> str:
+        return (f"simulate: job {self.args.job_id}: {self.rows} rows, {self.records} records, "
+                f"{self.sessions} sessions written back, {rate:.0f} rows/s")
+
+    def summary(self, interrupted: bool) -> dict[str, Any]:
+        out = super().summary(interrupted)
+        out.update({"from_export": self.args.from_export, "records": self.records, "groups": len(self.group_ids),
+                    "sessions": self.sessions, "sessions_started": self.sessions, "complete_groups": None,
+                    "completed_sessions": None, "failed_sessions": None, "truncated_sessions": None})
+        return out

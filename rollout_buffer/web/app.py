@@ -1,0 +1,121 @@
+"""The Flask application factory: builds and wires objects, starts nothing.
+
+Owns: building the Service and the Flask app around it, the one JSON error shape, and what an
+instance that does not own the job answers a request that needs the owner (307 to it, or 503).
+It must not start threads or touch a database (gunicorn's hooks start the service).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from flask import Flask, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from rollout_buffer.web.api import bp
+from rollout_buffer.core.config import Config
+from rollout_buffer.core.errors import ApiError, LeaseLost
+from rollout_buffer.runtime.lease import OWNER, STANDBY, STARTING, Lease
+from rollout_buffer.service import Service
+
+logger = logging.getLogger(__name__)
+
+ROLLOUT_PATHS = ("/get_rollout_data",)
+
+
+def error_response(status: int, message: str, **context: Any):
+    """The one JSON error shape: {"ok": false, "error": ..., "status": N, ...context}.
+
+    On /get_rollout_data it also carries "success": false and "message", which the original's
+    clients read.
+    """
+    body: dict[str, Any] = {"ok": False, "error": message, "status": status}
+    body.update({k: v for k, v in context.items() if k not in body})
+    if request and request.path in ROLLOUT_PATHS:
+        body["success"] = False
+        body["message"] = message
+    resp = jsonify(body)
+    resp.status_code = status
+    if "retry_after" in context:
+        resp.headers["Retry-After"] = str(context["retry_after"])
+    if "location" in context:  # a standby's 307 to the owner
+        resp.headers["Location"] = context["location"]
+    return resp
+
+
+def standby_answer(lease: Lease, path: str) -> ApiError:
+    """What a request that needs the owner gets from an instance that is not (yet) it: 307 to the
+    owner's advertised URL, or 503 with Retry-After and the reason while that would not help."""
+    now = lease.clock()
+    h = lease.holder
+    if lease.role == OWNER:  # the loop is still loading the job (or has just lost it)
+        return ApiError(503, "this instance owns the job and is loading its state; retry", retry_after=1)
+    if lease.role == STARTING or h is None:
+        return ApiError(503, "this instance has not read who owns the job yet"
+                        + (f": {lease.problem}" if lease.problem else ""), retry_after=1, role=lease.role)
+    owner = h.shown(now)
+    left = h.left(now)
+    if left <= 0 or h.released:
+        return ApiError(503, "no instance owns the job at the moment (the last owner's lease has ended); a standby "
+                        "takes it over within a second", retry_after=1, role=STANDBY, owner=owner)
+    if not h.url:
+        return ApiError(503, f"this instance is a standby, and the owner (instance {h.instance} on host {h.host}) "
+                        "has no ROLLOUT_BUFFER_ADVERTISE_URL to redirect to: set it on every instance, or call the "
+                        "owner directly", retry_after=5, role=STANDBY, owner=owner)
+    if h.url == lease.url and lease.advertised != "wrong":  # (a URL that reaches another instance is no loop)
+        return ApiError(503, f"the owner advertises {h.url}, which is this standby's own ROLLOUT_BUFFER_ADVERTISE_URL: "
+                        "one of the two is misconfigured", retry_after=5, role=STANDBY, owner=owner)
+    if left < h.length / 3:  # it missed two renewals: probably gone, and a redirect there would fail
+        return ApiError(503, f"this instance is a standby; the owner at {h.url} has not renewed its lease for "
+                        f"{h.length - left:.0f} s: if it is gone, this instance takes over in {left:.0f} s",
+                        retry_after=math.ceil(left) + 1, role=STANDBY, owner=owner)
+    return ApiError(307, f"this instance is a standby; the owner is {h.url}", location=h.url + path, role=STANDBY,
+                    owner=owner)
+
+
+def create_app(config: Config | None = None, *, service: Service | None = None) -> Flask:
+    """Build the app around a Service; ``config`` defaults to ``Config.from_env()``.
+
+    No thread or process is started here: the caller (gunicorn's post_worker_init hook, the CLI
+    or a test fixture) calls ``app.extensions["rollout_buffer"].start()``.
+    """
+    if service is None:
+        service = Service(config or Config.from_env())
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = service.config.max_request_bytes
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    app.extensions["rollout_buffer"] = service
+
+    app.register_blueprint(bp)
+
+    @app.errorhandler(ApiError)
+    def _api_error(exc: ApiError):
+        return error_response(exc.status, exc.message, **exc.context)
+
+    @app.errorhandler(LeaseLost)
+    def _not_owner(exc: LeaseLost):
+        path = request.path + (f"?{request.query_string.decode('latin-1')}" if request.query_string else "")
+        answer = standby_answer(service.lease, path)
+        return error_response(answer.status, answer.message, **answer.context)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException):
+        message = exc.description or exc.name
+        if exc.code == 413:
+            message = (f"request body is larger than {service.config.max_request_bytes} bytes; "
+                       "expected a small JSON object")
+        elif exc.code == 405:
+            message = f"method {request.method} is not allowed on {request.path}"
+        elif exc.code == 404:
+            message = (f"no such endpoint: {request.path}; endpoints are POST /start_rollout, "
+                       "POST /get_rollout_data, POST /stop_rollout, GET /health, GET /stats, GET /metrics, "
+                       "GET / (the status page), GET /status")
+        return error_response(exc.code or 500, message)
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, "internal error; see the service log")
+
+    return app

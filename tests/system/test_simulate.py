@@ -1,0 +1,255 @@
+"""The simulated launcher (``python -m rollout_buffer.simulate``), run as a real subprocess.
+
+Its rows are read back from SQLite and from Postgres and checked against the SPEC §2
+invariants the buffer relies on. Postgres (``postgresql://root@127.0.0.1:5432/test``) runs in a
+fresh schema per test, selected with ``?options=-csearch_path%3D<schema>`` and dropped after;
+when the server is unreachable the Postgres case is skipped, or fails when ``CI`` is set.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from support import wait_until
+from rollout_buffer.storage import db as dbmod
+ROOT = Path(__file__).resolve().parent.parent.parent
+PG_DSN = "postgresql://root@127.0.0.1:5432/test"
+UNKNOWN_LAUNCHER_FLAGS = ["--mode", "local", "--llm-base-url", "http://127.0.0.1:9/v1",
+                          "--no-rebuild-table", "--rl-use-session-suffix-url", "--llm-model", "default",
+                          "--env-root", "/nonexistent", "--message-cut", "0"]
+
+_pg_reason: list[str | None] = []
+
+
+def _pg_unavailable() -> str | None:
+    """Why Postgres cannot be used (probed once), or None."""
+    if not _pg_reason:
+        try:
+            import psycopg
+            psycopg.connect(PG_DSN, connect_timeout=2).close()
+            _pg_reason.append(None)
+        except Exception as exc:  # ImportError or a connection error
+            _pg_reason.append(f"Postgres at {PG_DSN} is unreachable: {exc}".strip())
+    return _pg_reason[0]
+
+
+def run_sim(url: str, job: str, *extra: str, timeout: float = 60) -> tuple[dict[str, Any], str]:
+    """Run the simulator to completion; return (SIMULATE summary, stdout)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollout_buffer.simulate", "--db-path", url, "--job-id", job,
+         "--pace", "0", *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"simulate exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("SIMULATE "), proc.stdout
+    return json.loads(last[len("SIMULATE "):]), proc.stdout
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield "sqlite://" + str(tmp_path / "launcher.db")
+        return
+    reason = _pg_unavailable()
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(reason + " (CI is set, so Postgres is required)")
+        pytest.skip(reason)
+    schema = f"sim_{uuid.uuid4().hex}"
+    admin = dbmod.connect(PG_DSN)
+    admin.execute(f"CREATE SCHEMA {schema}")
+    try:
+        yield f"{PG_DSN}?options=-csearch_path%3D{schema}"
+    finally:
+        admin.execute(f"DROP SCHEMA {schema} CASCADE")
+        admin.close()
+
+
+def read_rows(url: str, job: str) -> list[dict[str, Any]]:
+    with dbmod.connect(url) as db:
+        return db.fetchall("SELECT * FROM session_steps WHERE job_id = ? ORDER BY id", (job,))
+
+
+def read_envs(url: str, job: str) -> list[dict[str, Any]]:
+    with dbmod.connect(url) as db:
+        return db.fetchall("SELECT * FROM job_environments WHERE job_id = ? ORDER BY id", (job,))
+
+
+def check_invariants(url: str, job: str, summary: dict[str, Any], k: int, max_steps: int) -> dict[str, Any]:
+    """Assert SPEC §2 on a job's rows; return per-session facts."""
+    rows = read_rows(url, job)
+    envs = read_envs(url, job)
+    backend = "sqlite" if url.startswith("sqlite") else "postgres"
+    assert len(rows) == summary["rows"]
+
+    by_session: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_session[r["session_id"]].append(r)
+
+    # job_environments: one row per scheduled session, env_id = session_id, the session's group.
+    env_group = {e["env_id"]: e["group_id"] for e in envs}
+    assert len(envs) == len(env_group) == summary["sessions"] == summary["groups"] * k
+    sessions_per_group: dict[str, int] = defaultdict(int)
+    for e in envs:
+        sessions_per_group[e["group_id"]] += 1
+        json.loads(e["env_params"])
+    assert len(sessions_per_group) == summary["groups"]
+    assert set(sessions_per_group.values()) == {k}
+
+    completed_per_group: dict[str, int] = defaultdict(int)
+    completed = truncated = 0
+    for sid, srows in by_session.items():
+        uuid.UUID(sid)
+        assert sid in env_group, "a row for a session that was never scheduled"
+        assert {r["group_id"] for r in srows} == {env_group[sid]}
+        assert [r["step_id"] for r in srows] == list(range(1, len(srows) + 1)), "step ids 1..n in id order"
+        assert len(srows) <= max_steps
+        flags = [int(r["is_session_completed"]) for r in srows]
+        assert sum(flags) <= 1 and flags[:-1] == [0] * (len(srows) - 1), "completed only on the last row"
+        cum = 0.0
+        prev_messages: list[Any] | None = None
+        prev_response = None
+        for r in srows:
+            assert int(r["is_trainable"]) == 1
+            assert r["llm_model"] == "simulated" and r["job_id"] == job
+            cum += r["step_reward"]
+            assert abs(r["reward"] - cum) < 1e-6, "reward is the running sum of step_reward"
+            msgs = json.loads(r["messages"])
+            assert isinstance(msgs, list) and all(isinstance(m, dict) for m in msgs)
+            if prev_messages is None:
+                assert [m["role"] for m in msgs] == ["system", "user"]
+            else:
+                n = len(prev_messages)
+                assert msgs[:n] == prev_messages, "messages grow by extension"
+                assert msgs[n] == {"role": "assistant", "content": prev_response}
+                assert len(msgs) == n + 2 and msgs[n + 1]["role"] == "user"
+            prev_messages, prev_response = msgs, r["response"]
+            assert isinstance(r["response"], str) and r["response"]
+            state = json.loads(r["env_state"])
+            assert isinstance(state, dict) and type(state["weight_version"]) is int
+            created = r["created_at"]
+            if backend == "sqlite":
+                assert isinstance(created, str) and "+00:00" in created, created
+                created = datetime.fromisoformat(created)
+            assert isinstance(created, datetime) and created.utcoffset() is not None
+            if int(r["is_session_completed"]) == 0:
+                assert int(r["is_terminal"]) == 0 and int(r["is_truncated"]) == 0
+        last = srows[-1]
+        if int(last["is_session_completed"]):
+            assert int(last["is_terminal"]) == 1
+            completed += 1
+            completed_per_group[last["group_id"]] += 1
+            if int(last["is_truncated"]):
+                truncated += 1
+                assert last["step_id"] == max_steps, "truncated sessions hit the step cap"
+    assert completed == summary["completed_sessions"]
+    assert truncated == summary["truncated_sessions"]
+    assert summary["completed_sessions"] + summary["failed_sessions"] == summary["sessions"]
+    # Sessions that crashed before their first step have no rows at all.
+    assert len(by_session) <= summary["sessions"]
+    complete_groups = sum(1 for n in completed_per_group.values() if n == k)
+    assert complete_groups == summary["complete_groups"]
+    # Terminal rewards are distinct within a group.
+    terminal: dict[str, list[float]] = defaultdict(list)
+    for srows in by_session.values():
+        if int(srows[-1]["is_session_completed"]):
+            terminal[srows[-1]["group_id"]].append(srows[-1]["step_reward"])
+    for rewards in terminal.values():
+        assert len(set(rewards)) == len(rewards)
+    wv = [json.loads(r["env_state"])["weight_version"] for r in rows]
+    assert wv == sorted(wv) or backend == "postgres"
+    return {"group_ids": set(sessions_per_group), "sessions_with_rows": len(by_session),
+            "max_weight_version": max(wv, default=0)}
+
+
+def test_rows_satisfy_spec_invariants(db_url: str) -> None:
+    k, steps = 4, 5
+    common = ["--rl-group-size", str(k), "--max-steps", str(steps), "--pool-size", "6", "--quiet"]
+
+    # A launcher-like command line: unknown flags are accepted; tables are created on demand.
+    a, _ = run_sim(db_url, "job-a", "--storage-type", "postgres" if "postgres" in db_url else "sqlite",
+                   "--groups", "8", "--fail-rate", "0", "--truncate-rate", "0.3", "--seed", "1",
+                   *common, *UNKNOWN_LAUNCHER_FLAGS)
+    fa = check_invariants(db_url, "job-a", a, k, steps)
+    assert a["failed_sessions"] == 0 and a["complete_groups"] == 8
+    assert a["truncated_sessions"] > 0
+    assert a["interrupted"] is False and a["exit_code"] == 0
+
+    # Half the sessions crash: some never write a completed row; some groups stay incomplete.
+    b, _ = run_sim(db_url, "job-b", "--groups", "8", "--fail-rate", "0.5", "--seed", "2", *common)
+    fb = check_invariants(db_url, "job-b", b, k, steps)
+    assert b["failed_sessions"] > 0 and b["complete_groups"] < 8
+    rows_b = read_rows(db_url, "job-b")
+    sessions_b = defaultdict(list)
+    for r in rows_b:
+        sessions_b[r["session_id"]].append(r)
+    assert any(not int(s[-1]["is_session_completed"]) for s in sessions_b.values()), \
+        "with --fail-rate 0.5 some sessions must stop without a completed row"
+
+    # Group ids are deterministic: the same across jobs of one epoch; --rl-epoch 2 shifts the
+    # task index by --groups, so its groups are new.
+    assert fa["group_ids"] == fb["group_ids"]
+    c, _ = run_sim(db_url, "job-c", "--groups", "8", "--rl-epoch", "2", "--fail-rate", "0", *common)
+    fc = check_invariants(db_url, "job-c", c, k, steps)
+    assert not fc["group_ids"] & fa["group_ids"]
+
+
+def test_weight_version_rises_and_progress_is_printed(tmp_path: Path) -> None:
+    url = "sqlite://" + str(tmp_path / "wv.db")
+    summary, out = run_sim(url, "job-wv", "--groups", "20", "--rl-group-size", "4", "--max-steps", "4",
+                           "--fail-rate", "0", "--seed", "3")
+    assert "simulate: job job-wv" in out
+    facts = check_invariants(url, "job-wv", summary, 4, 4)
+    assert summary["rows"] > 100
+    assert facts["max_weight_version"] == summary["max_weight_version"] == (summary["rows"] - 1) // 50 >= 2
+
+
+def test_bare_path_and_missing_required_flag(tmp_path: Path) -> None:
+    path = tmp_path / "bare.db"
+    summary, _ = run_sim(str(path), "job-bare", "--storage-type", "sqlite", "--groups", "1",
+                         "--rl-group-size", "2", "--fail-rate", "0", "--quiet")
+    assert len(read_rows("sqlite://" + str(path), "job-bare")) == summary["rows"] > 0
+    proc = subprocess.run([sys.executable, "-m", "rollout_buffer.simulate", "--db-path", str(path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "--job-id" in proc.stderr
+
+
+def test_sigterm_stops_a_slow_run_promptly(tmp_path: Path) -> None:
+    url = "sqlite://" + str(tmp_path / "slow.db")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout_buffer.simulate", "--db-path", url, "--job-id", "job-slow",
+         "--pace", "0.5", "--groups", "50"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def writing() -> bool:
+            try:
+                return bool(read_rows(url, "job-slow"))
+            except Exception:  # noqa: BLE001 - its tables may not exist yet
+                return False
+
+        wait_until(writing, 15, "the simulator writing rows")
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=10)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, out, err)
+    assert took < 1.5, f"took {took:.2f}s to stop after SIGTERM"
+    summary = json.loads(out.strip().splitlines()[-1][len("SIMULATE "):])
+    assert summary["interrupted"] is True and summary["exit_code"] == 143
+    assert 0 < summary["rows"] < 50 * 8
+    assert len(read_rows(url, "job-slow")) == summary["rows"]
