@@ -28,6 +28,7 @@ one at once; a retried request_id is replayed by whichever instance owns the job
 Owns: the trainer's side of the HTTP contract (request_ids, retries, long-poll, following a
 standby to the owner). It must not import the service or talk to a database: it speaks HTTP only.
 """
+
 from __future__ import annotations
 
 import email.utils
@@ -35,12 +36,11 @@ import logging
 import random
 import time
 import uuid
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 import requests
-
-from rollout_buffer.core.errors import RolloutBufferError
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ CONNECT_TIMEOUT_S = 5.0
 MAX_REDIRECTS = 5  # standby -> owner is one; more means a loop between misconfigured instances
 
 
-class BufferError(RolloutBufferError):  # noqa: A001 - the name the trainer-facing API promises
+class BufferError(Exception):
     """The buffer answered with an error (HTTP 4xx) or could not be used."""
 
     def __init__(self, message: str, status: int | None = None, body: Any = None) -> None:
@@ -65,8 +65,13 @@ class BufferUnavailable(BufferError):
 class _Transient(Exception):
     """Internal: one attempt failed in a way that may succeed when retried."""
 
-    def __init__(self, message: str, status: int | None = None, retry_after: float | None = None,
-                 sent: bool = True) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        retry_after: float | None = None,
+        sent: bool = True,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -120,9 +125,17 @@ class BufferClient:
     :param use_request_id: send a request_id with every poll (False for the original server).
     """
 
-    def __init__(self, url: str | Sequence[str], token: str | None = None, *, timeout: float = 120.0,
-                 retries: int = 8, backoff_s: float = 0.5, backoff_max_s: float = 10.0,
-                 use_request_id: bool = True) -> None:
+    def __init__(
+        self,
+        url: str | Sequence[str],
+        token: str | None = None,
+        *,
+        timeout: float = 120.0,
+        retries: int = 8,
+        backoff_s: float = 0.5,
+        backoff_max_s: float = 10.0,
+        use_request_id: bool = True,
+    ) -> None:
         if retries < 0:
             raise ValueError(f"retries={retries!r}: expected an integer >= 0")
         urls = url.split(",") if isinstance(url, str) else list(url)
@@ -145,7 +158,7 @@ class BufferClient:
         """Close the HTTP session (its pooled connections)."""
         self.session.close()
 
-    def __enter__(self) -> "BufferClient":
+    def __enter__(self) -> BufferClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -167,7 +180,9 @@ class BufferClient:
             self._next = (self.urls.index(base) + 1) % len(self.urls)
 
     # -- plumbing -------------------------------------------------------------------------------------
-    def _once(self, method: str, path: str, body: dict[str, Any] | None, read_timeout: float) -> Any:
+    def _once(
+        self, method: str, path: str, body: dict[str, Any] | None, read_timeout: float
+    ) -> Any:
         """One attempt: the parsed JSON body of a 2xx, BufferError for 4xx, _Transient otherwise
         (429, too many replays at once, is transient too: it says when to retry). A 307 from a
         standby is followed here, with the same method, body and headers (the token included)."""
@@ -175,8 +190,13 @@ class BufferClient:
         target = base + path
         for _hop in range(MAX_REDIRECTS + 1):
             try:
-                resp = self.session.request(method, target, json=body, timeout=(CONNECT_TIMEOUT_S, read_timeout),
-                                            allow_redirects=False)
+                resp = self.session.request(
+                    method,
+                    target,
+                    json=body,
+                    timeout=(CONNECT_TIMEOUT_S, read_timeout),
+                    allow_redirects=False,
+                )
             except requests.exceptions.ConnectTimeout as exc:
                 self._unreachable(base)
                 raise _Transient(f"connect timeout: {exc}", sent=False) from exc
@@ -191,38 +211,63 @@ class BufferClient:
                 break
             location = urljoin(target, resp.headers.get("Location", ""))
             if urlsplit(location).scheme not in ("http", "https") or (
-                    urlsplit(target).scheme == "https" and urlsplit(location).scheme != "https"):
-                raise BufferError(f"{method} {path}: refusing a redirect from {target} to {location!r}",
-                                  status=resp.status_code)
+                urlsplit(target).scheme == "https" and urlsplit(location).scheme != "https"
+            ):
+                raise BufferError(
+                    f"{method} {path}: refusing a redirect from {target} to {location!r}",
+                    status=resp.status_code,
+                )
             target = location
-            base = location[:-len(path)] if location.endswith(path) else base
+            base = location[: -len(path)] if location.endswith(path) else base
             self._owner = base
         else:
-            raise _Transient(f"redirected more than {MAX_REDIRECTS} times (instances that name each other as "
-                             "the owner?)", status=resp.status_code, retry_after=1.0)
+            raise _Transient(
+                f"redirected more than {MAX_REDIRECTS} times (instances that name each other as "
+                "the owner?)",
+                status=resp.status_code,
+                retry_after=1.0,
+            )
         if resp.status_code >= 500 or resp.status_code == 429:
             message, _ = _error_message(resp)
-            raise _Transient(f"HTTP {resp.status_code}: {message}", status=resp.status_code,
-                             retry_after=_retry_after(resp.headers.get("Retry-After")))
+            raise _Transient(
+                f"HTTP {resp.status_code}: {message}",
+                status=resp.status_code,
+                retry_after=_retry_after(resp.headers.get("Retry-After")),
+            )
         if resp.status_code >= 400:
             message, parsed = _error_message(resp)
-            raise BufferError(f"{method} {path} -> HTTP {resp.status_code}: {message}", status=resp.status_code,
-                              body=parsed if parsed is not None else resp.text)
+            raise BufferError(
+                f"{method} {path} -> HTTP {resp.status_code}: {message}",
+                status=resp.status_code,
+                body=parsed if parsed is not None else resp.text,
+            )
         try:
             return resp.json()
         except ValueError as exc:
             # a truncated body (connection cut mid-response) is transient; the retry replays it
-            raise _Transient(f"HTTP {resp.status_code} with a body that is not JSON: {exc}",
-                             status=resp.status_code) from exc
+            raise _Transient(
+                f"HTTP {resp.status_code} with a body that is not JSON: {exc}",
+                status=resp.status_code,
+            ) from exc
 
     def _delay(self, attempt: int, retry_after: float | None) -> float:
         if retry_after is not None:
             return min(retry_after, self.backoff_max_s)
-        base = min(self.backoff_max_s, self.backoff_s * (2 ** attempt))
-        return base * (0.5 + random.random() / 2)  # jitter: many trainers must not retry in lockstep
+        base = min(self.backoff_max_s, self.backoff_s * (2**attempt))
+        return base * (
+            0.5 + random.random() / 2
+        )  # jitter: many trainers must not retry in lockstep
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None, *,
-              retry_if_sent: bool = True, retry_500: bool = True, wait_s: float = 0.0) -> Any:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        retry_if_sent: bool = True,
+        retry_500: bool = True,
+        wait_s: float = 0.0,
+    ) -> Any:
         """Call with retries. ``retry_if_sent=False``: retry only what surely did not take effect.
 
         ``retry_500=False``: an HTTP 500 (a deterministic server-side failure, such as a launcher
@@ -247,12 +292,21 @@ class BufferClient:
                 if not retriable or attempt == self.retries:
                     break
                 delay = self._delay(attempt, exc.retry_after)
-                logger.warning("%s %s failed (%s); retry %d/%d in %.2f s", method, path, exc.message,
-                               attempt + 1, self.retries, delay)
+                logger.warning(
+                    "%s %s failed (%s); retry %d/%d in %.2f s",
+                    method,
+                    path,
+                    exc.message,
+                    attempt + 1,
+                    self.retries,
+                    delay,
+                )
                 time.sleep(delay)
         assert last is not None
-        raise BufferUnavailable(f"{method} {self.url}{path} failed after {attempt + 1} attempt(s): {last.message}",
-                                status=last.status)
+        raise BufferUnavailable(
+            f"{method} {self.url}{path} failed after {attempt + 1} attempt(s): {last.message}",
+            status=last.status,
+        )
 
     # -- endpoints ---------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -263,8 +317,13 @@ class BufferClient:
         """GET /stats: per-job accounting, groups, cursor, lag, launcher state."""
         return self._call("GET", "/stats")
 
-    def start_rollout(self, num_repeat_per_sample: int = 16, job_session: str | None = None,
-                      restart_training: bool = False, **extra: Any) -> dict[str, Any]:
+    def start_rollout(
+        self,
+        num_repeat_per_sample: int = 16,
+        job_session: str | None = None,
+        restart_training: bool = False,
+        **extra: Any,
+    ) -> dict[str, Any]:
         """POST /start_rollout: select the job (K sessions per group) and start its launcher.
 
         Without ``job_session`` the server picks a new job, so a retry after the request may have
@@ -278,16 +337,24 @@ class BufferClient:
         body["restart_training"] = restart_training
         if job_session is not None:
             body["job_session"] = job_session
-        return self._call("POST", "/start_rollout", body, retry_if_sent=job_session is not None, retry_500=False)
+        return self._call(
+            "POST", "/start_rollout", body, retry_if_sent=job_session is not None, retry_500=False
+        )
 
     def stop_rollout(self) -> dict[str, Any]:
         """POST /stop_rollout: stop the launcher (idempotent); ready groups stay servable."""
         return self._call("POST", "/stop_rollout", {})
 
-    def get_rollout_data(self, max_groups: int | None = None, request_id: str | None = None, *,
-                         wait_s: float = 0.0, min_groups: int | None = None,
-                         current_weight_version: int | None = None,
-                         max_off_policy: int | None = None) -> dict[str, Any]:
+    def get_rollout_data(
+        self,
+        max_groups: int | None = None,
+        request_id: str | None = None,
+        *,
+        wait_s: float = 0.0,
+        min_groups: int | None = None,
+        current_weight_version: int | None = None,
+        max_off_policy: int | None = None,
+    ) -> dict[str, Any]:
         """POST /get_rollout_data; returns the raw response document.
 
         One logical call = one request_id (a fresh uuid4 hex unless given), reused for every retry,
@@ -315,10 +382,17 @@ class BufferClient:
             body["request_id"] = request_id
         return self._call("POST", "/get_rollout_data", body, wait_s=wait_s)
 
-    def iter_groups(self, n: int | None = None, *, max_groups: int | None = None, poll_interval: float = 3.0,
-                    timeout: float | None = None, wait_s: float = 30.0,
-                    current_weight_version: int | None | Callable[[], int | None] = None,
-                    max_off_policy: int | None = None) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    def iter_groups(
+        self,
+        n: int | None = None,
+        *,
+        max_groups: int | None = None,
+        poll_interval: float = 3.0,
+        timeout: float | None = None,
+        wait_s: float = 30.0,
+        current_weight_version: int | Callable[[], int | None] | None = None,
+        max_off_policy: int | None = None,
+    ) -> Iterator[tuple[str, list[dict[str, Any]]]]:
         """Yield complete groups as ``(group_id, items)`` in the order served.
 
         Items of a response are grouped by ``instance_id`` (order preserved). Each poll long-polls
@@ -336,21 +410,33 @@ class BufferClient:
         yielded = 0
         while n is None or yielded < n:
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"iter_groups: {yielded} of {n if n is not None else 'unbounded'} groups "
-                                   f"after {timeout:g} s")
+                raise TimeoutError(
+                    f"iter_groups: {yielded} of {n if n is not None else 'unbounded'} groups "
+                    f"after {timeout:g} s"
+                )
             want = max_groups
             if n is not None:
                 left = n - yielded
                 want = left if want is None or want <= 0 else min(want, left)
-            wait = wait_s if deadline is None else min(wait_s, max(0.0, deadline - time.monotonic()))
+            wait = (
+                wait_s if deadline is None else min(wait_s, max(0.0, deadline - time.monotonic()))
+            )
             asked = time.monotonic()
-            version = current_weight_version() if callable(current_weight_version) else current_weight_version
-            doc = self.get_rollout_data(max_groups=want, wait_s=wait, current_weight_version=version,
-                                        max_off_policy=max_off_policy)
+            version = (
+                current_weight_version()
+                if callable(current_weight_version)
+                else current_weight_version
+            )
+            doc = self.get_rollout_data(
+                max_groups=want,
+                wait_s=wait,
+                current_weight_version=version,
+                max_off_policy=max_off_policy,
+            )
             groups = groups_of(doc) if doc.get("success") else []
             # an empty answer well before wait_s: no long-poll there (the original server, or every
             # waiting slot taken), so pause as the original client does instead of spinning
-            if not groups and time.monotonic() - asked < wait / 2 or not groups and wait <= 0:
+            if (not groups and time.monotonic() - asked < wait / 2) or (not groups and wait <= 0):
                 pause = poll_interval
                 if deadline is not None:
                     pause = min(pause, max(0.0, deadline - time.monotonic()))
@@ -360,11 +446,18 @@ class BufferClient:
                 continue
             for i, (gid, items) in enumerate(groups):
                 if gid in seen:
-                    logger.error("group %s was served twice; skipping the duplicate (%d items)", gid, len(items))
+                    logger.error(
+                        "group %s was served twice; skipping the duplicate (%d items)",
+                        gid,
+                        len(items),
+                    )
                     continue
                 if n is not None and yielded >= n:
-                    logger.warning("the server sent %d groups more than asked for; they are not yielded: %s",
-                                   len(groups) - i, [g for g, _ in groups[i:]])
+                    logger.warning(
+                        "the server sent %d groups more than asked for; they are not yielded: %s",
+                        len(groups) - i,
+                        [g for g, _ in groups[i:]],
+                    )
                     break
                 seen.add(gid)
                 yielded += 1

@@ -1,14 +1,16 @@
 """Fixtures: a scrubbed environment, a database per test on both backends, a writer of launcher-style
 rows, a started service with its Flask test client. The helpers they use live in support.py."""
+
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from support import Harness, Writer, fresh_pg_schema, make_config, make_launcher_db, require_pg
 
 from rollout_buffer.tools.runner import SCRUB_NAMES, SCRUB_PREFIXES
-from support import Harness, Writer, fresh_pg_schema, make_config, make_launcher_db, require_pg
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,7 @@ seed and the commands that rerun it.
 Only the HTTP endpoints and the database tables are used, so the engine does not depend on how
 the service is built inside.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import requests
-
 from fakes.fake_proxy import FakeProxy
-from rollout_buffer.launcher.procfs import group_members
 from servers import ROOT, Server, log_tail
+
+from rollout_buffer.launcher.procfs import group_members
 
 WRITER = Path(__file__).resolve().parent / "fakes" / "fault_writer.py"
 JOB = "fjob"
@@ -49,8 +50,14 @@ OTHER_JOB = "fjob-other"  # rows of another job with the same group ids: never r
 BASE_TIME = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
 DEEP = 2000  # JSON nesting depth of the deep rows (json.loads recurses ~1 level per frame)
 MALFORMED_KINDS = {
-    "sqlite": ("deep_messages", "deep_env_state", "bad_created_at", "null_group_id", "blob_session_id",
-               "invalid_utf8"),
+    "sqlite": (
+        "deep_messages",
+        "deep_env_state",
+        "bad_created_at",
+        "null_group_id",
+        "blob_session_id",
+        "invalid_utf8",
+    ),
     "postgres": ("deep_messages", "deep_env_state", "bad_created_at", "null_group_id"),
 }
 
@@ -73,7 +80,9 @@ class Settings:
     p_malformed: float = 0.25
     p_incomplete: float = 0.2
     p_hold: float = 0.12
-    kinds: tuple[str, ...] | None = None  # malformed kinds to draw from (default: all of the backend)
+    kinds: tuple[str, ...] | None = (
+        None  # malformed kinds to draw from (default: all of the backend)
+    )
 
     def hold_range(self) -> tuple[float, float]:
         # A held SQLite write transaction blocks every other writer, the service's state writes
@@ -84,9 +93,11 @@ class Settings:
 
 
 def rerun_hint(s: Settings) -> str:
-    return (f"seed={s.seed} backend={s.backend}; rerun: RBTEST_FAULT_SEED={s.seed} python -m pytest "
-            f"tests/test_faults.py -k {s.backend}   or   python tests/bench/fault_soak.py --seed {s.seed} "
-            f"--backend {s.backend} --groups {s.groups_per_writer} --kills {s.kills}")
+    return (
+        f"seed={s.seed} backend={s.backend}; rerun: RBTEST_FAULT_SEED={s.seed} python -m pytest "
+        f"tests/test_faults.py -k {s.backend}   or   python tests/bench/fault_soak.py --seed {s.seed} "
+        f"--backend {s.backend} --groups {s.groups_per_writer} --kills {s.kills}"
+    )
 
 
 # -- the plan: rows and transactions of each writer --------------------------------------------------------
@@ -104,22 +115,46 @@ def _created_at(rng: random.Random, offset_s: float) -> str:
 
 
 def _history(group: str, step: int, rng: random.Random) -> list[dict[str, str]]:
-    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": f"task {group} \u00e9\u4e2d"}]
+    msgs = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": f"task {group} \u00e9\u4e2d"},
+    ]
     for i in range(1, step):
-        msgs += [{"role": "assistant", "content": f"a{i}"}, {"role": "user", "content": f"obs {i} {rng.random():.3f}"}]
+        msgs += [
+            {"role": "assistant", "content": f"a{i}"},
+            {"role": "user", "content": f"obs {i} {rng.random():.3f}"},
+        ]
     return msgs
 
 
-def _row(s: Settings, rng: random.Random, group: str, session: str, step: int, *, completed: bool,
-         job: str = JOB) -> dict[str, Any]:
+def _row(
+    s: Settings,
+    rng: random.Random,
+    group: str,
+    session: str,
+    step: int,
+    *,
+    completed: bool,
+    job: str = JOB,
+) -> dict[str, Any]:
     return {
-        "session_id": session, "step_id": step, "env_name": "env", "llm_model": "model", "group_id": group,
-        "job_id": job, "messages": json.dumps(_history(group, step, rng), ensure_ascii=rng.random() < 0.5),
-        "response": f"answer {session[:6]} {step} \U0001F600", "step_reward": round(rng.uniform(-1, 1), 3),
+        "session_id": session,
+        "step_id": step,
+        "env_name": "env",
+        "llm_model": "model",
+        "group_id": group,
+        "job_id": job,
+        "messages": json.dumps(_history(group, step, rng), ensure_ascii=rng.random() < 0.5),
+        "response": f"answer {session[:6]} {step} \U0001f600",
+        "step_reward": round(rng.uniform(-1, 1), 3),
         "reward": round(rng.uniform(0, 5), 3),
-        "env_state": None if rng.random() < 0.15 else json.dumps({"weight_version": rng.randint(0, 9)}),
-        "is_terminal": 1 if completed else 0, "is_truncated": 1 if completed and rng.random() < 0.3 else 0,
-        "is_session_completed": 1 if completed else 0, "is_trainable": 1,
+        "env_state": None
+        if rng.random() < 0.15
+        else json.dumps({"weight_version": rng.randint(0, 9)}),
+        "is_terminal": 1 if completed else 0,
+        "is_truncated": 1 if completed and rng.random() < 0.3 else 0,
+        "is_session_completed": 1 if completed else 0,
+        "is_trainable": 1,
         "created_at": _created_at(rng, rng.uniform(0, 3600)),
     }
 
@@ -144,7 +179,9 @@ def _spoil(s: Settings, rng: random.Random, row: dict[str, Any], kind: str) -> N
         raise ValueError(kind)
 
 
-def _group_sessions(s: Settings, rng: random.Random, gid: str) -> tuple[str, list[list[dict[str, Any]]]]:
+def _group_sessions(
+    s: Settings, rng: random.Random, gid: str
+) -> tuple[str, list[list[dict[str, Any]]]]:
     """(kind, the rows of each session of one group, in step order)."""
     roll = rng.random()
     kind = "complete"
@@ -156,14 +193,20 @@ def _group_sessions(s: Settings, rng: random.Random, gid: str) -> tuple[str, lis
     n_complete = s.k
     if kind == "incomplete" or (kind != "complete" and rng.random() < 0.3):
         n_sessions = rng.randint(1, s.k)
-        n_complete = rng.randint(0, n_sessions - 1) if kind == "incomplete" else rng.randint(0, n_sessions)
+        n_complete = (
+            rng.randint(0, n_sessions - 1) if kind == "incomplete" else rng.randint(0, n_sessions)
+        )
     sessions = []
     for j in range(n_sessions):
         sid = _hex_id(rng)
         completes = j < n_complete
         steps = rng.randint(2 if kind not in ("complete", "incomplete") and j == 0 else 1, 3)
-        sessions.append([_row(s, rng, gid, sid, st, completed=completes and st == steps)
-                         for st in range(1, steps + 1)])
+        sessions.append(
+            [
+                _row(s, rng, gid, sid, st, completed=completes and st == steps)
+                for st in range(1, steps + 1)
+            ]
+        )
     if kind not in ("complete", "incomplete"):
         # never the completed row: the group must be complete but for the one bad row
         victim = rng.randrange(len(sessions[0]) - 1)
@@ -187,20 +230,24 @@ def _merge(rng: random.Random, sessions: list[list[dict[str, Any]]]) -> list[dic
     return out
 
 
-def make_plan(s: Settings, rng: random.Random, writer: int, url: str, log_path: str) -> dict[str, Any]:
+def make_plan(
+    s: Settings, rng: random.Random, writer: int, url: str, log_path: str
+) -> dict[str, Any]:
     """One writer's transactions; groups are written two at a time, so a group's rows are close in time."""
     stream: list[dict[str, Any]] = []
     kinds: dict[str, str] = {}
     gids = [f"g{writer}-{i:02d}-{rng.getrandbits(24):06x}" for i in range(s.groups_per_writer)]
     for a in range(0, len(gids), 2):
         pair = []
-        for gid in gids[a:a + 2]:
+        for gid in gids[a : a + 2]:
             kinds[gid], sessions = _group_sessions(s, rng, gid)
             pair += sessions
         stream += _merge(rng, pair)
     if writer == 0:  # the same group id in another job: must never be read for ours
-        stream.insert(rng.randrange(len(stream)), _row(s, rng, gids[0], _hex_id(rng), 1, completed=True,
-                                                        job=OTHER_JOB))
+        stream.insert(
+            rng.randrange(len(stream)),
+            _row(s, rng, gids[0], _hex_id(rng), 1, completed=True, job=OTHER_JOB),
+        )
     lead: list[dict[str, Any]] = []
     if s.backend == "postgres" and writer == 0:
         # The leading hold: the first session of the run, held open while everything after it is
@@ -216,13 +263,21 @@ def make_plan(s: Settings, rng: random.Random, writer: int, url: str, log_path: 
     lo, hi = s.hold_range()
     while i < len(stream):
         n = rng.randint(1, 5)
-        rows = stream[i:i + n]
+        rows = stream[i : i + n]
         hold = rng.uniform(lo, hi) if rng.random() < s.p_hold else 0.0
         # A detached transaction commits after later ones; only allowed when each of its sessions
         # ends in it, since the launcher commits a session's rows in step order.
         ends_here = all(last_index[json.dumps(r["session_id"])] < i + n for r in rows)
-        txns.append({"delay_s": round(rng.uniform(0.0, 0.25), 3), "hold_s": round(hold, 3), "rows": rows,
-                     "detach": bool(hold and ends_here and s.backend == "postgres" and rng.random() < 0.7)})
+        txns.append(
+            {
+                "delay_s": round(rng.uniform(0.0, 0.25), 3),
+                "hold_s": round(hold, 3),
+                "rows": rows,
+                "detach": bool(
+                    hold and ends_here and s.backend == "postgres" and rng.random() < 0.7
+                ),
+            }
+        )
         i += n
     if lead:
         txns.insert(0, {"delay_s": 0.0, "hold_s": 7.0, "rows": lead, "detach": True})
@@ -305,28 +360,51 @@ def _text(value: Any) -> Any:
 
 def read_rows(url: str, backend: str, job: str = JOB) -> list[Row]:
     """Every trainable row of the job, read with the raw driver so that no bad value is hidden."""
-    cols = ("id, session_id, step_id, group_id, messages, response, step_reward, env_state, is_truncated, "
-            "is_session_completed")
+    cols = (
+        "id, session_id, step_id, group_id, messages, response, step_reward, env_state, is_truncated, "
+        "is_session_completed"
+    )
     if backend == "sqlite":
-        conn = sqlite3.connect(url[len("sqlite://"):], timeout=30)
+        conn = sqlite3.connect(url[len("sqlite://") :], timeout=30)
         conn.text_factory = bytes
         try:
-            raw = conn.execute(f"SELECT {cols}, CAST(created_at AS BLOB), typeof(session_id) FROM session_steps "
-                               "WHERE job_id = ? AND is_trainable = 1", (job,)).fetchall()
+            raw = conn.execute(
+                f"SELECT {cols}, CAST(created_at AS BLOB), typeof(session_id) FROM session_steps "
+                "WHERE job_id = ? AND is_trainable = 1",
+                (job,),
+            ).fetchall()
         finally:
             conn.close()
         out = []
         for r in raw:
             sid = r[1] if r[-1] == b"blob" else _text(r[1])
-            out.append(Row(r[0], sid, r[2], _text(r[3]), _text(r[4]), _text(r[5]), float(r[6]), _text(r[7]),
-                           r[8], r[9], _text(r[10]) if isinstance(_text(r[10]), str) else repr(r[10])))
+            out.append(
+                Row(
+                    r[0],
+                    sid,
+                    r[2],
+                    _text(r[3]),
+                    _text(r[4]),
+                    _text(r[5]),
+                    float(r[6]),
+                    _text(r[7]),
+                    r[8],
+                    r[9],
+                    _text(r[10]) if isinstance(_text(r[10]), str) else repr(r[10]),
+                )
+            )
         return out
     import psycopg
 
     with psycopg.connect(url) as conn:
-        raw = conn.execute(f"SELECT {cols}, created_at::text FROM session_steps "
-                           "WHERE job_id = %s AND is_trainable = 1", (job,)).fetchall()
-    return [Row(r[0], r[1], r[2], r[3], r[4], r[5], float(r[6]), r[7], r[8], r[9], r[10]) for r in raw]
+        raw = conn.execute(
+            f"SELECT {cols}, created_at::text FROM session_steps "
+            "WHERE job_id = %s AND is_trainable = 1",
+            (job,),
+        ).fetchall()
+    return [
+        Row(r[0], r[1], r[2], r[3], r[4], r[5], float(r[6]), r[7], r[8], r[9], r[10]) for r in raw
+    ]
 
 
 @dataclass
@@ -363,15 +441,29 @@ def expected_items(g: Group) -> list[dict[str, Any]]:
     done = g.completed_sessions()
     terminal = {}
     for sid in done:
-        last = max((r for r in g.rows if r.session_id == sid and r.completed), key=lambda r: (r.step_id, r.pk))
+        last = max(
+            (r for r in g.rows if r.session_id == sid and r.completed),
+            key=lambda r: (r.step_id, r.pk),
+        )
         terminal[sid] = last.step_reward
     out = []
-    for r in sorted((r for r in g.rows if r.session_id in done), key=lambda r: (r.session_id, r.step_id, r.pk)):
+    for r in sorted(
+        (r for r in g.rows if r.session_id in done), key=lambda r: (r.session_id, r.step_id, r.pk)
+    ):
         env = json.loads(r.env_state) if r.env_state else {}
-        out.append({"step_pk": r.pk, "session_id": r.session_id, "steps": r.step_id, "reward": terminal[r.session_id],
-                    "step_reward": r.step_reward, "finish_reason": "length" if r.truncated else "stop",
-                    "weight_version": int(env.get("weight_version", 0)), "timestamp": _epoch(r.created_at),
-                    "messages": json.loads(r.messages) + [{"role": "assistant", "content": r.response}]})
+        out.append(
+            {
+                "step_pk": r.pk,
+                "session_id": r.session_id,
+                "steps": r.step_id,
+                "reward": terminal[r.session_id],
+                "step_reward": r.step_reward,
+                "finish_reason": "length" if r.truncated else "stop",
+                "weight_version": int(env.get("weight_version", 0)),
+                "timestamp": _epoch(r.created_at),
+                "messages": json.loads(r.messages) + [{"role": "assistant", "content": r.response}],
+            }
+        )
     return out
 
 
@@ -380,23 +472,33 @@ def compare_items(gid: str, got: list[dict[str, Any]], want: list[dict[str, Any]
     got_pks = [i.get("extra_info", {}).get("step_pk") for i in got]
     want_pks = [w["step_pk"] for w in want]
     if got_pks != want_pks:
-        return [f"group {gid}: served step_pks {got_pks}, expected {want_pks} (in (session, step, pk) order)"]
+        return [
+            f"group {gid}: served step_pks {got_pks}, expected {want_pks} (in (session, step, pk) order)"
+        ]
     out = []
     for item, w in zip(got, want):
         x = item["extra_info"]
         checks = {
-            "instance_id": (item.get("instance_id"), gid), "reward": (item.get("reward"), w["reward"]),
+            "instance_id": (item.get("instance_id"), gid),
+            "reward": (item.get("reward"), w["reward"]),
             "terminal_reward": (x.get("terminal_reward"), w["reward"]),
-            "step_reward": (x.get("step_reward"), w["step_reward"]), "session_id": (x.get("session_id"), w["session_id"]),
-            "steps": (x.get("steps"), w["steps"]), "finish_reason": (x.get("finish_reason"), w["finish_reason"]),
-            "weight_version": (x.get("weight_version"), w["weight_version"]), "messages": (item.get("messages"), w["messages"]),
+            "step_reward": (x.get("step_reward"), w["step_reward"]),
+            "session_id": (x.get("session_id"), w["session_id"]),
+            "steps": (x.get("steps"), w["steps"]),
+            "finish_reason": (x.get("finish_reason"), w["finish_reason"]),
+            "weight_version": (x.get("weight_version"), w["weight_version"]),
+            "messages": (item.get("messages"), w["messages"]),
         }
         for name, (a, b) in checks.items():
             if a != b:
-                out.append(f"group {gid} step_pk {w['step_pk']}: {name} is {str(a)[:120]}, expected {str(b)[:120]}")
+                out.append(
+                    f"group {gid} step_pk {w['step_pk']}: {name} is {str(a)[:120]}, expected {str(b)[:120]}"
+                )
         ts = x.get("timestamp")
         if not isinstance(ts, (int, float)) or not math.isclose(ts, w["timestamp"], abs_tol=1e-3):
-            out.append(f"group {gid} step_pk {w['step_pk']}: timestamp {ts}, expected {w['timestamp']}")
+            out.append(
+                f"group {gid} step_pk {w['step_pk']}: timestamp {ts}, expected {w['timestamp']}"
+            )
     return out
 
 
@@ -412,7 +514,7 @@ class StateReader:
     def query(self, sql: str, params: tuple = ()) -> list[tuple]:
         try:
             if self.backend == "sqlite":
-                conn = sqlite3.connect(self.url[len("sqlite://"):], timeout=5)
+                conn = sqlite3.connect(self.url[len("sqlite://") :], timeout=5)
                 try:
                     return conn.execute(sql, params).fetchall()
                 finally:
@@ -421,22 +523,33 @@ class StateReader:
 
             with psycopg.connect(self.url, connect_timeout=5) as conn:
                 return conn.execute(sql.replace("?", "%s"), params).fetchall()
-        except Exception as exc:  # noqa: BLE001 - a table not created yet reads as empty
-            if "rollout_buffer_" in str(exc) or "no such table" in str(exc) or "does not exist" in str(exc):
+        except Exception as exc:
+            if (
+                "rollout_buffer_" in str(exc)
+                or "no such table" in str(exc)
+                or "does not exist" in str(exc)
+            ):
                 return []
             raise
 
     def decisions(self, job: str = JOB) -> dict[str, tuple[str, str | None, str]]:
         """{group_id: (status, reason, clear_sessions)}."""
-        rows = self.query("SELECT group_id, status, reason, clear_sessions FROM rollout_buffer_groups WHERE job_id = ?",
-                          (job,))
+        rows = self.query(
+            "SELECT group_id, status, reason, clear_sessions FROM rollout_buffer_groups WHERE job_id = ?",
+            (job,),
+        )
         return {g: (st, reason, cs) for g, st, reason, cs in rows}
 
     def batch_for(self, request_id: str) -> list[tuple]:
-        return self.query("SELECT batch_id, group_ids FROM rollout_buffer_batches WHERE request_id = ?", (request_id,))
+        return self.query(
+            "SELECT batch_id, group_ids FROM rollout_buffer_batches WHERE request_id = ?",
+            (request_id,),
+        )
 
     def batches(self, job: str = JOB) -> list[tuple]:
-        return self.query("SELECT request_id, group_ids FROM rollout_buffer_batches WHERE job_id = ?", (job,))
+        return self.query(
+            "SELECT request_id, group_ids FROM rollout_buffer_batches WHERE job_id = ?", (job,)
+        )
 
 
 # -- the trainer -------------------------------------------------------------------------------------------
@@ -449,7 +562,9 @@ class Trainer:
         self.url = base_url
         self.rng = rng
         self.http = requests.Session()
-        self.pending: tuple[str, dict[str, Any]] | None = None  # a logical poll still to be answered
+        self.pending: tuple[str, dict[str, Any]] | None = (
+            None  # a logical poll still to be answered
+        )
         self.received: dict[str, dict[str, Any]] = {}  # request_id -> first response with data
         self.lost: dict[str, dict[str, Any]] = {}  # request_id -> an answer the test threw away
         self.served: dict[str, list[tuple[str, list[dict]]]] = {}  # group -> [(request_id, items)]
@@ -459,7 +574,9 @@ class Trainer:
 
     def next_request(self) -> tuple[str, dict[str, Any]]:
         if self.pending is None:
-            body: dict[str, Any] = {"request_id": uuid.UUID(int=self.rng.getrandbits(128), version=4).hex}
+            body: dict[str, Any] = {
+                "request_id": uuid.UUID(int=self.rng.getrandbits(128), version=4).hex
+            }
             mg = self.rng.choice([None, None, 1, 2, 5])
             if mg is not None:
                 body["max_groups"] = mg
@@ -489,8 +606,12 @@ class Trainer:
         if not ok:
             key = str(doc).split(" {")[0][:60]
             self.errors[key] = self.errors.get(key, 0) + 1
-            if str(doc).startswith("HTTP 410") or str(doc).startswith("HTTP 4") and not doc.startswith("HTTP 429"):
-                self.problems.append(f"request_id {rid}: the retry got {doc} (a retry must get its batch)")
+            if str(doc).startswith("HTTP 410") or (
+                str(doc).startswith("HTTP 4") and not doc.startswith("HTTP 429")
+            ):
+                self.problems.append(
+                    f"request_id {rid}: the retry got {doc} (a retry must get its batch)"
+                )
                 self.pending = None
             return None
         self.pending = None
@@ -499,29 +620,39 @@ class Trainer:
             return None
         if not doc["success"]:
             if rid in self.lost:
-                self.problems.append(f"request_id {rid}: its batch was recorded before the crash, and the retry "
-                                     f"answered {doc.get('message')!r}")
+                self.problems.append(
+                    f"request_id {rid}: its batch was recorded before the crash, and the retry "
+                    f"answered {doc.get('message')!r}"
+                )
             return doc
         meta = doc["data"]["meta_info"]
         items = doc["data"]["data"]
-        if rid in self.lost and [i["uid"] for i in items] != [i["uid"] for i in self.lost[rid]["data"]["data"]]:
-            self.problems.append(f"request_id {rid}: the retry after the crash got other items than the batch "
-                                 f"recorded before it (groups {meta.get('finished_groups')} vs "
-                                 f"{self.lost[rid]['data']['meta_info'].get('finished_groups')})")
+        if rid in self.lost and [i["uid"] for i in items] != [
+            i["uid"] for i in self.lost[rid]["data"]["data"]
+        ]:
+            self.problems.append(
+                f"request_id {rid}: the retry after the crash got other items than the batch "
+                f"recorded before it (groups {meta.get('finished_groups')} vs "
+                f"{self.lost[rid]['data']['meta_info'].get('finished_groups')})"
+            )
         if rid in self.received:
             first = self.received[rid]
             if [i["uid"] for i in items] != [i["uid"] for i in first["data"]["data"]]:
                 self.problems.append(f"request_id {rid}: a replay differs from the first answer")
             return doc
         if meta.get("request_id") not in (None, rid):
-            self.problems.append(f"request_id {rid}: answered for request_id {meta.get('request_id')}")
+            self.problems.append(
+                f"request_id {rid}: answered for request_id {meta.get('request_id')}"
+            )
         self.received[rid] = doc
         by_group: dict[str, list[dict]] = {}
         for item in items:
             by_group.setdefault(item["instance_id"], []).append(item)
         if sorted(by_group) != sorted(meta.get("finished_groups", [])):
-            self.problems.append(f"request_id {rid}: finished_groups {meta.get('finished_groups')} "
-                                 f"but items of {sorted(by_group)}")
+            self.problems.append(
+                f"request_id {rid}: finished_groups {meta.get('finished_groups')} "
+                f"but items of {sorted(by_group)}"
+            )
         for gid, g_items in by_group.items():
             self.served.setdefault(gid, []).append((rid, g_items))
         return doc
@@ -542,8 +673,11 @@ class Trainer:
         last = ""
         while time.monotonic() < end:
             try:
-                r = self.http.post(self.url + "/start_rollout", json={"num_repeat_per_sample": k, "job_session": JOB},
-                                   timeout=(3, 30))
+                r = self.http.post(
+                    self.url + "/start_rollout",
+                    json={"num_repeat_per_sample": k, "job_session": JOB},
+                    timeout=(3, 30),
+                )
                 if r.status_code == 200:
                     return
                 last = f"HTTP {r.status_code} {r.text[:200]}"
@@ -568,8 +702,10 @@ class Outcome:
     seconds: float = 0.0
 
     def summary(self) -> str:
-        return (f"{self.settings.backend} seed {self.settings.seed}: {self.seconds:.1f} s, kills {self.kills}, "
-                f"proxy {self.proxy_modes}, {self.counts}")
+        return (
+            f"{self.settings.backend} seed {self.settings.seed}: {self.seconds:.1f} s, kills {self.kills}, "
+            f"proxy {self.proxy_modes}, {self.counts}"
+        )
 
 
 class Run:
@@ -586,7 +722,9 @@ class Run:
         self.srv: Server | None = None
         self.writers: list[subprocess.Popen] = []
         self.plans: list[dict[str, Any]] = []
-        self.app_name = f"rbtest-fault-{os.getpid()}-{id(self):x}"  # finds our writers in pg_stat_activity
+        self.app_name = (
+            f"rbtest-fault-{os.getpid()}-{id(self):x}"  # finds our writers in pg_stat_activity
+        )
 
     # ---- driving
 
@@ -610,9 +748,13 @@ class Run:
         finally:
             db.close()
         self.proxy = FakeProxy()
-        env = {"AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS": str(self.s.ttl_s),
-               "LLM_PROXY_HOST": "127.0.0.1", "LLM_PROXY_PORT": str(self.proxy.port),
-               "ROLLOUT_BUFFER_PROXY_CONNECT_TIMEOUT_SECONDS": "1", "ROLLOUT_BUFFER_PROXY_READ_TIMEOUT_SECONDS": "2"}
+        env = {
+            "AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS": str(self.s.ttl_s),
+            "LLM_PROXY_HOST": "127.0.0.1",
+            "LLM_PROXY_PORT": str(self.proxy.port),
+            "ROLLOUT_BUFFER_PROXY_CONNECT_TIMEOUT_SECONDS": "1",
+            "ROLLOUT_BUFFER_PROXY_READ_TIMEOUT_SECONDS": "2",
+        }
         self.srv = Server(self.url, self.workdir / "srv", env=env, name="faults")
         self._start_server()
         trainer = Trainer(self.srv.url, random.Random(self.rng.getrandbits(64)))
@@ -620,15 +762,22 @@ class Run:
         trainer.start_rollout(self.s.k)
 
         for w in range(self.s.writers):
-            plan = make_plan(self.s, random.Random(self.rng.getrandbits(64)), w, self.url,
-                             str(self.workdir / f"writer{w}.jsonl"))
+            plan = make_plan(
+                self.s,
+                random.Random(self.rng.getrandbits(64)),
+                w,
+                self.url,
+                str(self.workdir / f"writer{w}.jsonl"),
+            )
             plan["app_name"] = self.app_name
             self.plans.append(plan)
         write_s = max(plan_duration(p) for p in self.plans)
         # the fault schedule, all drawn before anything runs
         must = ["in_poll", "after_build"] + (["in_hold"] if self.s.backend == "postgres" else [])
-        modes = must + [self.rng.choice(["idle", "in_poll", "after_build"] + must[2:])
-                        for _ in range(self.s.kills - len(must))]
+        modes = must + [
+            self.rng.choice(["idle", "in_poll", "after_build"] + must[2:])
+            for _ in range(self.s.kills - len(must))
+        ]
         self.rng.shuffle(modes)
         span = max(write_s, 2.0 * self.s.kills)
         kill_at = sorted(self.rng.uniform(0.5, span) for _ in modes)
@@ -646,8 +795,15 @@ class Run:
             path = self.workdir / f"writer{w}.json"
             path.write_text(json.dumps(plan), encoding="utf-8")
             with open(self.workdir / f"writer{w}.out", "ab") as out:
-                self.writers.append(subprocess.Popen([sys.executable, str(WRITER), str(path)], cwd=ROOT,
-                                                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT))
+                self.writers.append(
+                    subprocess.Popen(
+                        [sys.executable, str(WRITER), str(path)],
+                        cwd=ROOT,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
         start = time.monotonic()
         last_kill = 0.0
         while kill_at or any(p.poll() is None for p in self.writers):
@@ -671,8 +827,10 @@ class Run:
         for w, p in enumerate(self.writers):
             rc = p.wait(60)
             if rc != 0:
-                self.out.problems.append(f"writer {w} exited {rc} (a test bug or a database fault): "
-                                         f"{log_tail(self.workdir / f'writer{w}.out', 20)}")
+                self.out.problems.append(
+                    f"writer {w} exited {rc} (a test bug or a database fault): "
+                    f"{log_tail(self.workdir / f'writer{w}.out', 20)}"
+                )
         self._drain_and_check()
 
     def _start_server(self) -> None:
@@ -696,9 +854,13 @@ class Run:
             end = time.monotonic() + 10
             held = False
             while time.monotonic() < end and not held:
-                held = bool(self.state.query(
-                    "SELECT 1 FROM pg_stat_activity WHERE application_name = ? AND state = 'idle in transaction' "
-                    "AND now() - xact_start > interval '2.5 seconds'", (self.app_name,)))
+                held = bool(
+                    self.state.query(
+                        "SELECT 1 FROM pg_stat_activity WHERE application_name = ? AND state = 'idle in transaction' "
+                        "AND now() - xact_start > interval '2.5 seconds'",
+                        (self.app_name,),
+                    )
+                )
                 if not held:
                     trainer.poll()
                     time.sleep(0.05)
@@ -707,7 +869,9 @@ class Run:
         else:
             # a batch is recorded only when a group is ready, and a poll with data takes longest: wait for one
             end = time.monotonic() + 5
-            while time.monotonic() < end and not ((trainer.stats() or {}).get("groups") or {}).get("ready"):
+            while time.monotonic() < end and not ((trainer.stats() or {}).get("groups") or {}).get(
+                "ready"
+            ):
                 time.sleep(0.05)
             rid, body = trainer.next_request()
             result: list[tuple[bool, Any]] = []
@@ -763,9 +927,15 @@ class Run:
         trainer = self.trainer
         rows = read_rows(self.url, self.s.backend)
         groups = groups_of(rows)
-        good = {g for g, grp in groups.items() if len(grp.completed_sessions()) >= self.s.k and not grp.problems()}
+        good = {
+            g
+            for g, grp in groups.items()
+            if len(grp.completed_sessions()) >= self.s.k and not grp.problems()
+        }
         others = set(groups) - good
-        self.out.counts.update(rows=len(rows), groups=len(groups), complete=len(good), other=len(others))
+        self.out.counts.update(
+            rows=len(rows), groups=len(groups), complete=len(good), other=len(others)
+        )
 
         # poll until every good group arrived and every other one is decided, or the deadline
         deadline = time.monotonic() + self.s.ttl_s + 30
@@ -779,7 +949,9 @@ class Run:
             time.sleep(gaps.uniform(0.02, 0.2) if doc is None or not doc.get("success") else 0)
         self._check(rows, groups, good, others)
 
-    def _check(self, rows: list[Row], groups: dict[str, Group], good: set[str], others: set[str]) -> None:
+    def _check(
+        self, rows: list[Row], groups: dict[str, Group], good: set[str], others: set[str]
+    ) -> None:
         p = self.out.problems
         trainer = self.trainer
         p += trainer.problems
@@ -789,53 +961,79 @@ class Run:
             got = served.get(gid, [])
             if len(got) != 1:
                 dec = decided.get(gid)
-                p.append(f"complete well-formed group {gid} was served {len(got)} times "
-                         f"(decision in rollout_buffer_groups: {dec[:2] if dec else None}; "
-                         f"{self._timing(gid)})")
+                p.append(
+                    f"complete well-formed group {gid} was served {len(got)} times "
+                    f"(decision in rollout_buffer_groups: {dec[:2] if dec else None}; "
+                    f"{self._timing(gid)})"
+                )
                 continue
             p += compare_items(gid, got[0][1], expected_items(groups[gid]))
             if decided.get(gid, ("?",))[0] != "served":
-                p.append(f"group {gid} reached the trainer but rollout_buffer_groups says {decided.get(gid)}")
+                p.append(
+                    f"group {gid} reached the trainer but rollout_buffer_groups says {decided.get(gid)}"
+                )
         for gid in sorted(set(served) - good):
             grp = groups.get(gid)
-            why = grp.problems() or [f"{len(grp.completed_sessions())} of {self.s.k} sessions completed"] if grp else \
-                ["not a group of this job"]
+            why = (
+                grp.problems()
+                or [f"{len(grp.completed_sessions())} of {self.s.k} sessions completed"]
+                if grp
+                else ["not a group of this job"]
+            )
             p.append(f"group {gid} was served but should not have been: {why[:3]}")
         for gid in sorted(others):
             dec = decided.get(gid)
             if dec is None or dec[0] != "dropped" or not dec[1]:
                 grp = groups[gid]
-                p.append(f"group {gid} ({grp.problems()[:2] or 'incomplete'}) is not dropped with a reason: "
-                         f"rollout_buffer_groups has {dec[:2] if dec else 'nothing'}")
-        pks = [i["extra_info"]["step_pk"] for doc in trainer.received.values() for i in doc["data"]["data"]]
+                p.append(
+                    f"group {gid} ({grp.problems()[:2] or 'incomplete'}) is not dropped with a reason: "
+                    f"rollout_buffer_groups has {dec[:2] if dec else 'nothing'}"
+                )
+        pks = [
+            i["extra_info"]["step_pk"]
+            for doc in trainer.received.values()
+            for i in doc["data"]["data"]
+        ]
         twice = sorted({pk for pk in pks if pks.count(pk) > 1})
         if twice:
             p.append(f"step_pks served twice: {twice[:20]}")
         for rid, group_ids in self.state.batches():
             if rid and rid not in trainer.received:
-                p.append(f"batch for request_id {rid} (groups {group_ids}) was recorded but never reached the "
-                         f"trainer, which retried that id until it got an answer")
+                p.append(
+                    f"batch for request_id {rid} (groups {group_ids}) was recorded but never reached the "
+                    f"trainer, which retried that id until it got an answer"
+                )
         self._check_stats(len(rows))
         self._check_proxy(groups, others)
         reasons: dict[str, int] = {}
         for gid in others:
             if gid in decided:
                 reasons[str(decided[gid][1])] = reasons.get(str(decided[gid][1]), 0) + 1
-        self.out.counts.update(served=len(served), dropped_by_reason=reasons, polls=trainer.polls,
-                               poll_errors=trainer.errors)
+        self.out.counts.update(
+            served=len(served),
+            dropped_by_reason=reasons,
+            polls=trainer.polls,
+            poll_errors=trainer.errors,
+        )
 
     def _check_stats(self, n_rows: int) -> None:
         end = time.monotonic() + 15
         s: dict[str, Any] | None = None
         while time.monotonic() < end:
             s = self.trainer.stats()
-            if s and s.get("job_session") == JOB and (s.get("rows") or {}).get("read") == n_rows \
-                    and s.get("accounting_balanced") is True:
+            if (
+                s
+                and s.get("job_session") == JOB
+                and (s.get("rows") or {}).get("read") == n_rows
+                and s.get("accounting_balanced") is True
+            ):
                 return
             time.sleep(0.1)
         r = (s or {}).get("rows")
-        self.out.problems.append(f"/stats: rows {r}, accounting_balanced {(s or {}).get('accounting_balanced')}; "
-                                 f"the job has {n_rows} trainable rows")
+        self.out.problems.append(
+            f"/stats: rows {r}, accounting_balanced {(s or {}).get('accounting_balanced')}; "
+            f"the job has {n_rows} trainable rows"
+        )
 
     def _check_proxy(self, groups: dict[str, Group], others: set[str]) -> None:
         assert self.proxy is not None
@@ -848,12 +1046,16 @@ class Run:
         missing = want - told()
         if missing:
             by_group = sorted({gid for gid in others if groups[gid].sessions() & missing})
-            self.out.problems.append(f"the proxy was never told (30 s with the proxy up) about {len(missing)} "
-                                     f"sessions of dropped groups {by_group[:10]}")
+            self.out.problems.append(
+                f"the proxy was never told (30 s with the proxy up) about {len(missing)} "
+                f"sessions of dropped groups {by_group[:10]}"
+            )
 
     def _timing(self, gid: str) -> str:
         """When the writers committed the group's rows (to tell a writing gap from a reading fault)."""
-        pks = {r.pk for r in groups_of(read_rows(self.url, self.s.backend)).get(gid, Group(gid)).rows}
+        pks = {
+            r.pk for r in groups_of(read_rows(self.url, self.s.backend)).get(gid, Group(gid)).rows
+        }
         times = []
         for w in range(self.s.writers):
             path = self.workdir / f"writer{w}.jsonl"
@@ -872,13 +1074,18 @@ class Run:
         log = self.srv.log() if self.srv is not None else ""
         lines = log.splitlines()
         notable = [ln for ln in lines if "ERROR" in ln or "Traceback" in ln or "Error:" in ln][-25:]
-        return "\n".join([f"fault suite failed: {rerun_hint(self.s)}", f"  {len(self.out.problems)} problem(s):"]
-                         + [f"  - {x}" for x in self.out.problems[:60]]
-                         + [f"  run: {self.out.summary()}", f"  server log: {self.srv.log_path if self.srv else '?'}",
-                            "  notable server log lines:"] + [f"    {ln[:300]}" for ln in notable])
+        return "\n".join(
+            [f"fault suite failed: {rerun_hint(self.s)}", f"  {len(self.out.problems)} problem(s):"]
+            + [f"  - {x}" for x in self.out.problems[:60]]
+            + [
+                f"  run: {self.out.summary()}",
+                f"  server log: {self.srv.log_path if self.srv else '?'}",
+                "  notable server log lines:",
+            ]
+            + [f"    {ln[:300]}" for ln in notable]
+        )
 
 
 def run(s: Settings, url: str, workdir: str | os.PathLike) -> Outcome:
     """Run one scenario; raises :class:`FaultSuiteFailure` (with the seed) when a check fails."""
     return Run(s, url, Path(workdir)).run()
-

@@ -13,6 +13,7 @@ as a retry-safe trainer does (one request_id per logical poll, reused for its re
 what it got; :func:`assert_exactly_once` and :func:`assert_stats_balance` check it against the
 database. Nothing here mocks the service.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,33 +23,56 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import pytest
 import requests
-
 from support import groups_of, wait_until
+
 from rollout_buffer.launcher import procfs
 from rollout_buffer.storage.db import connect
 from rollout_buffer.tools.runner import ServerProcess, clean_env, free_port, log_tail
 
 ROOT = Path(__file__).resolve().parent.parent
-__all__ = ["ROOT", "Server", "Trainer", "assert_exactly_once", "assert_stats_balance", "complete_groups", "free_port",
-           "init_db", "kill9", "log_tail", "serve", "server_env", "trainable_rows", "uids"]
+__all__ = [
+    "ROOT",
+    "Server",
+    "Trainer",
+    "assert_exactly_once",
+    "assert_stats_balance",
+    "complete_groups",
+    "free_port",
+    "init_db",
+    "kill9",
+    "log_tail",
+    "serve",
+    "server_env",
+    "trainable_rows",
+    "uids",
+]
 
 
-def server_env(db_url: str, run_dir: str | os.PathLike, *, launcher: str = "none",
-               extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def server_env(
+    db_url: str,
+    run_dir: str | os.PathLike,
+    *,
+    launcher: str = "none",
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """os.environ without any service setting, plus the database, log dir, launcher and ``extra``."""
-    env = clean_env({
-        "AIEVOBOX_DB_URL": db_url,
-        "AIEVOBOX_RUN_DIR": str(run_dir),
-        "ROLLOUT_BUFFER_LAUNCHER": launcher,
-        "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "5",
-        "ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS": "20",
-        "ROLLOUT_BUFFER_INGEST_INTERVAL_SECONDS": "0.05",
-    }, package_parent=str(ROOT))
+    env = clean_env(
+        {
+            "AIEVOBOX_DB_URL": db_url,
+            "AIEVOBOX_RUN_DIR": str(run_dir),
+            "ROLLOUT_BUFFER_LAUNCHER": launcher,
+            "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "5",
+            "ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS": "20",
+            "ROLLOUT_BUFFER_INGEST_INTERVAL_SECONDS": "0.05",
+        },
+        package_parent=str(ROOT),
+    )
     env.update(extra or {})
     return env
 
@@ -56,8 +80,16 @@ def server_env(db_url: str, run_dir: str | os.PathLike, *, launcher: str = "none
 class Server:
     """One ``rollout-buffer serve`` subprocess (gunicorn master + worker) in its own process group."""
 
-    def __init__(self, db_url: str, workdir: str | os.PathLike, *, port: int | None = None,
-                 launcher: str = "none", env: Mapping[str, str] | None = None, name: str = "server") -> None:
+    def __init__(
+        self,
+        db_url: str,
+        workdir: str | os.PathLike,
+        *,
+        port: int | None = None,
+        launcher: str = "none",
+        env: Mapping[str, str] | None = None,
+        name: str = "server",
+    ) -> None:
         self.db_url = db_url
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -75,18 +107,22 @@ class Server:
         """The master process while it runs (None once stopped)."""
         return None if self._process is None else self._process.proc
 
-    def start(self, timeout: float = 30.0) -> "Server":
+    def start(self, timeout: float = 30.0) -> Server:
         """Start the server and wait until GET /health answers 200 (pytest.fail otherwise)."""
         assert self._process is None, "already started"
-        env = server_env(self.db_url, self.workdir / "logs", launcher=self.launcher, extra=self.extra_env)
+        env = server_env(
+            self.db_url, self.workdir / "logs", launcher=self.launcher, extra=self.extra_env
+        )
         self.starts += 1
         self._process = ServerProcess(self.port, env, self.log_path, cwd=self.workdir)
         self._process.spawn(f" #{self.starts}")
         problem = self._process.wait_healthy(timeout)
         if problem is not None:
             self.stop()
-            pytest.fail(f"rollout-buffer server did not start on {self.url}: {problem}\n"
-                        f"--- {self.log_path} ---\n{log_tail(self.log_path)}")
+            pytest.fail(
+                f"rollout-buffer server did not start on {self.url}: {problem}\n"
+                f"--- {self.log_path} ---\n{log_tail(self.log_path)}"
+            )
         return self
 
     def wait_healthy(self, timeout: float) -> str | None:
@@ -117,8 +153,13 @@ def serve(db_url: str, workdir: str | os.PathLike, **kw) -> Iterator[Server]:
 
 def init_db(db_url: str) -> None:
     """Create the launcher's (and the buffer's) tables: ``python -m rollout_buffer init-db``."""
-    subprocess.run([sys.executable, "-m", "rollout_buffer", "init-db", "--db", db_url], cwd=ROOT, check=True,
-                   capture_output=True, timeout=60)
+    subprocess.run(
+        [sys.executable, "-m", "rollout_buffer", "init-db", "--db", db_url],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
 
 
 def kill9(srv: Server) -> None:
@@ -136,8 +177,11 @@ def complete_groups(url: str, job: str, k: int = 4) -> dict[str, int]:
     """{group_id: rows of its completed sessions} for every group with k completed sessions."""
     db = connect(url)
     try:
-        rows = db.rows("SELECT group_id, session_id, is_session_completed FROM session_steps "
-                       "WHERE job_id = ? AND is_trainable = 1", (job,))
+        rows = db.rows(
+            "SELECT group_id, session_id, is_session_completed FROM session_steps "
+            "WHERE job_id = ? AND is_trainable = 1",
+            (job,),
+        )
     finally:
         db.close()
     done = {(g, s) for g, s, c in rows if c}
@@ -153,7 +197,11 @@ def complete_groups(url: str, job: str, k: int = 4) -> dict[str, int]:
 def trainable_rows(url: str, job: str) -> int:
     db = connect(url)
     try:
-        return int(db.scalar("SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND is_trainable = 1", (job,)))
+        return int(
+            db.scalar(
+                "SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND is_trainable = 1", (job,)
+            )
+        )
     finally:
         db.close()
 
@@ -176,7 +224,9 @@ class Trainer:
     def post(self, body: dict[str, Any]) -> requests.Response:
         return self.session.post(self.srv.url + "/get_rollout_data", json=body, timeout=60)
 
-    def poll(self, max_groups: int | None = None, request_id: str | None = None, retry_for: float = 30.0) -> dict:
+    def poll(
+        self, max_groups: int | None = None, request_id: str | None = None, retry_for: float = 30.0
+    ) -> dict:
         """One logical poll; retried with the same request_id on 503 and connection errors."""
         rid = request_id or uuid.uuid4().hex
         body: dict[str, Any] = {"request_id": rid}
@@ -216,8 +266,13 @@ class Trainer:
         for gid, items in groups_of(doc).items():
             self.served.setdefault(gid, []).append(items)
 
-    def drain(self, want: set[str], max_groups: int | None = None, timeout: float = 30.0,
-              pause: float = 0.0) -> None:
+    def drain(
+        self,
+        want: set[str],
+        max_groups: int | None = None,
+        timeout: float = 30.0,
+        pause: float = 0.0,
+    ) -> None:
         """Poll until every group of ``want`` arrived, then once more (nothing else may come)."""
         deadline = time.monotonic() + timeout
         while not want <= set(self.served):
@@ -227,7 +282,9 @@ class Trainer:
             elif pause:
                 time.sleep(pause)
         # every row written has been read (so nothing else can become ready), then nothing more comes
-        wait_until(lambda: self.stats().get("lag_rows") == 0, 10, "the service caught up with the rows")
+        wait_until(
+            lambda: self.stats().get("lag_rows") == 0, 10, "the service caught up with the rows"
+        )
         assert self.poll()["success"] is False, "served more than expected"
 
     def stats(self) -> dict:
@@ -236,8 +293,11 @@ class Trainer:
         return r.json()
 
     def start_rollout(self, job: str = "job1", k: int = 4) -> dict:
-        r = self.session.post(self.srv.url + "/start_rollout", json={"num_repeat_per_sample": k,
-                                                                     "job_session": job}, timeout=30)
+        r = self.session.post(
+            self.srv.url + "/start_rollout",
+            json={"num_repeat_per_sample": k, "job_session": job},
+            timeout=30,
+        )
         assert r.status_code == 200, r.text
         return r.json()
 
@@ -251,7 +311,8 @@ def assert_exactly_once(trainer: Trainer, expected: dict[str, int]) -> None:
     twice = {g: len(v) for g, v in trainer.served.items() if len(v) != 1}
     assert not twice, f"groups served more than once: {twice}"
     assert set(trainer.served) == set(expected), (
-        f"missing {sorted(set(expected) - set(trainer.served))}, extra {sorted(set(trainer.served) - set(expected))}")
+        f"missing {sorted(set(expected) - set(trainer.served))}, extra {sorted(set(trainer.served) - set(expected))}"
+    )
     sizes = {g: len(v[0]) for g, v in trainer.served.items()}
     assert sizes == expected
     pks = [i["extra_info"]["step_pk"] for v in trainer.served.values() for i in v[0]]

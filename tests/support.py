@@ -5,6 +5,7 @@ another) is probed once with a 2 s timeout. When no server answers, Postgres tes
 reason naming the DSN -- except when ``CI`` is set, where they fail: CI must run them. Each
 Postgres test gets a fresh schema, selected through the URL's ``options=-csearch_path``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,16 +15,16 @@ import pty
 import subprocess
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 
-from rollout_buffer.storage import queries as q
-from rollout_buffer.web.app import create_app
 from rollout_buffer.core.config import Config
+from rollout_buffer.storage import queries as q
 from rollout_buffer.storage.db import connect, create_launcher_tables
-
+from rollout_buffer.web.app import create_app
 
 PG_DSN = os.environ.get("ROLLOUT_BUFFER_TEST_PG", "postgresql://root@127.0.0.1:5432/test")
 
@@ -40,7 +41,7 @@ def pg_available() -> str | None:
             with psycopg.connect(PG_DSN, connect_timeout=2) as conn:
                 conn.execute("SELECT 1")
             _pg_state["error"] = None
-        except Exception as exc:  # noqa: BLE001 - any failure means "not available"
+        except Exception as exc:
             _pg_state["error"] = f"{type(exc).__name__}: {exc}"
     return _pg_state["error"]
 
@@ -55,8 +56,6 @@ def require_pg() -> None:
 
 
 @contextlib.contextmanager
-
-
 def fresh_pg_schema() -> Iterator[str]:
     """A new schema on the Postgres server (dropped on exit), as a URL whose search_path selects it."""
     import psycopg
@@ -83,7 +82,9 @@ def make_launcher_db(url: str) -> None:
 
 def now_text(offset_s: float = 0.0) -> str:
     """created_at as the launcher writes it: tz-aware ISO text."""
-    return datetime.fromtimestamp(time.time() + offset_s, timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f+00:00")
+    return datetime.fromtimestamp(time.time() + offset_s, timezone.utc).strftime(
+        "%Y-%m-%d %H:%M:%S.%f+00:00"
+    )
 
 
 class Writer:
@@ -94,44 +95,96 @@ class Writer:
         self.job = job
         self.db = connect(url)
 
-    def step(self, group: str | None, session: str, step_id: int, *, completed: bool = False,
-             step_reward: float = 0.0, truncated: bool = False, trainable: bool = True,
-             messages: Any = None, response: str | None = None, env_state: Any = "default",
-             job: str | None = None, created_at: str | None = None, reward: float = 0.0) -> int:
+    def step(
+        self,
+        group: str | None,
+        session: str,
+        step_id: int,
+        *,
+        completed: bool = False,
+        step_reward: float = 0.0,
+        truncated: bool = False,
+        trainable: bool = True,
+        messages: Any = None,
+        response: str | None = None,
+        env_state: Any = "default",
+        job: str | None = None,
+        created_at: str | None = None,
+        reward: float = 0.0,
+    ) -> int:
         if messages is None:
-            messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": f"task {group}"}]
+            messages = [
+                {"role": "system", "content": "sys"},
+                {"role": "user", "content": f"task {group}"},
+            ]
             for i in range(1, step_id):
-                messages += [{"role": "assistant", "content": f"a{i}"}, {"role": "user", "content": f"o{i}"}]
+                messages += [
+                    {"role": "assistant", "content": f"a{i}"},
+                    {"role": "user", "content": f"o{i}"},
+                ]
         if not isinstance(messages, str):
             messages = json.dumps(messages, ensure_ascii=False)
         if env_state == "default":
             env_state = json.dumps({"weight_version": step_id})
         elif env_state is not None and not isinstance(env_state, str):
             env_state = json.dumps(env_state)
-        row = (session, step_id, "env", "model", group, job or self.job, messages,
-               response if response is not None else f"answer {session[:6]} {step_id}",
-               step_reward, reward, env_state, 1 if completed else 0, 1 if truncated else 0,
-               1 if completed else 0, 1 if trainable else 0, created_at or now_text())
+        row = (
+            session,
+            step_id,
+            "env",
+            "model",
+            group,
+            job or self.job,
+            messages,
+            response if response is not None else f"answer {session[:6]} {step_id}",
+            step_reward,
+            reward,
+            env_state,
+            1 if completed else 0,
+            1 if truncated else 0,
+            1 if completed else 0,
+            1 if trainable else 0,
+            created_at or now_text(),
+        )
         self.db.execute(q.INSERT_STEP, row)
         return int(self.db.scalar("SELECT MAX(id) FROM session_steps"))
 
-    def session(self, group: str, session: str, steps: int, *, reward: float = 0.5, complete: bool = True,
-                **kw: Any) -> list[int]:
+    def session(
+        self,
+        group: str,
+        session: str,
+        steps: int,
+        *,
+        reward: float = 0.5,
+        complete: bool = True,
+        **kw: Any,
+    ) -> list[int]:
         """All rows of one session; the last one completed with the terminal reward."""
         pks = []
         for s in range(1, steps + 1):
             last = s == steps
-            pks.append(self.step(group, session, s, completed=last and complete,
-                                 step_reward=reward if (last and complete) else 0.0, **kw))
+            pks.append(
+                self.step(
+                    group,
+                    session,
+                    s,
+                    completed=last and complete,
+                    step_reward=reward if (last and complete) else 0.0,
+                    **kw,
+                )
+            )
         return pks
 
-    def group(self, group: str, k: int, steps: int = 2, *, complete: int | None = None,
-              **kw: Any) -> list[str]:
+    def group(
+        self, group: str, k: int, steps: int = 2, *, complete: int | None = None, **kw: Any
+    ) -> list[str]:
         """K sessions of a group, `complete` of them (default all) completing."""
         sessions = [f"{group}-s{i}-{uuid.uuid4().hex[:8]}" for i in range(k)]
         n_complete = k if complete is None else complete
         for i, sid in enumerate(sessions):
-            self.session(group, sid, steps, reward=round(0.1 * (i + 1), 3), complete=i < n_complete, **kw)
+            self.session(
+                group, sid, steps, reward=round(0.1 * (i + 1), 3), complete=i < n_complete, **kw
+            )
         return sessions
 
     def close(self) -> None:
@@ -140,8 +193,9 @@ class Writer:
 
 def make_config(db_url: str, tmp_path, **overrides: Any) -> Config:
     """A test Config: no launcher, logs in tmp_path, fast ingest."""
-    base: dict[str, Any] = dict(db_url=db_url, launcher="none", run_dir=str(tmp_path / "logs"),
-                                ingest_interval_s=0.02)
+    base: dict[str, Any] = dict(
+        db_url=db_url, launcher="none", run_dir=str(tmp_path / "logs"), ingest_interval_s=0.02
+    )
     base.update(overrides)
     return Config.from_env({}, **base)
 
@@ -196,8 +250,9 @@ def assert_balanced(stats: dict) -> None:
     assert r["read"] == r["served"] + r["dropped_total"] + r["rejected_total"] + r["pending"], r
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 5.0,
-               what: str | Callable[[], str] = "condition") -> Any:
+def wait_until(
+    predicate: Callable[[], Any], timeout: float = 5.0, what: str | Callable[[], str] = "condition"
+) -> Any:
     """Poll ``predicate`` until it returns something truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
@@ -210,7 +265,9 @@ def wait_until(predicate: Callable[[], Any], timeout: float = 5.0,
         time.sleep(0.02)
 
 
-def run_on_a_terminal(argv: list[str], cwd: Any, stream: str = "stdout", timeout: float = 60.0) -> tuple[int, str, str]:
+def run_on_a_terminal(
+    argv: list[str], cwd: Any, stream: str = "stdout", timeout: float = 60.0
+) -> tuple[int, str, str]:
     """Run ``argv`` with its ``stream`` ("stdout" or "stderr") on a pseudo-terminal and the other one
     on a pipe: (exit status, what the terminal got, what the pipe got)."""
     other = "stderr" if stream == "stdout" else "stdout"

@@ -6,10 +6,12 @@ Owns: the counters of the identity ``read = served + dropped (by reason) + rejec
 (``meta_info.filtered``). Pure values: no I/O and no lock of its own (the accumulator's lock
 guards it); it decides nothing, and it must not be changed but under the accumulator's lock.
 """
+
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from rollout_buffer.core.figures import SERVED_KEY, Figures
 from rollout_buffer.core.model import INCOMPLETE_IN_SERVED
@@ -22,7 +24,7 @@ class Counts:
         self.rows_read = 0
         self.pending_rows = 0
         self.served_rows = 0
-        self.dropped: Counter = Counter()   # rows, by reason
+        self.dropped: Counter = Counter()  # rows, by reason
         self.rejected: Counter = Counter()  # rows, by reason
         self.groups_served = 0
         self.groups_dropped: Counter = Counter()
@@ -42,14 +44,18 @@ class Counts:
             self.figures.load(*fig)
         self.filtered.update(totals.filtered)
 
-    def group_dropped(self, reason: str, rows: int, sessions: int, rewards: Iterable[float]) -> None:
+    def group_dropped(
+        self, reason: str, rows: int, sessions: int, rewards: Iterable[float]
+    ) -> None:
         """A group was dropped with ``rows`` rows accounted to it."""
         self.dropped[reason] += rows
         self.groups_dropped[reason] += 1
         self.figures.add(reason, sessions, rows, rewards)
         self.filtered[reason] += 1
 
-    def group_served(self, rows: int, incomplete_rows: int, sessions: int, rewards: Iterable[float]) -> None:
+    def group_served(
+        self, rows: int, incomplete_rows: int, sessions: int, rewards: Iterable[float]
+    ) -> None:
         """A group was served (its incomplete sessions' rows are dropped with it)."""
         self.groups_served += 1
         self.served_rows += rows
@@ -65,10 +71,19 @@ class Counts:
     def view(self) -> dict[str, Any]:
         """The row and group counters for /stats (the accumulator adds its gauges)."""
         return {
-            "rows": {"read": self.rows_read, "served": self.served_rows, "dropped": dict(self.dropped),
-                     "dropped_total": sum(self.dropped.values()), "rejected": dict(self.rejected),
-                     "rejected_total": sum(self.rejected.values()), "pending": self.pending_rows},
-            "groups": {"served": self.groups_served, "dropped": dict(self.groups_dropped),
-                       "dropped_total": sum(self.groups_dropped.values())},
+            "rows": {
+                "read": self.rows_read,
+                "served": self.served_rows,
+                "dropped": dict(self.dropped),
+                "dropped_total": sum(self.dropped.values()),
+                "rejected": dict(self.rejected),
+                "rejected_total": sum(self.rejected.values()),
+                "pending": self.pending_rows,
+            },
+            "groups": {
+                "served": self.groups_served,
+                "dropped": dict(self.groups_dropped),
+                "dropped_total": sum(self.groups_dropped.values()),
+            },
             "figures": self.figures.view(),
         }

@@ -8,6 +8,7 @@ counters (:mod:`~rollout_buffer.core.accounting`). Pending state holds metadata 
 act on after the lock is released; it must not touch the database, the proxy or the clock
 beyond its own monotonic one.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,13 +16,32 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from rollout_buffer.core.accounting import Counts
 from rollout_buffer.core.group import Group, Undecided
+from rollout_buffer.core.model import (
+    DROPPED,
+    INVALID_GROUP,
+    INVALID_SESSION,
+    LATE_DROPPED,
+    LATE_SERVED,
+    MALFORMED,
+    MISSING_GROUP,
+    OVERSAMPLED,
+    REJECTED,
+    ROW_DROPPED,
+    SERVED,
+    TTL,
+    BadText,
+    Decisions,
+    Drop,
+    Policy,
+    Row,
+    RowEvent,
+    Take,
+)
 from rollout_buffer.core.ready import ReadyQueue
-from rollout_buffer.core.model import (DROPPED, INVALID_GROUP, INVALID_SESSION, LATE_DROPPED, LATE_SERVED,
-                    MALFORMED, MISSING_GROUP, OVERSAMPLED, REJECTED, ROW_DROPPED, SERVED, TTL, BadText, Decisions, Drop, Policy, Row, RowEvent, Take)
 
 logger = logging.getLogger(__name__)
 
@@ -32,29 +52,41 @@ class Accumulator:
     All state is guarded by ``self.lock``; every public method takes it, and no method does I/O.
     """
 
-    def __init__(self, job_id: str, k: int, *, clock: Callable[[], float] = time.monotonic,
-                 policy: Policy | None = None) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        k: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        policy: Policy | None = None,
+    ) -> None:
         self.job_id = job_id
         self.k = k
         self.clock = clock
         self.policy = policy or Policy()
         self.lock = threading.Lock()
         self.pending: OrderedDict[str, Group] = OrderedDict()  # incomplete, oldest activity first
-        self.ready = ReadyQueue(self.policy.serve_order)       # ready, in the serve order
-        self._track_wv = self.policy.max_off_policy is not None or self.policy.serve_order != "ready"
+        self.ready = ReadyQueue(self.policy.serve_order)  # ready, in the serve order
+        self._track_wv = (
+            self.policy.max_off_policy is not None or self.policy.serve_order != "ready"
+        )
         # with over-sampling, a served group's late rows are its other sessions' (a served session
         # writes nothing after its completed row), whether they come while it is built or after
         self._late_served = OVERSAMPLED if self.policy.oversample else LATE_SERVED
         self.trainer_version: int | None = None  # the last current_weight_version a poll sent
-        self.rows_version = 0                    # the largest weight_version of an ingested row
+        self.rows_version = 0  # the largest weight_version of an ingested row
         self.counts = Counts()
-        self.taken: dict[str, Group] = {}                      # handed to a poll, not yet decided
-        self.decided: dict[str, str] = {}                      # group_id -> served | dropped
-        self.tainted: set[str] = set()                         # sessions with a row lacking group_id
-        self.tainted_groups: set[str] = set()                  # groups with a row lacking a session_id
-        self.session_group: dict[str, str] = {}                # session -> its undecided group (O(1) lookups)
-        self.excluded: dict[str, set[str]] = {}  # group -> sessions dropped as oversampled before a restart
-        self.undecided = Undecided()  # every undecided group: the oldest and the low-water mark in O(log n)
+        self.taken: dict[str, Group] = {}  # handed to a poll, not yet decided
+        self.decided: dict[str, str] = {}  # group_id -> served | dropped
+        self.tainted: set[str] = set()  # sessions with a row lacking group_id
+        self.tainted_groups: set[str] = set()  # groups with a row lacking a session_id
+        self.session_group: dict[str, str] = {}  # session -> its undecided group (O(1) lookups)
+        self.excluded: dict[
+            str, set[str]
+        ] = {}  # group -> sessions dropped as oversampled before a restart
+        self.undecided = (
+            Undecided()
+        )  # every undecided group: the oldest and the low-water mark in O(log n)
         self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
 
     # -- versions ---------------------------------------------------------------------------------
@@ -119,8 +151,12 @@ class Accumulator:
                 else:
                     self.pending.move_to_end(gid)
                 g.last_seen = now
-                if g.chosen is not None and sid not in g.chosen or g.excluded is not None and sid in g.excluded:
-                    g.exclude(sid)  # a session beyond the K it serves: never served, even if K changes
+                if (g.chosen is not None and sid not in g.chosen) or (
+                    g.excluded is not None and sid in g.excluded
+                ):
+                    g.exclude(
+                        sid
+                    )  # a session beyond the K it serves: never served, even if K changes
                     self.counts.dropped[OVERSAMPLED] += 1
                     out.rows.append(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, gid, sid))
                     continue
@@ -152,7 +188,9 @@ class Accumulator:
                         del self.pending[gid]
                         self._became_ready(g, out)
                     elif g.taken is None:
-                        self._choose(g, out)  # ready short of K at the TTL, it reached K while it waited
+                        self._choose(
+                            g, out
+                        )  # ready short of K at the TTL, it reached K while it waited
         return out
 
     def _became_ready(self, g: Group, out: Decisions) -> None:
@@ -171,8 +209,11 @@ class Accumulator:
         """Over-sampling: a group with K completed sessions that has not chosen K yet (ready, ready
         short of K at the TTL, given back by a poll, or K lowered) keeps its first K; the rows of
         every other session are dropped as oversampled now (and so are their later rows)."""
-        if not self.policy.oversample or len(g.completed) < self.k or g.chosen is not None \
-                and len(g.chosen) <= self.k:
+        if (
+            not self.policy.oversample
+            or len(g.completed) < self.k
+            or (g.chosen is not None and len(g.chosen) <= self.k)
+        ):
             return
         for sid, pks in g.choose(self.k).items():
             if self.session_group.get(sid) == g.group_id:
@@ -205,7 +246,9 @@ class Accumulator:
         """Decide an undecided group as dropped (lock held). Never a taken group: its poll decides it."""
         gid = g.group_id
         assert g.taken is None, gid
-        drop = Drop(gid, reason, g.all_pks(), g.session_ids(), g.rewards())  # first: nothing is mutated if this fails
+        drop = Drop(
+            gid, reason, g.all_pks(), g.session_ids(), g.rewards()
+        )  # first: nothing is mutated if this fails
         self.changes += 1
         self.pending.pop(gid, None)
         self.ready.pop(gid, None)
@@ -278,8 +321,17 @@ class Accumulator:
                     (completed if sid in g.completed else incomplete)[sid] = tuple(pks)
                 g.taken = {sid: len(pks) for sid, pks in g.sessions.items()}
                 self.taken[gid] = g
-                takes.append(Take(gid, completed, incomplete, g.rewards(), g.partial and len(completed) < self.k,
-                                  g.ready_at, g.min_version(completed)))
+                takes.append(
+                    Take(
+                        gid,
+                        completed,
+                        incomplete,
+                        g.rewards(),
+                        g.partial and len(completed) < self.k,
+                        g.ready_at,
+                        g.min_version(completed),
+                    )
+                )
         return takes
 
     def retake(self, takes: list[Take]) -> list[Take]:
@@ -292,7 +344,10 @@ class Accumulator:
                 g = self.ready.pop(t.group_id, None) or self.pending.pop(t.group_id, None)
                 if g is None:
                     continue
-                g.taken = {sid: len(pks) for sid, pks in list(t.completed.items()) + list(t.incomplete.items())}
+                g.taken = {
+                    sid: len(pks)
+                    for sid, pks in list(t.completed.items()) + list(t.incomplete.items())
+                }
                 self.taken[t.group_id] = g
                 found.append(t)
         return found
@@ -308,7 +363,9 @@ class Accumulator:
                 if g is None:
                     continue
                 g.taken = None
-                if (self.tainted and not self.tainted.isdisjoint(g.sessions)) or t.group_id in self.tainted_groups:
+                if (
+                    self.tainted and not self.tainted.isdisjoint(g.sessions)
+                ) or t.group_id in self.tainted_groups:
                     self._drop(g, MALFORMED, out)
                     continue
                 self._choose(g, out)  # its other sessions may have completed while it was taken
@@ -334,8 +391,12 @@ class Accumulator:
                 settled.add(s.group_id)
                 self._settle(g, out, self._late_served)
                 self.decided[s.group_id] = SERVED
-                self.counts.group_served(len(s.take.served_pks), len(s.take.incomplete_pks), len(s.take.completed),
-                                         s.rewards)
+                self.counts.group_served(
+                    len(s.take.served_pks),
+                    len(s.take.incomplete_pks),
+                    len(s.take.completed),
+                    s.rewards,
+                )
             for d in plan.drops:
                 g = self.taken.pop(d.group_id, None)
                 if g is None:
@@ -358,11 +419,18 @@ class Accumulator:
         incomplete (cleared as incomplete in a served group, as at any poll, not as late rows)."""
         with self.lock:
             g = self.taken.get(t.group_id)
-            if g is None or g.taken is None or t.group_id in self.tainted_groups \
-                    or not self.tainted.isdisjoint(g.sessions) or set(g.completed) != set(t.completed) \
-                    or any(len(g.sessions.get(sid, ())) != len(pks) for sid, pks in t.completed.items()):
+            if (
+                g is None
+                or g.taken is None
+                or t.group_id in self.tainted_groups
+                or not self.tainted.isdisjoint(g.sessions)
+                or set(g.completed) != set(t.completed)
+                or any(len(g.sessions.get(sid, ())) != len(pks) for sid, pks in t.completed.items())
+            ):
                 return None
-            incomplete = {sid: tuple(pks) for sid, pks in g.sessions.items() if sid not in t.completed}
+            incomplete = {
+                sid: tuple(pks) for sid, pks in g.sessions.items() if sid not in t.completed
+            }
             g.taken.update((sid, len(pks)) for sid, pks in incomplete.items())
             return dataclasses.replace(t, incomplete=incomplete)
 
@@ -371,7 +439,9 @@ class Accumulator:
         with self.lock:
             return dict(+self.counts.filtered)
 
-    def settle_decided(self, takes: list[Take], decided: dict[str, tuple[str, str | None]]) -> Decisions:
+    def settle_decided(
+        self, takes: list[Take], decided: dict[str, tuple[str, str | None]]
+    ) -> Decisions:
         """Taken groups that another instance already decided ({group_id: (status, reason)}, from
         its record in the store): take its word, count them as it decided, never serve them again.
         Returns the late rows (rows that arrived while taken) for the caller to record."""
@@ -386,9 +456,13 @@ class Accumulator:
                 self._settle(g, out, self._late_served if status == SERVED else LATE_DROPPED)
                 self.decided[t.group_id] = status
                 if status == SERVED:
-                    self.counts.group_served(len(t.served_pks), len(t.incomplete_pks), len(t.completed), t.rewards)
+                    self.counts.group_served(
+                        len(t.served_pks), len(t.incomplete_pks), len(t.completed), t.rewards
+                    )
                 else:
-                    self.counts.group_dropped(reason or MALFORMED, len(t.all_pks), len(t.sessions), t.rewards)
+                    self.counts.group_dropped(
+                        reason or MALFORMED, len(t.all_pks), len(t.sessions), t.rewards
+                    )
         return out
 
     def _settle(self, g: Group, out: Decisions, late_reason: str) -> None:
@@ -397,7 +471,7 @@ class Accumulator:
         self.counts.pending_rows -= g.n_rows
         self._forget(g)
         for sid, pks in g.sessions.items():
-            extra = pks[g.taken.get(sid, 0):]
+            extra = pks[g.taken.get(sid, 0) :]
             for pk in extra:
                 self.counts.dropped[late_reason] += 1
                 out.rows.append(RowEvent(pk, ROW_DROPPED, late_reason, g.group_id, sid))
@@ -411,13 +485,17 @@ class Accumulator:
             self.k = k
             moved, out = False, Decisions()
             for gid, g in list(self.ready.items()):
-                if len(g.completed) < k:  # K was raised: not ready any more (and open to more sessions)
+                if (
+                    len(g.completed) < k
+                ):  # K was raised: not ready any more (and open to more sessions)
                     del self.ready[gid]
                     self.pending[gid], g.chosen, moved = g, None, True
                 elif len(g.completed) > k:  # K was lowered: over-sampling keeps the first K
                     self._choose(g, out)
             if moved:  # expire() stops at the first live group: put them back in idle order (rare)
-                self.pending = OrderedDict(sorted(self.pending.items(), key=lambda kv: kv[1].last_seen))
+                self.pending = OrderedDict(
+                    sorted(self.pending.items(), key=lambda kv: kv[1].last_seen)
+                )
             for gid, g in list(self.pending.items()):
                 if len(g.completed) >= k:
                     del self.pending[gid]
@@ -441,10 +519,17 @@ class Accumulator:
                 "job_id": self.job_id,
                 "k": self.k,
                 "rows": counts["rows"],
-                "groups": {"pending": len(self.pending), "ready": len(self.ready), "in_flight": len(self.taken),
-                           **counts["groups"]},
+                "groups": {
+                    "pending": len(self.pending),
+                    "ready": len(self.ready),
+                    "in_flight": len(self.taken),
+                    **counts["groups"],
+                },
                 "oldest_pending_group_age_s": None if oldest is None else round(now - oldest, 3),
                 "figures": counts["figures"],
-                "versions": {"current": self.current_version, "trainer": self.trainer_version,
-                             "rows": self.rows_version},
+                "versions": {
+                    "current": self.current_version,
+                    "trainer": self.trainer_version,
+                    "rows": self.rows_version,
+                },
             }

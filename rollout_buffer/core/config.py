@@ -9,6 +9,7 @@ does an unknown ``ROLLOUT_BUFFER_*`` variable (a typo must not silently fall bac
 Owns: the SETTINGS table and the frozen Config built from it. It must not read the environment after
 startup, nor open anything: a URL is checked, never connected to.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,13 +17,14 @@ import logging
 import math
 import os
 import shlex
-from urllib.parse import urlsplit
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
 
-from rollout_buffer.storage.db import redact
 from rollout_buffer.core.errors import ConfigError
 from rollout_buffer.core.model import Policy
+from rollout_buffer.core.redact import redact
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,9 @@ def _int(lo: int | None = None, hi: int | None = None) -> Callable[[str], int]:
         except ValueError:
             raise ValueError("an integer") from None
         if (lo is not None and value < lo) or (hi is not None and value > hi):
-            raise ValueError(f"an integer from {lo} to {hi}" if hi is not None else f"an integer >= {lo}")
+            raise ValueError(
+                f"an integer from {lo} to {hi}" if hi is not None else f"an integer >= {lo}"
+            )
         return value
 
     return parse
@@ -103,8 +107,10 @@ def _url(raw: str) -> str | None:
         return None
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError("an http:// or https:// URL with a host, as clients reach this instance, "
-                         "e.g. http://buffer-1:18889")
+        raise ValueError(
+            "an http:// or https:// URL with a host, as clients reach this instance, "
+            "e.g. http://buffer-1:18889"
+        )
     if parts.username is not None or parts.password is not None:
         raise ValueError("a URL without user or password (it is shown on /health and in redirects)")
     if parts.query or parts.fragment:
@@ -145,114 +151,323 @@ class Setting:
 SETTINGS: tuple[Setting, ...] = (
     # --- the original's variables (same names, meanings and defaults) ---
     Setting("port", "BUFFER_SERVER_PORT", 18889, _int(1, 65535), "HTTP port"),
-    Setting("storage_type", "STORAGE_TYPE", None, _choice("sqlite", "postgres"),
-            "sqlite or postgres; default: taken from the database URL"),
-    Setting("db_url", "AIEVOBOX_DB_URL", None, _str,
-            "launcher database URL: sqlite:///abs/path, sqlite://rel/path or postgresql://user@host:port/db; "
-            "default sqlite:///$AIEVOBOX_ROOT/rl/rl.db, or sqlite:///./rollout_buffer.db without AIEVOBOX_ROOT"),
-    Setting("aievobox_root", "AIEVOBOX_ROOT", None, _opt_str,
-            "AIEvoBox checkout; when set, its launcher.py is the launcher, otherwise the built-in simulator is"),
-    Setting("run_dir", "AIEVOBOX_RUN_DIR", None, _opt_str,
-            "log directory; default $AIEVOBOX_ROOT/logs, or ./logs without AIEVOBOX_ROOT"),
-    Setting("proxy_host", "LLM_PROXY_HOST", None, _opt_str,
-            "LLM proxy host; unset disables clear_sessions notifications (one warning)"),
+    Setting(
+        "storage_type",
+        "STORAGE_TYPE",
+        None,
+        _choice("sqlite", "postgres"),
+        "sqlite or postgres; default: taken from the database URL",
+    ),
+    Setting(
+        "db_url",
+        "AIEVOBOX_DB_URL",
+        None,
+        _str,
+        "launcher database URL: sqlite:///abs/path, sqlite://rel/path or postgresql://user@host:port/db; "
+        "default sqlite:///$AIEVOBOX_ROOT/rl/rl.db, or sqlite:///./rollout_buffer.db without AIEVOBOX_ROOT",
+    ),
+    Setting(
+        "aievobox_root",
+        "AIEVOBOX_ROOT",
+        None,
+        _opt_str,
+        "AIEvoBox checkout; when set, its launcher.py is the launcher, otherwise the built-in simulator is",
+    ),
+    Setting(
+        "run_dir",
+        "AIEVOBOX_RUN_DIR",
+        None,
+        _opt_str,
+        "log directory; default $AIEVOBOX_ROOT/logs, or ./logs without AIEVOBOX_ROOT",
+    ),
+    Setting(
+        "proxy_host",
+        "LLM_PROXY_HOST",
+        None,
+        _opt_str,
+        "LLM proxy host; unset disables clear_sessions notifications (one warning)",
+    ),
     Setting("proxy_port", "LLM_PROXY_PORT", None, _int(1, 65535), "LLM proxy port"),
-    Setting("ttl_s", "AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS", 1800.0, _float(),
-            "drop an incomplete group after this many idle seconds (<= 0 disables)"),
+    Setting(
+        "ttl_s",
+        "AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS",
+        1800.0,
+        _float(),
+        "drop an incomplete group after this many idle seconds (<= 0 disables)",
+    ),
     Setting("aievobox_mode", "AIEVOBOX_MODE", "local", _str, "launcher --mode"),
-    Setting("env_config", "AIEVOBOX_ENV_CONFIG", None, _opt_str, "launcher --env-config (wins over --env-root)"),
+    Setting(
+        "env_config",
+        "AIEVOBOX_ENV_CONFIG",
+        None,
+        _opt_str,
+        "launcher --env-config (wins over --env-root)",
+    ),
     Setting("env_root", "AIEVOBOX_ENV_ROOT", None, _opt_str, "launcher --env-root"),
     Setting("rl_model", "RL_MODEL", "default", _str, "launcher --llm-model"),
     Setting("llm_temperature", "LLM_TEMPERATURE", 1.0, _float(0.0), "launcher --llm-temperature"),
     Setting("max_steps", "AIEVOBOX_MAX_STEPS", 10, _int(1), "launcher --max-steps"),
     Setting("message_cut", "AIEVOBOX_MESSAGE_CUT", 0, _int(), "launcher --message-cut"),
     Setting("pool_size", "AIEVOBOX_POOL_SIZE", 16, _int(1), "launcher --pool-size"),
-    Setting("multiplier", "AIEVOBOX_MULTIPLIER", 1.2, _float(0.0),
-            "launcher --multiplier (the original's misspelled AIEVOBOC_MULTIPLIER is accepted with a warning)",
-            aliases=("AIEVOBOC_MULTIPLIER",)),
+    Setting(
+        "multiplier",
+        "AIEVOBOX_MULTIPLIER",
+        1.2,
+        _float(0.0),
+        "launcher --multiplier (the original's misspelled AIEVOBOC_MULTIPLIER is accepted with a warning)",
+        aliases=("AIEVOBOC_MULTIPLIER",),
+    ),
     Setting("rl_epoch", "RL_EPOCH", 1, _int(0), "launcher --rl-epoch"),
     Setting("env_transport", "AIEVOBOX_ENV_TRANSPORT", "http", _str, "launcher --env-transport"),
     # --- rollout-buffer's own settings ---
     Setting("host", PREFIX + "HOST", "0.0.0.0", _str, "address to bind"),
-    Setting("state_db_url", PREFIX + "STATE_DB_URL", None, _opt_str,
-            "database for the buffer's own rollout_buffer_* tables; default: the launcher database"),
-    Setting("launcher", PREFIX + "LAUNCHER", "auto", _choice("auto", "aievobox", "simulate", "none"),
-            "which launcher /start_rollout starts: auto (aievobox with AIEVOBOX_ROOT, else simulate), "
-            "aievobox, simulate, none (rows are written by something else)"),
-    Setting("launcher_cmd", PREFIX + "LAUNCHER_CMD", None, _argv,
-            "override the launcher command (split like a shell, never run by one); {job_id}, {k}, "
-            "{db_url}, {storage_type} are substituted, and --job-id/--rl-group-size appended if absent"),
-    Setting("simulate_args", PREFIX + "SIMULATE_ARGS", None, _argv,
-            "extra arguments for the built-in simulator, e.g. '--groups 64 --pace 0.01'"),
-    Setting("restart_policy", PREFIX + "RESTART_POLICY", "never", _choice("never", "on-failure"),
-            "restart the launcher when it exits non-zero"),
+    Setting(
+        "state_db_url",
+        PREFIX + "STATE_DB_URL",
+        None,
+        _opt_str,
+        "database for the buffer's own rollout_buffer_* tables; default: the launcher database",
+    ),
+    Setting(
+        "launcher",
+        PREFIX + "LAUNCHER",
+        "auto",
+        _choice("auto", "aievobox", "simulate", "none"),
+        "which launcher /start_rollout starts: auto (aievobox with AIEVOBOX_ROOT, else simulate), "
+        "aievobox, simulate, none (rows are written by something else)",
+    ),
+    Setting(
+        "launcher_cmd",
+        PREFIX + "LAUNCHER_CMD",
+        None,
+        _argv,
+        "override the launcher command (split like a shell, never run by one); {job_id}, {k}, "
+        "{db_url}, {storage_type} are substituted, and --job-id/--rl-group-size appended if absent",
+    ),
+    Setting(
+        "simulate_args",
+        PREFIX + "SIMULATE_ARGS",
+        None,
+        _argv,
+        "extra arguments for the built-in simulator, e.g. '--groups 64 --pace 0.01'",
+    ),
+    Setting(
+        "restart_policy",
+        PREFIX + "RESTART_POLICY",
+        "never",
+        _choice("never", "on-failure"),
+        "restart the launcher when it exits non-zero",
+    ),
     Setting("restart_max", PREFIX + "RESTART_MAX", 3, _int(0), "restarts allowed with on-failure"),
-    Setting("restart_backoff_s", PREFIX + "RESTART_BACKOFF_SECONDS", 2.0, _float(0.0),
-            "first restart delay, doubled per attempt (capped at 60 s)"),
-    Setting("stop_grace_s", PREFIX + "STOP_GRACE_SECONDS", 10.0, _float(0.0),
-            "seconds between TERM and KILL when stopping the launcher"),
-    Setting("max_response_bytes", PREFIX + "MAX_RESPONSE_BYTES", 256 * 1024 * 1024, _int(1024),
-            "byte budget of one /get_rollout_data response (at least one group is always sent)"),
-    Setting("max_group_bytes", PREFIX + "MAX_GROUP_BYTES", 1024 * 1024 * 1024, _int(1024),
-            "a group whose rows alone hold more bytes is dropped as group_too_large instead of being built "
-            "(bounds the memory one group can take)"),
-    Setting("max_waiting_polls", PREFIX + "MAX_WAITING_POLLS", 8, _int(0, 1024),
-            "long-polls (wait_s > 0) that may wait at once; more answer at once"),
-    Setting("prebuild", PREFIX + "PREBUILD", True, _bool,
-            "build the next response in the background while ready groups wait and no poll runs, for the "
-            "shape the trainer last asked for (at most one, within MAX_RESPONSE_BYTES)"),
+    Setting(
+        "restart_backoff_s",
+        PREFIX + "RESTART_BACKOFF_SECONDS",
+        2.0,
+        _float(0.0),
+        "first restart delay, doubled per attempt (capped at 60 s)",
+    ),
+    Setting(
+        "stop_grace_s",
+        PREFIX + "STOP_GRACE_SECONDS",
+        10.0,
+        _float(0.0),
+        "seconds between TERM and KILL when stopping the launcher",
+    ),
+    Setting(
+        "max_response_bytes",
+        PREFIX + "MAX_RESPONSE_BYTES",
+        256 * 1024 * 1024,
+        _int(1024),
+        "byte budget of one /get_rollout_data response (at least one group is always sent)",
+    ),
+    Setting(
+        "max_group_bytes",
+        PREFIX + "MAX_GROUP_BYTES",
+        1024 * 1024 * 1024,
+        _int(1024),
+        "a group whose rows alone hold more bytes is dropped as group_too_large instead of being built "
+        "(bounds the memory one group can take)",
+    ),
+    Setting(
+        "max_waiting_polls",
+        PREFIX + "MAX_WAITING_POLLS",
+        8,
+        _int(0, 1024),
+        "long-polls (wait_s > 0) that may wait at once; more answer at once",
+    ),
+    Setting(
+        "prebuild",
+        PREFIX + "PREBUILD",
+        True,
+        _bool,
+        "build the next response in the background while ready groups wait and no poll runs, for the "
+        "shape the trainer last asked for (at most one, within MAX_RESPONSE_BYTES)",
+    ),
     # --- training-data policies (issue 10); every one is off by default ---
-    Setting("max_off_policy", PREFIX + "MAX_OFF_POLICY", None, _opt_int(0),
-            "drop a group as stale when current version - min weight_version of its items > this (unset: off); "
-            "a poll's max_off_policy overrides it for that poll"),
-    Setting("drop_zero_variance", PREFIX + "DROP_ZERO_VARIANCE", False, _bool,
-            "drop a ready group whose sessions' terminal rewards are all equal (max - min <= epsilon)"),
-    Setting("zero_variance_epsilon", PREFIX + "ZERO_VARIANCE_EPSILON", 1e-6, _float(0.0),
-            "the epsilon of DROP_ZERO_VARIANCE"),
-    Setting("oversample", PREFIX + "OVERSAMPLE", 0, _int(0),
-            "start K + N sessions per group (--rl-group-size), serve the first K to complete, clear the others"),
-    Setting("min_group_size", PREFIX + "MIN_GROUP_SIZE", None, _opt_int(1),
-            "at the TTL, serve a group with at least this many completed sessions (partial) instead of dropping "
-            "it; unset or >= K: off"),
-    Setting("serve_order", PREFIX + "SERVE_ORDER", "ready", _choice("ready", "oldest_version", "newest_version"),
-            "which ready groups go first: ready (first ready), oldest_version or newest_version (by the min "
-            "weight_version of their items)"),
-    Setting("max_request_bytes", PREFIX + "MAX_REQUEST_BYTES", 1024 * 1024, _int(1024), "request body cap"),
-    Setting("ingest_interval_s", PREFIX + "INGEST_INTERVAL_SECONDS", 0.2, _float(0.001),
-            "how often the background thread reads new rows"),
+    Setting(
+        "max_off_policy",
+        PREFIX + "MAX_OFF_POLICY",
+        None,
+        _opt_int(0),
+        "drop a group as stale when current version - min weight_version of its items > this (unset: off); "
+        "a poll's max_off_policy overrides it for that poll",
+    ),
+    Setting(
+        "drop_zero_variance",
+        PREFIX + "DROP_ZERO_VARIANCE",
+        False,
+        _bool,
+        "drop a ready group whose sessions' terminal rewards are all equal (max - min <= epsilon)",
+    ),
+    Setting(
+        "zero_variance_epsilon",
+        PREFIX + "ZERO_VARIANCE_EPSILON",
+        1e-6,
+        _float(0.0),
+        "the epsilon of DROP_ZERO_VARIANCE",
+    ),
+    Setting(
+        "oversample",
+        PREFIX + "OVERSAMPLE",
+        0,
+        _int(0),
+        "start K + N sessions per group (--rl-group-size), serve the first K to complete, clear the others",
+    ),
+    Setting(
+        "min_group_size",
+        PREFIX + "MIN_GROUP_SIZE",
+        None,
+        _opt_int(1),
+        "at the TTL, serve a group with at least this many completed sessions (partial) instead of dropping "
+        "it; unset or >= K: off",
+    ),
+    Setting(
+        "serve_order",
+        PREFIX + "SERVE_ORDER",
+        "ready",
+        _choice("ready", "oldest_version", "newest_version"),
+        "which ready groups go first: ready (first ready), oldest_version or newest_version (by the min "
+        "weight_version of their items)",
+    ),
+    Setting(
+        "max_request_bytes",
+        PREFIX + "MAX_REQUEST_BYTES",
+        1024 * 1024,
+        _int(1024),
+        "request body cap",
+    ),
+    Setting(
+        "ingest_interval_s",
+        PREFIX + "INGEST_INTERVAL_SECONDS",
+        0.2,
+        _float(0.001),
+        "how often the background thread reads new rows",
+    ),
     Setting("ingest_batch", PREFIX + "INGEST_BATCH", 20000, _int(1), "rows per read"),
-    Setting("db_unhealthy_after_s", PREFIX + "DB_UNHEALTHY_AFTER_SECONDS", 5.0, _float(0.0),
-            "polls answer 503 once background reads have failed for this long"),
-    Setting("statement_timeout_s", PREFIX + "STATEMENT_TIMEOUT_SECONDS", 8.0, _float(0.0),
-            "Postgres statement_timeout of the service's connections (0 = none): a stuck statement fails "
-            "instead of hanging polls and the loop"),
-    Setting("lock_timeout_s", PREFIX + "LOCK_TIMEOUT_SECONDS", 2.0, _float(0.0),
-            "Postgres lock_timeout of the service's connections (0 = none): a table locked by ALTER TABLE, "
-            "VACUUM FULL or TRUNCATE answers 503 within seconds"),
-    Setting("replay_retention_s", PREFIX + "REPLAY_RETENTION_SECONDS", 3600.0, _float(0.0),
-            "how long a request_id can be replayed; afterwards it answers 410 (batches are deleted after twice this)"),
-    Setting("job_retention_s", PREFIX + "JOB_RETENTION_SECONDS", 7 * 86400.0, _float(),
-            "delete an ended job's decisions this long after it was last active (<= 0 keeps them forever); "
-            "selected again, it reads only rows written after the purge"),
-    Setting("proxy_connect_timeout_s", PREFIX + "PROXY_CONNECT_TIMEOUT_SECONDS", 2.0, _float(0.001),
-            "connect timeout for proxy notifications"),
-    Setting("proxy_read_timeout_s", PREFIX + "PROXY_READ_TIMEOUT_SECONDS", 10.0, _float(0.001),
-            "read timeout for proxy notifications"),
-    Setting("advertise_url", PREFIX + "ADVERTISE_URL", None, _url,
-            "this instance's URL as clients reach it (http[s]://host:port); a standby redirects polls, "
-            "/start_rollout and /stop_rollout to the owner's; no user or password"),
-    Setting("lease_s", PREFIX + "LEASE_SECONDS", 10.0, _lease,
-            "ownership of the job: a lease in the state database, renewed every third of this; a standby takes "
-            "over when it expires; 0 = no lease (one instance only: a second one would not be fenced)"),
-    Setting("host_id", PREFIX + "HOST_ID", None, _opt_str,
-            "this host for launcher adoption; default hostname/boot id/pid namespace (set it only to tell "
-            "apart instances that cannot see each other's processes)"),
-    Setting("token", PREFIX + "TOKEN", None, _opt_str,
-            "when set, every endpoint but /health needs 'Authorization: Bearer <token>'"),
-    Setting("log_level", PREFIX + "LOG_LEVEL", "INFO", _log_level, "log level (per-poll lines are DEBUG)"),
-    Setting("threads", PREFIX + "THREADS", 16, _int(1, 256), "gunicorn gthread threads (the worker count is always 1)"),
-    Setting("graceful_timeout_s", PREFIX + "GRACEFUL_TIMEOUT_SECONDS", 60.0, _float(1.0),
-            "gunicorn graceful timeout; must exceed the launcher stop grace"),
+    Setting(
+        "db_unhealthy_after_s",
+        PREFIX + "DB_UNHEALTHY_AFTER_SECONDS",
+        5.0,
+        _float(0.0),
+        "polls answer 503 once background reads have failed for this long",
+    ),
+    Setting(
+        "statement_timeout_s",
+        PREFIX + "STATEMENT_TIMEOUT_SECONDS",
+        8.0,
+        _float(0.0),
+        "Postgres statement_timeout of the service's connections (0 = none): a stuck statement fails "
+        "instead of hanging polls and the loop",
+    ),
+    Setting(
+        "lock_timeout_s",
+        PREFIX + "LOCK_TIMEOUT_SECONDS",
+        2.0,
+        _float(0.0),
+        "Postgres lock_timeout of the service's connections (0 = none): a table locked by ALTER TABLE, "
+        "VACUUM FULL or TRUNCATE answers 503 within seconds",
+    ),
+    Setting(
+        "replay_retention_s",
+        PREFIX + "REPLAY_RETENTION_SECONDS",
+        3600.0,
+        _float(0.0),
+        "how long a request_id can be replayed; afterwards it answers 410 (batches are deleted after twice this)",
+    ),
+    Setting(
+        "job_retention_s",
+        PREFIX + "JOB_RETENTION_SECONDS",
+        7 * 86400.0,
+        _float(),
+        "delete an ended job's decisions this long after it was last active (<= 0 keeps them forever); "
+        "selected again, it reads only rows written after the purge",
+    ),
+    Setting(
+        "proxy_connect_timeout_s",
+        PREFIX + "PROXY_CONNECT_TIMEOUT_SECONDS",
+        2.0,
+        _float(0.001),
+        "connect timeout for proxy notifications",
+    ),
+    Setting(
+        "proxy_read_timeout_s",
+        PREFIX + "PROXY_READ_TIMEOUT_SECONDS",
+        10.0,
+        _float(0.001),
+        "read timeout for proxy notifications",
+    ),
+    Setting(
+        "advertise_url",
+        PREFIX + "ADVERTISE_URL",
+        None,
+        _url,
+        "this instance's URL as clients reach it (http[s]://host:port); a standby redirects polls, "
+        "/start_rollout and /stop_rollout to the owner's; no user or password",
+    ),
+    Setting(
+        "lease_s",
+        PREFIX + "LEASE_SECONDS",
+        10.0,
+        _lease,
+        "ownership of the job: a lease in the state database, renewed every third of this; a standby takes "
+        "over when it expires; 0 = no lease (one instance only: a second one would not be fenced)",
+    ),
+    Setting(
+        "host_id",
+        PREFIX + "HOST_ID",
+        None,
+        _opt_str,
+        "this host for launcher adoption; default hostname/boot id/pid namespace (set it only to tell "
+        "apart instances that cannot see each other's processes)",
+    ),
+    Setting(
+        "token",
+        PREFIX + "TOKEN",
+        None,
+        _opt_str,
+        "when set, every endpoint but /health needs 'Authorization: Bearer <token>'",
+    ),
+    Setting(
+        "log_level",
+        PREFIX + "LOG_LEVEL",
+        "INFO",
+        _log_level,
+        "log level (per-poll lines are DEBUG)",
+    ),
+    Setting(
+        "threads",
+        PREFIX + "THREADS",
+        16,
+        _int(1, 256),
+        "gunicorn gthread threads (the worker count is always 1)",
+    ),
+    Setting(
+        "graceful_timeout_s",
+        PREFIX + "GRACEFUL_TIMEOUT_SECONDS",
+        60.0,
+        _float(1.0),
+        "gunicorn graceful timeout; must exceed the launcher stop grace",
+    ),
 )
 
 _KNOWN_ENV = {s.env for s in SETTINGS} | {a for s in SETTINGS for a in s.aliases}
@@ -325,7 +540,8 @@ class Config:
         if kind != self.storage_type:
             raise ConfigError(
                 f"STORAGE_TYPE={self.storage_type} does not match AIEVOBOX_DB_URL={redact(self.db_url)!r} "
-                f"(a {kind} URL); set both to the same backend")
+                f"(a {kind} URL); set both to the same backend"
+            )
         if self.state_db_url is not None:
             url_kind(self.state_db_url, PREFIX + "STATE_DB_URL")
         for arg in self.launcher_cmd or ():
@@ -340,13 +556,20 @@ class Config:
             raise ConfigError(
                 f"{PREFIX}GRACEFUL_TIMEOUT_SECONDS={self.graceful_timeout_s} must exceed "
                 f"{PREFIX}STOP_GRACE_SECONDS={self.stop_grace_s}: gunicorn would KILL the worker "
-                "before the launcher is stopped")
+                "before the launcher is stopped"
+            )
 
     @property
     def policy(self) -> Policy:
         """The training-data policies as one value (the accumulator applies them)."""
-        return Policy(self.max_off_policy, self.drop_zero_variance, self.zero_variance_epsilon, self.oversample,
-                      self.min_group_size, self.serve_order)
+        return Policy(
+            self.max_off_policy,
+            self.drop_zero_variance,
+            self.zero_variance_epsilon,
+            self.oversample,
+            self.min_group_size,
+            self.serve_order,
+        )
 
     @property
     def effective_state_db_url(self) -> str:
@@ -369,19 +592,20 @@ class Config:
             return "aievobox" if self.aievobox_root else "simulate"
         return self.launcher
 
-    def replace(self, **changes: Any) -> "Config":
+    def replace(self, **changes: Any) -> Config:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
         """Read the settings from ``environ`` (default ``os.environ``), then apply ``overrides``."""
         env = os.environ if environ is None else environ
         unknown = sorted(k for k in env if k.startswith(PREFIX) and k not in _KNOWN_ENV)
         if unknown:
             raise ConfigError(  # the value is not shown: a misspelt token or URL is a secret too
                 f"unknown setting {unknown[0]}; known {PREFIX}* settings: "
-                + ", ".join(sorted(s.env for s in SETTINGS if s.env.startswith(PREFIX))))
+                + ", ".join(sorted(s.env for s in SETTINGS if s.env.startswith(PREFIX)))
+            )
         values: dict[str, Any] = {}
         for s in SETTINGS:
             name, raw = s.env, env.get(s.env)
@@ -389,8 +613,11 @@ class Config:
                 for alias in s.aliases:
                     if alias in env:
                         name, raw = alias, env[alias]
-                        logger.warning("%s is the original's misspelling; read it, but please set %s",
-                                       alias, s.env)
+                        logger.warning(
+                            "%s is the original's misspelling; read it, but please set %s",
+                            alias,
+                            s.env,
+                        )
                         break
             if raw is None:
                 continue
@@ -401,8 +628,11 @@ class Config:
         values.update(overrides)
         root = values.get("aievobox_root")
         if values.get("db_url") is None:
-            values["db_url"] = "sqlite://" + (os.path.join(os.path.abspath(root), "rl", "rl.db") if root
-                                              else os.path.abspath("rollout_buffer.db"))
+            values["db_url"] = "sqlite://" + (
+                os.path.join(os.path.abspath(root), "rl", "rl.db")
+                if root
+                else os.path.abspath("rollout_buffer.db")
+            )
         if values.get("run_dir") is None:
             values["run_dir"] = os.path.join(root, "logs") if root else os.path.abspath("logs")
         # A relative SQLite path is resolved once, where the launcher resolves it (its cwd is
@@ -414,29 +644,41 @@ class Config:
         if values.get("storage_type") is None:
             values["storage_type"] = url_kind(values["db_url"], "AIEVOBOX_DB_URL")
         if values.get("proxy_host") and values.get("proxy_port") is None:
-            raise ConfigError(f"LLM_PROXY_HOST={values['proxy_host']!r} is set but LLM_PROXY_PORT is not: "
-                              "expected both (or neither, to disable proxy notifications)")
+            raise ConfigError(
+                f"LLM_PROXY_HOST={values['proxy_host']!r} is set but LLM_PROXY_PORT is not: "
+                "expected both (or neither, to disable proxy notifications)"
+            )
         return cls(**values)
 
 
 def absolute_sqlite_url(url: str, base: str) -> str:
     """'sqlite://rel/path' -> 'sqlite:///<base>/rel/path'; any other URL unchanged."""
-    if isinstance(url, str) and url.startswith("sqlite://") and not url.startswith("sqlite:///") \
-            and len(url) > len("sqlite://"):
-        return "sqlite://" + os.path.normpath(os.path.join(base, url[len("sqlite://"):]))
+    if (
+        isinstance(url, str)
+        and url.startswith("sqlite://")
+        and not url.startswith("sqlite:///")
+        and len(url) > len("sqlite://")
+    ):
+        return "sqlite://" + os.path.normpath(os.path.join(base, url[len("sqlite://") :]))
     return url
 
 
 def url_kind(url: str, name: str = "database URL") -> str:
     """Return 'sqlite' or 'postgres' for a database URL, or raise ConfigError naming ``name``."""
     if not isinstance(url, str) or not url:
-        raise ConfigError(f"{name} is empty: expected sqlite:///path or postgresql://user@host:port/db")
+        raise ConfigError(
+            f"{name} is empty: expected sqlite:///path or postgresql://user@host:port/db"
+        )
     if url.startswith("sqlite://") and len(url) > len("sqlite://"):
         return "sqlite"
     if url.startswith(("postgresql://", "postgres://")):
         return "postgres"
-    raise ConfigError(redact(f"{name}={url!r} is invalid: expected sqlite:///abs/path, sqlite://relative/path "
-                             "or postgresql://user@host:port/db"))
+    raise ConfigError(
+        redact(
+            f"{name}={url!r} is invalid: expected sqlite:///abs/path, sqlite://relative/path "
+            "or postgresql://user@host:port/db"
+        )
+    )
 
 
 def settings_table() -> str:

@@ -3,11 +3,13 @@
 Owns: the exception classes, and :func:`bounded` (a lock waited for at most a few seconds, else a
 503). It must not import anything of the package.
 """
+
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 
 class RolloutBufferError(Exception):
@@ -63,8 +65,11 @@ class ApiError(RolloutBufferError):
 def bounded(lock: threading.Lock, holder: str, wait_s: float) -> Iterator[None]:
     """Hold ``lock``, waiting at most ``wait_s``: a request behind a stuck one answers 503, never hangs."""
     if not lock.acquire(timeout=wait_s):
-        raise ApiError(503, f"{holder} has been busy for over {wait_s:.0f} s (the database may be stuck); retry",
-                       retry_after=2)
+        raise ApiError(
+            503,
+            f"{holder} has been busy for over {wait_s:.0f} s (the database may be stuck); retry",
+            retry_after=2,
+        )
     try:
         yield
     finally:

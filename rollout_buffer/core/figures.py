@@ -6,11 +6,13 @@ the mean terminal reward (so an operator sees when a policy or the TTL keeps rem
 hard episodes), and the per-group ``meta_info.group_stats`` of a served batch. Pure values: no
 I/O, no lock (the accumulator's lock guards a job's :class:`Figures`); it must not decide or drop anything.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 SERVED_KEY = "served"
 _FLOAT_MAX = 1.7976931348623157e308
@@ -34,14 +36,20 @@ class Sums:
     sessions: int = 0
     steps: int = 0
     reward_sum: float = 0.0
-    rewarded: int = 0  # sessions with a terminal reward (a dropped group's incomplete ones have none)
+    rewarded: int = (
+        0  # sessions with a terminal reward (a dropped group's incomplete ones have none)
+    )
 
     def view(self) -> dict[str, Any]:
         mean = self.reward_sum / self.rewarded if self.rewarded else None
-        return {"groups": self.groups,
-                "steps_per_session": round(self.steps / self.sessions, 4) if self.sessions else None,
-                # None also when the sum overflowed (rewards near the float limit): never inf in JSON
-                "terminal_reward_mean": round(mean, 6) if mean is not None and math.isfinite(mean) else None}
+        return {
+            "groups": self.groups,
+            "steps_per_session": round(self.steps / self.sessions, 4) if self.sessions else None,
+            # None also when the sum overflowed (rewards near the float limit): never inf in JSON
+            "terminal_reward_mean": round(mean, 6)
+            if mean is not None and math.isfinite(mean)
+            else None,
+        }
 
 
 class Figures:
@@ -50,7 +58,9 @@ class Figures:
     def __init__(self) -> None:
         self.by: dict[str, Sums] = {}
 
-    def add(self, key: str, sessions: int, steps: int, rewards: Iterable[float], groups: int = 1) -> None:
+    def add(
+        self, key: str, sessions: int, steps: int, rewards: Iterable[float], groups: int = 1
+    ) -> None:
         s = self.by.get(key)
         if s is None:
             s = self.by[key] = Sums()
@@ -61,7 +71,9 @@ class Figures:
         s.reward_sum += total
         s.rewarded += n
 
-    def load(self, key: str, groups: int, sessions: int, steps: int, reward_sum: float, rewarded: int) -> None:
+    def load(
+        self, key: str, groups: int, sessions: int, steps: int, reward_sum: float, rewarded: int
+    ) -> None:
         """Sums recorded before a restart (store.JobTotals)."""
         s = self.by.setdefault(key, Sums())
         s.groups += groups
@@ -73,8 +85,10 @@ class Figures:
     def view(self) -> dict[str, Any]:
         """{"served": {...}, "dropped": {reason: {...}}} for /stats."""
         served = self.by.get(SERVED_KEY, Sums())
-        return {"served": served.view(),
-                "dropped": {k: v.view() for k, v in sorted(self.by.items()) if k != SERVED_KEY}}
+        return {
+            "served": served.view(),
+            "dropped": {k: v.view() for k, v in sorted(self.by.items()) if k != SERVED_KEY},
+        }
 
 
 def _stats(values: list[float]) -> tuple[float, float, float, float]:
@@ -89,17 +103,30 @@ def _stats(values: list[float]) -> tuple[float, float, float, float]:
     return clamp(mean), clamp(std), min(values), max(values)
 
 
-def group_stats(group_id: str, session_rewards: list[float], n_items: int, weight_versions: list[int],
-                wait_s: float | None, age_s: float | None) -> dict[str, Any]:
+def group_stats(
+    group_id: str,
+    session_rewards: list[float],
+    n_items: int,
+    weight_versions: list[int],
+    wait_s: float | None,
+    age_s: float | None,
+) -> dict[str, Any]:
     """One object of ``meta_info.group_stats``: rewards over sessions (each session's terminal
     reward once), versions over items, steps per session, wait (ready -> served) and age (first
     row -> served)."""
     mean, std, lo, hi = _stats(session_rewards) if session_rewards else (0.0, 0.0, 0.0, 0.0)
     n = len(session_rewards)
-    return {"group_id": group_id, "sessions": n, "items": n_items,
-            "reward_mean": mean, "reward_std": std, "reward_min": lo, "reward_max": hi,
-            "weight_version_min": min(weight_versions) if weight_versions else 0,
-            "weight_version_max": max(weight_versions) if weight_versions else 0,
-            "steps_mean": n_items / n if n else 0.0,
-            "wait_s": None if wait_s is None else round(max(0.0, wait_s), 3),
-            "age_s": None if age_s is None else round(max(0.0, age_s), 3)}
+    return {
+        "group_id": group_id,
+        "sessions": n,
+        "items": n_items,
+        "reward_mean": mean,
+        "reward_std": std,
+        "reward_min": lo,
+        "reward_max": hi,
+        "weight_version_min": min(weight_versions) if weight_versions else 0,
+        "weight_version_max": max(weight_versions) if weight_versions else 0,
+        "steps_mean": n_items / n if n else 0.0,
+        "wait_s": None if wait_s is None else round(max(0.0, wait_s), 3),
+        "age_s": None if age_s is None else round(max(0.0, age_s), 3),
+    }

@@ -5,12 +5,12 @@ completed and with what terminal reward, the weight versions the policies need) 
 of the training-data policies on a ready group. No I/O and no lock: the accumulator's lock
 guards every group; it decides nothing about other groups, and it must not record or act on its verdict.
 """
-from __future__ import annotations
 
-from typing import Iterable
+from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from rollout_buffer.core.model import STALE, ZERO_VARIANCE, Policy
 
@@ -18,8 +18,23 @@ from rollout_buffer.core.model import STALE, ZERO_VARIANCE, Policy
 class Group:
     """One prompt group that is not decided yet."""
 
-    __slots__ = ("group_id", "sessions", "completed", "n_rows", "last_seen", "first_seen", "min_pk",
-                 "taken", "wv", "chosen", "excluded", "partial", "ready_at", "min_wv", "order_key")
+    __slots__ = (
+        "chosen",
+        "completed",
+        "excluded",
+        "first_seen",
+        "group_id",
+        "last_seen",
+        "min_pk",
+        "min_wv",
+        "n_rows",
+        "order_key",
+        "partial",
+        "ready_at",
+        "sessions",
+        "taken",
+        "wv",
+    )
 
     def __init__(self, group_id: str, now: float) -> None:
         self.group_id = group_id
@@ -34,13 +49,17 @@ class Group:
         # the weight versions known at ingest, only when a policy needs them: one int while every row
         # read has that version (the common case, and small), else session -> its rows' min version
         self.wv: int | dict[str, int] | None = None
-        self.chosen: frozenset[str] | None = None  # over-sampling: the K sessions it will serve, once ready
+        self.chosen: frozenset[str] | None = (
+            None  # over-sampling: the K sessions it will serve, once ready
+        )
         # over-sampling: sessions dropped as oversampled, for good (a change of K, a restart, a partial
         # group reaching K never lets one back in: its rows already read are accounted as dropped)
         self.excluded: set[str] | None = None
-        self.partial = False                       # made ready at the TTL short of K (min group size)
+        self.partial = False  # made ready at the TTL short of K (min group size)
         self.ready_at: float | None = None
-        self.min_wv: int | None = None             # min weight_version of its served sessions (known at ingest)
+        self.min_wv: int | None = (
+            None  # min weight_version of its served sessions (known at ingest)
+        )
         self.order_key: tuple[int, int, str] | None = None  # its entry in a version serve order
 
     def session_ids(self) -> list[str]:
@@ -89,11 +108,16 @@ class Group:
         not count: its build judges it; with none known, only the build does). Zero variance: the
         terminal rewards of its completed sessions all within epsilon (only when all are known)."""
         if self.wv is not None:
-            self.min_wv = self.min_version(self.chosen if self.chosen is not None else self.completed)
+            self.min_wv = self.min_version(
+                self.chosen if self.chosen is not None else self.completed
+            )
             if self.min_wv is not None and policy.stale(current_version, self.min_wv):
                 return STALE
-        if policy.drop_zero_variance and None not in (c[2] for c in self.completed.values()) \
-                and policy.zero_variance(self.rewards()):
+        if (
+            policy.drop_zero_variance
+            and None not in (c[2] for c in self.completed.values())
+            and policy.zero_variance(self.rewards())
+        ):
             return ZERO_VARIANCE
         return None
 
@@ -102,7 +126,10 @@ class Group:
         ids) and forget the others for good (``excluded``); returns the sessions removed, with their
         rows' pks."""
         self.chosen = frozenset(sorted(self.completed, key=lambda s: self.completed[s][0])[:k])
-        removed = {sid: self.sessions.pop(sid) for sid in [s for s in self.sessions if s not in self.chosen]}
+        removed = {
+            sid: self.sessions.pop(sid)
+            for sid in [s for s in self.sessions if s not in self.chosen]
+        }
         if removed:
             self.excluded = set(removed) if self.excluded is None else self.excluded | set(removed)
         for sid, pks in removed.items():
@@ -119,7 +146,9 @@ class Undecided:
 
     def __init__(self) -> None:
         self.groups: OrderedDict[str, Group] = OrderedDict()
-        self._mins: list[tuple[int, str]] = []  # (min_pk, group_id); an entry counts while it is current
+        self._mins: list[
+            tuple[int, str]
+        ] = []  # (min_pk, group_id); an entry counts while it is current
 
     def add(self, g: Group) -> None:
         self.groups[g.group_id] = g
@@ -129,8 +158,12 @@ class Undecided:
 
     def min_pk_changed(self, g: Group) -> None:
         if g.min_pk is not None:
-            if len(self._mins) > 2 * len(self.groups) + 64:  # entries of decided groups or old minima
-                self._mins = [(x.min_pk, x.group_id) for x in self.groups.values() if x.min_pk is not None]
+            if (
+                len(self._mins) > 2 * len(self.groups) + 64
+            ):  # entries of decided groups or old minima
+                self._mins = [
+                    (x.min_pk, x.group_id) for x in self.groups.values() if x.min_pk is not None
+                ]
                 heapq.heapify(self._mins)
             heapq.heappush(self._mins, (g.min_pk, g.group_id))
 

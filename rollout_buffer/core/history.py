@@ -8,12 +8,14 @@ starts an empty history) and nothing does I/O: every critical section is a few a
 
 It must not be read for decisions: it is for display only.
 """
+
 from __future__ import annotations
 
 import collections
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 BUCKET_S = 10.0
 WINDOW_S = 15 * 60.0
@@ -22,7 +24,7 @@ POLL_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
 
 
 class _Bucket:
-    __slots__ = ("index", "rows", "groups", "items")
+    __slots__ = ("groups", "index", "items", "rows")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -37,7 +39,9 @@ class History:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self._lock = threading.Lock()
-        self._buckets: collections.deque[_Bucket] = collections.deque(maxlen=int(WINDOW_S / BUCKET_S))
+        self._buckets: collections.deque[_Bucket] = collections.deque(
+            maxlen=int(WINDOW_S / BUCKET_S)
+        )
         self._batches: collections.deque[dict[str, Any]] = collections.deque(maxlen=BATCHES_KEPT)
 
     def _bucket(self, now: float) -> _Bucket:
@@ -53,11 +57,21 @@ class History:
         with self._lock:
             self._bucket(now).rows += rows
 
-    def batch(self, batch_id: str, *, groups: int, items: int, n_bytes: int, build_s: float) -> dict[str, Any]:
+    def batch(
+        self, batch_id: str, *, groups: int, items: int, n_bytes: int, build_s: float
+    ) -> dict[str, Any]:
         """A batch was recorded and is about to be sent; returns its entry for :meth:`sent`."""
         now = self.clock()
-        entry = {"batch_id": batch_id, "at": time.time(), "groups": groups, "items": items, "bytes": n_bytes,
-                 "build_s": round(build_s, 6), "send_s": None, "_t": now}
+        entry = {
+            "batch_id": batch_id,
+            "at": time.time(),
+            "groups": groups,
+            "items": items,
+            "bytes": n_bytes,
+            "build_s": round(build_s, 6),
+            "send_s": None,
+            "_t": now,
+        }
         with self._lock:
             b = self._bucket(now)
             b.groups += groups
@@ -80,7 +94,11 @@ class History:
             batches = [{k: v for k, v in e.items() if k != "_t"} for e in reversed(self._batches)]
         last = int(now // BUCKET_S)
         n = int(WINDOW_S / BUCKET_S)
-        series: dict[str, list[float]] = {"ingest_rows_per_s": [], "served_groups_per_s": [], "served_items_per_s": []}
+        series: dict[str, list[float]] = {
+            "ingest_rows_per_s": [],
+            "served_groups_per_s": [],
+            "served_items_per_s": [],
+        }
         for index in range(last - n + 1, last + 1):
             rows, groups, items = by_index.get(index, (0, 0, 0))
             # the current bucket is partial: its rate is over the seconds it has run
@@ -111,5 +129,9 @@ class PollStats:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"count": self.count, "with_data": self.with_data, "seconds_total": round(self.seconds, 6),
-                    "buckets": {b: self.buckets.get(b, 0) for b in (*POLL_BUCKETS, float("inf"))}}
+            return {
+                "count": self.count,
+                "with_data": self.with_data,
+                "seconds_total": round(self.seconds, 6),
+                "buckets": {b: self.buckets.get(b, 0) for b in (*POLL_BUCKETS, float("inf"))},
+            }

@@ -12,14 +12,16 @@ replayed batch carries the very same uids.
 Owns: validating rows, building item JSON and deriving uids. It must not do I/O or decide: rows come
 in, bytes or :class:`Malformed` come out.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
 import math
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from rollout_buffer.core.logconfig import EventLog
 from rollout_buffer.core.model import BadText, Take
@@ -28,7 +30,21 @@ logger = logging.getLogger(__name__)
 _events = EventLog(logger)  # a launcher that writes every step twice must not write a line per row
 
 # Column positions of queries.BODY_COLUMNS.
-PK, SID, STEP, GID, MESSAGES, RESPONSE, STEP_REWARD, ENV_STATE, TRUNCATED, COMPLETED, CREATED, JOB, TRAINABLE = range(13)
+(
+    PK,
+    SID,
+    STEP,
+    GID,
+    MESSAGES,
+    RESPONSE,
+    STEP_REWARD,
+    ENV_STATE,
+    TRUNCATED,
+    COMPLETED,
+    CREATED,
+    JOB,
+    TRAINABLE,
+) = range(13)
 
 _dumps_compact = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 _dumps_text = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
@@ -52,7 +68,7 @@ def _no_constants(name: str) -> Any:
 _decode = json.JSONDecoder(parse_constant=_no_constants).decode
 
 
-_MAX_VERSION = 2 ** 53
+_MAX_VERSION = 2**53
 
 
 def weight_version(env_state: Any) -> int:
@@ -128,7 +144,15 @@ class GroupItems:
     fragments into a large body, and no copy at the end); items are separated by commas.
     """
 
-    __slots__ = ("group_id", "start", "n_items", "rewards", "weight_versions", "session_rewards", "first_ts")
+    __slots__ = (
+        "first_ts",
+        "group_id",
+        "n_items",
+        "rewards",
+        "session_rewards",
+        "start",
+        "weight_versions",
+    )
 
     def __init__(self, group_id: str, start: int) -> None:
         self.group_id = group_id
@@ -137,7 +161,7 @@ class GroupItems:
         self.rewards: list[float] = []
         self.weight_versions: list[int] = []
         self.session_rewards: list[float] = []  # each served session's terminal reward, once
-        self.first_ts: float | None = None      # created_at of its earliest served row (epoch seconds)
+        self.first_ts: float | None = None  # created_at of its earliest served row (epoch seconds)
 
 
 def _as_bytes(value: Any) -> bytes:
@@ -157,7 +181,7 @@ _JSON_WS = b" \t\n\r"
 class _History:
     """Validates a session's growing histories: each step's list usually extends the previous one."""
 
-    __slots__ = ("prefix", "empty")
+    __slots__ = ("empty", "prefix")
 
     def __init__(self) -> None:
         self.prefix: memoryview | None = None  # the previous valid list without its closing bracket
@@ -173,7 +197,7 @@ class _History:
         end = len(text.rstrip(_JSON_WS)) - 1
         prev = self.prefix
         if prev is not None and text.startswith(prev):
-            tail = text[len(prev):].strip(_JSON_WS)
+            tail = text[len(prev) :].strip(_JSON_WS)
             if tail == b"]":
                 ok = True
             elif self.empty:
@@ -219,7 +243,9 @@ def cached_weight_version(env_state: Any) -> int:
     return wv
 
 
-def ingest_fields(step_id: Any, step_reward: Any, env_state: Any) -> tuple[int | None, float | None, int | None]:
+def ingest_fields(
+    step_id: Any, step_reward: Any, env_state: Any
+) -> tuple[int | None, float | None, int | None]:
     """A row's (step_id, terminal-reward candidate, weight_version) at ingest, each None when the
     value is unusable: ingest never rejects a row, its build does (with the reason). The version is
     None (unknown until the build) also for an env_state too long to read at ingest ('')."""
@@ -232,14 +258,21 @@ def ingest_fields(step_id: Any, step_reward: Any, env_state: Any) -> tuple[int |
     except Malformed:
         reward = None
     try:
-        wv: int | None = cached_weight_version(env_state) if not isinstance(env_state, (bytes, BadText)) else None
+        wv: int | None = (
+            cached_weight_version(env_state)
+            if not isinstance(env_state, (bytes, BadText))
+            else None
+        )
     except Malformed:
         wv = None
     return sid, reward, wv
 
-_ITEM_TAIL = ('%s{"role":"assistant","content":%s}],"reward":%r,"extra_info":{"timestamp":%r,"steps":%d,'
-              '"finish_reason":"%s","session_id":%s,"env_id":%s,"group_id":%s,"weight_version":%d,'
-              '"truncated":%s,"step_pk":%d,"is_session_completed":%s,"step_reward":%r,"terminal_reward":%r%s}}')
+
+_ITEM_TAIL = (
+    '%s{"role":"assistant","content":%s}],"reward":%r,"extra_info":{"timestamp":%r,"steps":%d,'
+    '"finish_reason":"%s","session_id":%s,"env_id":%s,"group_id":%s,"weight_version":%d,'
+    '"truncated":%s,"step_pk":%d,"is_session_completed":%s,"step_reward":%r,"terminal_reward":%r%s}}'
+)
 
 # Extra keys of extra_info (JSON text that follows the last key): a group served short at the TTL,
 # a served group delivered again after the trainer restarted from a checkpoint (redelivery.py).
@@ -252,8 +285,14 @@ def item_flags(partial: bool, redelivered: bool) -> str:
     return (PARTIAL_FLAG if partial else "") + (REDELIVERED_FLAG if redelivered else "")
 
 
-def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id: str,
-                buf: bytearray, flags: str = "") -> GroupItems:
+def build_group(
+    take: Take,
+    rows: dict[int, Sequence[Any]],
+    seed: bytes,
+    job_id: str,
+    buf: bytearray,
+    flags: str = "",
+) -> GroupItems:
     """Append the items of one served group to ``buf``, sorted by (session_id, step_id, step_pk);
     ``flags`` (e.g. PARTIAL_FLAG) is appended to every item's extra_info.
 
@@ -284,9 +323,13 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
             prev_sid, history = sid, _History()
         assert history is not None
         try:
-            if any(isinstance(row[c], BadText) for c in (SID, GID, RESPONSE, ENV_STATE, CREATED, JOB)):
+            if any(
+                isinstance(row[c], BadText) for c in (SID, GID, RESPONSE, ENV_STATE, CREATED, JOB)
+            ):
                 raise Malformed("invalid_utf8_text")
-            if not isinstance(row[RESPONSE], (str, type(None))):  # a BLOB or a number where text belongs
+            if not isinstance(
+                row[RESPONSE], (str, type(None))
+            ):  # a BLOB or a number where text belongs
                 raise Malformed("response_not_text")
             if str(row[GID]) != take.group_id or row[JOB] != job_id or not row[TRAINABLE]:
                 raise Malformed("row_changed")
@@ -315,8 +358,15 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
     sid_json = ""
     for sid, step_id, pk, text, end, empty, row, wv, step_reward, ts, completed in prepared:
         if (sid, step_id) in seen_steps:
-            _events.event("duplicate step", logging.WARNING, "group %s session %s has two rows for step %s "
-                          "(step_pk %s); serving both", take.group_id, sid, step_id, pk)
+            _events.event(
+                "duplicate step",
+                logging.WARNING,
+                "group %s session %s has two rows for step %s (step_pk %s); serving both",
+                take.group_id,
+                sid,
+                step_id,
+                pk,
+            )
         seen_steps.add((sid, step_id))
         if sid != prev_sid:
             prev_sid = sid
@@ -333,11 +383,27 @@ def build_group(take: Take, rows: dict[int, Sequence[Any]], seed: bytes, job_id:
         buf += gid_bytes
         buf += b',"messages":'
         buf += memoryview(text)[:end]
-        buf += (_ITEM_TAIL % (
-            "" if empty else ",", _dumps_text(response), reward, ts, step_id,
-            "length" if truncated else "stop", sid_json, sid_json, gid_json, wv,
-            "true" if truncated else "false", pk, "true" if completed else "false", step_reward,
-            reward, flags)).encode()
+        buf += (
+            _ITEM_TAIL
+            % (
+                "" if empty else ",",
+                _dumps_text(response),
+                reward,
+                ts,
+                step_id,
+                "length" if truncated else "stop",
+                sid_json,
+                sid_json,
+                gid_json,
+                wv,
+                "true" if truncated else "false",
+                pk,
+                "true" if completed else "false",
+                step_reward,
+                reward,
+                flags,
+            )
+        ).encode()
         out.rewards.append(reward)
         out.weight_versions.append(wv)
         if out.first_ts is None or ts < out.first_ts:
@@ -351,7 +417,9 @@ class Body(list):
     """The chunks of a /get_rollout_data body (sent one after the other, never joined), how many
     groups it carries, and what to run once it has been sent (or abandoned)."""
 
-    def __init__(self, chunks: list[Any], groups: int = 0, on_close: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, chunks: list[Any], groups: int = 0, on_close: Callable[[], None] | None = None
+    ) -> None:
         super().__init__(chunks)
         self.groups = groups
         self._on_close = on_close
@@ -379,7 +447,9 @@ def _mean(values: list) -> float:
 _FLOAT_MAX = 1.7976931348623157e308
 
 
-def response_chunks(groups: Sequence[GroupItems], buf: bytearray, meta_extra: dict[str, Any]) -> list[Any]:
+def response_chunks(
+    groups: Sequence[GroupItems], buf: bytearray, meta_extra: dict[str, Any]
+) -> list[Any]:
     """The /get_rollout_data JSON body as bytes-like chunks (success when there is an item)."""
     rewards: list[float] = []
     wvs: list[int] = []
@@ -396,7 +466,10 @@ def response_chunks(groups: Sequence[GroupItems], buf: bytearray, meta_extra: di
     }
     meta.update(meta_extra)
     message = f"Successfully read {n} items" if n else "No data available to read"
-    head = '{"success":%s,"message":%s,"data":{"data":[' % ("true" if n else "false", _dumps_compact(message))
+    head = '{"success":%s,"message":%s,"data":{"data":[' % (
+        "true" if n else "false",
+        _dumps_compact(message),
+    )
     tail = '],"meta_info":%s}}' % _dumps_compact(meta)
     return [head.encode(), buf, tail.encode()] if buf else [head.encode(), tail.encode()]
 
@@ -413,4 +486,4 @@ def iter_bytes(chunks: Sequence[Any]) -> Iterator[bytes]:
         else:
             view = memoryview(c)
             for i in range(0, len(view), SEND_SLICE):
-                yield bytes(view[i:i + SEND_SLICE])
+                yield bytes(view[i : i + SEND_SLICE])

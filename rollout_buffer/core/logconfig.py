@@ -3,6 +3,7 @@
 Owns: the handlers, the log file's rotation and the rate limit of lines per kind of event. It must
 not configure anything on import: only entry points call it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,14 +31,18 @@ def configure_logging(config: Config, *, console: bool = True) -> str | None:
         os.makedirs(config.run_dir, exist_ok=True)
         path = os.path.join(config.run_dir, "rollout_buffer.log")
     except OSError as exc:
-        logging.getLogger(__name__).warning("cannot create log directory %s: %s", config.run_dir, exc)
+        logging.getLogger(__name__).warning(
+            "cannot create log directory %s: %s", config.run_dir, exc
+        )
     key = path or "<console>"
     if key in _configured:
         return path
     _configured.add(key)
     formatter = logging.Formatter(FORMAT)
     if path:
-        fh = logging.handlers.RotatingFileHandler(path, maxBytes=50 * 1024 * 1024, backupCount=5, encoding="utf-8")
+        fh = logging.handlers.RotatingFileHandler(
+            path, maxBytes=50 * 1024 * 1024, backupCount=5, encoding="utf-8"
+        )
         fh.setFormatter(formatter)
         root.addHandler(fh)
     if console:
@@ -54,12 +59,16 @@ class EventLog:
     has passed (at the next event of any kind, or a ``flush``). A flood of bad rows or drops costs
     a few lines a minute, never one per row."""
 
-    def __init__(self, logger: logging.Logger, window_s: float = 60.0, clock=time.monotonic) -> None:
+    def __init__(
+        self, logger: logging.Logger, window_s: float = 60.0, clock=time.monotonic
+    ) -> None:
         self.logger = logger
         self.window_s = window_s
         self.clock = clock
         self._lock = threading.Lock()
-        self._windows: dict[str, tuple[float, int, int]] = {}  # kind -> (window start, suppressed, level)
+        self._windows: dict[
+            str, tuple[float, int, int]
+        ] = {}  # kind -> (window start, suppressed, level)
 
     def event(self, kind: str, level: int, msg: str, *args: object) -> None:
         now = self.clock()
@@ -73,7 +82,13 @@ class EventLog:
                 self._windows[kind] = (start, suppressed + 1, level)
                 log_now = False
         for k, n, lvl in due:
-            self.logger.log(lvl, "%d more %s events in the last %.0f s (not logged one by one)", n, k, self.window_s)
+            self.logger.log(
+                lvl,
+                "%d more %s events in the last %.0f s (not logged one by one)",
+                n,
+                k,
+                self.window_s,
+            )
         if log_now:
             self.logger.log(level, msg, *args)
 
@@ -82,7 +97,13 @@ class EventLog:
         with self._lock:
             due = self._due(self.clock())
         for k, n, lvl in due:
-            self.logger.log(lvl, "%d more %s events in the last %.0f s (not logged one by one)", n, k, self.window_s)
+            self.logger.log(
+                lvl,
+                "%d more %s events in the last %.0f s (not logged one by one)",
+                n,
+                k,
+                self.window_s,
+            )
 
     def _due(self, now: float) -> list[tuple[str, int, int]]:
         due = []

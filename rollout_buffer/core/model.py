@@ -8,6 +8,7 @@ package and does no I/O.
 Owns: the value types and the reason and state names. It must not import anything of the package or
 do I/O.
 """
+
 from __future__ import annotations
 
 import enum
@@ -37,9 +38,9 @@ INVALID_SESSION = "invalid_session_id"
 BUILD_FAILED = "build_failed"  # a row's build raised an unexpected error repeatedly
 GROUP_TOO_LARGE = "group_too_large"  # its rows alone exceed ROLLOUT_BUFFER_MAX_GROUP_BYTES
 # Training-data policies (issue 10): groups the trainer would throw away, dropped at the source.
-STALE = "stale"                  # current version - min weight_version > max_off_policy
+STALE = "stale"  # current version - min weight_version > max_off_policy
 ZERO_VARIANCE = "zero_variance"  # its sessions' terminal rewards are all equal (within epsilon)
-OVERSAMPLED = "oversampled"      # rows of a session beyond the first K completed of its group
+OVERSAMPLED = "oversampled"  # rows of a session beyond the first K completed of its group
 
 
 class BadText(str):
@@ -69,21 +70,25 @@ class Row(NamedTuple):
 class Policy:
     """The training-data policies of a job (issue 10); every one is off by default."""
 
-    max_off_policy: int | None = None    # stale when current - min weight_version > this
+    max_off_policy: int | None = None  # stale when current - min weight_version > this
     drop_zero_variance: bool = False
     zero_variance_epsilon: float = 1e-6
-    oversample: int = 0                  # extra sessions per group; the first K completed are served
-    min_group_size: int | None = None    # at the TTL, serve a group with at least this many completed
-    serve_order: str = "ready"           # ready | oldest_version | newest_version
+    oversample: int = 0  # extra sessions per group; the first K completed are served
+    min_group_size: int | None = None  # at the TTL, serve a group with at least this many completed
+    serve_order: str = "ready"  # ready | oldest_version | newest_version
 
     def stale(self, current: int, min_wv: int, max_off_policy: int | None = None) -> bool:
         """The upstream client's rule: current - min(weight_version of the items) > max_off_policy."""
         bound = self.max_off_policy if max_off_policy is None else max_off_policy
         return bound is not None and current - min_wv > bound
 
-    def zero_variance(self, rewards: "list[float] | tuple[float, ...]") -> bool:
+    def zero_variance(self, rewards: list[float] | tuple[float, ...]) -> bool:
         """The sessions' terminal rewards have max - min <= epsilon (when the filter is on)."""
-        return self.drop_zero_variance and bool(rewards) and max(rewards) - min(rewards) <= self.zero_variance_epsilon
+        return (
+            self.drop_zero_variance
+            and bool(rewards)
+            and max(rewards) - min(rewards) <= self.zero_variance_epsilon
+        )
 
 
 class LauncherState(str, enum.Enum):
@@ -97,7 +102,7 @@ class LauncherState(str, enum.Enum):
     HANDED_OVER = "stopped:handover"  # stopped at shutdown for a standby on another host: it starts a fresh one
 
     @classmethod
-    def parse(cls, text: str | None) -> "LauncherState | None":
+    def parse(cls, text: str | None) -> LauncherState | None:
         """The stored text as a state; unknown or legacy texts that start with 'exited' are EXITED."""
         if text is None:
             return None
@@ -120,8 +125,10 @@ class PollRequest:
     request_id: str | None = None
     wait_s: float = 0.0
     min_groups: int = 1
-    max_off_policy: int | None = None          # overrides ROLLOUT_BUFFER_MAX_OFF_POLICY for this poll
-    current_weight_version: int | None = None  # the trainer's version (the job keeps the last one sent)
+    max_off_policy: int | None = None  # overrides ROLLOUT_BUFFER_MAX_OFF_POLICY for this poll
+    current_weight_version: int | None = (
+        None  # the trainer's version (the job keeps the last one sent)
+    )
 
 
 @dataclass(frozen=True)
@@ -141,7 +148,9 @@ class Take:
     partial: bool = False
     ready_at: float | None = None
     min_wv: int | None = None
-    redelivered: bool = False  # a served group delivered again (redelivery.py): no decision of its own
+    redelivered: bool = (
+        False  # a served group delivered again (redelivery.py): no decision of its own
+    )
 
     @property
     def served_pks(self) -> list[int]:
@@ -155,7 +164,9 @@ class Take:
 
     @property
     def all_pks(self) -> list[int]:
-        return sorted(pk for d in (self.completed, self.incomplete) for pks in d.values() for pk in pks)
+        return sorted(
+            pk for d in (self.completed, self.incomplete) for pks in d.values() for pk in pks
+        )
 
     @property
     def sessions(self) -> list[str]:
@@ -209,7 +220,9 @@ class Batch:
     group_ids: list[str]
     n_items: int
     n_bytes: int
-    meta: dict | None = None  # meta_info keys that cannot be derived from the rows (sent again on replay)
+    meta: dict | None = (
+        None  # meta_info keys that cannot be derived from the rows (sent again on replay)
+    )
 
 
 @dataclass
@@ -227,7 +240,7 @@ class Decisions:
     def __bool__(self) -> bool:
         return bool(self.drops or self.rows or self.served or self.batch or self.redelivered)
 
-    def extend(self, other: "Decisions") -> None:
+    def extend(self, other: Decisions) -> None:
         """Merge another plan into this one (a batch is never merged)."""
         assert other.batch is None
         self.drops.extend(other.drops)

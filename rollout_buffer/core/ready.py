@@ -7,6 +7,7 @@ heap of (key, seq, group_id): an entry is used only while it is its group's curr
 dict, and entries of groups that left the queue are swept once they outnumber the live ones. No
 I/O and no lock (the accumulator's lock guards it); it must not decide anything about a group.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -31,7 +32,11 @@ class ReadyQueue(OrderedDict):
         """A group became ready: last in readiness, at its place in the version order."""
         if self._sign:
             self._sweep()
-            g.order_key = (self._sign * (g.min_wv or 0), next(self._seq), g.group_id)  # unknown: as 0
+            g.order_key = (
+                self._sign * (g.min_wv or 0),
+                next(self._seq),
+                g.group_id,
+            )  # unknown: as 0
             heapq.heappush(self._heap, g.order_key)
         self[g.group_id] = g
 

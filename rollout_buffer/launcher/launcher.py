@@ -9,6 +9,7 @@ relaunches one that is gone (``relaunch_for``); a standby stops a launcher on it
 owner, elsewhere, cannot supervise, and reports it. It must not touch groups: what a finished
 launcher means for them (``launcher_exited`` drops) is the loop's decision.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,22 +17,35 @@ import logging
 import os
 import subprocess
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from rollout_buffer.launcher import procfs
 from rollout_buffer.core.config import Config
-from rollout_buffer.storage.db import redact
 from rollout_buffer.core.errors import ApiError, StorageError
 from rollout_buffer.core.model import LauncherState
+from rollout_buffer.core.redact import redact
+from rollout_buffer.launcher import procfs
 from rollout_buffer.launcher.processes import terminate_group
+from rollout_buffer.launcher.supervisor import LauncherError, LaunchSpec, Supervisor, shown
 from rollout_buffer.storage.store import LauncherRecord, Store
-from rollout_buffer.launcher.supervisor import LaunchSpec, LauncherError, Supervisor, shown
 
 logger = logging.getLogger(__name__)
 
 LAUNCHER_ENV_DROP = ("ROLLOUT_BUFFER_TOKEN",)
-SUMMARY_KEYS = ("running", "pid", "exit_code", "restarts", "restart_policy", "stopped_by", "adopted",
-                "will_restart", "finished", "started_at", "exited_at", "log_path")
+SUMMARY_KEYS = (
+    "running",
+    "pid",
+    "exit_code",
+    "restarts",
+    "restart_policy",
+    "stopped_by",
+    "adopted",
+    "will_restart",
+    "finished",
+    "started_at",
+    "exited_at",
+    "log_path",
+)
 
 
 def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
@@ -48,19 +62,41 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
     kind = c.launcher_kind
     if kind == "command":
         subs = {"job_id": job_id, "k": str(k), "db_url": c.db_url, "storage_type": c.storage_type}
-        argv = [a.format(**subs) for a in (c.launcher_cmd or ())]  # templates are validated by Config
+        argv = [
+            a.format(**subs) for a in (c.launcher_cmd or ())
+        ]  # templates are validated by Config
         if "--job-id" not in argv:
             argv += ["--job-id", job_id]
         if "--rl-group-size" not in argv:
             argv += ["--rl-group-size", str(k)]
         return LaunchSpec(tuple(argv), c.aievobox_root or None, env, log_path)
     if kind == "simulate":
-        argv = [sys.executable, "-m", "rollout_buffer.simulate", "--db-path", c.db_url, "--storage-type",
-                c.storage_type, "--job-id", job_id, "--rl-group-size", str(k), "--pool-size",
-                str(c.pool_size), "--rl-epoch", str(c.rl_epoch)]
+        argv = [
+            sys.executable,
+            "-m",
+            "rollout_buffer.simulate",
+            "--db-path",
+            c.db_url,
+            "--storage-type",
+            c.storage_type,
+            "--job-id",
+            job_id,
+            "--rl-group-size",
+            str(k),
+            "--pool-size",
+            str(c.pool_size),
+            "--rl-epoch",
+            str(c.rl_epoch),
+        ]
         argv += list(c.simulate_args or ())
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH")) if p)
+            p
+            for p in (
+                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                env.get("PYTHONPATH"),
+            )
+            if p
+        )
         return LaunchSpec(tuple(argv), None, env, log_path)
     root = c.aievobox_root or "."
     if c.env_config:
@@ -68,31 +104,74 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
     elif c.env_root:
         env_args = ["--env-root", c.env_root]
     else:
-        raise ApiError(500, "the AIEvoBox launcher needs AIEVOBOX_ENV_CONFIG or AIEVOBOX_ENV_ROOT; neither is set")
-    proxy = f"http://{c.proxy_host}:{c.proxy_port}/v1" if c.proxy_host else "http://127.0.0.1:8000/v1"
-    argv = ["python3", os.path.join(root, "launcher.py"), "--mode", c.aievobox_mode, "--db-path", c.db_url,
-            "--storage-type", c.storage_type, *env_args, "--llm-base-url", proxy, "--llm-model",
-            c.rl_model, "--llm-temperature", str(c.llm_temperature), "--max-steps", str(c.max_steps),
-            "--message-cut", str(c.message_cut), "--pool-size", str(c.pool_size), "--multiplier",
-            str(c.multiplier), "--job-id", job_id, "--no-rebuild-table", "--rl-use-session-suffix-url",
-            "--rl-group-size", str(k), "--rl-epoch", str(c.rl_epoch), "--env-transport", c.env_transport,
-            "--env-http-timeout-s", "600"]
+        raise ApiError(
+            500,
+            "the AIEvoBox launcher needs AIEVOBOX_ENV_CONFIG or AIEVOBOX_ENV_ROOT; neither is set",
+        )
+    proxy = (
+        f"http://{c.proxy_host}:{c.proxy_port}/v1" if c.proxy_host else "http://127.0.0.1:8000/v1"
+    )
+    argv = [
+        "python3",
+        os.path.join(root, "launcher.py"),
+        "--mode",
+        c.aievobox_mode,
+        "--db-path",
+        c.db_url,
+        "--storage-type",
+        c.storage_type,
+        *env_args,
+        "--llm-base-url",
+        proxy,
+        "--llm-model",
+        c.rl_model,
+        "--llm-temperature",
+        str(c.llm_temperature),
+        "--max-steps",
+        str(c.max_steps),
+        "--message-cut",
+        str(c.message_cut),
+        "--pool-size",
+        str(c.pool_size),
+        "--multiplier",
+        str(c.multiplier),
+        "--job-id",
+        job_id,
+        "--no-rebuild-table",
+        "--rl-use-session-suffix-url",
+        "--rl-group-size",
+        str(k),
+        "--rl-epoch",
+        str(c.rl_epoch),
+        "--env-transport",
+        c.env_transport,
+        "--env-http-timeout-s",
+        "600",
+    ]
     return LaunchSpec(tuple(argv), root, env, log_path)
 
 
 class Launcher:
     """The active job's launcher process and its durable record."""
 
-    def __init__(self, config: Config, supervisor: Supervisor, instance_id: str, host_id: str | None = None) -> None:
+    def __init__(
+        self, config: Config, supervisor: Supervisor, instance_id: str, host_id: str | None = None
+    ) -> None:
         self.config = config
         self.supervisor = supervisor
         self.instance_id = instance_id  # recorded as the launcher's owner
         self.host_id = host_id or config.host_id or procfs.host_id()
-        self.elsewhere: LauncherRecord | None = None  # the job's launcher, recorded running on another host
+        self.elsewhere: LauncherRecord | None = (
+            None  # the job's launcher, recorded running on another host
+        )
         self.ended_elsewhere = False  # ... and since reported gone or recorded stopped
-        self.relaunch_for: str | None = None  # a job whose launcher was lost with its owner: start a fresh one
+        self.relaunch_for: str | None = (
+            None  # a job whose launcher was lost with its owner: start a fresh one
+        )
         self._stop_due = False  # /stop_rollout of a launcher elsewhere, not recorded yet
-        self._released: list[subprocess.Popen[bytes]] = []  # our children another owner took over (reaped)
+        self._released: list[
+            subprocess.Popen[bytes]
+        ] = []  # our children another owner took over (reaped)
 
     @property
     def managed(self) -> bool:
@@ -108,15 +187,29 @@ class Launcher:
         out = {k: state.get(k) for k in SUMMARY_KEYS}
         out["host"] = self.host_id if state.get("pid") else None
         e = self.elsewhere
-        out["elsewhere"] = None if e is None else {
-            "host": e.host, "pid": e.pid, "state": "ended" if self.ended_elsewhere else
-            "unknown: it runs on another host; an instance there reports it, or stops it when it is not the owner's"}
+        out["elsewhere"] = (
+            None
+            if e is None
+            else {
+                "host": e.host,
+                "pid": e.pid,
+                "state": "ended"
+                if self.ended_elsewhere
+                else "unknown: it runs on another host; an instance there reports it, or stops it when it is not the owner's",
+            }
+        )
         return out
 
     def running_pid(self) -> int | None:
         """The pid of the job's launcher while it runs here, or may still run on another host."""
         state = self.supervisor.state()
-        return state["pid"] if state["running"] else self.elsewhere.pid if self.runs_elsewhere() else None  # type: ignore[union-attr]
+        return (
+            state["pid"]
+            if state["running"]
+            else self.elsewhere.pid
+            if self.runs_elsewhere()
+            else None
+        )  # type: ignore[union-attr]
 
     def runs_elsewhere(self) -> bool:
         """A launcher of the job may still run on another host (so /start_rollout must not start one)."""
@@ -125,8 +218,11 @@ class Launcher:
     def record(self, store: Store, job_id: str, state: LauncherState) -> None:
         """Store the current process identity with the job, in the given state."""
         s = self.supervisor.state()
-        store.save_launcher(job_id, LauncherRecord(s["pid"], s["pgid"], s["start_ticks"], state, self.host_id),
-                            self.instance_id)
+        store.save_launcher(
+            job_id,
+            LauncherRecord(s["pid"], s["pgid"], s["start_ticks"], state, self.host_id),
+            self.instance_id,
+        )
 
     def preflight(self, job_id: str, k: int) -> None:
         """A 500 now, before the job is switched, for a launcher that surely cannot start: the active
@@ -136,8 +232,13 @@ class Launcher:
             self.supervisor.preflight(spec)
         except LauncherError as exc:
             logger.error("cannot start the launcher for job %s: %s", job_id, redact(str(exc)))
-            raise ApiError(500, f"the launcher could not be started: {redact(str(exc))}; the active job is "
-                           "unchanged", job_session=job_id, argv=shown(spec.argv)) from exc
+            raise ApiError(
+                500,
+                f"the launcher could not be started: {redact(str(exc))}; the active job is "
+                "unchanged",
+                job_session=job_id,
+                argv=shown(spec.argv),
+            ) from exc
 
     def start(self, store: Store, job_id: str, k: int) -> int:
         """Spawn the job's launcher and record it; a failure is a 500 that says why."""
@@ -146,14 +247,25 @@ class Launcher:
             pid = self.supervisor.start(spec)
         except LauncherError as exc:
             logger.error("cannot start the launcher for job %s: %s", job_id, redact(str(exc)))
-            raise ApiError(500, f"the launcher could not be started: {redact(str(exc))}", job_session=job_id,
-                           argv=shown(spec.argv)) from exc
+            raise ApiError(
+                500,
+                f"the launcher could not be started: {redact(str(exc))}",
+                job_session=job_id,
+                argv=shown(spec.argv),
+            ) from exc
         try:
             self.record(store, job_id, LauncherState.RUNNING)
-        except StorageError:  # LeaseLost above all: not ours to run, and unrecorded it would be lost
+        except (
+            StorageError
+        ):  # LeaseLost above all: not ours to run, and unrecorded it would be lost
             self.supervisor.stop("requested")
             raise
-        self.elsewhere, self.ended_elsewhere, self.relaunch_for, self._stop_due = None, False, None, False
+        self.elsewhere, self.ended_elsewhere, self.relaunch_for, self._stop_due = (
+            None,
+            False,
+            None,
+            False,
+        )
         return pid
 
     def start_for(self, store: Store, js: Any) -> int | None:
@@ -168,12 +280,18 @@ class Launcher:
     def resume_restart(self, store: Store, job_id: str, k: int, row: dict[str, Any]) -> bool:
         """After a restart: a launcher whose on-failure restart was pending when the service went
         down is started now (the backoff had begun; the restart count starts again)."""
-        if LauncherState.parse(row.get("launcher_state")) is not LauncherState.RESTART_PENDING or not self.managed:
+        if (
+            LauncherState.parse(row.get("launcher_state")) is not LauncherState.RESTART_PENDING
+            or not self.managed
+        ):
             return False
         if self.config.restart_policy != "on-failure":
             return False
-        logger.warning("the launcher of job %s was due for an on-failure restart when the service stopped; "
-                       "starting it now", job_id)
+        logger.warning(
+            "the launcher of job %s was due for an on-failure restart when the service stopped; "
+            "starting it now",
+            job_id,
+        )
         try:
             self.start(store, job_id, k)
         except ApiError as exc:
@@ -193,12 +311,22 @@ class Launcher:
             return None
         host = row.get("launcher_host")
         if host is not None and host != self.host_id:
-            self.elsewhere = LauncherRecord(row["launcher_pid"], row["launcher_pgid"], row["launcher_start_ticks"],
-                                            LauncherState.RUNNING, host)
+            self.elsewhere = LauncherRecord(
+                row["launcher_pid"],
+                row["launcher_pgid"],
+                row["launcher_start_ticks"],
+                LauncherState.RUNNING,
+                host,
+            )
             self.ended_elsewhere = False
-            logger.warning("the launcher of job %s (pid %s) runs on host %s, not here: it is left alone, its rows "
-                           "are served, and a fresh one starts here once an instance on that host reports it "
-                           "gone", job_id, row["launcher_pid"], host)
+            logger.warning(
+                "the launcher of job %s (pid %s) runs on host %s, not here: it is left alone, its rows "
+                "are served, and a fresh one starts here once an instance on that host reports it "
+                "gone",
+                job_id,
+                row["launcher_pid"],
+                host,
+            )
             return None
         current = self.supervisor.state()
         if current["running"] and current["pid"] == int(row["launcher_pid"]):
@@ -208,18 +336,35 @@ class Launcher:
             return True
         adopted = False
         with contextlib.suppress(LauncherError):
-            adopted = self.supervisor.adopt(int(row["launcher_pid"]), int(row["launcher_pgid"]),
-                                            row["launcher_start_ticks"], None)
+            adopted = self.supervisor.adopt(
+                int(row["launcher_pid"]),
+                int(row["launcher_pgid"]),
+                row["launcher_start_ticks"],
+                None,
+            )
         if not adopted:
-            logger.warning("launcher pid %s of job %s is gone: it ended while the service was down",
-                           row["launcher_pid"], job_id)
-            store.save_launcher(job_id, LauncherRecord(row["launcher_pid"], row["launcher_pgid"],
-                                                       row["launcher_start_ticks"], LauncherState.EXITED, host),
-                                row.get("launcher_owner"))
+            logger.warning(
+                "launcher pid %s of job %s is gone: it ended while the service was down",
+                row["launcher_pid"],
+                job_id,
+            )
+            store.save_launcher(
+                job_id,
+                LauncherRecord(
+                    row["launcher_pid"],
+                    row["launcher_pgid"],
+                    row["launcher_start_ticks"],
+                    LauncherState.EXITED,
+                    host,
+                ),
+                row.get("launcher_owner"),
+            )
             if self.managed:
                 self.relaunch_for = job_id
         else:
-            self.record(store, job_id, LauncherState.RUNNING)  # ours now: the previous owner must not stop it
+            self.record(
+                store, job_id, LauncherState.RUNNING
+            )  # ours now: the previous owner must not stop it
         return adopted
 
     def check_elsewhere(self, store: Store, job_id: str, reports: list[str | None]) -> None:
@@ -228,11 +373,18 @@ class Launcher:
         e = self.elsewhere
         if e is None or self.ended_elsewhere or f"{e.pid}:{e.start_ticks}:gone" not in reports:
             return
-        store.save_launcher(job_id, LauncherRecord(e.pid, e.pgid, e.start_ticks, LauncherState.EXITED, e.host), None)
+        store.save_launcher(
+            job_id, LauncherRecord(e.pid, e.pgid, e.start_ticks, LauncherState.EXITED, e.host), None
+        )
         self.ended_elsewhere = True
         self.relaunch_for = job_id if self.managed else None
-        logger.warning("the launcher of job %s (pid %s on host %s) is gone, as an instance there reports: its "
-                       "incomplete groups are dropped and a fresh launcher starts here", job_id, e.pid, e.host)
+        logger.warning(
+            "the launcher of job %s (pid %s on host %s) is gone, as an instance there reports: its "
+            "incomplete groups are dropped and a fresh launcher starts here",
+            job_id,
+            e.pid,
+            e.host,
+        )
 
     def stop_elsewhere(self) -> bool:
         """(Owner, /stop_rollout) A launcher on another host cannot be signalled from here: it counts as
@@ -249,7 +401,12 @@ class Launcher:
         proc = self.supervisor.release()
         if proc is not None:
             self._released.append(proc)
-        self.elsewhere, self.ended_elsewhere, self.relaunch_for, self._stop_due = None, False, None, False
+        self.elsewhere, self.ended_elsewhere, self.relaunch_for, self._stop_due = (
+            None,
+            False,
+            None,
+            False,
+        )
 
     def watch_here(self, row: dict[str, Any] | None, owner_host: str | None) -> str | None:
         """(Not the owner) The job's launcher, if it is recorded on this host: stopped when nobody can
@@ -258,14 +415,25 @@ class Launcher:
         self._released = [p for p in self._released if p.poll() is None]  # reap what has ended
         if row is None or not row.get("launcher_pid") or row.get("launcher_host") != self.host_id:
             return None
-        pid, pgid, ticks = int(row["launcher_pid"]), int(row["launcher_pgid"]), row["launcher_start_ticks"]
+        pid, pgid, ticks = (
+            int(row["launcher_pid"]),
+            int(row["launcher_pgid"]),
+            row["launcher_start_ticks"],
+        )
         st = procfs.stat(pid)
-        alive = bool(st and st.alive and st.pgrp == pgid and (ticks is None or st.start_ticks == int(ticks)))
+        alive = bool(
+            st and st.alive and st.pgrp == pgid and (ticks is None or st.start_ticks == int(ticks))
+        )
         running = LauncherState.parse(row.get("launcher_state")) is LauncherState.RUNNING
         if alive and (not running or owner_host not in (None, self.host_id)):
-            logger.warning("stopping launcher pid %s of job %s on this host: %s", pid, row["job_id"],
-                           "the owner is on another host and cannot supervise it" if running else
-                           f"it is recorded as {row.get('launcher_state')} yet runs")
+            logger.warning(
+                "stopping launcher pid %s of job %s on this host: %s",
+                pid,
+                row["job_id"],
+                "the owner is on another host and cannot supervise it"
+                if running
+                else f"it is recorded as {row.get('launcher_state')} yet runs",
+            )
             proc = next((p for p in self._released if p.pid == pid), None)
             terminate_group(proc, pid, pgid, ticks, self.config.stop_grace_s)
             alive = False
@@ -281,8 +449,13 @@ class Launcher:
         launcher on another host (/stop_rollout), until it is recorded."""
         e = self.elsewhere
         if self._stop_due and e is not None:
-            store.save_launcher(job_id, LauncherRecord(e.pid, e.pgid, e.start_ticks, LauncherState.STOPPED_REQUESTED,
-                                                       e.host), None)
+            store.save_launcher(
+                job_id,
+                LauncherRecord(
+                    e.pid, e.pgid, e.start_ticks, LauncherState.STOPPED_REQUESTED, e.host
+                ),
+                None,
+            )
             self._stop_due = False
         for ev in self.supervisor.poll():
             kind = ev.get("event")
@@ -299,12 +472,25 @@ class Launcher:
                 else:
                     label = LauncherState.EXITED
                 self.record(store, job_id, label)
-            if kind == "exited" and ev.get("exit_code") not in (0, None) and not ev.get("stopped_by"):
-                logger.error("launcher of job %s exited with code %s (log: %s)", job_id, ev.get("exit_code"),
-                             state.get("log_path"))
+            if (
+                kind == "exited"
+                and ev.get("exit_code") not in (0, None)
+                and not ev.get("stopped_by")
+            ):
+                logger.error(
+                    "launcher of job %s exited with code %s (log: %s)",
+                    job_id,
+                    ev.get("exit_code"),
+                    state.get("log_path"),
+                )
 
-    def stop_for_shutdown(self, conns: Any, job_id: str | None, standbys: Callable[[Any], set[str]],
-                          keep: bool = False) -> None:
+    def stop_for_shutdown(
+        self,
+        conns: Any,
+        job_id: str | None,
+        standbys: Callable[[Any], set[str]],
+        keep: bool = False,
+    ) -> None:
         """The service shuts down: stop the launcher (TERM, grace, KILL) and record it, unless the worker
         is going down unasked (``keep``: the next worker adopts it), another instance has adopted it
         meanwhile, or a standby on this host will (a rolling update): then it is not ours to kill.
@@ -312,8 +498,11 @@ class Launcher:
         handed over: that one starts a fresh launcher."""
         pid = self.supervisor.state()["pid"]
         if keep:
-            logger.warning("the worker is going down unasked: launcher pid %s is left running for the next "
-                           "worker to adopt", pid)
+            logger.warning(
+                "the worker is going down unasked: launcher pid %s is left running for the next "
+                "worker to adopt",
+                pid,
+            )
             return
         store, elsewhere = None, False
         with contextlib.suppress(StorageError):
@@ -321,20 +510,32 @@ class Launcher:
             elsewhere = job_id is not None and self.owned_elsewhere(store, job_id)
         standby_hosts = standbys(conns)
         if elsewhere or self.host_id in standby_hosts:
-            logger.warning("not stopping launcher pid %s of job %s: %s", pid, job_id, "another instance adopted it"
-                           if elsewhere else "the standby on this host takes the job and the launcher over")
+            logger.warning(
+                "not stopping launcher pid %s of job %s: %s",
+                pid,
+                job_id,
+                "another instance adopted it"
+                if elsewhere
+                else "the standby on this host takes the job and the launcher over",
+            )
             return
         self.supervisor.stop("shutdown")
         if job_id is not None and store is not None:
             with contextlib.suppress(StorageError):
-                self.record(store, job_id, LauncherState.HANDED_OVER if standby_hosts else
-                            LauncherState.STOPPED_SHUTDOWN)
+                self.record(
+                    store,
+                    job_id,
+                    LauncherState.HANDED_OVER if standby_hosts else LauncherState.STOPPED_SHUTDOWN,
+                )
 
     def finished(self) -> bool:
         """The launcher has ended and will not be restarted (a shutdown of ours does not count), here
         or on another host."""
         state = self.supervisor.state()
-        return bool(self.managed and (self.ended_elsewhere or state["finished"] and state["stopped_by"] != "shutdown"))
+        return bool(
+            self.managed
+            and (self.ended_elsewhere or (state["finished"] and state["stopped_by"] != "shutdown"))
+        )
 
     def stop(self, reason: str) -> dict[str, Any] | None:
         return self.supervisor.stop(reason)

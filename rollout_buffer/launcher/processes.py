@@ -6,6 +6,7 @@ writer. procfs.py reads what these act on; the supervisor decides when.
 
 It must not decide when to act or track a launcher's state: that is the supervisor's.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,7 +21,7 @@ from rollout_buffer.launcher import procfs
 logger = logging.getLogger(__name__)
 
 STOP_POLL_S = 0.05  # how often a stop looks at the group while it waits
-KILL_WAIT_S = 5.0   # after SIGKILL (only processes in uninterruptible sleep outlive it)
+KILL_WAIT_S = 5.0  # after SIGKILL (only processes in uninterruptible sleep outlive it)
 
 
 def killpg(pgid: int, sig: int) -> bool:
@@ -35,8 +36,13 @@ def killpg(pgid: int, sig: int) -> bool:
     return True
 
 
-def terminate_group(proc: subprocess.Popen[bytes] | None, pid: int, pgid: int, start_ticks: int | None,
-                    grace_s: float) -> int | None:
+def terminate_group(
+    proc: subprocess.Popen[bytes] | None,
+    pid: int,
+    pgid: int,
+    start_ticks: int | None,
+    grace_s: float,
+) -> int | None:
     """TERM the group, wait ``grace_s``, KILL what is left, and wait until it is gone.
 
     ``proc`` is our child (its exit code is returned) or None for an adopted launcher (None is
@@ -64,20 +70,27 @@ def terminate_group(proc: subprocess.Popen[bytes] | None, pid: int, pgid: int, s
         while not all_gone() and time.monotonic() < deadline:
             time.sleep(STOP_POLL_S)
     if not all_gone():
-        logger.warning("launcher pid %s did not exit within %ss of SIGTERM; sending SIGKILL to group %s",
-                       pid, grace_s, pgid)
+        logger.warning(
+            "launcher pid %s did not exit within %ss of SIGTERM; sending SIGKILL to group %s",
+            pid,
+            grace_s,
+            pgid,
+        )
         killpg(pgid, signal.SIGKILL)
         deadline = time.monotonic() + KILL_WAIT_S
         while not all_gone() and time.monotonic() < deadline:
             time.sleep(STOP_POLL_S)
         if not all_gone():
-            logger.error("launcher process group %s still has processes %s after SIGKILL", pgid,
-                         procfs.group_members(pgid))
+            logger.error(
+                "launcher process group %s still has processes %s after SIGKILL",
+                pgid,
+                procfs.group_members(pgid),
+            )
     return proc.poll() if proc is not None else None
 
 
 LOG_MAX_BYTES = 64 << 20  # launcher-<job>.log is rotated past this size ...
-LOG_KEEP = 3               # ... keeping this many old files (.1 newest)
+LOG_KEEP = 3  # ... keeping this many old files (.1 newest)
 LOG_CHECK_EVERY_S = 10.0
 
 

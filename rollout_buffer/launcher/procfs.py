@@ -7,20 +7,22 @@ use it to watch real processes.
 
 It must not act on a process (no signal, no wait): it only reads.
 """
+
 from __future__ import annotations
 
 import os
 import socket
-from typing import Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple
 
 
 class ProcStat(NamedTuple):
     """The fields of /proc/<pid>/stat that matter here."""
 
     pid: int
-    state: str        # field 3: R, S, D, Z (zombie), X (dead), ...
-    ppid: int         # field 4
-    pgrp: int         # field 5
+    state: str  # field 3: R, S, D, Z (zombie), X (dead), ...
+    ppid: int  # field 4
+    pgrp: int  # field 5
     start_ticks: int  # field 22: start time in clock ticks since boot (pid + this = one process)
 
     @property
@@ -37,7 +39,7 @@ def stat(pid: int) -> ProcStat | None:
     except OSError:
         return None
     # comm (field 2) may contain spaces and parentheses: split after the last ')'.
-    rest = data[data.rfind(")") + 2:].split()
+    rest = data[data.rfind(")") + 2 :].split()
     try:
         return ProcStat(pid, rest[0], int(rest[1]), int(rest[2]), int(rest[19]))
     except (IndexError, ValueError):

@@ -24,14 +24,13 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from rollout_buffer.launcher import processes
-
-from rollout_buffer.launcher import procfs
-from rollout_buffer.storage.db import redact
 from rollout_buffer.core.errors import RolloutBufferError
+from rollout_buffer.core.redact import redact
+from rollout_buffer.launcher import processes, procfs
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +80,9 @@ class Supervisor:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if restart_policy not in RESTART_POLICIES:
-            raise ValueError(f"restart_policy must be one of {RESTART_POLICIES}, got {restart_policy!r}")
+            raise ValueError(
+                f"restart_policy must be one of {RESTART_POLICIES}, got {restart_policy!r}"
+            )
         if max_restarts < 0 or backoff_s < 0 or backoff_max_s < 0 or stop_grace_s < 0:
             raise ValueError("max_restarts, backoff_s, backoff_max_s and stop_grace_s must be >= 0")
         self.restart_policy = restart_policy
@@ -133,9 +134,7 @@ class Supervisor:
         logger.info("launcher started: pid %s, argv %s", pid, shown(spec.argv))
         return pid
 
-    def adopt(
-        self, pid: int, pgid: int, start_ticks: int | None, spec: LaunchSpec | None
-    ) -> bool:
+    def adopt(self, pid: int, pgid: int, start_ticks: int | None, spec: LaunchSpec | None) -> bool:
         """Watch a still-running launcher that a previous incarnation of the service started.
 
         It is adopted only if ``pid`` is alive, not a zombie, in process group ``pgid`` and,
@@ -158,7 +157,8 @@ class Supervisor:
             ):
                 logger.info(
                     "not adopting launcher pid %s (pgid %s): not alive or not the same process",
-                    pid, pgid,
+                    pid,
+                    pgid,
                 )
                 return False
             self._proc = None
@@ -221,7 +221,8 @@ class Supervisor:
             if self._stopping:
                 # Another thread is stopping it: wait for that to finish.
                 self._stopped_cond.wait_for(
-                    lambda: not self._stopping, timeout=self.stop_grace_s + processes.KILL_WAIT_S + 5
+                    lambda: not self._stopping,
+                    timeout=self.stop_grace_s + processes.KILL_WAIT_S + 5,
                 )
                 return self._state_locked()
             if not self._ever_started:
@@ -248,8 +249,13 @@ class Supervisor:
                 self._exit_code = code
                 self._exited_at = time.time()
                 self._events.append(
-                    {"event": "exited", "pid": pid, "exit_code": code,
-                     "will_restart": False, "stopped_by": reason}
+                    {
+                        "event": "exited",
+                        "pid": pid,
+                        "exit_code": code,
+                        "will_restart": False,
+                        "stopped_by": reason,
+                    }
                 )
                 self._stopped_cond.notify_all()
                 state = self._state_locked()
@@ -284,28 +290,41 @@ class Supervisor:
             raise LauncherError(f"launcher cwd {spec.cwd!r} does not exist or is not a directory")
         exe = spec.argv[0]
         path = (spec.env or os.environ).get("PATH")
-        found = shutil.which(exe, path=path) if os.sep not in exe else (
-            exe if os.access(os.path.join(spec.cwd or "", exe), os.X_OK) else None)
+        found = (
+            shutil.which(exe, path=path)
+            if os.sep not in exe
+            else (exe if os.access(os.path.join(spec.cwd or "", exe), os.X_OK) else None)
+        )
         if found is None:
-            raise LauncherError(f"cannot start launcher: executable {exe!r} not found or not executable")
+            raise LauncherError(
+                f"cannot start launcher: executable {exe!r} not found or not executable"
+            )
         log_dir = os.path.dirname(spec.log_path) or "."
         try:
             os.makedirs(log_dir, exist_ok=True)
             st = os.statvfs(log_dir)
         except OSError as exc:
-            raise LauncherError(f"cannot create the launcher log directory for {spec.log_path!r}: {exc}") from exc
+            raise LauncherError(
+                f"cannot create the launcher log directory for {spec.log_path!r}: {exc}"
+            ) from exc
         if st.f_bavail * st.f_frsize < LOG_MIN_FREE_BYTES:  # its output would fail, and it with it
-            raise LauncherError(f"the launcher log directory {log_dir!r} has {st.f_bavail * st.f_frsize} bytes "
-                                "free (the disk is full); free some space and start again")
+            raise LauncherError(
+                f"the launcher log directory {log_dir!r} has {st.f_bavail * st.f_frsize} bytes "
+                "free (the disk is full); free some space and start again"
+            )
 
     def _spawn(self, spec: LaunchSpec) -> int:
         """Start the process for ``spec`` and record it as running; return its pid."""
         self.preflight(spec)
         try:
             processes.rotate_log(spec.log_path)
-            log = open(spec.log_path, "ab", buffering=0)  # unbuffered: a full disk fails here, not at close
+            log = open(
+                spec.log_path, "ab", buffering=0
+            )  # unbuffered: a full disk fails here, not at close
             try:
-                log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting launcher: {shown(spec.argv)}\n".encode())
+                log.write(
+                    f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting launcher: {shown(spec.argv)}\n".encode()
+                )
             except OSError:
                 log.close()
                 raise
@@ -323,7 +342,9 @@ class Supervisor:
                 close_fds=True,
             )
         except FileNotFoundError as exc:
-            raise LauncherError(f"cannot start launcher: executable {spec.argv[0]!r} not found ({exc})") from exc
+            raise LauncherError(
+                f"cannot start launcher: executable {spec.argv[0]!r} not found ({exc})"
+            ) from exc
         except PermissionError as exc:
             raise LauncherError(
                 f"cannot start launcher: permission denied for {spec.argv[0]!r} "
@@ -374,13 +395,22 @@ class Supervisor:
         if self.restart_policy == "on-failure" and failed and self._spec is not None:
             will_restart = self._schedule_restart()
         self._events.append(
-            {"event": "exited", "pid": self._pid, "exit_code": code,
-             "will_restart": will_restart, "stopped_by": None}
+            {
+                "event": "exited",
+                "pid": self._pid,
+                "exit_code": code,
+                "will_restart": will_restart,
+                "stopped_by": None,
+            }
         )
         if self.restart_policy == "on-failure" and failed and not will_restart:
             self._events.append(
-                {"event": "gave_up", "pid": self._pid, "exit_code": code,
-                 "restarts": self._restarts}
+                {
+                    "event": "gave_up",
+                    "pid": self._pid,
+                    "exit_code": code,
+                    "restarts": self._restarts,
+                }
             )
 
     def _schedule_restart(self) -> bool:
@@ -400,11 +430,17 @@ class Supervisor:
         try:
             pid = self._spawn(self._spec)
         except LauncherError as exc:
-            self._events.append({"event": "restart_failed", "error": str(exc), "attempt": self._restarts})
+            self._events.append(
+                {"event": "restart_failed", "error": str(exc), "attempt": self._restarts}
+            )
             if not self._schedule_restart():
                 self._events.append(
-                    {"event": "gave_up", "pid": self._pid, "exit_code": self._exit_code,
-                     "restarts": self._restarts}
+                    {
+                        "event": "gave_up",
+                        "pid": self._pid,
+                        "exit_code": self._exit_code,
+                        "restarts": self._restarts,
+                    }
                 )
             return
         self._events.append({"event": "restarted", "pid": pid, "attempt": self._restarts})
@@ -418,12 +454,15 @@ class Supervisor:
         if members:
             logger.warning(
                 "launcher group %s left %d process(es) behind %s; killing them",
-                pgid, len(members), members,
+                pgid,
+                len(members),
+                members,
             )
             processes.killpg(pgid, signal.SIGKILL)
 
-    def _terminate(self, proc: subprocess.Popen[bytes] | None, pid: int, pgid: int,
-                   start_ticks: int | None) -> int | None:
+    def _terminate(
+        self, proc: subprocess.Popen[bytes] | None, pid: int, pgid: int, start_ticks: int | None
+    ) -> int | None:
         """TERM, grace, KILL the launcher's group (without the lock); its exit code, None if unknown."""
         return processes.terminate_group(proc, pid, pgid, start_ticks, self.stop_grace_s)
 
@@ -443,8 +482,7 @@ class Supervisor:
             "adopted": self._adopted,
             "will_restart": will_restart,
             "finished": (
-                self._ever_started and not self._running and not self._stopping
-                and not will_restart
+                self._ever_started and not self._running and not self._stopping and not will_restart
             ),
             "argv": shown(self._spec.argv) if self._spec is not None else None,
             "log_path": self._spec.log_path if self._spec is not None else None,

@@ -5,22 +5,24 @@ rules for where a job's reading (re)starts. The resume point never passes what t
 promises is accounted (the low-water mark) nor what the reader knows is safe. It must not serve,
 and it does not run the loop: callers hold the tick and serve locks while it swaps the job.
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from rollout_buffer.storage import queries as q
 from rollout_buffer.core.accumulator import Accumulator
 from rollout_buffer.core.config import Config
-from rollout_buffer.storage.db import Database, redact
 from rollout_buffer.core.errors import StorageError
 from rollout_buffer.core.model import JOB_ENDED, RESTART_TRAINING, Decisions, Drop
+from rollout_buffer.core.redact import redact
+from rollout_buffer.core.redeliveries import Redeliveries
 from rollout_buffer.runtime.notifications import Outbox
+from rollout_buffer.storage import queries as q
+from rollout_buffer.storage.db import Database
 from rollout_buffer.storage.reader import MIN_ID, Accounted, Reader, first_read_after
-from rollout_buffer.serving.redelivery import Redeliveries
 from rollout_buffer.storage.store import Store
 
 logger = logging.getLogger(__name__)
@@ -29,8 +31,15 @@ logger = logging.getLogger(__name__)
 class JobState:
     """Everything the service holds for the active job."""
 
-    def __init__(self, job_id: str, k: int, floor_pk: int, acc: Accumulator, reader: Reader,
-                 accounted: Accounted | None) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        k: int,
+        floor_pk: int,
+        acc: Accumulator,
+        reader: Reader,
+        accounted: Accounted | None,
+    ) -> None:
         self.job_id = job_id
         self.k = k
         self.floor_pk = floor_pk
@@ -42,7 +51,9 @@ class JobState:
         self.launcher_finished_tick: int | None = None
         self.launcher_drop_done = False
         self.cursor_saved_at = 0.0
-        self.saved_cursor: tuple | None = None  # (cursor, low-water, trainer version, rows version) saved
+        self.saved_cursor: tuple | None = (
+            None  # (cursor, low-water, trainer version, rows version) saved
+        )
         self.saved_marker: tuple | None = None
         self.redeliveries = Redeliveries()  # served groups to deliver again, ahead of ready ones
 
@@ -61,15 +72,25 @@ class JobState:
         s = self.acc.stats()
         g = s["groups"]
         moved = g["in_flight"] if prebuilt is None else min(prebuilt, g["in_flight"])
-        g["ready"], g["in_flight"], g["prebuilt"] = g["ready"] + moved, g["in_flight"] - moved, moved
-        s["cursor"] = 0 if self.reader.cursor == MIN_ID else self.reader.cursor  # (nothing read yet)
+        g["ready"], g["in_flight"], g["prebuilt"] = (
+            g["ready"] + moved,
+            g["in_flight"] - moved,
+            moved,
+        )
+        s["cursor"] = (
+            0 if self.reader.cursor == MIN_ID else self.reader.cursor
+        )  # (nothing read yet)
         s["floor_pk"] = self.floor_pk
         s["lag_rows"] = None
         if src is not None:
             with contextlib.suppress(StorageError):
-                s["lag_rows"] = int(src.scalar(q.COUNT_AFTER, (self.job_id, self.reader.max_seen)) or 0)
+                s["lag_rows"] = int(
+                    src.scalar(q.COUNT_AFTER, (self.job_id, self.reader.max_seen)) or 0
+                )
         r = s["rows"]
-        s["accounting_balanced"] = r["read"] == r["served"] + r["dropped_total"] + r["rejected_total"] + r["pending"]
+        s["accounting_balanced"] = (
+            r["read"] == r["served"] + r["dropped_total"] + r["rejected_total"] + r["pending"]
+        )
         s["redelivery"] = self.redeliveries.stats()
         return s
 
@@ -77,7 +98,9 @@ class JobState:
 class Jobs:
     """Holds the active job (``current``) and swaps it."""
 
-    def __init__(self, config: Config, outbox: Outbox, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: Config, outbox: Outbox, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config
         self.outbox = outbox
         self.clock = clock
@@ -94,29 +117,42 @@ class Jobs:
             return True
         if not self._tables_warned:
             self._tables_warned = True
-            logger.warning("the launcher's table session_steps does not exist yet in %s; waiting for it "
-                           "(`rollout-buffer init-db --db URL` creates it)", redact(self.config.db_url))
+            logger.warning(
+                "the launcher's table session_steps does not exist yet in %s; waiting for it "
+                "(`rollout-buffer init-db --db URL` creates it)",
+                redact(self.config.db_url),
+            )
         return False
 
-    def load(self, src: Database, store: Store, job_id: str, k: int, floor_pk: int, start_after: int) -> JobState:
+    def load(
+        self, src: Database, store: Store, job_id: str, k: int, floor_pk: int, start_after: int
+    ) -> JobState:
         """Build a JobState from the durable records of a job (fresh or resumed)."""
         totals = store.load_totals(job_id)
         acc = Accumulator(job_id, k, clock=self.clock, policy=self.config.policy)
         acc.decided.update(totals.decided)  # before the accumulator is shared: no lock needed
         acc.counts.load(totals)
         row = store.get_job(job_id)
-        if row is not None:  # the versions saved with the cursor (the trainer's last, the rows' largest)
+        if (
+            row is not None
+        ):  # the versions saved with the cursor (the trainer's last, the rows' largest)
             acc.set_versions(row.get("trainer_version"), row.get("rows_version"))
         acc.tainted.update(store.tainted_sessions(job_id))
-        acc.tainted_groups.update(g for g in store.tainted_groups(job_id) if g not in totals.decided)
+        acc.tainted_groups.update(
+            g for g in store.tainted_groups(job_id) if g not in totals.decided
+        )
         acc.excluded.update(store.oversampled_sessions(job_id))
         accounted = None
         if (totals.decided or totals.accounted_rows) and self.launcher_tables_exist(src):
             upto = int(src.scalar(q.MAX_JOB_ID, (job_id,)) or 0)
-            accounted = Accounted(job_id, upto, store.row_pks_from(job_id, first_read_after(start_after)))
+            accounted = Accounted(
+                job_id, upto, store.row_pks_from(job_id, first_read_after(start_after))
+            )
         reader = Reader(job_id, start_after, self.config.ingest_batch, clock=self.clock)
         js = JobState(job_id, k, floor_pk, acc, reader, accounted)
-        js.redeliveries = Redeliveries(store.redelivery_queue(job_id), store.redelivery_totals(job_id))
+        js.redeliveries = Redeliveries(
+            store.redelivery_queue(job_id), store.redelivery_totals(job_id)
+        )
         return js
 
     def resume(self, src: Database, store: Store) -> dict | None:
@@ -127,11 +163,18 @@ class Jobs:
         start_after = max(int(row["floor_pk"]), int(row["low_water_pk"]) - 1)
         js = self.load(src, store, row["job_id"], int(row["k"]), int(row["floor_pk"]), start_after)
         self.current = js
-        logger.info("resumed job %s (K=%s, reading from id %s; %s groups decided before)",
-                    js.job_id, js.k, start_after, len(js.acc.decided))
+        logger.info(
+            "resumed job %s (K=%s, reading from id %s; %s groups decided before)",
+            js.job_id,
+            js.k,
+            start_after,
+            len(js.acc.decided),
+        )
         return row
 
-    def select(self, src: Database, store: Store, job_id: str, k: int, restart_training: bool) -> JobState:
+    def select(
+        self, src: Database, store: Store, job_id: str, k: int, restart_training: bool
+    ) -> JobState:
         """Make job_id the active job (callers hold the tick and serve locks)."""
         store.ensure_schema()
         self.outbox.flush(store)
@@ -146,7 +189,9 @@ class Jobs:
             plan = prev.acc.drop_all(JOB_ENDED, include_ready=True)
             self.outbox.act(store, prev.job_id, plan)
             if plan.drops:
-                logger.warning("job %s ended: dropped %d undecided groups", prev.job_id, len(plan.drops))
+                logger.warning(
+                    "job %s ended: dropped %d undecided groups", prev.job_id, len(plan.drops)
+                )
         existing = store.get_job(job_id)
         tables = self.launcher_tables_exist(src)
         if restart_training:
@@ -158,14 +203,23 @@ class Jobs:
             start_after = max(floor, low_water - 1)
         else:
             floor, start_after, low_water = 0, 0, 1
-        tombstones = self._restart_tombstones(src, store, job_id, floor) if restart_training and floor > 0 else []
+        tombstones = (
+            self._restart_tombstones(src, store, job_id, floor)
+            if restart_training and floor > 0
+            else []
+        )
         store.activate_job(job_id, k, floor, start_after, low_water, tombstones)
         js = self.load(src, store, job_id, k, floor, start_after)
         self.current = js
         if tombstones:
             self.outbox.notify(job_id, Decisions(drops=tombstones))
-            logger.warning("restart_training: job %s reads after id %s; %d groups with rows at or below it are "
-                           "dropped", job_id, floor, len(tombstones))
+            logger.warning(
+                "restart_training: job %s reads after id %s; %d groups with rows at or below it are "
+                "dropped",
+                job_id,
+                floor,
+                len(tombstones),
+            )
         return js
 
     @staticmethod
@@ -181,4 +235,7 @@ class Jobs:
             pks, sids = below.setdefault(str(gid), ([], set()))
             pks.append(int(pk))
             sids.add(sid)
-        return [Drop(gid, RESTART_TRAINING, sorted(pks), sorted(sids)) for gid, (pks, sids) in below.items()]
+        return [
+            Drop(gid, RESTART_TRAINING, sorted(pks), sorted(sids))
+            for gid, (pks, sids) in below.items()
+        ]

@@ -22,6 +22,7 @@ database cannot fence, such as the launcher. No session state: it works through 
 It must not touch the job's state or the launcher: the loop drops and resumes the job when
 ``epoch`` and ``state_epoch`` differ.
 """
+
 from __future__ import annotations
 
 import collections
@@ -31,17 +32,19 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import requests
 
+from rollout_buffer.core.config import Config
+from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost, StorageError
+from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
 from rollout_buffer.storage import lease_sql as sql
-from rollout_buffer.core.config import Config
 from rollout_buffer.storage.connections import service_connect
-from rollout_buffer.storage.db import Database, redact, sqlite_path
-from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost, StorageError
+from rollout_buffer.storage.db import Database, sqlite_path
 from rollout_buffer.storage.store import Store
 
 logger = logging.getLogger(__name__)
@@ -49,7 +52,9 @@ logger = logging.getLogger(__name__)
 SCOPE = "job"  # the one row: the state database's active job
 OWNER, STANDBY, STARTING = "owner", "standby", "starting"
 RETRY_S = 0.5  # after a failed step
-STANDBY_POLL_S = 0.5  # a standby reads the lease at least this often (a released lease is taken within it)
+STANDBY_POLL_S = (
+    0.5  # a standby reads the lease at least this often (a released lease is taken within it)
+)
 INSTANCE_KEEP_S = 600.0  # rows of instances not seen for this long are deleted
 
 
@@ -72,32 +77,57 @@ class Holder:
         return self.expires_in - (now - self.read_at)
 
     def shown(self, now: float) -> dict[str, Any]:
-        return {"url": self.url, "instance": self.instance, "host": self.host, "epoch": self.epoch,
-                "lease_expires_in_s": round(max(0.0, self.left(now)), 1)}
+        return {
+            "url": self.url,
+            "instance": self.instance,
+            "host": self.host,
+            "epoch": self.epoch,
+            "lease_expires_in_s": round(max(0.0, self.left(now)), 1),
+        }
 
 
 def _holder(row: dict[str, Any] | None, now: float) -> Holder | None:
     if row is None:
         return None
     until, renewed = float(row["lease_until"]), float(row["renewed_at"])
-    return Holder(row["owner"], row["owner_url"], row["owner_host"], row["owner_pid"], row["owner_start_ticks"],
-                  int(row["epoch"]), until - float(row["db_now"]), max(0.0, until - renewed), until < renewed, now)
+    return Holder(
+        row["owner"],
+        row["owner_url"],
+        row["owner_host"],
+        row["owner_pid"],
+        row["owner_start_ticks"],
+        int(row["epoch"]),
+        until - float(row["db_now"]),
+        max(0.0, until - renewed),
+        until < renewed,
+        now,
+    )
 
 
 class Lease:
     """This instance's part in the lease: its role, its epoch, and the thread that keeps them."""
 
-    def __init__(self, config: Config, instance_id: str, *, on_change: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: Config,
+        instance_id: str,
+        *,
+        on_change: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.seconds = config.lease_s
-        self.margin = min(2.0, max(0.2, self.seconds / 10))  # the owner stops this much before the lease ends
+        self.margin = min(
+            2.0, max(0.2, self.seconds / 10)
+        )  # the owner stops this much before the lease ends
         self.instance_id = instance_id
         self.host_id = config.host_id or procfs.host_id()
         self.url = config.advertise_url
         self.on_change = on_change
         self.clock = clock
-        self.enabled = self.seconds > 0  # 0: no lease; this instance owns the job, and nothing is fenced
+        self.enabled = (
+            self.seconds > 0
+        )  # 0: no lease; this instance owns the job, and nothing is fenced
         self.role = STARTING if self.enabled else OWNER
         self.epoch: int | None = None
         self.state_epoch: int | None = None  # the epoch the loop loaded the job's state under
@@ -109,7 +139,9 @@ class Lease:
         self._deadline = 0.0
         self._took_at: float | None = None
         self._free_for = 0.0
-        self.advertised: str | None = None  # ROLLOUT_BUFFER_ADVERTISE_URL: None (not checked), ok, unverified, wrong
+        self.advertised: str | None = (
+            None  # ROLLOUT_BUFFER_ADVERTISE_URL: None (not checked), ok, unverified, wrong
+        )
         self._db: Database | None = None
         self._lock_fd: int | None = None
         self._pruned_at = float("-inf")
@@ -123,7 +155,9 @@ class Lease:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         if self.enabled:
-            self._thread = threading.Thread(target=self._run, name="rollout-buffer-lease", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="rollout-buffer-lease", daemon=True
+            )
             self._thread.start()
 
     def stop(self, timeout: float = 10.0, release: bool = True) -> None:
@@ -135,11 +169,21 @@ class Lease:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        with contextlib.suppress(StorageError), \
-                service_connect(self.config, self.config.effective_state_db_url, bound_s=self.seconds / 3) as db:
-            if release and self.role == OWNER and self.epoch is not None:  # (this thread's own connection)
-                db.execute(sql.LEASE_RENEW[db.backend], (-1.0, SCOPE, self.instance_id, self.epoch))  # given up
-                logger.info("gave the lease up (epoch %s): a standby can take over at once", self.epoch)
+        with (
+            contextlib.suppress(StorageError),
+            service_connect(
+                self.config, self.config.effective_state_db_url, bound_s=self.seconds / 3
+            ) as db,
+        ):
+            if (
+                release and self.role == OWNER and self.epoch is not None
+            ):  # (this thread's own connection)
+                db.execute(
+                    sql.LEASE_RENEW[db.backend], (-1.0, SCOPE, self.instance_id, self.epoch)
+                )  # given up
+                logger.info(
+                    "gave the lease up (epoch %s): a standby can take over at once", self.epoch
+                )
             db.execute(sql.INSTANCES_PRUNE[db.backend], (1e18, self.instance_id))
         self.role, self.epoch = STANDBY, None
         if self._lock_fd is not None:
@@ -159,7 +203,9 @@ class Lease:
     # -- what the others ask -----------------------------------------------------------------------
     def holds(self) -> bool:
         """Owner, and surely still so by this instance's clock (SQLite: while the flock is held)."""
-        return self.role == OWNER and (not self.enabled or self._lock_fd is not None or self.clock() < self._deadline)
+        return self.role == OWNER and (
+            not self.enabled or self._lock_fd is not None or self.clock() < self._deadline
+        )
 
     def check(self, wait_s: float, sure: bool = True) -> None:
         """Raise LeaseLost unless this instance owns the job (waiting ``wait_s`` for its first look at
@@ -170,7 +216,9 @@ class Lease:
         if self.role != OWNER:
             raise LeaseLost("this instance is not the owner of the job")
         if sure and not self.holds():
-            raise ApiError(503, self.problem or "this instance cannot renew its lease; retry", retry_after=2)
+            raise ApiError(
+                503, self.problem or "this instance cannot renew its lease; retry", retry_after=2
+            )
 
     def fence(self, db: Database) -> None:
         """First statement of a decision's transaction: LeaseLost unless the job's state was loaded
@@ -182,8 +230,10 @@ class Lease:
             raise LeaseLost("this instance does not own the job (any more); nothing was recorded")
         if db.scalar(sql.LEASE_FENCE[db.backend], (SCOPE, self.instance_id, epoch)) is None:
             self.nudge()  # the thread finds out who has it
-            raise LeaseLost(f"another instance took the job over (this instance's epoch {epoch} has ended); "
-                            "nothing was recorded")
+            raise LeaseLost(
+                f"another instance took the job over (this instance's epoch {epoch} has ended); "
+                "nothing was recorded"
+            )
 
     def resumed(self) -> None:
         """The loop has loaded the job under the current epoch: the takeover is complete."""
@@ -191,34 +241,59 @@ class Lease:
             self.takeover_s = self._free_for + (self.clock() - self._took_at)
             self._took_at = None
             if self.counts["takeovers"]:
-                logger.warning("serving as the owner %.1f s after the previous lease ended", self.takeover_s)
+                logger.warning(
+                    "serving as the owner %.1f s after the previous lease ended", self.takeover_s
+                )
 
     def describe(self) -> dict[str, Any]:
         """Role, owner and lease for /health (no secret: URLs carry no user or password)."""
         now = self.clock()
         if self.role == OWNER:
-            owner: dict[str, Any] | None = {"url": self.url, "instance": self.instance_id, "host": self.host_id,
-                                            "epoch": self.epoch,
-                                            "lease_expires_in_s": round(max(0.0, self._deadline + self.margin - now), 1)}
+            owner: dict[str, Any] | None = {
+                "url": self.url,
+                "instance": self.instance_id,
+                "host": self.host_id,
+                "epoch": self.epoch,
+                "lease_expires_in_s": round(max(0.0, self._deadline + self.margin - now), 1),
+            }
         else:
             owner = self.holder.shown(now) if self.holder is not None else None
-        return {"role": self.role, "instance": self.instance_id, "host": self.host_id, "advertise_url": self.url,
-                "owner": owner if self.enabled else None, "lease_seconds": self.seconds, "lease_problem": self.problem}
+        return {
+            "role": self.role,
+            "instance": self.instance_id,
+            "host": self.host_id,
+            "advertise_url": self.url,
+            "owner": owner if self.enabled else None,
+            "lease_seconds": self.seconds,
+            "lease_problem": self.problem,
+        }
 
     def stats(self) -> dict[str, Any]:
         """Counters for /stats and /metrics."""
-        return {"role": self.role, "epoch": self.epoch, "renewals": self.counts["renewals"],
-                "renewal_failures": self.counts["renewal_failures"], "acquired": self.counts["acquired"],
-                "takeovers": self.counts["takeovers"], "last_takeover_s": self.takeover_s}
+        return {
+            "role": self.role,
+            "epoch": self.epoch,
+            "renewals": self.counts["renewals"],
+            "renewal_failures": self.counts["renewal_failures"],
+            "acquired": self.counts["acquired"],
+            "takeovers": self.counts["takeovers"],
+            "last_takeover_s": self.takeover_s,
+        }
 
     def refuse_unfenced(self, db: Database) -> None:
         """(No lease) Never decide next to an instance that owns the job under a lease: unfenced, this
         one's decisions would conflict with its. A ConfigError (the loop retries) until it is gone."""
-        h = None if self.enabled else _holder(db.fetchone(sql.LEASE_GET[db.backend], (SCOPE,)), self.clock())
+        h = (
+            None
+            if self.enabled
+            else _holder(db.fetchone(sql.LEASE_GET[db.backend], (SCOPE,)), self.clock())
+        )
         if h is not None and not h.released and h.expires_in > 0:
-            raise ConfigError(f"instance {h.url or h.instance} owns this database's job under a lease, and this one "
-                              "runs with ROLLOUT_BUFFER_LEASE_SECONDS=0 (unfenced): it waits until that lease ends; "
-                              "give every instance a lease (the default)")
+            raise ConfigError(
+                f"instance {h.url or h.instance} owns this database's job under a lease, and this one "
+                "runs with ROLLOUT_BUFFER_LEASE_SECONDS=0 (unfenced): it waits until that lease ends; "
+                "give every instance a lease (the default)"
+            )
 
     @staticmethod
     def live_instances(db: Database, within_s: float) -> list[dict[str, Any]]:
@@ -231,8 +306,11 @@ class Lease:
         if not self.enabled:
             return set()
         with contextlib.suppress(StorageError):
-            return {i["host_id"] for i in self.live_instances(conns.get().st, min(self.seconds, 5.0))
-                    if i["role"] == STANDBY and i["instance_id"] != self.instance_id}
+            return {
+                i["host_id"]
+                for i in self.live_instances(conns.get().st, min(self.seconds, 5.0))
+                if i["role"] == STANDBY and i["instance_id"] != self.instance_id
+            }
         return set()
 
     # -- the thread ------------------------------------------------------------------------------
@@ -240,7 +318,7 @@ class Lease:
         while not self._stop.is_set():
             try:
                 wait = self._step()
-            except Exception:  # noqa: BLE001 - the thread must survive anything, or nobody renews
+            except Exception:
                 logger.exception("the lease thread failed a step (retrying)")
                 self._close()
                 wait = RETRY_S
@@ -261,7 +339,10 @@ class Lease:
             self._failed(exc, started)
             return RETRY_S
         if self._failing_since is not None:
-            logger.info("the lease's database answers again after %.1f s", self.clock() - self._failing_since)
+            logger.info(
+                "the lease's database answers again after %.1f s",
+                self.clock() - self._failing_since,
+            )
             self._failing_since = None
             if self.problem and self.problem.startswith("cannot"):
                 self.problem = None
@@ -274,7 +355,9 @@ class Lease:
     def _connect(self) -> Database:
         if self._db is None:
             # a renewal must never wait longer than a third of the lease, whatever the other timeouts
-            db = service_connect(self.config, self.config.effective_state_db_url, bound_s=self.seconds / 3)
+            db = service_connect(
+                self.config, self.config.effective_state_db_url, bound_s=self.seconds / 3
+            )
             try:
                 Store(db).ensure_schema()
             except BaseException:
@@ -298,8 +381,10 @@ class Lease:
             self.counts["renewal_failures"] += 1
             if not self.holds():
                 told = (self.problem or "").startswith("cannot renew")
-                self.problem = (f"cannot renew the lease for {now - self._failing_since:.0f} s ({redact(str(exc))}): "
-                                "this owner stops deciding until it can")
+                self.problem = (
+                    f"cannot renew the lease for {now - self._failing_since:.0f} s ({redact(str(exc))}): "
+                    "this owner stops deciding until it can"
+                )
                 if not told:
                     logger.error("%s", self.problem)
             elif first:
@@ -309,7 +394,12 @@ class Lease:
             logger.warning("reading the lease failed (retrying): %s", redact(str(exc)))
 
     def _renew(self, db: Database, started: float) -> None:
-        if db.execute(sql.LEASE_RENEW[db.backend], (self.seconds, SCOPE, self.instance_id, self.epoch)) == 1:
+        if (
+            db.execute(
+                sql.LEASE_RENEW[db.backend], (self.seconds, SCOPE, self.instance_id, self.epoch)
+            )
+            == 1
+        ):
             self._deadline = started + self.seconds - self.margin
             self.counts["renewals"] += 1
             if (self.problem or "").startswith("cannot renew"):
@@ -318,8 +408,12 @@ class Lease:
             return
         self._read(db)
         h = self.holder
-        self._set(STANDBY, None, f"another instance took the job over ({h.url or h.instance if h else 'unknown'}, "
-                                 f"epoch {h.epoch if h else '?'})")
+        self._set(
+            STANDBY,
+            None,
+            f"another instance took the job over ({h.url or h.instance if h else 'unknown'}, "
+            f"epoch {h.epoch if h else '?'})",
+        )
 
     def _try_acquire(self, db: Database, started: float) -> None:
         if self._leaving:
@@ -341,12 +435,21 @@ class Lease:
             self._set(STANDBY, None, f"the owner is {h.url or h.instance}" if h else "no lease row")
             return
         with db.transaction():
-            h = _holder(db.fetchone(sql.LEASE_LOCK[db.backend], (SCOPE,)), self.clock())  # waits for fenced writes
+            h = _holder(
+                db.fetchone(sql.LEASE_LOCK[db.backend], (SCOPE,)), self.clock()
+            )  # waits for fenced writes
             why = self._why_free(h, sqlite) if h is not None else None
-            taken = why is not None and db.execute(
-                sql.LEASE_TAKE[db.backend], self._me() + (self.seconds, SCOPE, h.epoch)) == 1
+            taken = (
+                why is not None
+                and db.execute(
+                    sql.LEASE_TAKE[db.backend], self._me() + (self.seconds, SCOPE, h.epoch)
+                )
+                == 1
+            )
         if taken:
-            self._won(h.epoch + 1, started, 0.0 if h.released or h.expires_in > 0 else -h.expires_in, why)
+            self._won(
+                h.epoch + 1, started, 0.0 if h.released or h.expires_in > 0 else -h.expires_in, why
+            )
         else:
             self._read(db)
             self._set(STANDBY, None, "another instance took the lease first")
@@ -364,7 +467,11 @@ class Lease:
             return "it is this instance's own"
         if h.host == self.host_id and h.pid:
             st = procfs.stat(int(h.pid))
-            if st is None or not st.alive or (h.start_ticks is not None and st.start_ticks != int(h.start_ticks)):
+            if (
+                st is None
+                or not st.alive
+                or (h.start_ticks is not None and st.start_ticks != int(h.start_ticks))
+            ):
                 return f"its owner's process (pid {h.pid} on this host) has ended"
         return None
 
@@ -398,7 +505,10 @@ class Lease:
         if self._leaving and self.role != OWNER:
             db.execute(sql.INSTANCES_PRUNE[db.backend], (1e18, self.instance_id))
             return
-        db.execute(sql.INSTANCE_SEEN[db.backend], (self.instance_id, self.host_id, self.url, self.role, self.report))
+        db.execute(
+            sql.INSTANCE_SEEN[db.backend],
+            (self.instance_id, self.host_id, self.url, self.role, self.report),
+        )
         now = self.clock()
         if now - self._pruned_at > 60.0:
             self._pruned_at = now
@@ -427,14 +537,20 @@ class Lease:
             seen = r.json().get("instance") if r.status_code == 200 else f"HTTP {r.status_code}"
         except (requests.RequestException, ValueError, AttributeError) as exc:
             self.advertised = "unverified"
-            logger.warning("could not check ROLLOUT_BUFFER_ADVERTISE_URL=%s from here (%s); standbys redirect "
-                           "clients to it", self.url, type(exc).__name__)
+            logger.warning(
+                "could not check ROLLOUT_BUFFER_ADVERTISE_URL=%s from here (%s); standbys redirect "
+                "clients to it",
+                self.url,
+                type(exc).__name__,
+            )
             return
         if seen == self.instance_id:
             self.advertised = "ok"
             return
         self.advertised = "wrong"
-        self.problem = (f"ROLLOUT_BUFFER_ADVERTISE_URL={self.url} answers as another instance ({seen!r}), not as this "
-                        "one: while this instance owns the job, standbys redirect clients there; set it to this "
-                        "instance's own URL")
+        self.problem = (
+            f"ROLLOUT_BUFFER_ADVERTISE_URL={self.url} answers as another instance ({seen!r}), not as this "
+            "one: while this instance owns the job, standbys redirect clients there; set it to this "
+            "instance's own URL"
+        )
         logger.error("%s", self.problem)

@@ -8,24 +8,26 @@ drops, the launcher's fate (``launcher_exited``, a launcher on another host, a f
 takeover), and the durable cursor. It must not serve: a tick takes the serve lock only to save
 the cursor (never waiting for it) and to drop the job's state.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from rollout_buffer.storage import queries as q
 from rollout_buffer.core.config import Config
-from rollout_buffer.storage.connections import LazyPair
-from rollout_buffer.storage.db import Database, redact
 from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost, StorageError
 from rollout_buffer.core.history import History
-from rollout_buffer.runtime.jobs import JobState, Jobs
-from rollout_buffer.launcher.launcher import Launcher
-from rollout_buffer.runtime.lease import OWNER, Lease
 from rollout_buffer.core.model import LAUNCHER_EXITED, LauncherState
+from rollout_buffer.core.redact import redact
+from rollout_buffer.launcher.launcher import Launcher
+from rollout_buffer.runtime.jobs import Jobs, JobState
+from rollout_buffer.runtime.lease import OWNER, Lease
 from rollout_buffer.runtime.notifications import Outbox
+from rollout_buffer.storage import queries as q
+from rollout_buffer.storage.connections import LazyPair
+from rollout_buffer.storage.db import Database
 from rollout_buffer.storage.store import Store, steady_wall
 
 logger = logging.getLogger(__name__)
@@ -44,7 +46,8 @@ def check_sequence(src: Database) -> None:
         raise ConfigError(
             f"the sequence of session_steps.id caches {int(cache)} values per connection, so ids are not handed "
             "out in commit order and rows could be skipped; fix it with: ALTER TABLE session_steps ALTER COLUMN "
-            "id SET CACHE 1 (or ALTER SEQUENCE <its sequence> CACHE 1), then the service recovers by itself")
+            "id SET CACHE 1 (or ALTER SEQUENCE <its sequence> CACHE 1), then the service recovers by itself"
+        )
 
 
 class Health:
@@ -61,7 +64,9 @@ class Health:
         now = self.clock()
         if self.failing_since is None:
             self.failing_since = now
-        self.last_error = redact(f"{type(exc).__name__}: {exc}")  # /health shows it, unauthenticated
+        self.last_error = redact(
+            f"{type(exc).__name__}: {exc}"
+        )  # /health shows it, unauthenticated
         if now - self._logged_at > 30.0:
             self._logged_at = now
             if isinstance(exc, (StorageError, ConfigError)):
@@ -107,12 +112,16 @@ class ReadySignal:
             self.closed = self.closed or close
             self._cond.notify_all()
 
-    def wait(self, ready: Callable[[], bool], timeout: float, should_stop: Callable[[], bool]) -> None:
+    def wait(
+        self, ready: Callable[[], bool], timeout: float, should_stop: Callable[[], bool]
+    ) -> None:
         """Return once ``ready()``, after ``timeout``, on an interrupt, or when ``should_stop()``."""
         deadline = time.monotonic() + timeout
         with self._cond:
             seen = self._interrupts
-            while not ready() and not self.closed and seen == self._interrupts and not should_stop():
+            while (
+                not ready() and not self.closed and seen == self._interrupts and not should_stop()
+            ):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return
@@ -122,15 +131,28 @@ class ReadySignal:
 class Loop:
     """The background thread: one tick every interval, or sooner when nudged."""
 
-    def __init__(self, config: Config, *, jobs: Jobs, outbox: Outbox, launcher: Launcher, health: Health,
-                 tick_lock: threading.Lock, serve_lock: threading.Lock,
-                 clock: Callable[[], float] = time.monotonic, history: History | None = None,
-                 lease: Lease | None = None, on_reset: Callable[[], None] = lambda: None,
-                 start_lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        jobs: Jobs,
+        outbox: Outbox,
+        launcher: Launcher,
+        health: Health,
+        tick_lock: threading.Lock,
+        serve_lock: threading.Lock,
+        clock: Callable[[], float] = time.monotonic,
+        history: History | None = None,
+        lease: Lease | None = None,
+        on_reset: Callable[[], None] = lambda: None,
+        start_lock: threading.Lock | None = None,
+    ) -> None:
         self.config = config
         self.lease = lease  # None: no lease, this instance always owns the job
         self.on_reset = on_reset  # serving forgets what it knew of the job's polls
-        self.start_lock = start_lock or threading.Lock()  # /start_rollout's: a relaunch never races one
+        self.start_lock = (
+            start_lock or threading.Lock()
+        )  # /start_rollout's: a relaunch never races one
         self.history = history or History()  # the status page's ingest rate
         self.jobs = jobs
         self.outbox = outbox
@@ -166,7 +188,9 @@ class Loop:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                logger.error("background thread %s still alive after %.0f s", self._thread.name, timeout)
+                logger.error(
+                    "background thread %s still alive after %.0f s", self._thread.name, timeout
+                )
 
     def tick_age(self) -> float:
         """Seconds since the last tick completed (since the start before the first one)."""
@@ -263,9 +287,15 @@ class Loop:
         """Whether this tick runs as the owner. The job's state goes when the lease was lost, or taken
         again under another epoch (others decided meanwhile); a standby watches a launcher here instead."""
         lease = self.lease
-        if lease is None or not lease.enabled or (lease.role == OWNER and lease.epoch == lease.state_epoch):
+        if (
+            lease is None
+            or not lease.enabled
+            or (lease.role == OWNER and lease.epoch == lease.state_epoch)
+        ):
             return True
-        if (lease.state_epoch is not None or self.jobs.current is not None) and not self._drop_state():
+        if (
+            lease.state_epoch is not None or self.jobs.current is not None
+        ) and not self._drop_state():
             return False
         if lease.role != OWNER:
             self._standby_tick()
@@ -288,8 +318,12 @@ class Loop:
         finally:
             self.serve_lock.release()
         self.ready_signal.interrupt()  # waiting polls answer now, as a standby answers
-        logger.warning("dropped the in-memory state of job %s: this instance does not own it now (%d unrecorded "
-                       "decisions left to the owner)", js.job_id if js else None, unrecorded)
+        logger.warning(
+            "dropped the in-memory state of job %s: this instance does not own it now (%d unrecorded "
+            "decisions left to the owner)",
+            js.job_id if js else None,
+            unrecorded,
+        )
         return True
 
     def _standby_tick(self) -> None:
@@ -322,10 +356,18 @@ class Loop:
             for job in store.ended_jobs(wall - self.config.job_retention_s):
                 if store.purge_step(job["job_id"]) == 0:
                     upto = int(src.scalar(q.MAX_JOB_ID, (job["job_id"],)) or 0)
-                    read = max(upto, int(job["cursor_pk"]), int(job["floor_pk"]), int(job["low_water_pk"]) - 1)
+                    read = max(
+                        upto,
+                        int(job["cursor_pk"]),
+                        int(job["floor_pk"]),
+                        int(job["low_water_pk"]) - 1,
+                    )
                     store.mark_purged(job["job_id"], read)
-                    logger.info("purged the decisions of ended job %s (retention %.0f s)", job["job_id"],
-                                self.config.job_retention_s)
+                    logger.info(
+                        "purged the decisions of ended job %s (retention %.0f s)",
+                        job["job_id"],
+                        self.config.job_retention_s,
+                    )
                 break  # one job a pass: small steps, never a long transaction
 
     def _bootstrap(self, src: Database, store: Store) -> None:
@@ -341,10 +383,14 @@ class Loop:
             if self.launcher.resume_restart(store, js.job_id, js.k, row):
                 pass
             elif state is LauncherState.HANDED_OVER and self.launcher.managed:
-                js.launcher_finished_tick = self._tick_no  # stopped for this owner: drop, then a fresh one
+                js.launcher_finished_tick = (
+                    self._tick_no
+                )  # stopped for this owner: drop, then a fresh one
                 self.launcher.relaunch_for = js.job_id
             elif state is not None and (state.finished or state is LauncherState.RESTART_PENDING):
-                js.launcher_finished_tick = self._tick_no  # it ended before the crash: drop after catch-up
+                js.launcher_finished_tick = (
+                    self._tick_no
+                )  # it ended before the crash: drop after catch-up
             elif self.launcher.adopt(store, js.job_id, row) is False:
                 js.launcher_finished_tick = self._tick_no
         self.outbox.resend_unnotified(store)
@@ -361,9 +407,15 @@ class Loop:
             rows = js.reader.read(src)
             if js.accounted is not None:
                 read = rows
-                rows = js.accounted.filter(lambda gid: store.group_pks(js.job_id, gid), js.acc.decided, rows)
-                if len(rows) < len(read):  # accounted before a restart, maybe after the versions were saved
-                    js.acc.set_versions(rows=max((r.wv for r in read if r.wv is not None), default=0))
+                rows = js.accounted.filter(
+                    lambda gid: store.group_pks(js.job_id, gid), js.acc.decided, rows
+                )
+                if len(rows) < len(
+                    read
+                ):  # accounted before a restart, maybe after the versions were saved
+                    js.acc.set_versions(
+                        rows=max((r.wv for r in read if r.wv is not None), default=0)
+                    )
             plan = js.acc.ingest(rows) if rows else None
             if rows:
                 self.history.ingested(len(rows))
@@ -384,21 +436,36 @@ class Loop:
             return  # the lease may be ending: nothing the database cannot fence (no restart, no spawn)
         self.launcher.check(store, js.job_id)
         e = self.launcher.elsewhere
-        if lease is not None and lease.enabled and e is not None and self.launcher.runs_elsewhere() and \
-                self.clock() - self._watched_at >= 1.0:
+        if (
+            lease is not None
+            and lease.enabled
+            and e is not None
+            and self.launcher.runs_elsewhere()
+            and self.clock() - self._watched_at >= 1.0
+        ):
             self._watched_at = self.clock()
-            reports = [i["launcher_report"] for i in Lease.live_instances(store.db, lease.seconds)
-                       if i["host_id"] == e.host]
+            reports = [
+                i["launcher_report"]
+                for i in Lease.live_instances(store.db, lease.seconds)
+                if i["host_id"] == e.host
+            ]
             self.launcher.check_elsewhere(store, js.job_id, reports)
         if self.launcher.finished() and js.launcher_finished_tick is None:
             js.launcher_finished_tick = self._tick_no
-        if (js.launcher_finished_tick is not None and not js.launcher_drop_done
-                and self._tick_no > js.launcher_finished_tick and js.reader.caught_up):
+        if (
+            js.launcher_finished_tick is not None
+            and not js.launcher_drop_done
+            and self._tick_no > js.launcher_finished_tick
+            and js.reader.caught_up
+        ):
             js.launcher_drop_done = True
             plan = js.acc.drop_all(LAUNCHER_EXITED, include_ready=False, partial=True)
             if plan.drops:
-                logger.warning("launcher of job %s has exited: dropping %d incomplete groups",
-                               js.job_id, len(plan.drops))
+                logger.warning(
+                    "launcher of job %s has exited: dropping %d incomplete groups",
+                    js.job_id,
+                    len(plan.drops),
+                )
             self.outbox.act(store, js.job_id, plan)
         if js.launcher_drop_done and self.launcher.relaunch_for == js.job_id:
             self._relaunch(store, js)
@@ -417,8 +484,11 @@ class Loop:
             return
         finally:
             self.start_lock.release()
-        logger.warning("started a fresh launcher for job %s (pid %s): the previous one was lost with its owner",
-                       js.job_id, pid)
+        logger.warning(
+            "started a fresh launcher for job %s (pid %s): the previous one was lost with its owner",
+            js.job_id,
+            pid,
+        )
 
     def _save_cursor(self, store: Store, js: JobState) -> None:
         """Persist the cursor and the low-water mark (at most once a second, only when they can have moved).
@@ -439,7 +509,12 @@ class Loop:
             # Never past the reader's safe cursor: on Postgres a row below the smallest pending pk
             # can still be in flight in an open transaction, and a resume above it would skip it.
             cursor = js.reader.cursor
-            cur = (cursor, min(js.acc.low_water(cursor), cursor + 1), js.acc.trainer_version, js.acc.rows_version)
+            cur = (
+                cursor,
+                min(js.acc.low_water(cursor), cursor + 1),
+                js.acc.trainer_version,
+                js.acc.rows_version,
+            )
             if cur != js.saved_cursor:
                 store.save_cursor(js.job_id, *cur)
                 js.saved_cursor = cur

@@ -6,18 +6,26 @@ the database or in this queue), turning a recorded plan into ``clear_sessions`` 
 typed keys, and marking them delivered. It must not decide anything, and never calls the proxy
 itself: :class:`~rollout_buffer.runtime.proxy.ProxyNotifier` does, on its own thread.
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import threading
-from typing import Callable
+from collections.abc import Callable
 
-from rollout_buffer.storage.db import Database
-from rollout_buffer.core.logconfig import EventLog
 from rollout_buffer.core.errors import StorageError
-from rollout_buffer.core.model import INCOMPLETE_IN_SERVED, REJECTED, Decisions, GroupKey, NotifyKey, RowKey
+from rollout_buffer.core.logconfig import EventLog
+from rollout_buffer.core.model import (
+    INCOMPLETE_IN_SERVED,
+    REJECTED,
+    Decisions,
+    GroupKey,
+    NotifyKey,
+    RowKey,
+)
 from rollout_buffer.runtime.proxy import ProxyNotifier
+from rollout_buffer.storage.db import Database
 from rollout_buffer.storage.store import Store
 
 logger = logging.getLogger(__name__)
@@ -26,8 +34,11 @@ logger = logging.getLogger(__name__)
 class Outbox:
     """Records plans and queues their notifications; keeps the plans it could not record yet."""
 
-    def __init__(self, notifier: ProxyNotifier, connect_state: Callable[[], contextlib.AbstractContextManager[Database]]
-                 ) -> None:
+    def __init__(
+        self,
+        notifier: ProxyNotifier,
+        connect_state: Callable[[], contextlib.AbstractContextManager[Database]],
+    ) -> None:
         self.notifier = notifier
         self._connect_state = connect_state
         self._lock = threading.Lock()
@@ -79,18 +90,39 @@ class Outbox:
         """Hand a RECORDED plan's sessions to the notifier (and log it, once per kind of event)."""
         for s in plan.served:
             if s.take.incomplete:
-                self.notifier.notify(INCOMPLETE_IN_SERVED, sorted(s.take.incomplete), [s.group_id],
-                                     [GroupKey(job_id, s.group_id)])
+                self.notifier.notify(
+                    INCOMPLETE_IN_SERVED,
+                    sorted(s.take.incomplete),
+                    [s.group_id],
+                    [GroupKey(job_id, s.group_id)],
+                )
         for d in plan.drops:
             if d.clear_sessions:
-                self.notifier.notify(d.reason, d.clear_sessions, [d.group_id], [GroupKey(job_id, d.group_id)])
-            self.events.event(f"dropped group ({d.reason})", logging.INFO, "dropped group %s of job %s: %s (%d rows, "
-                         "%d sessions)", d.group_id, job_id, d.reason, len(d.pks), len(d.clear_sessions))
+                self.notifier.notify(
+                    d.reason, d.clear_sessions, [d.group_id], [GroupKey(job_id, d.group_id)]
+                )
+            self.events.event(
+                f"dropped group ({d.reason})",
+                logging.INFO,
+                "dropped group %s of job %s: %s (%d rows, %d sessions)",
+                d.group_id,
+                job_id,
+                d.reason,
+                len(d.pks),
+                len(d.clear_sessions),
+            )
         by_reason: dict[str, tuple[set[str], set[str], list[NotifyKey]]] = {}
         for r in plan.rows:
             if r.outcome == REJECTED:
-                self.events.event(f"rejected row ({r.reason})", logging.WARNING, "rejected row step_pk=%s of job %s "
-                             "(group %s): %s", r.step_pk, job_id, r.group_id, r.reason)
+                self.events.event(
+                    f"rejected row ({r.reason})",
+                    logging.WARNING,
+                    "rejected row step_pk=%s of job %s (group %s): %s",
+                    r.step_pk,
+                    job_id,
+                    r.group_id,
+                    r.reason,
+                )
             if r.session_id:
                 sessions, groups, keys = by_reason.setdefault(r.reason, (set(), set(), []))
                 sessions.add(r.session_id)
@@ -98,8 +130,15 @@ class Outbox:
                     groups.add(r.group_id)
                 keys.append(RowKey(job_id, r.step_pk))
         for reason, (sessions, groups, keys) in by_reason.items():
-            self.events.event(f"rows accounted as {reason}", logging.WARNING, "%d rows of job %s accounted as %s; "
-                         "clearing their %d sessions", len(keys), job_id, reason, len(sessions))
+            self.events.event(
+                f"rows accounted as {reason}",
+                logging.WARNING,
+                "%d rows of job %s accounted as %s; clearing their %d sessions",
+                len(keys),
+                job_id,
+                reason,
+                len(sessions),
+            )
             self.notifier.notify(reason, sessions, groups, keys)
 
     def resend_unnotified(self, store: Store) -> None:
@@ -107,13 +146,16 @@ class Outbox:
         for u in store.unnotified():
             self.notifier.notify(u.reason, u.sessions, u.group_ids, [u.key])
 
-    def on_delivered(self, reason: str, session_ids: list[str], group_ids: list[str],
-                     keys: list[NotifyKey]) -> None:
+    def on_delivered(
+        self, reason: str, session_ids: list[str], group_ids: list[str], keys: list[NotifyKey]
+    ) -> None:
         """Notifier thread: the proxy cleared these sessions; remember it durably (best effort)."""
         try:
             with self._connect_state() as st:
                 Store(st).mark_notified(keys)
         except StorageError as exc:
-            logger.warning("could not record a delivered clear_sessions (%s); it will be sent again after "
-                           "a restart, which is harmless", exc)
-
+            logger.warning(
+                "could not record a delivered clear_sessions (%s); it will be sent again after "
+                "a restart, which is harmless",
+                exc,
+            )

@@ -9,13 +9,15 @@ Owns: the pending map of sessions to clear, coalescing and retries, and the one 
 the proxy. It must not block a caller on the network, nor know about groups beyond their ids and
 keys.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import requests
 
@@ -140,7 +142,8 @@ class ProxyNotifier:
                     return  # already running
                 if self._thread.is_alive():
                     raise ProxyNotifierError(
-                        f"cannot restart proxy notifier {self.name!r}: its previous thread is still alive")
+                        f"cannot restart proxy notifier {self.name!r}: its previous thread is still alive"
+                    )
             self._stop.clear()
             self._wake.set()  # deliver whatever was notified before start() at once
             self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -157,22 +160,35 @@ class ProxyNotifier:
             self._wake.set()
             thread.join(timeout)
             if thread.is_alive():
-                logger.error("proxy notifier thread %r still alive %.1fs after stop(); "
-                             "abandoning it (daemon)", self.name, timeout)
+                logger.error(
+                    "proxy notifier thread %r still alive %.1fs after stop(); "
+                    "abandoning it (daemon)",
+                    self.name,
+                    timeout,
+                )
             session = self._session
             if session is not None:
                 session.close()  # idempotent; the thread closes it too on the way out
             stats = self.pending()
             if stats["sessions"]:
-                logger.info("proxy notifier stopped with %d session(s) still pending (%s); "
-                            "they are re-sent after a restart", stats["sessions"], stats["reasons"])
+                logger.info(
+                    "proxy notifier stopped with %d session(s) still pending (%s); "
+                    "they are re-sent after a restart",
+                    stats["sessions"],
+                    stats["reasons"],
+                )
             else:
                 logger.info("proxy notifier stopped")
 
     # ------------------------------------------------------------------ callers' side
 
-    def notify(self, reason: str, session_ids: Iterable[str], group_ids: Iterable[str],
-               keys: Iterable[Any] = ()) -> None:
+    def notify(
+        self,
+        reason: str,
+        session_ids: Iterable[str],
+        group_ids: Iterable[str],
+        keys: Iterable[Any] = (),
+    ) -> None:
         """Queue sessions to be cleared at the proxy. Never blocks on the network, never raises.
 
         Repeated ids are stored once per reason. ``keys`` are opaque tokens handed back to
@@ -182,8 +198,10 @@ class ProxyNotifier:
             if not self.enabled:
                 if not self._warned_disabled:
                     self._warned_disabled = True
-                    logger.warning("no LLM proxy configured (LLM_PROXY_HOST unset): "
-                                   "clear_sessions notifications are disabled")
+                    logger.warning(
+                        "no LLM proxy configured (LLM_PROXY_HOST unset): "
+                        "clear_sessions notifications are disabled"
+                    )
                 return
             sessions = {str(s) for s in session_ids}
             groups = {str(g) for g in group_ids}
@@ -262,15 +280,19 @@ class ProxyNotifier:
                 groups = sorted(entry.groups)
                 keys = list(entry.keys)
                 for start in range(0, max(len(all_ids), 1), self.max_ids_per_request):
-                    chunk = all_ids[start:start + self.max_ids_per_request]
+                    chunk = all_ids[start : start + self.max_ids_per_request]
                     if not self._post(session, reason, chunk, groups):
                         return self._backoff_delay()
                     with self._lock:
                         entry.sessions.difference_update(chunk)
                 with self._lock:
                     del self._inflight[reason]
-                logger.info("proxy cleared %d session(s), %d group(s), reason=%s",
-                            len(all_ids), len(groups), reason)
+                logger.info(
+                    "proxy cleared %d session(s), %d group(s), reason=%s",
+                    len(all_ids),
+                    len(groups),
+                    reason,
+                )
                 if self.on_delivered is not None:
                     try:
                         self.on_delivered(reason, all_ids, groups, keys)
@@ -284,17 +306,23 @@ class ProxyNotifier:
                 for reason, entry in leftover.items():
                     if entry.sessions or entry.groups or entry.keys:
                         self._pending.setdefault(reason, _Entry()).merge(
-                            entry.sessions, entry.groups, entry.keys)
+                            entry.sessions, entry.groups, entry.keys
+                        )
 
-    def _post(self, session: requests.Session, reason: str, session_ids: list[str],
-              group_ids: list[str]) -> bool:
+    def _post(
+        self, session: requests.Session, reason: str, session_ids: list[str], group_ids: list[str]
+    ) -> bool:
         """One POST; True on any 2xx (3xx included among the failures). Records and logs (rate-limited) failures."""
         body = {"session_ids": session_ids, "reason": reason, "group_ids": group_ids}
         try:
             # a redirect is not the proxy clearing anything (an auth gateway's login page would answer
             # 200 to the GET it turns into): never followed, it counts as a failure and is retried
-            resp = session.post(self.url, json=body,  # type: ignore[arg-type]
-                                timeout=(self.connect_timeout, self.read_timeout), allow_redirects=False)
+            resp = session.post(
+                self.url,
+                json=body,  # type: ignore[arg-type]
+                timeout=(self.connect_timeout, self.read_timeout),
+                allow_redirects=False,
+            )
             try:
                 ok = 200 <= resp.status_code < 300
                 error = None if ok else f"HTTP {resp.status_code} from {self.url}"
@@ -310,8 +338,11 @@ class ProxyNotifier:
 
     def _on_success(self) -> None:
         if self._fail_streak:
-            logger.info("proxy reachable again at %s after %d failed attempt(s)",
-                        self.url, self._fail_streak)
+            logger.info(
+                "proxy reachable again at %s after %d failed attempt(s)",
+                self.url,
+                self._fail_streak,
+            )
         self._fail_streak = 0
         self._last_answered = True
         self._last_warn_at = None
@@ -329,16 +360,24 @@ class ProxyNotifier:
             self._last_error = error
         now = time.monotonic()
         if self._last_warn_at is None or now - self._last_warn_at >= self.WARN_INTERVAL_S:
-            logger.warning("proxy clear_sessions failed (%d failure(s) since last report, %d in a row): "
-                           "%s; %d session(s) for reason=%s kept pending, retrying in %.1fs",
-                           self._warned_since, self._fail_streak, error, n_sessions, reason,
-                           self._peek_delay())
+            logger.warning(
+                "proxy clear_sessions failed (%d failure(s) since last report, %d in a row): "
+                "%s; %d session(s) for reason=%s kept pending, retrying in %.1fs",
+                self._warned_since,
+                self._fail_streak,
+                error,
+                n_sessions,
+                reason,
+                self._peek_delay(),
+            )
             self._last_warn_at = now
             self._warned_since = 0
 
     def _peek_delay(self) -> float:
         # The exponent is capped so a long outage cannot overflow the float.
-        return min(self.backoff_s * (2 ** min(max(self._fail_streak - 1, 0), 30)), self.backoff_max_s)
+        return min(
+            self.backoff_s * (2 ** min(max(self._fail_streak - 1, 0), 30)), self.backoff_max_s
+        )
 
     def _backoff_delay(self) -> float:
         """Delay before the next attempt: backoff_s doubling per consecutive failure, capped."""

@@ -8,21 +8,31 @@ retried a bounded number of times. A poll builds a draft and records it at once;
 *taken* (one copy in flight) and nothing of it is decided until serving records its plan. It must
 not record anything, and it never sends bytes.
 """
+
 from __future__ import annotations
 
 import json
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from rollout_buffer.serving import redelivery
-from rollout_buffer.storage.connections import Pair
 from rollout_buffer.core.errors import StorageError
-from rollout_buffer.storage.fetch import FETCH_CHUNK, fetch_takes
 from rollout_buffer.core.figures import group_stats
 from rollout_buffer.core.items import GroupItems, Malformed, build_group, item_flags
-from rollout_buffer.core.model import BUILD_FAILED, GROUP_TOO_LARGE, MALFORMED, STALE, ZERO_VARIANCE, Policy, Take
+from rollout_buffer.core.model import (
+    BUILD_FAILED,
+    GROUP_TOO_LARGE,
+    MALFORMED,
+    STALE,
+    ZERO_VARIANCE,
+    Policy,
+    Take,
+)
+from rollout_buffer.serving import redelivery
+from rollout_buffer.storage.connections import Pair
+from rollout_buffer.storage.fetch import FETCH_CHUNK, fetch_takes
 
 TAKE_STEP = 64  # groups taken from the queues at a time
 
@@ -56,7 +66,9 @@ class Draft:
         self.seed = secrets.token_bytes(16)
         self.buf = bytearray()
         self.built: list[tuple[Take, GroupItems]] = []
-        self.refused: list[tuple[Take, str, dict[int, str]]] = []  # dropped instead: (take, reason, bad rows)
+        self.refused: list[
+            tuple[Take, str, dict[int, str]]
+        ] = []  # dropped instead: (take, reason, bad rows)
         self.stats: dict[str, dict] = {}  # group_id -> its meta_info.group_stats entry
         self.sizes: dict[str, int] = {}  # group_id -> what it adds to meta_info
         self.meta_size = 1024  # the head and meta_info; grows with each built group
@@ -74,7 +86,9 @@ class Draft:
         return [t for t, _ in self.built] + [t for t, _, _ in self.refused]
 
     def room(self) -> bool:
-        return not self.full and (self.shape.max_groups is None or len(self.built) < self.shape.max_groups)
+        return not self.full and (
+            self.shape.max_groups is None or len(self.built) < self.shape.max_groups
+        )
 
     def give_back(self) -> list[Take]:
         """The takes that must go back to their queues now (leftover and retry); the draft drops them."""
@@ -95,39 +109,57 @@ class Draft:
                 if fresh is None:
                     return False
                 t = fresh
-            if not t.redelivered and policy.stale(current, min(g.weight_versions, default=0), bound):
+            if not t.redelivered and policy.stale(
+                current, min(g.weight_versions, default=0), bound
+            ):
                 return False
             built.append((t, g))
         self.built = built
-        return all(policy.stale(current, t.min_wv, bound) for t, reason, _ in self.refused
-                   if reason == STALE and t.min_wv is not None)
+        return all(
+            policy.stale(current, t.min_wv, bound)
+            for t, reason, _ in self.refused
+            if reason == STALE and t.min_wv is not None
+        )
 
     def fit_request_id(self, request_id: str | None) -> None:
         """A poll's request_id is written twice in meta_info: groups that no longer fit come off the end."""
         self.meta_size += 2 * json_len(request_id or "")
         while len(self.built) > 1 and self.spent + len(self.buf) + self.meta_size > self.budget:
             t, g = self.built.pop()
-            del self.buf[g.start:]
+            del self.buf[g.start :]
             self.stats.pop(t.group_id)
             self.meta_size -= self.sizes.pop(t.group_id)
             self.leftover.insert(0, t)
             self.full = True
 
-    def build(self, pair: Pair, js: Any, policy: Policy, cap: int, failed: Callable[[Take, Exception], bool]) -> None:
+    def build(
+        self,
+        pair: Pair,
+        js: Any,
+        policy: Policy,
+        cap: int,
+        failed: Callable[[Take, Exception], bool],
+    ) -> None:
         """Take and build groups until the draft is full or nothing is left to take. ``failed`` counts
         an unexpected build failure of a group (True: drop it). Raises what the database raised; the
         caller then releases ``taken``."""
         started = time.perf_counter()
         current = js.acc.current_version
         while self.room():
-            want = TAKE_STEP if self.shape.max_groups is None else min(TAKE_STEP, self.shape.max_groups - len(self.built))
+            want = (
+                TAKE_STEP
+                if self.shape.max_groups is None
+                else min(TAKE_STEP, self.shape.max_groups - len(self.built))
+            )
             takes = redelivery.take(pair, js, want)
             if not takes:
                 break
             self.taken.extend(takes)
             fresh = []
             for t in takes:  # stale by the versions read at ingest: dropped without reading a row
-                if t.min_wv is not None and policy.stale(current, t.min_wv, self.shape.max_off_policy):
+                if t.min_wv is not None and policy.stale(
+                    current, t.min_wv, self.shape.max_off_policy
+                ):
                     self.refused.append((t, STALE, {}))
                 else:
                     fresh.append(t)
@@ -149,8 +181,17 @@ class Draft:
                 del rows
         self.built_s += time.perf_counter() - started
 
-    def _add(self, t: Take, rows: dict[int, tuple], too_large: set[str], unreadable: dict[str, Exception], js: Any,
-             policy: Policy, current: int, failed: Callable[[Take, Exception], bool]) -> int:
+    def _add(
+        self,
+        t: Take,
+        rows: dict[int, tuple],
+        too_large: set[str],
+        unreadable: dict[str, Exception],
+        js: Any,
+        policy: Policy,
+        current: int,
+        failed: Callable[[Take, Exception], bool],
+    ) -> int:
         """Build one group into the buffer, or refuse it, or set it aside; returns the current version."""
         if t.group_id in too_large:
             self.refused.append((t, GROUP_TOO_LARGE, {}))
@@ -159,11 +200,13 @@ class Draft:
         try:
             if t.group_id in unreadable:
                 raise unreadable[t.group_id]
-            g = build_group(t, rows, self.seed, self.job_id, self.buf, item_flags(t.partial, t.redelivered))
+            g = build_group(
+                t, rows, self.seed, self.job_id, self.buf, item_flags(t.partial, t.redelivered)
+            )
         except Malformed as exc:
             self.refused.append((t, MALFORMED, exc.bad))
             return current
-        except Exception as exc:  # noqa: BLE001 - a poison pill must not block every poll
+        except Exception as exc:
             del self.buf[start:]
             (self.refused.append((t, BUILD_FAILED, {})) if failed(t, exc) else self.retry.append(t))
             return current
@@ -172,9 +215,15 @@ class Draft:
         current = max(current, self.built_version)
         # again just before it is served: a group can go stale while it waits (a redelivered group
         # keeps its first verdict)
-        reason = None if t.redelivered else STALE if policy.stale(
-            current, min(g.weight_versions, default=0), self.shape.max_off_policy) else \
-            ZERO_VARIANCE if policy.zero_variance(g.session_rewards) else None
+        reason = (
+            None
+            if t.redelivered
+            else STALE
+            if policy.stale(current, min(g.weight_versions, default=0), self.shape.max_off_policy)
+            else ZERO_VARIANCE
+            if policy.zero_variance(g.session_rewards)
+            else None
+        )
         if reason is not None:
             self.spent += len(self.buf) - start
             del self.buf[start:]
@@ -186,7 +235,7 @@ class Draft:
         # (finished_groups, group_stats), its figures and maybe partial_groups and redelivered
         size = 3 * json_len(t.group_id) + len(json.dumps(st, separators=(",", ":"))) + 3
         if self.built and self.spent + len(self.buf) + self.meta_size + size > self.budget:
-            del self.buf[g.start:]  # does not fit: it goes back, first, for the next poll
+            del self.buf[g.start :]  # does not fit: it goes back, first, for the next poll
             self.leftover.append(t)
             self.full = True
             return current
@@ -196,7 +245,9 @@ class Draft:
         return current
 
 
-def fetch_narrowed(pair: Pair, takes: list[Take], cap: int) -> tuple[dict[int, tuple], set[str], dict[str, Exception]]:
+def fetch_narrowed(
+    pair: Pair, takes: list[Take], cap: int
+) -> tuple[dict[int, tuple], set[str], dict[str, Exception]]:
     """fetch_takes, and when a fetch fails while the database answers: the groups whose own rows
     cannot be read (a value the driver cannot decode), each with its error."""
     try:

@@ -8,6 +8,7 @@ transaction before the first byte is sent; then the same plan is applied to the 
 handed to the outbox. A replay rebuilds a recorded batch from the immutable rows with the same
 seed, outside the serve lock and bounded in number. It must not ingest or decide anything else.
 """
+
 from __future__ import annotations
 
 import collections
@@ -16,27 +17,39 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from rollout_buffer.serving import redelivery
 from rollout_buffer.core.config import Config
-from rollout_buffer.storage.connections import LazyPair, Pair
-from rollout_buffer.serving.draft import Draft, Shape
 from rollout_buffer.core.errors import ApiError, IntegrityError, LeaseLost, StorageError
 from rollout_buffer.core.history import History, PollStats
 from rollout_buffer.core.items import Body, GroupItems, empty_body, response_chunks
-from rollout_buffer.runtime.jobs import JobState, Jobs
+from rollout_buffer.core.model import (
+    REJECTED,
+    Batch,
+    Decisions,
+    Drop,
+    PollRequest,
+    RowEvent,
+    Served,
+    Take,
+)
+from rollout_buffer.runtime.jobs import Jobs, JobState
 from rollout_buffer.runtime.loop import Health, Loop
-from rollout_buffer.core.model import REJECTED, Batch, Decisions, Drop, PollRequest, RowEvent, Served, Take
 from rollout_buffer.runtime.notifications import Outbox
+from rollout_buffer.serving import redelivery
+from rollout_buffer.serving.draft import Draft, Shape
 from rollout_buffer.serving.prebuilt import Prebuilder
 from rollout_buffer.serving.replay import Replayer, RequestIds
+from rollout_buffer.storage.connections import LazyPair, Pair
 
 logger = logging.getLogger(__name__)
 
 SERVE_LOCK_WAIT_S = 8.0  # a poll behind a stuck one answers 503 rather than hang
-MAX_BUILD_FAILURES = 3  # a group whose build fails unexpectedly this often is dropped (build_failed)
+MAX_BUILD_FAILURES = (
+    3  # a group whose build fails unexpectedly this often is dropped (build_failed)
+)
 
 
 @dataclass(frozen=True)
@@ -51,9 +64,18 @@ class Uncertain:
 class Serving:
     """Answers polls for the active job."""
 
-    def __init__(self, config: Config, *, jobs: Jobs, outbox: Outbox, loop: Loop, health: Health,
-                 serve_lock: threading.Lock, history: History | None = None,
-                 connection: Callable[[], LazyPair] | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        jobs: Jobs,
+        outbox: Outbox,
+        loop: Loop,
+        health: Health,
+        serve_lock: threading.Lock,
+        history: History | None = None,
+        connection: Callable[[], LazyPair] | None = None,
+    ) -> None:
         self.config = config
         self.history = history or History()  # the status page's last batches and serve rate
         self.jobs = jobs
@@ -67,21 +89,34 @@ class Serving:
         self._waiting_lock = threading.Lock()
         self._waiting = 0
         self.should_stop: Callable[[], bool] = lambda: False  # gunicorn's "worker is shutting down"
-        self.guard: Callable[[], None] = lambda: None  # raises when this instance may not serve (a standby)
+        self.guard: Callable[[], None] = lambda: (
+            None
+        )  # raises when this instance may not serve (a standby)
         self._failures: dict[tuple[str, str], int] = {}
         self.replayer = Replayer(config, self._rids)
-        self.prebuilt = Prebuilder(config, jobs=jobs, loop=loop, serve_lock=serve_lock,
-                                   connection=connection or (lambda: LazyPair(config)), failed=self._failed,
-                                   release=self._release, ready=self._may_prebuild)
+        self.prebuilt = Prebuilder(
+            config,
+            jobs=jobs,
+            loop=loop,
+            serve_lock=serve_lock,
+            connection=connection or (lambda: LazyPair(config)),
+            failed=self._failed,
+            release=self._release,
+            ready=self._may_prebuild,
+        )
 
     def _may_prebuild(self) -> bool:
         """This instance owns the job, has loaded it, its database answers, and no COMMIT is uncertain
         (the next poll settles it first: its groups must not be built into a draft meanwhile)."""
-        if not self.loop.bootstrapped.is_set() or self.health.problem() or self._uncertain is not None:
+        if (
+            not self.loop.bootstrapped.is_set()
+            or self.health.problem()
+            or self._uncertain is not None
+        ):
             return False
         try:
             self.guard()
-        except Exception:  # noqa: BLE001 - a standby (LeaseLost) or a lease not known yet
+        except Exception:
             return False
         return True
 
@@ -94,16 +129,26 @@ class Serving:
         try:
             js = self.jobs.current
             if js is not None and poll.current_weight_version is not None:
-                js.acc.set_versions(trainer=poll.current_weight_version)  # saved by the loop with the cursor
+                js.acc.set_versions(
+                    trainer=poll.current_weight_version
+                )  # saved by the loop with the cursor
             if poll.wait_s > 0:
-                self._long_poll(conns, poll.wait_s, min(poll.min_groups, poll.max_groups or poll.min_groups),
-                                poll.request_id)
+                self._long_poll(
+                    conns,
+                    poll.wait_s,
+                    min(poll.min_groups, poll.max_groups or poll.min_groups),
+                    poll.request_id,
+                )
             body = self._poll(conns, poll)
             return body
         finally:
-            self.stats.observe(time.perf_counter() - started, bool(body is not None and body.groups))
+            self.stats.observe(
+                time.perf_counter() - started, bool(body is not None and body.groups)
+            )
 
-    def _long_poll(self, conns: LazyPair, wait_s: float, min_groups: int, request_id: str | None) -> None:
+    def _long_poll(
+        self, conns: LazyPair, wait_s: float, min_groups: int, request_id: str | None
+    ) -> None:
         """Wait for ready groups; at most MAX_WAITING_POLLS wait at once (the others answer now)."""
         if not self.loop.bootstrapped.is_set():
             return  # _poll answers 503 while loading
@@ -111,7 +156,9 @@ class Serving:
         if js is None or self.available(js) >= min_groups:
             return
         if request_id is not None:
-            if not self._rids.loaded(js.job_id) and self.serve_lock.acquire(timeout=SERVE_LOCK_WAIT_S):
+            if not self._rids.loaded(js.job_id) and self.serve_lock.acquire(
+                timeout=SERVE_LOCK_WAIT_S
+            ):
                 try:
                     self._rids.load(conns.get().store, js.job_id)
                 except StorageError:
@@ -125,8 +172,11 @@ class Serving:
                 return
             self._waiting += 1
         try:
-            self.loop.ready_signal.wait(lambda: self.jobs.current is not js or self.available(js) >= min_groups,
-                                        wait_s, self.should_stop)
+            self.loop.ready_signal.wait(
+                lambda: self.jobs.current is not js or self.available(js) >= min_groups,
+                wait_s,
+                self.should_stop,
+            )
         finally:
             with self._waiting_lock:
                 self._waiting -= 1
@@ -153,8 +203,12 @@ class Serving:
             # would drop its request_id and the batch bound to it (already marked served) would be lost.
             self.loop.nudge()
             if not self.loop.bootstrapped.wait(2.0):
-                raise ApiError(503, "the service is still loading its state from the database: "
-                               f"{self.health.last_error or 'starting'}", retry_after=1)
+                raise ApiError(
+                    503,
+                    "the service is still loading its state from the database: "
+                    f"{self.health.last_error or 'starting'}",
+                    retry_after=1,
+                )
         js = self.jobs.current
         if js is None:
             return empty_body({})
@@ -163,14 +217,20 @@ class Serving:
         if problem:
             raise ApiError(503, f"the database is unreachable: {problem}", retry_after=3)
         # (with an id: a poll in flight may be binding this very id, so it is waited for)
-        if not self.available(js) and (request_id is None or not js.in_flight()
-                                 and not self._rids.may_be_bound(js.job_id, request_id)):
+        if not self.available(js) and (
+            request_id is None
+            or (not js.in_flight() and not self._rids.may_be_bound(js.job_id, request_id))
+        ):
             # nothing to serve and nothing to replay: answered from memory, no database touched
             self.loop.nudge()
             return empty_body({"job_session": js.job_id})
         if not self.prebuilt.poll_acquires(self.serve_lock, SERVE_LOCK_WAIT_S):
-            raise ApiError(503, "another poll has been holding the serving lock for over "
-                           f"{SERVE_LOCK_WAIT_S:.0f} s (the database may be stuck); retry", retry_after=2)
+            raise ApiError(
+                503,
+                "another poll has been holding the serving lock for over "
+                f"{SERVE_LOCK_WAIT_S:.0f} s (the database may be stuck); retry",
+                retry_after=2,
+            )
         replay = None
         try:
             js = self.jobs.current
@@ -187,8 +247,12 @@ class Serving:
             raise  # answered as a standby answers (307 to the owner)
         except IntegrityError as exc:
             logger.error("serving hit a conflicting decision: %s", exc)
-            raise ApiError(503, "another instance decided some of these groups meanwhile; they were "
-                           "settled from its record. Retry.", retry_after=1) from exc
+            raise ApiError(
+                503,
+                "another instance decided some of these groups meanwhile; they were "
+                "settled from its record. Retry.",
+                retry_after=1,
+            ) from exc
         except StorageError as exc:
             logger.error("serving failed: %s", exc)
             raise ApiError(503, f"the database is unreachable: {exc}", retry_after=3) from exc
@@ -199,12 +263,18 @@ class Serving:
     # -- serve -------------------------------------------------------------------------------------
     def _serve(self, pair: Pair, js: JobState, poll: PollRequest) -> Body:
         started = time.perf_counter()
-        policy, shape, request_id = self.config.policy, Shape(poll.max_groups, poll.max_off_policy), poll.request_id
+        policy, shape, request_id = (
+            self.config.policy,
+            Shape(poll.max_groups, poll.max_off_policy),
+            poll.request_id,
+        )
         d, back = self.prebuilt.claim(js, shape, policy)  # built before the poll, if it still fits
         self._release(pair, js, back)
         d = d or Draft(js.job_id, shape, self.config.max_response_bytes)
         try:
-            d.build(pair, js, policy, self.config.max_group_bytes, lambda t, e: self._failed(js, t, e))
+            d.build(
+                pair, js, policy, self.config.max_group_bytes, lambda t, e: self._failed(js, t, e)
+            )
             d.fit_request_id(request_id)
         except BaseException:
             redelivery.release(js, d.taken)
@@ -218,46 +288,100 @@ class Serving:
         chunks: list[Any] = []
         if built:
             assert plan.batch is not None and plan.batch.meta is not None
-            chunks = response_chunks([g for _, g in built], d.buf, {
-                "job_session": js.job_id, "batch_id": plan.batch.batch_id, "request_id": request_id,
-                "replayed": False, "groups": len(built), **plan.batch.meta})
+            chunks = response_chunks(
+                [g for _, g in built],
+                d.buf,
+                {
+                    "job_session": js.job_id,
+                    "batch_id": plan.batch.batch_id,
+                    "request_id": request_id,
+                    "replayed": False,
+                    "groups": len(built),
+                    **plan.batch.meta,
+                },
+            )
             plan.batch = dataclasses.replace(plan.batch, n_bytes=sum(map(len, chunks)))
         self._record(pair, js, plan, d.done)
         if leftover:
             self.loop.nudge()
         if not built:
             return empty_body({"job_session": js.job_id})
-        logger.debug("served %d groups (%d bytes) of job %s; %d left ready", len(built), len(d.buf), js.job_id,
-                     len(leftover))
+        logger.debug(
+            "served %d groups (%d bytes) of job %s; %d left ready",
+            len(built),
+            len(d.buf),
+            js.job_id,
+            len(leftover),
+        )
         assert plan.batch is not None
-        entry = self.history.batch(plan.batch.batch_id, groups=len(built), items=plan.batch.n_items,
-                                   n_bytes=plan.batch.n_bytes, build_s=time.perf_counter() - started)
+        entry = self.history.batch(
+            plan.batch.batch_id,
+            groups=len(built),
+            items=plan.batch.n_items,
+            n_bytes=plan.batch.n_bytes,
+            build_s=time.perf_counter() - started,
+        )
         return Body(chunks, len(built), on_close=lambda: self.history.sent(entry))
 
-    def _plan(self, js: JobState, seed: bytes, request_id: str | None, built: list[tuple[Take, GroupItems]],
-              refused: list[tuple[Take, str, dict[int, str]]], stats: dict[str, dict]) -> Decisions:
+    def _plan(
+        self,
+        js: JobState,
+        seed: bytes,
+        request_id: str | None,
+        built: list[tuple[Take, GroupItems]],
+        refused: list[tuple[Take, str, dict[int, str]]],
+        stats: dict[str, dict],
+    ) -> Decisions:
         """The one decision of a poll: its batch, served groups, refused groups and their bad rows."""
         plan, job_id = Decisions(), js.job_id
         for t, reason, bad in refused:
             if t.redelivered:  # it stays served: only its redelivery fails
                 plan.redelivered[t.group_id] = reason
                 continue
-            plan.drops.append(Drop(t.group_id, reason, [pk for pk in t.all_pks if pk not in bad], t.sessions,
-                                   t.rewards))
-            plan.rows.extend(RowEvent(pk, REJECTED, why, t.group_id, None) for pk, why in bad.items())
-            self.outbox.events.event(f"group refused when served ({reason})", logging.WARNING,
-                                     "group %s of job %s dropped (%s)%s", t.group_id, job_id, reason,
-                                     f": malformed rows {bad}" if bad else "")
+            plan.drops.append(
+                Drop(
+                    t.group_id,
+                    reason,
+                    [pk for pk in t.all_pks if pk not in bad],
+                    t.sessions,
+                    t.rewards,
+                )
+            )
+            plan.rows.extend(
+                RowEvent(pk, REJECTED, why, t.group_id, None) for pk, why in bad.items()
+            )
+            self.outbox.events.event(
+                f"group refused when served ({reason})",
+                logging.WARNING,
+                "group %s of job %s dropped (%s)%s",
+                t.group_id,
+                job_id,
+                reason,
+                f": malformed rows {bad}" if bad else "",
+            )
         if built:
             batch_id = uuid.uuid4().hex
             filtered = collections.Counter(js.acc.filtered_since_batch())
             filtered.update(d.reason for d in plan.drops)
-            meta = {"group_stats": [stats[t.group_id] for t, _ in built], "filtered": dict(filtered),
-                    "partial_groups": sorted(t.group_id for t, _ in built if t.partial),
-                    "redelivered": [t.group_id for t, _ in built if t.redelivered]}
-            plan.batch = Batch(batch_id, job_id, request_id, seed, [t.group_id for t, _ in built],
-                               sum(g.n_items for _, g in built), 0, meta)
-            plan.served = [Served(t, batch_id, tuple(g.session_rewards)) for t, g in built if not t.redelivered]
+            meta = {
+                "group_stats": [stats[t.group_id] for t, _ in built],
+                "filtered": dict(filtered),
+                "partial_groups": sorted(t.group_id for t, _ in built if t.partial),
+                "redelivered": [t.group_id for t, _ in built if t.redelivered],
+            }
+            plan.batch = Batch(
+                batch_id,
+                job_id,
+                request_id,
+                seed,
+                [t.group_id for t, _ in built],
+                sum(g.n_items for _, g in built),
+                0,
+                meta,
+            )
+            plan.served = [
+                Served(t, batch_id, tuple(g.session_rewards)) for t, g in built if not t.redelivered
+            ]
             plan.redelivered.update((gid, None) for gid in meta["redelivered"])
         return plan
 
@@ -265,8 +389,16 @@ class Serving:
         """Count an unexpected build failure of a group; True once it has failed MAX_BUILD_FAILURES times."""
         key = (js.job_id, t.group_id)
         n = self._failures[key] = self._failures.get(key, 0) + 1
-        logger.error("building group %s of job %s failed (%d of %d tries): %s: %s", t.group_id, js.job_id, n,
-                     MAX_BUILD_FAILURES, type(exc).__name__, exc, exc_info=n == 1)
+        logger.error(
+            "building group %s of job %s failed (%d of %d tries): %s: %s",
+            t.group_id,
+            js.job_id,
+            n,
+            MAX_BUILD_FAILURES,
+            type(exc).__name__,
+            exc,
+            exc_info=n == 1,
+        )
         if n >= MAX_BUILD_FAILURES:
             del self._failures[key]
             return True
@@ -293,7 +425,9 @@ class Serving:
     def _apply(self, pair: Pair, js: JobState, plan: Decisions) -> None:
         late = js.acc.commit(plan)
         js.redeliveries.settled(plan)
-        self.outbox.act_quietly(pair.store, js.job_id, late)  # rows that arrived while the groups were built
+        self.outbox.act_quietly(
+            pair.store, js.job_id, late
+        )  # rows that arrived while the groups were built
         self.outbox.notify(js.job_id, plan)
 
     def _release(self, pair: Pair, js: JobState, takes: list[Take]) -> None:
@@ -304,7 +438,9 @@ class Serving:
     def _settle_conflict(self, pair: Pair, js: JobState, takes: list[Take]) -> None:
         """A decision of another instance is already stored for some of these groups: take its word
         for them (never serve them again) and give the others back."""
-        redelivery.release(js, [t for t in takes if t.redelivered])  # they stay served: queued again
+        redelivery.release(
+            js, [t for t in takes if t.redelivered]
+        )  # they stay served: queued again
         decided, takes = {}, [t for t in takes if not t.redelivered]
         for t in takes:
             d = pair.store.group_decision(js.job_id, t.group_id)
@@ -313,8 +449,11 @@ class Serving:
         js.acc.release([t for t in takes if t.group_id not in decided])
         late = js.acc.settle_decided([t for t in takes if t.group_id in decided], decided)
         self.outbox.act_quietly(pair.store, js.job_id, late)
-        logger.warning("%d groups of job %s were already decided by another instance; settled from its record",
-                       len(decided), js.job_id)
+        logger.warning(
+            "%d groups of job %s were already decided by another instance; settled from its record",
+            len(decided),
+            js.job_id,
+        )
 
     def settle(self, pair: Pair, js: JobState | None) -> None:
         """(Serve lock held.) Before a decision outside a poll (another job or K, a redelivery): settle
@@ -337,8 +476,12 @@ class Serving:
         else:
             committed = pair.store.group_decision(js.job_id, u.plan.drops[0].group_id) is not None
         if committed:
-            logger.warning("a serving commit of job %s reported an error but happened (%d groups); settling "
-                           "its groups", js.job_id, len(u.plan.served) + len(u.plan.drops))
+            logger.warning(
+                "a serving commit of job %s reported an error but happened (%d groups); settling "
+                "its groups",
+                js.job_id,
+                len(u.plan.served) + len(u.plan.drops),
+            )
             redelivery.retake(js, u.takes)
             self._apply(pair, js, u.plan)
 

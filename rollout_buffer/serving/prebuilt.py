@@ -15,18 +15,20 @@ lost lease discards it (its groups go back to the front of their queues). It mus
 send anything, and it takes the serve lock only without waiting (a poll is never kept behind it
 for more than one build).
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.storage.connections import LazyPair
-from rollout_buffer.serving.draft import Draft, Shape
 from rollout_buffer.core.errors import LeaseLost, StorageError
 from rollout_buffer.core.model import Take
+from rollout_buffer.serving.draft import Draft, Shape
+from rollout_buffer.storage.connections import LazyPair
 
 logger = logging.getLogger(__name__)
 
@@ -34,19 +36,35 @@ logger = logging.getLogger(__name__)
 class Prebuilder:
     """The prebuilt draft and the thread that builds it."""
 
-    def __init__(self, config: Config, *, jobs: Any, loop: Any, serve_lock: threading.Lock,
-                 connection: Callable[[], LazyPair], failed: Callable[[Any, Take, Exception], bool],
-                 release: Callable[[Any, Any, list[Take]], None], ready: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        jobs: Any,
+        loop: Any,
+        serve_lock: threading.Lock,
+        connection: Callable[[], LazyPair],
+        failed: Callable[[Any, Take, Exception], bool],
+        release: Callable[[Any, Any, list[Take]], None],
+        ready: Callable[[], bool],
+    ) -> None:
         self.config = config
         self.enabled = config.prebuild
         self.jobs, self.loop, self.serve_lock = jobs, loop, serve_lock
-        self._connection, self._failed, self._release, self._ready = connection, failed, release, ready
+        self._connection, self._failed, self._release, self._ready = (
+            connection,
+            failed,
+            release,
+            ready,
+        )
         self.draft: Draft | None = None  # read and replaced only under the serve lock
         self.shape = Shape()  # the last poll's; before any, the upstream client's: {}
         self.counts = {"builds": 0, "claims": 0, "discards": 0}
         self.building = False  # set under the serve lock, read by polls without it
         self._count = threading.Lock()
-        self.polls_waiting = 0  # polls waiting for the serve lock: the builder starts nothing meanwhile
+        self.polls_waiting = (
+            0  # polls waiting for the serve lock: the builder starts nothing meanwhile
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -61,7 +79,12 @@ class Prebuilder:
             return None, []
         # in a version order a group that became ready since may come before the draft's: rebuild
         in_order = policy.serve_order == "ready" or not js.acc.ready
-        if d.job_id == js.job_id and d.shape == shape and in_order and d.still_holds(js.acc, policy):
+        if (
+            d.job_id == js.job_id
+            and d.shape == shape
+            and in_order
+            and d.still_holds(js.acc, policy)
+        ):
             self.counts["claims"] += 1
             return d, []
         self.counts["discards"] += 1
@@ -101,15 +124,27 @@ class Prebuilder:
 
     def stats(self) -> dict[str, Any]:
         d = self.draft
-        draft = None if d is None else {"job_session": d.job_id, "groups": len(d.built), "refused": len(d.refused),
-                                        "bytes": len(d.buf), "full": not d.room(), "max_groups": d.shape.max_groups,
-                                        "build_s": round(d.built_s, 6)}
+        draft = (
+            None
+            if d is None
+            else {
+                "job_session": d.job_id,
+                "groups": len(d.built),
+                "refused": len(d.refused),
+                "bytes": len(d.buf),
+                "full": not d.room(),
+                "max_groups": d.shape.max_groups,
+                "build_s": round(d.built_s, 6),
+            }
+        )
         return {"enabled": self.enabled, "draft": draft, **self.counts}
 
     # -- the thread --------------------------------------------------------------------------------
     def start(self) -> None:
         if self.enabled and self._thread is None and not self._stop.is_set():
-            self._thread = threading.Thread(target=self._run, name="rollout-buffer-prebuild", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="rollout-buffer-prebuild", daemon=True
+            )
             self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -121,8 +156,14 @@ class Prebuilder:
     def _wanted(self) -> bool:
         """(Cheap, no lock.) Groups wait, and there is no draft or one that may be extended."""
         js, d = self.jobs.current, self.draft
-        return (js is not None and js.ready_count() > 0  # (a version order is not extended: see claim)
-                and (d is None or d.job_id == js.job_id and d.room() and self.config.serve_order == "ready"))
+        return (
+            js is not None
+            and js.ready_count() > 0  # (a version order is not extended: see claim)
+            and (
+                d is None
+                or (d.job_id == js.job_id and d.room() and self.config.serve_order == "ready")
+            )
+        )
 
     def _run(self) -> None:
         conns: LazyPair | None = None
@@ -137,9 +178,11 @@ class Prebuilder:
             try:
                 conns = conns or self._connection()
                 self._build(conns)
-            except Exception as exc:  # noqa: BLE001 - the thread must survive; a poll builds on its own path
+            except Exception as exc:
                 if isinstance(exc, (LeaseLost, StorageError)):
-                    logger.debug("prebuild skipped: %s", exc)  # a standby, or the database: polls say so
+                    logger.debug(
+                        "prebuild skipped: %s", exc
+                    )  # a standby, or the database: polls say so
                 else:
                     logger.exception("building a response ahead of the poll failed")
                 conns = self._close(conns)
@@ -160,10 +203,20 @@ class Prebuilder:
         if js is None or not self._wanted():
             return
         pair = conns.get()
-        d = self.draft if self.draft is not None else Draft(js.job_id, shape, self.config.max_response_bytes)
+        d = (
+            self.draft
+            if self.draft is not None
+            else Draft(js.job_id, shape, self.config.max_response_bytes)
+        )
         self.building = True  # (cleared only once the draft is in place: a poll never sees neither)
         try:
-            d.build(pair, js, self.config.policy, self.config.max_group_bytes, lambda t, e: self._failed(js, t, e))
+            d.build(
+                pair,
+                js,
+                self.config.policy,
+                self.config.max_group_bytes,
+                lambda t, e: self._failed(js, t, e),
+            )
             self._release(pair, js, d.give_back())
             self.draft = d if d.taken else None
             self.counts["builds"] += 1

@@ -15,71 +15,23 @@ redelivered group keeps its decision (served); only its redelivery is settled, i
 transaction as the batch that carries it. It must not touch an undecided group, and a
 redelivered group never passes through the accumulator's ready queue.
 """
+
 from __future__ import annotations
 
-import collections
 import logging
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from rollout_buffer.storage.connections import Pair
 from rollout_buffer.core.errors import ApiError, LeaseLost, StorageError, bounded
-from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
 from rollout_buffer.core.model import Decisions, Take
+from rollout_buffer.storage.connections import Pair
+from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
 
 logger = logging.getLogger(__name__)
 
 ROWS_MISSING = "rows_missing"  # a row of the group is gone from session_steps: it cannot be rebuilt
 LOCK_WAIT_S = 8.0
-
-
-class Redeliveries:
-    """The active job's served groups waiting to be delivered again, in order, and their figures."""
-
-    def __init__(self, queued: list[str] | None = None, totals: dict[str, int] | None = None) -> None:
-        self._lock = threading.Lock()
-        self._queue: collections.deque[str] = collections.deque(queued or ())
-        self.taken: set[str] = set()  # popped by a poll that has not recorded nor given them back
-        self.totals = {"requested": 0, "delivered": 0, "cancelled": 0, "failed": 0, **(totals or {})}
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def replace(self, queue: list[str], cancelled: int) -> None:
-        """The queue as the store recorded it for a new skip list."""
-        with self._lock:
-            self._queue = collections.deque(queue)
-            self.totals["requested"] += len(queue)
-            self.totals["cancelled"] += cancelled
-
-    def pop(self, n: int) -> list[str]:
-        with self._lock:
-            out = [self._queue.popleft() for _ in range(min(n, len(self._queue)))]
-            self.taken.update(out)
-            return out
-
-    def put_front(self, group_ids: list[str]) -> None:
-        """Give popped groups back, first again and in their order (a poll failed or ran out of budget)."""
-        with self._lock:
-            self._queue.extendleft(reversed([g for g in group_ids if g not in self._queue]))
-            self.taken.difference_update(group_ids)
-
-    def remove(self, group_ids: list[str]) -> None:
-        with self._lock:
-            gone = set(group_ids)
-            self._queue = collections.deque(g for g in self._queue if g not in gone)
-            self.taken -= gone
-
-    def settled(self, plan: Decisions) -> None:
-        """A recorded plan delivered some groups again, or found that it could not."""
-        with self._lock:
-            for gid, why in plan.redelivered.items():
-                self.totals["delivered" if why is None else "failed"] += 1
-                self.taken.discard(gid)
-
-    def stats(self) -> dict[str, int]:
-        with self._lock:
-            return {"queued": len(self._queue), **self.totals}
 
 
 def take(pair: Pair, js: Any, want: int) -> list[Take]:
@@ -110,8 +62,13 @@ def _take_again(pair: Pair, js: Any, gid: str) -> Take | None:
     plan = Decisions(redelivered={gid: ROWS_MISSING})
     pair.store.record(js.job_id, plan)
     js.redeliveries.settled(plan)
-    logger.error("group %s of job %s cannot be delivered again: %d of its %d rows are gone", gid, js.job_id,
-                 len(pks) - len(rows), len(pks))
+    logger.error(
+        "group %s of job %s cannot be delivered again: %d of its %d rows are gone",
+        gid,
+        js.job_id,
+        len(pks) - len(rows),
+        len(pks),
+    )
     return None
 
 
@@ -132,13 +89,23 @@ def parse_skip(value: Any) -> list[str] | None:
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(v, str) or type(v) is int for v in value):
-        raise ApiError(400, "skip_instance_ids must be a list of group ids (strings or integers): "
-                       f"got {type(value).__name__}", field="skip_instance_ids")
+        raise ApiError(
+            400,
+            "skip_instance_ids must be a list of group ids (strings or integers): "
+            f"got {type(value).__name__}",
+            field="skip_instance_ids",
+        )
     return [str(v) for v in value]
 
 
-def redeliver(pair: Pair, js: Any, skip: list[str], serve_lock: threading.Lock,
-              settle: Callable[[Pair, Any], None], on_queued: Callable[[], None]) -> dict[str, Any]:
+def redeliver(
+    pair: Pair,
+    js: Any,
+    skip: list[str],
+    serve_lock: threading.Lock,
+    settle: Callable[[Pair, Any], None],
+    on_queued: Callable[[], None],
+) -> dict[str, Any]:
     """Queue again every served group of the active job that ``skip`` does not name; returns the
     /start_rollout answer's ``redelivery``. Holds the serve lock: no poll is building meanwhile
     (``settle`` first settles a poll whose COMMIT is uncertain, so the store is the whole truth)."""
@@ -149,11 +116,22 @@ def redeliver(pair: Pair, js: Any, skip: list[str], serve_lock: threading.Lock,
         except LeaseLost:
             raise
         except StorageError as exc:
-            raise ApiError(503, f"the database is unreachable: {exc}; the groups to deliver again were not "
-                           "recorded, retry", retry_after=3) from exc
+            raise ApiError(
+                503,
+                f"the database is unreachable: {exc}; the groups to deliver again were not "
+                "recorded, retry",
+                retry_after=3,
+            ) from exc
         js.redeliveries.replace(queue, cancelled)
     on_queued()
     if queue:
-        logger.warning("the trainer restarted from a checkpoint holding %d groups: %d served groups of job %s "
-                       "are queued to be delivered again", len(set(skip)), len(queue), js.job_id)
-    return {"redelivery": {"queued": len(queue), "cancelled": cancelled, "skip_instance_ids": len(skip)}}
+        logger.warning(
+            "the trainer restarted from a checkpoint holding %d groups: %d served groups of job %s "
+            "are queued to be delivered again",
+            len(set(skip)),
+            len(queue),
+            js.job_id,
+        )
+    return {
+        "redelivery": {"queued": len(queue), "cancelled": cancelled, "skip_instance_ids": len(skip)}
+    }

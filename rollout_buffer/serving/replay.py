@@ -8,6 +8,7 @@ the serve lock and decides nothing.
 
 It must not take the serve lock, and it decides nothing.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,12 +17,19 @@ import time
 from typing import Any
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.storage.connections import Pair
 from rollout_buffer.core.errors import ApiError, StorageError
-from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
-from rollout_buffer.core.items import Body, GroupItems, Malformed, build_group, item_flags, response_chunks
-from rollout_buffer.runtime.jobs import JobState
+from rollout_buffer.core.items import (
+    Body,
+    GroupItems,
+    Malformed,
+    build_group,
+    item_flags,
+    response_chunks,
+)
 from rollout_buffer.core.model import Batch
+from rollout_buffer.runtime.jobs import JobState
+from rollout_buffer.storage.connections import Pair
+from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
 from rollout_buffer.storage.store import steady_wall
 
 logger = logging.getLogger(__name__)
@@ -94,22 +102,32 @@ class Replayer:
         self.config = config
         self._rids = rids
         self._replay_lock = threading.Lock()
-        self._replaying: dict[str, _Replay] = {}  # batch_id -> its rebuilt body while it is being sent
+        self._replaying: dict[
+            str, _Replay
+        ] = {}  # batch_id -> its rebuilt body while it is being sent
 
     def replay(self, pair: Pair, js: JobState, batch: Batch, recorded_at: float) -> Body:
         """The body of a recorded batch again (same items, same uids), or 410/429/503."""
         age = self._rids.age(batch.request_id or "", recorded_at)
         if age > self.config.replay_retention_s:
-            raise ApiError(410, f"request_id {batch.request_id!r} was answered {age:.0f} s ago, beyond the "
-                           f"replay window of {self.config.replay_retention_s:.0f} s; its batch cannot be sent "
-                           "again. Use a fresh request_id for new data.", batch_id=batch.batch_id)
+            raise ApiError(
+                410,
+                f"request_id {batch.request_id!r} was answered {age:.0f} s ago, beyond the "
+                f"replay window of {self.config.replay_retention_s:.0f} s; its batch cannot be sent "
+                "again. Use a fresh request_id for new data.",
+                batch_id=batch.batch_id,
+            )
         with self._replay_lock:
             r = self._replaying.get(batch.batch_id)
             builder = r is None
             if builder:
                 if len(self._replaying) >= MAX_REPLAYS:
-                    raise ApiError(429, f"{MAX_REPLAYS} batches are being replayed already; retry this "
-                                   "request_id shortly", retry_after=2)
+                    raise ApiError(
+                        429,
+                        f"{MAX_REPLAYS} batches are being replayed already; retry this "
+                        "request_id shortly",
+                        retry_after=2,
+                    )
                 r = self._replaying[batch.batch_id] = _Replay()
             r.refs += 1
         if builder:
@@ -120,17 +138,21 @@ class Replayer:
             r.done.set()
         elif not r.done.wait(REPLAY_WAIT_S):
             self._unref(batch.batch_id, r)
-            raise ApiError(503, "the batch of this request_id is still being rebuilt; retry", retry_after=2)
+            raise ApiError(
+                503, "the batch of this request_id is still being rebuilt; retry", retry_after=2
+            )
         if r.error is not None:
             self._unref(batch.batch_id, r)
             if isinstance(r.error, StorageError):
-                raise ApiError(503, f"the database is unreachable: {r.error}", retry_after=3) from r.error
+                raise ApiError(
+                    503, f"the database is unreachable: {r.error}", retry_after=3
+                ) from r.error
             raise r.error
         logger.info("replayed batch %s for request_id %s", batch.batch_id, batch.request_id)
         # one rebuilt copy per batch, shared by concurrent retries and held until the last is sent
         return Body(r.chunks, len(batch.group_ids), on_close=lambda: self._unref(batch.batch_id, r))
 
-    def _unref(self, batch_id: str, r: "_Replay") -> None:
+    def _unref(self, batch_id: str, r: _Replay) -> None:
         with self._replay_lock:
             r.refs -= 1
             if r.refs == 0 and self._replaying.get(batch_id) is r:
@@ -147,12 +169,28 @@ class Replayer:
             pks = pair.store.group_pks(js.job_id, gid)
             rows = fetch_rows(pair.src, pks)
             try:
-                groups.append(build_group(take_from_rows(gid, pks, rows), rows, batch.seed, js.job_id, buf,
-                                          item_flags(gid in partial, gid in again)))
+                groups.append(
+                    build_group(
+                        take_from_rows(gid, pks, rows),
+                        rows,
+                        batch.seed,
+                        js.job_id,
+                        buf,
+                        item_flags(gid in partial, gid in again),
+                    )
+                )
             except Malformed as exc:  # pragma: no cover - rows are immutable
                 raise ApiError(500, f"batch {batch.batch_id} cannot be rebuilt: {exc}") from exc
         # the figures, filtered and partial groups are sent as recorded (the rows cannot give them again)
-        return response_chunks(groups, buf, {"job_session": js.job_id, "batch_id": batch.batch_id,
-                                             "request_id": batch.request_id, "replayed": True, "groups": len(groups),
-                                             **meta})
-
+        return response_chunks(
+            groups,
+            buf,
+            {
+                "job_session": js.job_id,
+                "batch_id": batch.batch_id,
+                "request_id": batch.request_id,
+                "replayed": True,
+                "groups": len(groups),
+                **meta,
+            },
+        )

@@ -8,12 +8,13 @@ the lease's fence (``fence``) in every transaction that records a decision.
 
 It must not share a connection between threads or keep one across a fork.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
 import socket
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from rollout_buffer.core.config import Config
 from rollout_buffer.storage.db import Database, connect
@@ -28,11 +29,17 @@ def application_name() -> str:
 def service_connect(config: Config, url: str, *, bound_s: float | None = None) -> Database:
     """A connection of the service itself: with its statement and lock timeouts (when ``bound_s``
     is given, the lease's: a statement at most that long, a lock wait at most half of it)."""
+
     def timeout(value: float, bound: float | None) -> float:
         return value if bound is None else min(value or bound, bound)
-    return connect(url, statement_timeout_s=timeout(config.statement_timeout_s, bound_s),
-                   lock_timeout_s=timeout(config.lock_timeout_s, bound_s and bound_s / 2), durable=True,
-                   application_name=application_name())
+
+    return connect(
+        url,
+        statement_timeout_s=timeout(config.statement_timeout_s, bound_s),
+        lock_timeout_s=timeout(config.lock_timeout_s, bound_s and bound_s / 2),
+        durable=True,
+        application_name=application_name(),
+    )
 
 
 class Pair:
@@ -87,7 +94,7 @@ class LazyPair:
             pair, self._pair = self._pair, None
             pair.close()
 
-    def __enter__(self) -> "LazyPair":
+    def __enter__(self) -> LazyPair:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,6 +14,7 @@ Owns: connecting, transactions, placeholder translation, driver error translatio
 URLs. It must not hold a statement of its own beyond the launcher's DDL (every statement is in
 queries.py) nor know what a table means.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,10 +24,18 @@ import re
 import sqlite3
 import threading
 import urllib.parse
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-from rollout_buffer.core.errors import ClosedError, ConfigError, DataError, IntegrityError, StorageError
+from rollout_buffer.core.errors import (
+    ClosedError,
+    ConfigError,
+    DataError,
+    IntegrityError,
+    StorageError,
+)
 from rollout_buffer.core.model import BadText
+from rollout_buffer.core.redact import redact
 from rollout_buffer.storage.queries import LAUNCHER_DDL, TABLE_WRITERS
 
 logger = logging.getLogger(__name__)
@@ -39,7 +48,7 @@ def sqlite_path(url: str) -> str:
     """'sqlite:///abs/path' -> '/abs/path'; 'sqlite://rel/path' -> 'rel/path' (the launcher's rule)."""
     if not url.startswith("sqlite://"):
         raise ConfigError(f"not a sqlite URL: {url!r}")
-    return url[len("sqlite://"):]
+    return url[len("sqlite://") :]
 
 
 def _sqlite_text(raw: bytes) -> str:
@@ -49,29 +58,15 @@ def _sqlite_text(raw: bytes) -> str:
         return BadText(raw.decode("utf-8", "replace"))
 
 
-_SECRET_KEY = r"(?:[A-Za-z_]*password)"
-_REDACTIONS = (
-    # userinfo of a URL: scheme://user:secret@host (the secret may be percent-encoded)
-    (re.compile(r"(://[^:/@\s?#]*):[^/\s]*@"), r"\1:***@"),
-    # a query parameter: ?password=secret&... or &sslpassword=secret
-    (re.compile(r"([?&]" + _SECRET_KEY + r"=)[^&#\s'\"]*", re.I), r"\1***"),
-    # a key=value DSN: password=secret, password = 'se cret', password="x"
-    (re.compile(r"(\b" + _SECRET_KEY + r"\s*=\s*)('(?:[^'\\]|\\.)*'|\"[^\"]*\"|[^\s'\"&]+)", re.I), r"\1***"),
-)
-
-
-def redact(text: str) -> str:
-    """A database URL or DSN, or any text holding one (an error message, an argv), without its
-    password, in every form libpq accepts: userinfo, a ``password``/``sslpassword`` query parameter,
-    a key=value DSN (quoted or not). For logs, errors and responses."""
-    for pattern, repl in _REDACTIONS:
-        text = pattern.sub(repl, text)
-    return text
-
-
-def connect(url: str, *, readonly: bool = False, statement_timeout_s: float | None = None,
-            lock_timeout_s: float | None = None, durable: bool = False,
-            application_name: str | None = None) -> "Database":
+def connect(
+    url: str,
+    *,
+    readonly: bool = False,
+    statement_timeout_s: float | None = None,
+    lock_timeout_s: float | None = None,
+    durable: bool = False,
+    application_name: str | None = None,
+) -> Database:
     """Open a connection for the calling thread. The service passes statement and lock timeouts
     (Postgres), so that a stuck statement or a table locked by someone else (ALTER TABLE, VACUUM
     FULL, TRUNCATE) fails in seconds instead of hanging a poll or the loop. ``durable``: SQLite
@@ -81,12 +76,18 @@ def connect(url: str, *, readonly: bool = False, statement_timeout_s: float | No
     if url.startswith("sqlite://"):
         return SqliteDatabase(url, readonly=readonly, durable=durable)
     if url.startswith(("postgresql://", "postgres://")):
-        return PostgresDatabase(url, statement_timeout_s=statement_timeout_s, lock_timeout_s=lock_timeout_s,
-                                application_name=application_name)
-    raise ConfigError(f"unsupported database URL {url!r}: expected sqlite:///path or postgresql://...")
+        return PostgresDatabase(
+            url,
+            statement_timeout_s=statement_timeout_s,
+            lock_timeout_s=lock_timeout_s,
+            application_name=application_name,
+        )
+    raise ConfigError(
+        f"unsupported database URL {url!r}: expected sqlite:///path or postgresql://..."
+    )
 
 
-def create_launcher_tables(db: "Database") -> None:
+def create_launcher_tables(db: Database) -> None:
     """Create the launcher's two tables and their indexes if they are missing (init-db, tests)."""
     for ddl in LAUNCHER_DDL[db.backend]:
         db.execute(ddl)
@@ -97,7 +98,9 @@ class Database:
 
     backend = "?"
     url: str
-    broken = False  # True once the server connection is gone (Postgres; a SQLite file does not go away)
+    broken = (
+        False  # True once the server connection is gone (Postgres; a SQLite file does not go away)
+    )
 
     def __init__(self) -> None:
         self._closed = False
@@ -105,7 +108,9 @@ class Database:
         self.thread_id = threading.get_ident()
 
     # -- subclass hooks -----------------------------------------------------------------
-    def _run(self, sql: str, params: Sequence[Any], many: bool = False, binary: bool = False) -> Any:
+    def _run(
+        self, sql: str, params: Sequence[Any], many: bool = False, binary: bool = False
+    ) -> Any:
         raise NotImplementedError
 
     def _begin(self) -> None:
@@ -139,7 +144,9 @@ class Database:
             return cur.fetchall() if how == "all" else cur.fetchone()
         except self._driver_errors as exc:
             kind = DataError if self._is_data_error(exc) else StorageError
-            raise kind(redact(f"{self.backend} error reading the results of {sql[:120]}: {exc}")) from exc
+            raise kind(
+                redact(f"{self.backend} error reading the results of {sql[:120]}: {exc}")
+            ) from exc
 
     def _is_data_error(self, exc: BaseException) -> bool:
         return False
@@ -175,7 +182,7 @@ class Database:
         return None if row is None else row[0]
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator["Database"]:
+    def transaction(self) -> Iterator[Database]:
         """BEGIN ... COMMIT, or ROLLBACK if the block raises. Not re-entrant."""
         self._check()
         if self._in_tx:
@@ -193,7 +200,7 @@ class Database:
         self._run("COMMIT", ())
 
     @contextlib.contextmanager
-    def read_snapshot(self) -> Iterator["Database"]:
+    def read_snapshot(self) -> Iterator[Database]:
         """A read-only transaction: every statement inside sees one snapshot."""
         self._check()
         self._run(self._begin_read_sql, ())
@@ -222,7 +229,7 @@ class Database:
         except StorageError:
             return False
 
-    def __enter__(self) -> "Database":
+    def __enter__(self) -> Database:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -242,10 +249,13 @@ class SqliteDatabase(Database):
             if readonly:
                 # a URI of the absolute path, quoted: '?', '#', '%' or a leading '//' in it stay a path
                 uri = f"file:{urllib.parse.quote(os.path.realpath(self.path))}?mode=ro"
-                self.conn = sqlite3.connect(uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S, isolation_level=None)
+                self.conn = sqlite3.connect(
+                    uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S, isolation_level=None
+                )
             else:
-                self.conn = sqlite3.connect(self.path, timeout=SQLITE_BUSY_TIMEOUT_S,
-                                            isolation_level=None)
+                self.conn = sqlite3.connect(
+                    self.path, timeout=SQLITE_BUSY_TIMEOUT_S, isolation_level=None
+                )
             self.conn.text_factory = _sqlite_text
             self.conn.execute("PRAGMA busy_timeout=%d" % int(SQLITE_BUSY_TIMEOUT_S * 1000))
             if not readonly:
@@ -258,7 +268,9 @@ class SqliteDatabase(Database):
         except sqlite3.Error as exc:
             raise StorageError(f"cannot open SQLite database {self.path!r}: {exc}") from exc
 
-    def _run(self, sql: str, params: Sequence[Any], many: bool = False, binary: bool = False) -> Any:
+    def _run(
+        self, sql: str, params: Sequence[Any], many: bool = False, binary: bool = False
+    ) -> Any:
         try:
             if many:
                 return self.conn.executemany(sql, params)
@@ -301,13 +313,22 @@ def _tolerant_timestamps(conn: Any) -> None:
             def load(self, data: Any) -> Any:
                 try:
                     return super().load(data)
-                except Exception:  # noqa: BLE001 - DataError and friends: out of Python's range
+                except Exception:
                     raw = bytes(data)
-                    return raw.decode("utf-8", "replace") if self.format == 0 else f"unrepresentable:{raw.hex()}"
+                    return (
+                        raw.decode("utf-8", "replace")
+                        if self.format == 0
+                        else f"unrepresentable:{raw.hex()}"
+                    )
+
         return Tolerant
 
-    for name, oid in (("TimestamptzLoader", "timestamptz"), ("TimestamptzBinaryLoader", "timestamptz"),
-                      ("TimestampLoader", "timestamp"), ("TimestampBinaryLoader", "timestamp")):
+    for name, oid in (
+        ("TimestamptzLoader", "timestamptz"),
+        ("TimestamptzBinaryLoader", "timestamptz"),
+        ("TimestampLoader", "timestamp"),
+        ("TimestampBinaryLoader", "timestamp"),
+    ):
         conn.adapters.register_loader(oid, tolerant(getattr(pgdt, name)))
 
 
@@ -318,8 +339,14 @@ class PostgresDatabase(Database):
     _begin_read_sql = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
     _translated: dict[str, str] = {}
 
-    def __init__(self, url: str, *, statement_timeout_s: float | None = None,
-                 lock_timeout_s: float | None = None, application_name: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        statement_timeout_s: float | None = None,
+        lock_timeout_s: float | None = None,
+        application_name: str | None = None,
+    ) -> None:
         super().__init__()
         self.url = url
         try:
@@ -331,20 +358,34 @@ class PostgresDatabase(Database):
         self._driver_errors = (psycopg.Error,)
         try:
             params = conninfo_to_dict(url)
-            if application_name and not os.environ.get("PGAPPNAME"):  # the URL's or the environment's wins
+            if application_name and not os.environ.get(
+                "PGAPPNAME"
+            ):  # the URL's or the environment's wins
                 params.setdefault("application_name", application_name)
             # the timeouts go into the startup packet's options, next to any the URL carries
-            extra = [f"-c {name}={int(value * 1000)}" for name, value in
-                     (("statement_timeout", statement_timeout_s), ("lock_timeout", lock_timeout_s)) if value]
+            extra = [
+                f"-c {name}={int(value * 1000)}"
+                for name, value in (
+                    ("statement_timeout", statement_timeout_s),
+                    ("lock_timeout", lock_timeout_s),
+                )
+                if value
+            ]
             if extra:
                 params["options"] = " ".join(filter(None, [params.get("options"), *extra]))
             # prepare_threshold=None: no server-side prepared statements, which break behind a
             # transaction-pooling PgBouncer (the next transaction may land on another server connection)
-            self.conn = psycopg.connect(autocommit=True, connect_timeout=PG_CONNECT_TIMEOUT_S,
-                                        prepare_threshold=None, **params)
+            self.conn = psycopg.connect(
+                autocommit=True,
+                connect_timeout=PG_CONNECT_TIMEOUT_S,
+                prepare_threshold=None,
+                **params,
+            )
             _tolerant_timestamps(self.conn)
         except psycopg.Error as exc:
-            raise StorageError(redact(f"cannot connect to Postgres {self.safe_url}: {exc}")) from exc
+            raise StorageError(
+                redact(f"cannot connect to Postgres {self.safe_url}: {exc}")
+            ) from exc
 
     def _sql(self, sql: str) -> str:
         out = self._translated.get(sql)
@@ -354,20 +395,26 @@ class PostgresDatabase(Database):
                 self._translated[sql] = out
         return out
 
-    def _run(self, sql: str, params: Sequence[Any], many: bool = False, binary: bool = False) -> Any:
+    def _run(
+        self, sql: str, params: Sequence[Any], many: bool = False, binary: bool = False
+    ) -> Any:
         psycopg = self._psycopg
         try:
             cur = self.conn.cursor()
             if many:
                 cur.executemany(self._sql(sql), params)
             else:
-                cur.execute(self._sql(sql), params if params else None, prepare=False, binary=binary)
+                cur.execute(
+                    self._sql(sql), params if params else None, prepare=False, binary=binary
+                )
             return cur
         except psycopg.IntegrityError as exc:
             raise IntegrityError(f"{exc} (in: {sql[:120]})") from exc
         except psycopg.Error as exc:
             kind = DataError if self._is_data_error(exc) else StorageError
-            raise kind(redact(f"Postgres error on {self.safe_url}: {exc} (in: {sql[:120]})")) from exc
+            raise kind(
+                redact(f"Postgres error on {self.safe_url}: {exc} (in: {sql[:120]})")
+            ) from exc
 
     def _begin(self) -> None:
         self._run("BEGIN", ())

@@ -6,25 +6,30 @@ It reads the launcher's table only.
 
 It must not write, and it reads the launcher's table only.
 """
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
-from rollout_buffer.storage import queries as q
-from rollout_buffer.storage.db import Database
 from rollout_buffer.core.items import COMPLETED, MESSAGES, RESPONSE, SID
 from rollout_buffer.core.model import Take
+from rollout_buffer.storage import queries as q
+from rollout_buffer.storage.db import Database
 
 FETCH_CHUNK = 900  # pks per body query (SQLite's default variable limit is far above)
 
 
-def fetch_rows(src: Database, pks: list[int], query: Callable[[int, str], str] = q.fetch_bodies) -> dict[int, tuple]:
+def fetch_rows(
+    src: Database, pks: list[int], query: Callable[[int, str], str] = q.fetch_bodies
+) -> dict[int, tuple]:
     """The body columns (queries.BODY_COLUMNS) of the given rows, by pk (``query``: the statement for
     n pks, ``fetch_bodies`` or one that selects more columns after those, as the export's)."""
     out: dict[int, tuple] = {}
     for i in range(0, len(pks), FETCH_CHUNK):
-        chunk = pks[i:i + FETCH_CHUNK]
-        for r in src.rows(query(len(chunk), src.backend), q.fetch_bodies_params(chunk, src.backend), binary=True):
+        chunk = pks[i : i + FETCH_CHUNK]
+        for r in src.rows(
+            query(len(chunk), src.backend), q.fetch_bodies_params(chunk, src.backend), binary=True
+        ):
             out[r[0]] = r
     return out
 
@@ -38,11 +43,14 @@ def fetch_takes(src: Database, takes: list[Take], cap: int) -> tuple[dict[int, t
     too_large: set[str] = set()
     out: dict[int, tuple] = {}
     for i in range(0, len(pks), FETCH_CHUNK):
-        chunk = [pk for pk in pks[i:i + FETCH_CHUNK] if owner[pk] not in too_large]
+        chunk = [pk for pk in pks[i : i + FETCH_CHUNK] if owner[pk] not in too_large]
         if not chunk:
             continue
-        for r in src.rows(q.fetch_bodies(len(chunk), src.backend), q.fetch_bodies_params(chunk, src.backend),
-                          binary=True):
+        for r in src.rows(
+            q.fetch_bodies(len(chunk), src.backend),
+            q.fetch_bodies_params(chunk, src.backend),
+            binary=True,
+        ):
             gid = owner[r[0]]
             size = sizes[gid] = sizes.get(gid, 0) + len(r[MESSAGES] or b"") + len(r[RESPONSE] or "")
             if size > cap:
@@ -63,4 +71,8 @@ def take_from_rows(group_id: str, pks: list[int], rows: dict[int, tuple]) -> Tak
         r = rows.get(pk)
         if r is not None:
             (completed if r[SID] in done else incomplete).setdefault(r[SID], []).append(pk)
-    return Take(group_id, {s: tuple(p) for s, p in completed.items()}, {s: tuple(p) for s, p in incomplete.items()})
+    return Take(
+        group_id,
+        {s: tuple(p) for s, p in completed.items()},
+        {s: tuple(p) for s, p in incomplete.items()},
+    )

@@ -6,6 +6,7 @@ differ); the buffer's own ``rollout_buffer_*`` tables use types both backends ac
 Owns: every statement and the schema text (``STATE_DDL``, ``MIGRATIONS``, ``SCHEMA_VERSION``). It
 must not execute anything: there is no connection here.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -90,18 +91,42 @@ LAUNCHER_DDL = {
 }
 
 STEP_COLUMNS = (
-    "session_id", "step_id", "env_name", "llm_model", "group_id", "job_id", "messages", "response",
-    "step_reward", "reward", "env_state", "is_terminal", "is_truncated", "is_session_completed",
-    "is_trainable", "created_at",
+    "session_id",
+    "step_id",
+    "env_name",
+    "llm_model",
+    "group_id",
+    "job_id",
+    "messages",
+    "response",
+    "step_reward",
+    "reward",
+    "env_state",
+    "is_terminal",
+    "is_truncated",
+    "is_session_completed",
+    "is_trainable",
+    "created_at",
 )
 # Insert one step row as the launcher does (simulator, tests, benchmarks).
 INSERT_STEP = "INSERT INTO session_steps ({}) VALUES ({})".format(
-    ", ".join(STEP_COLUMNS), ", ".join("?" * len(STEP_COLUMNS)))
-ENV_COLUMNS = ("job_id", "env_id", "env_name", "env_params", "image", "group_id", "finished",
-               "is_deleted", "created_at")
+    ", ".join(STEP_COLUMNS), ", ".join("?" * len(STEP_COLUMNS))
+)
+ENV_COLUMNS = (
+    "job_id",
+    "env_id",
+    "env_name",
+    "env_params",
+    "image",
+    "group_id",
+    "finished",
+    "is_deleted",
+    "created_at",
+)
 # Insert one scheduled session as the launcher does.
 INSERT_ENV = "INSERT INTO job_environments ({}) VALUES ({})".format(
-    ", ".join(ENV_COLUMNS), ", ".join("?" * len(ENV_COLUMNS)))
+    ", ".join(ENV_COLUMNS), ", ".join("?" * len(ENV_COLUMNS))
+)
 
 # -- the buffer's own tables (same DDL on both backends) -------------------------------------
 
@@ -201,14 +226,18 @@ MIGRATIONS = {
 }
 
 # The buffer's tables and indexes that exist (CREATE INDEX IF NOT EXISTS waits for every open write).
-STATE_OBJECTS = {"postgres": "SELECT relname FROM pg_catalog.pg_class WHERE starts_with(relname, 'rollout_buffer_') "
-                              "AND pg_catalog.pg_table_is_visible(oid)",
-                 "sqlite": "SELECT name FROM sqlite_master WHERE substr(name, 1, 15) = 'rollout_buffer_'"}
+STATE_OBJECTS = {
+    "postgres": "SELECT relname FROM pg_catalog.pg_class WHERE starts_with(relname, 'rollout_buffer_') "
+    "AND pg_catalog.pg_table_is_visible(oid)",
+    "sqlite": "SELECT name FROM sqlite_master WHERE substr(name, 1, 15) = 'rollout_buffer_'",
+}
 # Read the schema version.
 GET_META = "SELECT value FROM rollout_buffer_meta WHERE key = ?"
 # Record the schema version (first start).
-PUT_META = ("INSERT INTO rollout_buffer_meta (key, value) VALUES (?, ?) "
-            "ON CONFLICT (key) DO UPDATE SET value = excluded.value")
+PUT_META = (
+    "INSERT INTO rollout_buffer_meta (key, value) VALUES (?, ?) "
+    "ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+)
 
 # -- jobs ---------------------------------------------------------------------------------------
 # The active job, if any.
@@ -218,47 +247,67 @@ GET_JOB = "SELECT * FROM rollout_buffer_jobs WHERE job_id = ?"
 # Deactivate every job (before activating another).
 DEACTIVATE_JOBS = "UPDATE rollout_buffer_jobs SET active = 0, updated_at = ? WHERE active = 1"
 # Create or reactivate a job with its K and cursor floor.
-UPSERT_JOB = ("INSERT INTO rollout_buffer_jobs (job_id, k, floor_pk, cursor_pk, low_water_pk, active, "
-              "started_at, updated_at) VALUES (?, ?, ?, ?, ?, 1, ?, ?) "
-              "ON CONFLICT (job_id) DO UPDATE SET k = excluded.k, floor_pk = excluded.floor_pk, "
-              "cursor_pk = excluded.cursor_pk, low_water_pk = excluded.low_water_pk, active = 1, "
-              "updated_at = excluded.updated_at")
+UPSERT_JOB = (
+    "INSERT INTO rollout_buffer_jobs (job_id, k, floor_pk, cursor_pk, low_water_pk, active, "
+    "started_at, updated_at) VALUES (?, ?, ?, ?, ?, 1, ?, ?) "
+    "ON CONFLICT (job_id) DO UPDATE SET k = excluded.k, floor_pk = excluded.floor_pk, "
+    "cursor_pk = excluded.cursor_pk, low_water_pk = excluded.low_water_pk, active = 1, "
+    "updated_at = excluded.updated_at"
+)
 # Change a job's K (num_repeat_per_sample).
 SET_K = "UPDATE rollout_buffer_jobs SET k = ?, updated_at = ? WHERE job_id = ?"
 # Persist the ingest cursor, the low-water mark below which every row is accounted, and the versions.
-SAVE_CURSOR = ("UPDATE rollout_buffer_jobs SET cursor_pk = ?, low_water_pk = ?, trainer_version = ?, "
-               "rows_version = ?, updated_at = ? WHERE job_id = ?")
+SAVE_CURSOR = (
+    "UPDATE rollout_buffer_jobs SET cursor_pk = ?, low_water_pk = ?, trainer_version = ?, "
+    "rows_version = ?, updated_at = ? WHERE job_id = ?"
+)
 # Record the launcher process of a job and the instance that owns it (for adoption after a crash).
-SAVE_LAUNCHER = ("UPDATE rollout_buffer_jobs SET launcher_pid = ?, launcher_pgid = ?, launcher_start_ticks = ?, "
-                 "launcher_state = ?, launcher_owner = ?, launcher_host = ?, updated_at = ? WHERE job_id = ?")
+SAVE_LAUNCHER = (
+    "UPDATE rollout_buffer_jobs SET launcher_pid = ?, launcher_pgid = ?, launcher_start_ticks = ?, "
+    "launcher_state = ?, launcher_owner = ?, launcher_host = ?, updated_at = ? WHERE job_id = ?"
+)
 # The instance that owns a job's launcher.
 LAUNCHER_OWNER = "SELECT launcher_owner FROM rollout_buffer_jobs WHERE job_id = ?"
 
 # -- retention ----------------------------------------------------------------------------------
 # Batches recorded before a time, oldest first, a few at a time (past the replay window).
-PRUNE_BATCHES = ("DELETE FROM rollout_buffer_batches WHERE batch_id IN (SELECT batch_id FROM rollout_buffer_batches "
-                 "WHERE created_at < ? ORDER BY created_at LIMIT ?)")
+PRUNE_BATCHES = (
+    "DELETE FROM rollout_buffer_batches WHERE batch_id IN (SELECT batch_id FROM rollout_buffer_batches "
+    "WHERE created_at < ? ORDER BY created_at LIMIT ?)"
+)
 # Ended jobs, not active since a time, whose decisions are still kept.
-ENDED_JOBS = ("SELECT job_id, cursor_pk, low_water_pk, floor_pk FROM rollout_buffer_jobs WHERE active = 0 "
-              "AND updated_at < ? AND purged_at IS NULL ORDER BY updated_at LIMIT 10")
+ENDED_JOBS = (
+    "SELECT job_id, cursor_pk, low_water_pk, floor_pk FROM rollout_buffer_jobs WHERE active = 0 "
+    "AND updated_at < ? AND purged_at IS NULL ORDER BY updated_at LIMIT 10"
+)
 # A few of an ended job's group decisions.
-PURGE_GROUPS = ("DELETE FROM rollout_buffer_groups WHERE job_id = ? AND group_id IN (SELECT group_id FROM "
-                "rollout_buffer_groups WHERE job_id = ? LIMIT ?)")
+PURGE_GROUPS = (
+    "DELETE FROM rollout_buffer_groups WHERE job_id = ? AND group_id IN (SELECT group_id FROM "
+    "rollout_buffer_groups WHERE job_id = ? LIMIT ?)"
+)
 # A few of an ended job's rows accounted one by one.
-PURGE_ROWS = ("DELETE FROM rollout_buffer_rows WHERE job_id = ? AND step_pk IN (SELECT step_pk FROM "
-              "rollout_buffer_rows WHERE job_id = ? LIMIT ?)")
+PURGE_ROWS = (
+    "DELETE FROM rollout_buffer_rows WHERE job_id = ? AND step_pk IN (SELECT step_pk FROM "
+    "rollout_buffer_rows WHERE job_id = ? LIMIT ?)"
+)
 # A few of an ended job's batches.
-PURGE_BATCHES = ("DELETE FROM rollout_buffer_batches WHERE batch_id IN (SELECT batch_id FROM rollout_buffer_batches "
-                 "WHERE job_id = ? LIMIT ?)")
+PURGE_BATCHES = (
+    "DELETE FROM rollout_buffer_batches WHERE batch_id IN (SELECT batch_id FROM rollout_buffer_batches "
+    "WHERE job_id = ? LIMIT ?)"
+)
 # A purged job reads after everything it had read: selected again, it never re-reads old rows as new groups.
-MARK_PURGED = ("UPDATE rollout_buffer_jobs SET purged_at = ?, floor_pk = ?, cursor_pk = ?, low_water_pk = ? "
-               "WHERE job_id = ? AND active = 0")
+MARK_PURGED = (
+    "UPDATE rollout_buffer_jobs SET purged_at = ?, floor_pk = ?, cursor_pk = ?, low_water_pk = ? "
+    "WHERE job_id = ? AND active = 0"
+)
 
 # -- groups -------------------------------------------------------------------------------------
 # Record a group's decision (the tombstone); a second decision for one group is an integrity error.
-INSERT_GROUP = ("INSERT INTO rollout_buffer_groups (job_id, group_id, status, reason, batch_id, n_served, "
-                "n_dropped, pks, clear_sessions, notified, resolved_at, n_sessions, reward_sum, n_rewarded) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+INSERT_GROUP = (
+    "INSERT INTO rollout_buffer_groups (job_id, group_id, status, reason, batch_id, n_served, "
+    "n_dropped, pks, clear_sessions, notified, resolved_at, n_sessions, reward_sum, n_rewarded) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
 # Record a drop; a decision already recorded (a retried COMMIT) is kept as it is.
 INSERT_GROUP_IF_ABSENT = INSERT_GROUP + " ON CONFLICT (job_id, group_id) DO NOTHING"
 # A group's stored decision (after a COMMIT whose outcome is unknown, or a conflict with another instance).
@@ -268,54 +317,78 @@ JOB_GROUP_STATUS = "SELECT group_id, status FROM rollout_buffer_groups WHERE job
 # The pks a decided group accounted for (rebuild after a crash).
 GROUP_PKS = "SELECT pks FROM rollout_buffer_groups WHERE job_id = ? AND group_id = ?"
 # Rows served and dropped per reason (accounting after a restart).
-GROUP_TOTALS = ("SELECT status, reason, COUNT(*) AS n_groups, SUM(n_served) AS n_served, "
-                "SUM(n_dropped) AS n_dropped, SUM(n_sessions) AS n_sessions, SUM(reward_sum) AS reward_sum, "
-                "SUM(n_rewarded) AS n_rewarded FROM rollout_buffer_groups WHERE job_id = ? GROUP BY status, reason")
+GROUP_TOTALS = (
+    "SELECT status, reason, COUNT(*) AS n_groups, SUM(n_served) AS n_served, "
+    "SUM(n_dropped) AS n_dropped, SUM(n_sessions) AS n_sessions, SUM(reward_sum) AS reward_sum, "
+    "SUM(n_rewarded) AS n_rewarded FROM rollout_buffer_groups WHERE job_id = ? GROUP BY status, reason"
+)
 # Groups dropped since the job's last served group, by reason (meta_info.filtered after a restart).
-FILTERED_SINCE_SERVED = ("SELECT reason, COUNT(*) AS n FROM rollout_buffer_groups WHERE job_id = ? "
-                         "AND status = 'dropped' AND resolved_at > COALESCE((SELECT MAX(resolved_at) FROM "
-                         "rollout_buffer_groups WHERE job_id = ? AND status = 'served'), -1) GROUP BY reason")
+FILTERED_SINCE_SERVED = (
+    "SELECT reason, COUNT(*) AS n FROM rollout_buffer_groups WHERE job_id = ? "
+    "AND status = 'dropped' AND resolved_at > COALESCE((SELECT MAX(resolved_at) FROM "
+    "rollout_buffer_groups WHERE job_id = ? AND status = 'served'), -1) GROUP BY reason"
+)
 # Group decisions whose sessions the proxy has not confirmed clearing.
-UNNOTIFIED_GROUPS = ("SELECT job_id, group_id, status, reason, clear_sessions FROM rollout_buffer_groups "
-                     "WHERE notified = 0")
+UNNOTIFIED_GROUPS = (
+    "SELECT job_id, group_id, status, reason, clear_sessions FROM rollout_buffer_groups "
+    "WHERE notified = 0"
+)
 # The proxy cleared a group's sessions.
-MARK_GROUP_NOTIFIED = "UPDATE rollout_buffer_groups SET notified = 1 WHERE job_id = ? AND group_id = ?"
+MARK_GROUP_NOTIFIED = (
+    "UPDATE rollout_buffer_groups SET notified = 1 WHERE job_id = ? AND group_id = ?"
+)
 
 # -- rows accounted one by one ------------------------------------------------------------------
 # Record a rejected or late row (ignored if it is already recorded).
-INSERT_ROW = ("INSERT INTO rollout_buffer_rows (job_id, step_pk, outcome, reason, group_id, session_id, "
-              "notified, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job_id, step_pk) DO NOTHING")
+INSERT_ROW = (
+    "INSERT INTO rollout_buffer_rows (job_id, step_pk, outcome, reason, group_id, session_id, "
+    "notified, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job_id, step_pk) DO NOTHING"
+)
 # Rows rejected / dropped one by one, per reason (accounting after a restart).
-ROW_TOTALS = ("SELECT outcome, reason, COUNT(*) AS n FROM rollout_buffer_rows WHERE job_id = ? "
-              "GROUP BY outcome, reason")
+ROW_TOTALS = (
+    "SELECT outcome, reason, COUNT(*) AS n FROM rollout_buffer_rows WHERE job_id = ? "
+    "GROUP BY outcome, reason"
+)
 # pks accounted one by one at or above a pk (rebuild after a crash).
 ROW_PKS_FROM = "SELECT step_pk FROM rollout_buffer_rows WHERE job_id = ? AND step_pk >= ?"
 # Sessions that wrote a row without group_id (their groups are malformed).
-TAINTED_SESSIONS = ("SELECT DISTINCT session_id FROM rollout_buffer_rows WHERE job_id = ? "
-                    "AND reason IN ('missing_group_id', 'invalid_utf8_group_id') AND session_id IS NOT NULL")
+TAINTED_SESSIONS = (
+    "SELECT DISTINCT session_id FROM rollout_buffer_rows WHERE job_id = ? "
+    "AND reason IN ('missing_group_id', 'invalid_utf8_group_id') AND session_id IS NOT NULL"
+)
 # Groups with a row whose session_id is not text (they can never be served whole).
-TAINTED_GROUPS = ("SELECT DISTINCT group_id FROM rollout_buffer_rows WHERE job_id = ? "
-                  "AND reason = 'invalid_session_id' AND group_id IS NOT NULL")
+TAINTED_GROUPS = (
+    "SELECT DISTINCT group_id FROM rollout_buffer_rows WHERE job_id = ? "
+    "AND reason = 'invalid_session_id' AND group_id IS NOT NULL"
+)
 # Sessions of undecided groups dropped as oversampled (after a restart they stay out of their group).
-OVERSAMPLED_SESSIONS = ("SELECT DISTINCT r.group_id, r.session_id FROM rollout_buffer_rows r WHERE r.job_id = ? "
-                        "AND r.reason = 'oversampled' AND r.group_id IS NOT NULL AND r.session_id IS NOT NULL "
-                        "AND NOT EXISTS (SELECT 1 FROM rollout_buffer_groups g WHERE g.job_id = r.job_id "
-                        "AND g.group_id = r.group_id)")
+OVERSAMPLED_SESSIONS = (
+    "SELECT DISTINCT r.group_id, r.session_id FROM rollout_buffer_rows r WHERE r.job_id = ? "
+    "AND r.reason = 'oversampled' AND r.group_id IS NOT NULL AND r.session_id IS NOT NULL "
+    "AND NOT EXISTS (SELECT 1 FROM rollout_buffer_groups g WHERE g.job_id = r.job_id "
+    "AND g.group_id = r.group_id)"
+)
 # Late rows whose sessions the proxy has not confirmed clearing.
-UNNOTIFIED_ROWS = ("SELECT job_id, step_pk, reason, group_id, session_id FROM rollout_buffer_rows "
-                   "WHERE notified = 0 AND session_id IS NOT NULL")
+UNNOTIFIED_ROWS = (
+    "SELECT job_id, step_pk, reason, group_id, session_id FROM rollout_buffer_rows "
+    "WHERE notified = 0 AND session_id IS NOT NULL"
+)
 # The proxy cleared a late row's session.
 MARK_ROW_NOTIFIED = "UPDATE rollout_buffer_rows SET notified = 1 WHERE job_id = ? AND step_pk = ?"
 
 # -- batches ------------------------------------------------------------------------------------
 # Record a delivered batch.
-INSERT_BATCH = ("INSERT INTO rollout_buffer_batches (batch_id, job_id, request_id, seed, group_ids, n_items, "
-                "n_bytes, created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
+INSERT_BATCH = (
+    "INSERT INTO rollout_buffer_batches (batch_id, job_id, request_id, seed, group_ids, n_items, "
+    "n_bytes, created_at, meta) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
 # The batch bound to a request_id.
 BATCH_BY_REQUEST = "SELECT * FROM rollout_buffer_batches WHERE job_id = ? AND request_id = ?"
 # request_ids of a job's batches recorded since a time (empty polls answer from memory).
-RECENT_REQUEST_IDS = ("SELECT request_id FROM rollout_buffer_batches WHERE job_id = ? AND created_at >= ? "
-                      "AND request_id IS NOT NULL")
+RECENT_REQUEST_IDS = (
+    "SELECT request_id FROM rollout_buffer_batches WHERE job_id = ? AND created_at >= ? "
+    "AND request_id IS NOT NULL"
+)
 # Whether a batch was recorded (after a COMMIT whose outcome is unknown).
 BATCH_EXISTS = "SELECT 1 FROM rollout_buffer_batches WHERE batch_id = ?"
 
@@ -327,51 +400,83 @@ BATCH_EXISTS = "SELECT 1 FROM rollout_buffer_batches WHERE batch_id = ?"
 # '' stands for it, a version known only when its group is built. Per backend: instr/strpos.
 ENV_STATE_INGEST_CHARS = 4096
 _INGEST_COLUMNS = {
-    "sqlite": ("id, session_id, group_id, is_session_completed, step_id, step_reward, "
-               "CASE WHEN instr(env_state, 'weight_version') = 0 THEN NULL "
-               f"WHEN length(env_state) > {ENV_STATE_INGEST_CHARS} THEN '' ELSE env_state END"),
-    "postgres": ("id, session_id, group_id, is_session_completed, step_id, step_reward, "
-                 "CASE WHEN strpos(env_state, 'weight_version') = 0 THEN NULL "
-                 f"WHEN length(env_state) > {ENV_STATE_INGEST_CHARS} THEN '' ELSE env_state END"),
+    "sqlite": (
+        "id, session_id, group_id, is_session_completed, step_id, step_reward, "
+        "CASE WHEN instr(env_state, 'weight_version') = 0 THEN NULL "
+        f"WHEN length(env_state) > {ENV_STATE_INGEST_CHARS} THEN '' ELSE env_state END"
+    ),
+    "postgres": (
+        "id, session_id, group_id, is_session_completed, step_id, step_reward, "
+        "CASE WHEN strpos(env_state, 'weight_version') = 0 THEN NULL "
+        f"WHEN length(env_state) > {ENV_STATE_INGEST_CHARS} THEN '' ELSE env_state END"
+    ),
 }
 # Ingest: the metadata of the next trainable rows of a job, in id order.
-READ_AFTER = {b: f"SELECT {cols} FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ? "
-                 "ORDER BY id LIMIT ?" for b, cols in _INGEST_COLUMNS.items()}
+READ_AFTER = {
+    b: f"SELECT {cols} FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ? "
+    "ORDER BY id LIMIT ?"
+    for b, cols in _INGEST_COLUMNS.items()
+}
 # Ingest (Postgres): the window of ids that may still hold late-committing rows.
-READ_WINDOW = {b: f"SELECT {cols} FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ? "
-                  "AND id <= ? ORDER BY id" for b, cols in _INGEST_COLUMNS.items()}
+READ_WINDOW = {
+    b: f"SELECT {cols} FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ? "
+    "AND id <= ? ORDER BY id"
+    for b, cols in _INGEST_COLUMNS.items()
+}
 # Rebuild: the largest id of the job (rows above it cannot have been accounted before a restart).
 MAX_JOB_ID = "SELECT MAX(id) FROM session_steps WHERE job_id = ?"
 # restart_training: the job's last terminal row.
 MAX_TERMINAL_ID = "SELECT MAX(id) FROM session_steps WHERE job_id = ? AND is_terminal = 1"
 # restart_training: trainable rows at or below the floor, with their groups and sessions.
-ROWS_AT_OR_BELOW = ("SELECT id, group_id, session_id FROM session_steps "
-                    "WHERE job_id = ? AND is_trainable = 1 AND id <= ?")
+ROWS_AT_OR_BELOW = (
+    "SELECT id, group_id, session_id FROM session_steps "
+    "WHERE job_id = ? AND is_trainable = 1 AND id <= ?"
+)
 # Stats: trainable rows written but not read yet.
 COUNT_AFTER = "SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ?"
 # Postgres: the transactions writing session_steps now (ingest's safe cursor waits for them). A writer
 # holds the table's RowExclusiveLock from before it takes an id until it ends; only this database's.
-TABLE_WRITERS = ("SELECT DISTINCT virtualtransaction FROM pg_catalog.pg_locks WHERE locktype = 'relation' "
-                 "AND mode = 'RowExclusiveLock' AND relation = to_regclass('session_steps') "
-                 "AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())")
+TABLE_WRITERS = (
+    "SELECT DISTINCT virtualtransaction FROM pg_catalog.pg_locks WHERE locktype = 'relation' "
+    "AND mode = 'RowExclusiveLock' AND relation = to_regclass('session_steps') "
+    "AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())"
+)
 # Postgres: how many values the sequence of session_steps.id caches per backend (must be 1).
-SEQUENCE_CACHE = ("SELECT seqcache FROM pg_catalog.pg_sequence WHERE seqrelid = "
-                  "pg_get_serial_sequence('session_steps', 'id')::regclass")
+SEQUENCE_CACHE = (
+    "SELECT seqcache FROM pg_catalog.pg_sequence WHERE seqrelid = "
+    "pg_get_serial_sequence('session_steps', 'id')::regclass"
+)
 # Whether the launcher has created its table yet (per backend: catalogs differ).
 HAS_STEPS_TABLE = {
     "sqlite": "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = 'session_steps'",
     "postgres": "SELECT COUNT(*) FROM pg_catalog.pg_tables WHERE tablename = 'session_steps' "
-                "AND schemaname = ANY (current_schemas(false))",
+    "AND schemaname = ANY (current_schemas(false))",
 }
 
-BODY_COLUMNS = ("id", "session_id", "step_id", "group_id", "messages", "response", "step_reward",
-                "env_state", "is_truncated", "is_session_completed", "created_at", "job_id", "is_trainable")
+BODY_COLUMNS = (
+    "id",
+    "session_id",
+    "step_id",
+    "group_id",
+    "messages",
+    "response",
+    "step_reward",
+    "env_state",
+    "is_truncated",
+    "is_session_completed",
+    "created_at",
+    "job_id",
+    "is_trainable",
+)
 
 
 # messages comes back as UTF-8 bytes, so it is spliced into the response without a decode/encode
 # round trip (the only per-backend part of the statement). Postgres gets one array parameter
 # instead of hundreds of placeholders (cheaper to parse and plan).
-_MESSAGES_AS_BYTES = {"sqlite": "CAST(messages AS BLOB)", "postgres": "convert_to(messages, 'UTF8')"}
+_MESSAGES_AS_BYTES = {
+    "sqlite": "CAST(messages AS BLOB)",
+    "postgres": "convert_to(messages, 'UTF8')",
+}
 
 
 @lru_cache(maxsize=128)
@@ -391,26 +496,38 @@ def fetch_bodies_params(pks: list[int], backend: str) -> list:
 # Keyset pages in byte order of group_id on both backends ("C" collation on Postgres), so the
 # groups and the rows accounted one by one can be merged by group_id in constant memory.
 EXPORT_GROUPS = {
-    "sqlite": ("SELECT group_id, status, reason, batch_id, pks, resolved_at FROM rollout_buffer_groups "
-               "WHERE job_id = ? AND group_id > ? ORDER BY group_id LIMIT ?"),
-    "postgres": ('SELECT group_id, status, reason, batch_id, pks, resolved_at FROM rollout_buffer_groups '
-                 'WHERE job_id = ? AND group_id COLLATE "C" > ? ORDER BY group_id COLLATE "C" LIMIT ?'),
+    "sqlite": (
+        "SELECT group_id, status, reason, batch_id, pks, resolved_at FROM rollout_buffer_groups "
+        "WHERE job_id = ? AND group_id > ? ORDER BY group_id LIMIT ?"
+    ),
+    "postgres": (
+        "SELECT group_id, status, reason, batch_id, pks, resolved_at FROM rollout_buffer_groups "
+        'WHERE job_id = ? AND group_id COLLATE "C" > ? ORDER BY group_id COLLATE "C" LIMIT ?'
+    ),
 }
 # Export: the rows accounted one by one that belong to a group (rejected and late rows), by (group_id, step_pk).
 EXPORT_GROUP_ROWS = {
-    "sqlite": ("SELECT group_id, step_pk, outcome, reason FROM rollout_buffer_rows WHERE job_id = ? "
-               "AND group_id IS NOT NULL AND (group_id > ? OR (group_id = ? AND step_pk > ?)) "
-               "ORDER BY group_id, step_pk LIMIT ?"),
-    "postgres": ('SELECT group_id, step_pk, outcome, reason FROM rollout_buffer_rows WHERE job_id = ? '
-                 'AND group_id IS NOT NULL AND (group_id COLLATE "C" > ? OR (group_id = ? AND step_pk > ?)) '
-                 'ORDER BY group_id COLLATE "C", step_pk LIMIT ?'),
+    "sqlite": (
+        "SELECT group_id, step_pk, outcome, reason FROM rollout_buffer_rows WHERE job_id = ? "
+        "AND group_id IS NOT NULL AND (group_id > ? OR (group_id = ? AND step_pk > ?)) "
+        "ORDER BY group_id, step_pk LIMIT ?"
+    ),
+    "postgres": (
+        "SELECT group_id, step_pk, outcome, reason FROM rollout_buffer_rows WHERE job_id = ? "
+        'AND group_id IS NOT NULL AND (group_id COLLATE "C" > ? OR (group_id = ? AND step_pk > ?)) '
+        'ORDER BY group_id COLLATE "C", step_pk LIMIT ?'
+    ),
 }
 # Export: rejected rows with no usable group (missing or undecodable group_id), by step_pk.
-EXPORT_ORPHAN_ROWS = ("SELECT step_pk, outcome, reason, recorded_at FROM rollout_buffer_rows WHERE job_id = ? "
-                      "AND group_id IS NULL AND step_pk > ? ORDER BY step_pk LIMIT ?")
+EXPORT_ORPHAN_ROWS = (
+    "SELECT step_pk, outcome, reason, recorded_at FROM rollout_buffer_rows WHERE job_id = ? "
+    "AND group_id IS NULL AND step_pk > ? ORDER BY step_pk LIMIT ?"
+)
 # Export: how many records a job has (for the progress bar).
 EXPORT_COUNT_GROUPS = "SELECT COUNT(*) FROM rollout_buffer_groups WHERE job_id = ?"
-EXPORT_COUNT_ORPHANS = "SELECT COUNT(*) FROM rollout_buffer_rows WHERE job_id = ? AND group_id IS NULL"
+EXPORT_COUNT_ORPHANS = (
+    "SELECT COUNT(*) FROM rollout_buffer_rows WHERE job_id = ? AND group_id IS NULL"
+)
 # Export: the newest jobs (to name them when an unknown one is asked for).
 EXPORT_RECENT_JOBS = "SELECT job_id FROM rollout_buffer_jobs ORDER BY started_at DESC LIMIT 10"
 # Export: the uid seed of a delivered batch and its meta (gone once the batch is pruned).

@@ -6,19 +6,19 @@ weight_version of env_state); it never writes, and it knows nothing of groups or
 
 It must not write or account: the restart filter only says which rows were accounted before.
 """
+
 from __future__ import annotations
 
 import collections
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from rollout_buffer.storage import queries as q
-from rollout_buffer.storage.db import Database
 from rollout_buffer.core.items import ingest_fields
 from rollout_buffer.core.model import Row
+from rollout_buffer.storage import queries as q
+from rollout_buffer.storage.db import Database
 
-
-MIN_ID = -(2 ** 63)  # the smallest id a BIGINT (or a SQLite INTEGER) holds
+MIN_ID = -(2**63)  # the smallest id a BIGINT (or a SQLite INTEGER) holds
 
 
 def first_read_after(start_after: int) -> int:
@@ -51,8 +51,9 @@ class Reader:
 
     HORIZON_LAG_S = 1.0
 
-    def __init__(self, job_id: str, start_after: int, batch: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, job_id: str, start_after: int, batch: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.job_id = job_id
         start_after = first_read_after(start_after)
         self.cursor = start_after
@@ -61,7 +62,9 @@ class Reader:
         self.clock = clock
         self.seen: set[int] = set()
         self.horizons: collections.deque[tuple[frozenset[str], int]] = collections.deque()
-        self.tick_ends: collections.deque[tuple[float, int]] = collections.deque([(float("-inf"), start_after)])
+        self.tick_ends: collections.deque[tuple[float, int]] = collections.deque(
+            [(float("-inf"), start_after)]
+        )
         self.first_read_of_tick = True
         self.caught_up = False
         self.drained = False  # the last read returned less than a batch: nothing more to read now
@@ -80,7 +83,9 @@ class Reader:
         with db.read_snapshot():
             window: list[tuple] = []
             if horizon is not None and self.cursor < self.max_seen:
-                window = db.rows(q.READ_WINDOW[db.backend], (self.job_id, self.cursor, self.max_seen))
+                window = db.rows(
+                    q.READ_WINDOW[db.backend], (self.job_id, self.cursor, self.max_seen)
+                )
             batch = db.rows(q.READ_AFTER[db.backend], (self.job_id, self.max_seen, self.batch))
         drained = len(batch) < self.batch
         if horizon is None:
@@ -114,7 +119,9 @@ class Reader:
             while self.tick_ends and self.tick_ends[0][0] <= limit:
                 paired = self.tick_ends.popleft()
             if paired is not None:
-                self.tick_ends.appendleft(paired)  # still the newest old-enough end for the next tick
+                self.tick_ends.appendleft(
+                    paired
+                )  # still the newest old-enough end for the next tick
                 if not self.horizons or self.horizons[-1][1] < paired[1]:
                     self.horizons.append((writers, paired[1]))
         moved = False
@@ -135,11 +142,12 @@ class Accounted:
         self.row_pks = row_pks
         self.group_pks: dict[str, set[int]] = {}
 
-    def filter(self, group_pks: Callable[[str], list[int]], decided: dict[str, str],
-               rows: list[tuple]) -> list[tuple]:
+    def filter(
+        self, group_pks: Callable[[str], list[int]], decided: dict[str, str], rows: list[tuple]
+    ) -> list[tuple]:
         """The rows not accounted before the restart; ``group_pks(group_id)`` gives the pks a decided
         group's record accounted (asked once per group)."""
-        if not rows or rows[0][0] > self.upto_pk and not self.row_pks:
+        if not rows or (rows[0][0] > self.upto_pk and not self.row_pks):
             return rows
         out = []
         for r in rows:

@@ -9,23 +9,36 @@ an instance that lost the job rolls back with LeaseLost. It must not touch the l
 (it is handed only the state connection) and holds no in-memory state of its own: a
 :class:`Store` is a thin wrapper around one connection, cheap to build per thread or per request.
 """
+
 from __future__ import annotations
 
 import contextlib
 import json
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
+from rollout_buffer.core.errors import StorageError
+from rollout_buffer.core.figures import finite_sum
+from rollout_buffer.core.model import (
+    DROPPED,
+    INCOMPLETE_IN_SERVED,
+    REJECTED,
+    SERVED,
+    Batch,
+    Decisions,
+    Drop,
+    GroupKey,
+    LauncherState,
+    NotifyKey,
+    RowKey,
+    Served,
+)
 from rollout_buffer.storage import queries as q
 from rollout_buffer.storage import redelivery_sql as rq
 from rollout_buffer.storage.db import Database, connect, create_launcher_tables
-from rollout_buffer.core.errors import StorageError
-from rollout_buffer.core.figures import finite_sum
-from rollout_buffer.core.model import (DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED, Batch, Decisions, Drop,
-                    GroupKey, LauncherState, NotifyKey, RowKey, Served)
-
 
 _WALL0, _MONO0 = time.time(), time.monotonic()
 
@@ -53,7 +66,9 @@ class JobTotals:
     groups_dropped: Counter = field(default_factory=Counter)
     # (outcome: "served" or a drop reason, groups, sessions, steps, reward_sum, sessions with a reward)
     figures: list[tuple[str, int, int, int, float, int]] = field(default_factory=list)
-    filtered: dict[str, int] = field(default_factory=dict)  # groups dropped since the last served one
+    filtered: dict[str, int] = field(
+        default_factory=dict
+    )  # groups dropped since the last served one
 
     @property
     def accounted_rows(self) -> int:
@@ -89,10 +104,36 @@ def _group_record(job_id: str, d: Served | Drop, now: float) -> tuple:
         inc = t.incomplete_pks
         pks = sorted(t.served_pks + inc)
         clear = sorted(t.incomplete)
-        return (job_id, t.group_id, SERVED, None, d.batch_id, len(t.served_pks), len(inc),
-                ",".join(map(str, pks)), json.dumps(clear), 0 if clear else 1, now, len(t.completed), *figures)
-    return (job_id, d.group_id, DROPPED, d.reason, None, 0, len(d.pks), ",".join(map(str, d.pks)),
-            json.dumps(d.clear_sessions), 0 if d.clear_sessions else 1, now, len(d.clear_sessions), *figures)
+        return (
+            job_id,
+            t.group_id,
+            SERVED,
+            None,
+            d.batch_id,
+            len(t.served_pks),
+            len(inc),
+            ",".join(map(str, pks)),
+            json.dumps(clear),
+            0 if clear else 1,
+            now,
+            len(t.completed),
+            *figures,
+        )
+    return (
+        job_id,
+        d.group_id,
+        DROPPED,
+        d.reason,
+        None,
+        0,
+        len(d.pks),
+        ",".join(map(str, d.pks)),
+        json.dumps(d.clear_sessions),
+        0 if d.clear_sessions else 1,
+        now,
+        len(d.clear_sessions),
+        *figures,
+    )
 
 
 class Store:
@@ -115,7 +156,7 @@ class Store:
     def ensure_schema(self) -> None:
         """Create the tables and indexes if missing and check the schema version."""
         st = self.db
-        if not STATE_NAMES <= {r[0] for r in st.rows(q.STATE_OBJECTS[st.backend])}:
+        if not {r[0] for r in st.rows(q.STATE_OBJECTS[st.backend])} >= STATE_NAMES:
             with st.transaction():
                 for ddl in q.STATE_DDL:
                     st.execute(ddl)
@@ -123,8 +164,10 @@ class Store:
                     st.execute(q.PUT_META, ("schema_version", "1"))  # STATE_DDL is version 1's
         version = int(st.scalar(q.GET_META, ("schema_version",)))
         if version > q.SCHEMA_VERSION:
-            raise StorageError(f"rollout_buffer_* tables are schema version {version}; this build knows "
-                               f"{q.SCHEMA_VERSION}: upgrade rollout-buffer")
+            raise StorageError(
+                f"rollout_buffer_* tables are schema version {version}; this build knows "
+                f"{q.SCHEMA_VERSION}: upgrade rollout-buffer"
+            )
         while version < q.SCHEMA_VERSION:
             with st.transaction():
                 # re-read inside the transaction: another instance may have migrated meanwhile
@@ -141,32 +184,61 @@ class Store:
     def get_job(self, job_id: str) -> dict[str, Any] | None:
         return self.db.fetchone(q.GET_JOB, (job_id,))
 
-    def activate_job(self, job_id: str, k: int, floor: int, start_after: int, low_water: int,
-                     tombstones: list[Drop]) -> None:
+    def activate_job(
+        self,
+        job_id: str,
+        k: int,
+        floor: int,
+        start_after: int,
+        low_water: int,
+        tombstones: list[Drop],
+    ) -> None:
         """Make job_id the only active job, with its floor and the tombstones below it, atomically
         (a crash in between would resume above the floor and serve those groups half)."""
         now = time.time()
         with self.decision():
             self.db.execute(q.DEACTIVATE_JOBS, (now,))
             self.db.execute(q.UPSERT_JOB, (job_id, k, floor, start_after, low_water, now, now))
-            self.db.executemany(q.INSERT_GROUP_IF_ABSENT, [_group_record(job_id, d, now) for d in tombstones])
+            self.db.executemany(
+                q.INSERT_GROUP_IF_ABSENT, [_group_record(job_id, d, now) for d in tombstones]
+            )
 
     def set_k(self, job_id: str, k: int) -> None:
         with self.decision():
             self.db.execute(q.SET_K, (k, time.time(), job_id))
 
-    def save_cursor(self, job_id: str, cursor: int, low_water: int, trainer_version: int | None = None,
-                    rows_version: int = 0) -> None:
+    def save_cursor(
+        self,
+        job_id: str,
+        cursor: int,
+        low_water: int,
+        trainer_version: int | None = None,
+        rows_version: int = 0,
+    ) -> None:
         """Persist the ingest cursor, the low-water mark below which every row is accounted, and the
         job's versions (the trainer's last and the largest of the rows read, below the cursor)."""
         with self.decision():
-            self.db.execute(q.SAVE_CURSOR, (cursor, low_water, trainer_version, rows_version, time.time(), job_id))
+            self.db.execute(
+                q.SAVE_CURSOR,
+                (cursor, low_water, trainer_version, rows_version, time.time(), job_id),
+            )
 
     def save_launcher(self, job_id: str, rec: LauncherRecord, owner: str | None) -> None:
         """Record the job's launcher process, its host and state, and the instance that owns it."""
         with self.decision():
-            self.db.execute(q.SAVE_LAUNCHER, (rec.pid, rec.pgid, rec.start_ticks, rec.state.value, owner, rec.host,
-                                              time.time(), job_id))
+            self.db.execute(
+                q.SAVE_LAUNCHER,
+                (
+                    rec.pid,
+                    rec.pgid,
+                    rec.start_ticks,
+                    rec.state.value,
+                    owner,
+                    rec.host,
+                    time.time(),
+                    job_id,
+                ),
+            )
 
     def launcher_owner(self, job_id: str) -> str | None:
         return self.db.scalar(q.LAUNCHER_OWNER, (job_id,))
@@ -187,9 +259,20 @@ class Store:
                     t.dropped[r["reason"]] += int(r["n_dropped"])
                 steps = int(r["n_dropped"] or 0)
             if r["n_sessions"] is not None:  # groups recorded before schema 3 have no figures
-                t.figures.append((SERVED if r["status"] == SERVED else r["reason"], int(r["n_groups"]),
-                                  int(r["n_sessions"]), steps, float(r["reward_sum"] or 0.0), int(r["n_rewarded"] or 0)))
-        t.filtered = {r["reason"]: int(r["n"]) for r in self.db.fetchall(q.FILTERED_SINCE_SERVED, (job_id, job_id))}
+                t.figures.append(
+                    (
+                        SERVED if r["status"] == SERVED else r["reason"],
+                        int(r["n_groups"]),
+                        int(r["n_sessions"]),
+                        steps,
+                        float(r["reward_sum"] or 0.0),
+                        int(r["n_rewarded"] or 0),
+                    )
+                )
+        t.filtered = {
+            r["reason"]: int(r["n"])
+            for r in self.db.fetchall(q.FILTERED_SINCE_SERVED, (job_id, job_id))
+        }
         for r in self.db.fetchall(q.ROW_TOTALS, (job_id,)):
             (t.rejected if r["outcome"] == REJECTED else t.dropped)[r["reason"]] += int(r["n"])
         return t
@@ -239,16 +322,54 @@ class Store:
         with self.decision():
             b = plan.batch
             if b is not None:
-                st.execute(q.INSERT_BATCH, (b.batch_id, b.job_id, b.request_id, b.seed.hex(), json.dumps(b.group_ids),
-                                            b.n_items, b.n_bytes, now, json.dumps(b.meta) if b.meta else None))
+                st.execute(
+                    q.INSERT_BATCH,
+                    (
+                        b.batch_id,
+                        b.job_id,
+                        b.request_id,
+                        b.seed.hex(),
+                        json.dumps(b.group_ids),
+                        b.n_items,
+                        b.n_bytes,
+                        now,
+                        json.dumps(b.meta) if b.meta else None,
+                    ),
+                )
             st.executemany(q.INSERT_GROUP, [_group_record(job_id, s, now) for s in plan.served])
-            st.executemany(q.INSERT_GROUP_IF_ABSENT, [_group_record(job_id, d, now) for d in plan.drops])
-            st.executemany(q.INSERT_ROW, [
-                (job_id, r.step_pk, r.outcome, r.reason, r.group_id, r.session_id, 0 if r.session_id else 1, now)
-                for r in plan.rows])
-            st.executemany(rq.SETTLE, [
-                (rq.DELIVERED if why is None else f"failed:{why}", b.batch_id if why is None and b else None,
-                 1 if why is None else 0, now, job_id, gid) for gid, why in plan.redelivered.items()])
+            st.executemany(
+                q.INSERT_GROUP_IF_ABSENT, [_group_record(job_id, d, now) for d in plan.drops]
+            )
+            st.executemany(
+                q.INSERT_ROW,
+                [
+                    (
+                        job_id,
+                        r.step_pk,
+                        r.outcome,
+                        r.reason,
+                        r.group_id,
+                        r.session_id,
+                        0 if r.session_id else 1,
+                        now,
+                    )
+                    for r in plan.rows
+                ],
+            )
+            st.executemany(
+                rq.SETTLE,
+                [
+                    (
+                        rq.DELIVERED if why is None else f"failed:{why}",
+                        b.batch_id if why is None and b else None,
+                        1 if why is None else 0,
+                        now,
+                        job_id,
+                        gid,
+                    )
+                    for gid, why in plan.redelivered.items()
+                ],
+            )
 
     # -- redelivery (issue 11) -------------------------------------------------------------------
     def queue_redeliveries(self, job_id: str, skip: set[str]) -> tuple[list[str], int]:
@@ -280,9 +401,16 @@ class Store:
         r = self.db.fetchone(q.BATCH_BY_REQUEST, (job_id, request_id))
         if r is None:
             return None
-        batch = Batch(r["batch_id"], r["job_id"], r["request_id"], bytes.fromhex(r["seed"]),
-                      json.loads(r["group_ids"]), int(r["n_items"]), int(r["n_bytes"]),
-                      json.loads(r["meta"]) if r.get("meta") else None)
+        batch = Batch(
+            r["batch_id"],
+            r["job_id"],
+            r["request_id"],
+            bytes.fromhex(r["seed"]),
+            json.loads(r["group_ids"]),
+            int(r["n_items"]),
+            int(r["n_bytes"]),
+            json.loads(r["meta"]) if r.get("meta") else None,
+        )
         return batch, float(r["created_at"])
 
     def recent_request_ids(self, job_id: str, since: float) -> list[str]:
@@ -313,7 +441,9 @@ class Store:
     def mark_purged(self, job_id: str, read_upto: int) -> None:
         """The job's decisions are gone: should it be selected again, it reads only after read_upto."""
         with self.decision():
-            self.db.execute(q.MARK_PURGED, (time.time(), read_upto, read_upto, read_upto + 1, job_id))
+            self.db.execute(
+                q.MARK_PURGED, (time.time(), read_upto, read_upto, read_upto + 1, job_id)
+            )
 
     # -- the proxy's confirmations ----------------------------------------------------------------
     def unnotified(self) -> Iterator[Unnotified]:
@@ -322,15 +452,25 @@ class Store:
             sessions = json.loads(r["clear_sessions"])
             if sessions:
                 reason = r["reason"] if r["status"] == DROPPED else INCOMPLETE_IN_SERVED
-                yield Unnotified(reason, sessions, [r["group_id"]], GroupKey(r["job_id"], r["group_id"]))
+                yield Unnotified(
+                    reason, sessions, [r["group_id"]], GroupKey(r["job_id"], r["group_id"])
+                )
         for r in self.db.fetchall(q.UNNOTIFIED_ROWS):
-            yield Unnotified(r["reason"], [r["session_id"]], [r["group_id"]] if r["group_id"] else [],
-                             RowKey(r["job_id"], int(r["step_pk"])))
+            yield Unnotified(
+                r["reason"],
+                [r["session_id"]],
+                [r["group_id"]] if r["group_id"] else [],
+                RowKey(r["job_id"], int(r["step_pk"])),
+            )
 
     def mark_notified(self, keys: list[NotifyKey]) -> None:
         with self.db.transaction():
-            self.db.executemany(q.MARK_GROUP_NOTIFIED, [tuple(k) for k in keys if isinstance(k, GroupKey)])
-            self.db.executemany(q.MARK_ROW_NOTIFIED, [tuple(k) for k in keys if isinstance(k, RowKey)])
+            self.db.executemany(
+                q.MARK_GROUP_NOTIFIED, [tuple(k) for k in keys if isinstance(k, GroupKey)]
+            )
+            self.db.executemany(
+                q.MARK_ROW_NOTIFIED, [tuple(k) for k in keys if isinstance(k, RowKey)]
+            )
 
 
 def init_database(url: str) -> str:

@@ -4,15 +4,18 @@ Owns: parsing the commands, their messages and exit statuses. It must not hold a
 each one calls its module, imported when the command runs (so ``rollout-buffer stats`` never imports
 Flask).
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from rollout_buffer import __version__
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     """Run the service under gunicorn with rollout_buffer.web.gunicorn_conf (1 gthread worker)."""
     from rollout_buffer.core.config import Config
@@ -27,8 +30,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"rollout-buffer: {exc}", file=sys.stderr)
         return 2
-    argv = [sys.executable, "-m", "gunicorn", "-c", "python:rollout_buffer.web.gunicorn_conf",
-            "rollout_buffer.web.app:create_app()"]
+    argv = [
+        sys.executable,
+        "-m",
+        "gunicorn",
+        "-c",
+        "python:rollout_buffer.web.gunicorn_conf",
+        "rollout_buffer.web.app:create_app()",
+    ]
     os.execv(sys.executable, argv)
     return 0  # pragma: no cover
 
@@ -57,7 +66,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
         # one attempt per refresh, answered within the interval: the watch is the retry loop (the
         # client's own retries and their warnings would freeze the table and scribble over it)
-        client = BufferClient(args.url, token=token, retries=0, timeout=max(1.0, min(args.interval, 10.0)))
+        client = BufferClient(
+            args.url, token=token, retries=0, timeout=max(1.0, min(args.interval, 10.0))
+        )
 
         def render() -> str:
             try:
@@ -65,7 +76,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
             except BufferError as exc:  # keep watching: the service may come back
                 return f"  cannot read {args.url}/stats: {exc}"
             return json.dumps(stats, indent=1) if args.json else format_stats(stats)
-        return watch(render, sys.stdout, interval=args.interval, count=args.count, title=f"rollout-buffer {args.url}")
+
+        return watch(
+            render,
+            sys.stdout,
+            interval=args.interval,
+            count=args.count,
+            title=f"rollout-buffer {args.url}",
+        )
     try:
         stats = BufferClient(args.url, token=token, retries=1, timeout=30).stats()
     except BufferError as exc:
@@ -108,39 +126,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rollout-buffer", description=__doc__)
     p.add_argument("--version", action="version", version=f"rollout-buffer {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="run the service under gunicorn (settings from the environment)")
+    s = sub.add_parser(
+        "serve", help="run the service under gunicorn (settings from the environment)"
+    )
     s.add_argument("--host", help="bind address (ROLLOUT_BUFFER_HOST, default 0.0.0.0)")
     s.add_argument("--port", type=int, help="port (BUFFER_SERVER_PORT, default 18889)")
     s.set_defaults(func=cmd_serve)
     s = sub.add_parser("init-db", help="create the launcher's tables if missing")
-    s.add_argument("--db", required=True, help="sqlite:///abs/path, sqlite://rel/path or postgresql://...")
+    s.add_argument(
+        "--db", required=True, help="sqlite:///abs/path, sqlite://rel/path or postgresql://..."
+    )
     s.set_defaults(func=cmd_init_db)
-    s = sub.add_parser("demo", help="one-command demo: SQLite, server, simulated launcher, a polling trainer")
+    s = sub.add_parser(
+        "demo", help="one-command demo: SQLite, server, simulated launcher, a polling trainer"
+    )
     s.add_argument("--dir", help="work directory (default: a new temporary directory)")
     s.add_argument("--groups", type=int, default=24, help="prompt groups the simulator runs")
     s.add_argument("--k", type=int, default=4, help="sessions per group")
     s.add_argument("--port", type=int, default=0, help="port (default: a free one)")
     s.add_argument("--pace", type=float, default=0.02, help="simulator seconds between rows")
     s.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
-    s.add_argument("--policies", action="store_true",
-                   help="turn the training-data policies on (staleness, zero variance, over-sampling) and show "
-                        "their counts")
+    s.add_argument(
+        "--policies",
+        action="store_true",
+        help="turn the training-data policies on (staleness, zero variance, over-sampling) and show "
+        "their counts",
+    )
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("stats", help="print GET /stats of a running service as a table")
     s.add_argument("url", nargs="?", default="http://127.0.0.1:18889")
     s.add_argument("--token", help="bearer token (default $ROLLOUT_BUFFER_TOKEN)")
     s.add_argument("--json", action="store_true", help="print the raw JSON")
     s.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
-    s.add_argument("--interval", type=_positive, default=2.0, help="seconds between refreshes with --watch")
-    s.add_argument("--count", type=_count, default=0, help="with --watch: stop after this many refreshes (0 = never)")
+    s.add_argument(
+        "--interval", type=_positive, default=2.0, help="seconds between refreshes with --watch"
+    )
+    s.add_argument(
+        "--count",
+        type=_count,
+        default=0,
+        help="with --watch: stop after this many refreshes (0 = never)",
+    )
     s.set_defaults(func=cmd_stats)
-    s = sub.add_parser("export", help="write every served and dropped group of a job as JSONL (.gz: gzipped)")
+    s = sub.add_parser(
+        "export", help="write every served and dropped group of a job as JSONL (.gz: gzipped)"
+    )
     s.add_argument("--db", required=True, help="the launcher database URL (as AIEVOBOX_DB_URL)")
-    s.add_argument("--state-db", help="the buffer's state database, when ROLLOUT_BUFFER_STATE_DB_URL is set")
+    s.add_argument(
+        "--state-db", help="the buffer's state database, when ROLLOUT_BUFFER_STATE_DB_URL is set"
+    )
     s.add_argument("--job", required=True, help="the job (job_session)")
     s.add_argument("--out", required=True, help="output file; gzipped when it ends in .gz")
-    s.add_argument("--what", choices=("served", "dropped", "all"), default="all",
-                   help="served groups, dropped groups and rejected rows, or all")
+    s.add_argument(
+        "--what",
+        choices=("served", "dropped", "all"),
+        default="all",
+        help="served groups, dropped groups and rejected rows, or all",
+    )
     s.set_defaults(func=cmd_export)
     s = sub.add_parser("settings", help="print every setting as a markdown table")
     s.set_defaults(func=cmd_settings)

@@ -13,6 +13,7 @@ Exit status: 0 when every check passed and at least one group was served, 1 othe
 Owns: the demo's work directory, its trainer loop, checks and summary. It must not reach into the
 service: it runs it through the runner and talks to it through the client, as a user would.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,9 @@ import time
 from typing import Any, TextIO
 
 from rollout_buffer.client import BufferClient, BufferError, groups_of
+from rollout_buffer.storage.store import init_database
 from rollout_buffer.tools.progress import Progress
 from rollout_buffer.tools.runner import ServerProcess, clean_env, free_port, log_tail
-from rollout_buffer.storage.store import init_database
 
 logger = logging.getLogger(__name__)
 
@@ -40,24 +41,33 @@ STOP_WAIT_S = 15.0
 
 # --policies: what the demo turns on (the simulator's weight_version moves every 50 rows, and a
 # fifth of its groups end with equal rewards, so each policy has something to do)
-POLICY_ENV = {"ROLLOUT_BUFFER_MAX_OFF_POLICY": "3", "ROLLOUT_BUFFER_DROP_ZERO_VARIANCE": "1",
-              "ROLLOUT_BUFFER_OVERSAMPLE": "1"}
+POLICY_ENV = {
+    "ROLLOUT_BUFFER_MAX_OFF_POLICY": "3",
+    "ROLLOUT_BUFFER_DROP_ZERO_VARIANCE": "1",
+    "ROLLOUT_BUFFER_OVERSAMPLE": "1",
+}
 POLICY_REASONS = ("stale", "zero_variance", "oversampled")
 
 
-def server_env(db_url: str, run_dir: str, *, groups: int, pace: float, policies: bool = False) -> dict[str, str]:
+def server_env(
+    db_url: str, run_dir: str, *, groups: int, pace: float, policies: bool = False
+) -> dict[str, str]:
     """The server's environment: ours without any rollout-buffer setting, plus the demo's."""
-    sim = f"--groups {groups} --pace {pace} --max-steps 4 --fail-rate 0.1" + (" --flat-rate 0.2" if policies else "")
-    return clean_env({
-        "AIEVOBOX_DB_URL": db_url,
-        "AIEVOBOX_RUN_DIR": run_dir,
-        "ROLLOUT_BUFFER_LAUNCHER": "simulate",
-        "ROLLOUT_BUFFER_SIMULATE_ARGS": sim,
-        "AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS": "60",
-        "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "5",
-        "ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS": "20",
-        **(POLICY_ENV if policies else {}),
-    })
+    sim = f"--groups {groups} --pace {pace} --max-steps 4 --fail-rate 0.1" + (
+        " --flat-rate 0.2" if policies else ""
+    )
+    return clean_env(
+        {
+            "AIEVOBOX_DB_URL": db_url,
+            "AIEVOBOX_RUN_DIR": run_dir,
+            "ROLLOUT_BUFFER_LAUNCHER": "simulate",
+            "ROLLOUT_BUFFER_SIMULATE_ARGS": sim,
+            "AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS": "60",
+            "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "5",
+            "ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS": "20",
+            **(POLICY_ENV if policies else {}),
+        }
+    )
 
 
 class Checker:
@@ -91,10 +101,14 @@ class Checker:
             by_session[sid].add(float(reward))
             self.rewards.append(float(reward))
         if len(by_session) != self.k:
-            self.problems.append(f"group {gid}: {len(by_session)} distinct sessions, expected K={self.k}")
+            self.problems.append(
+                f"group {gid}: {len(by_session)} distinct sessions, expected K={self.k}"
+            )
         for sid, rs in by_session.items():
             if len(rs) != 1:
-                self.problems.append(f"group {gid}: session {sid} has items with different rewards {sorted(rs)}")
+                self.problems.append(
+                    f"group {gid}: session {sid} has items with different rewards {sorted(rs)}"
+                )
             self.session_rewards.append(next(iter(rs)))
         self.sessions += len(by_session)
 
@@ -112,7 +126,7 @@ def launcher_summary(log_path: str | None) -> dict[str, Any] | None:
     for line in reversed(log_tail(log_path, 20).splitlines()):
         if line.startswith("SIMULATE "):
             try:
-                return json.loads(line[len("SIMULATE "):])
+                return json.loads(line[len("SIMULATE ") :])
             except ValueError:
                 return None
     return None
@@ -134,11 +148,17 @@ def run_demo(args: argparse.Namespace) -> int:
     pace = float(getattr(args, "pace", 0.005))
     timeout = float(getattr(args, "timeout", 300.0))
     if groups < 1 or k < 1 or pace < 0 or timeout <= 0:
-        print(f"rollout-buffer demo: invalid arguments groups={groups} k={k} pace={pace} timeout={timeout}: "
-              "expected groups >= 1, k >= 1, pace >= 0, timeout > 0", file=sys.stderr)
+        print(
+            f"rollout-buffer demo: invalid arguments groups={groups} k={k} pace={pace} timeout={timeout}: "
+            "expected groups >= 1, k >= 1, pace >= 0, timeout > 0",
+            file=sys.stderr,
+        )
         return 2
-    workdir = os.path.abspath(args.dir) if getattr(args, "dir", None) else tempfile.mkdtemp(
-        prefix="rollout-buffer-demo-")
+    workdir = (
+        os.path.abspath(args.dir)
+        if getattr(args, "dir", None)
+        else tempfile.mkdtemp(prefix="rollout-buffer-demo-")
+    )
     logs = os.path.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
     db_path = os.path.join(workdir, "demo.db")
@@ -151,14 +171,23 @@ def run_demo(args: argparse.Namespace) -> int:
     # The launcher's tables, so the service never reads before the simulator has created them.
     init_database(db_url)
 
-    print(f"rollout-buffer demo: {groups} groups x K={k} sessions, simulated launcher (pace {pace:g} s/row)")
+    print(
+        f"rollout-buffer demo: {groups} groups x K={k} sessions, simulated launcher (pace {pace:g} s/row)"
+    )
     print(f"  work dir {workdir}")
     print(f"  server   {url}  (log {server_log})")
     policies = bool(getattr(args, "policies", False))
     if policies:
-        print("  policies " + ", ".join(f"{k.replace('ROLLOUT_BUFFER_', '')}={v}" for k, v in POLICY_ENV.items()))
-    server = ServerProcess(port, server_env(db_url, logs, groups=groups, pace=pace, policies=policies), server_log,
-                           cwd=workdir)
+        print(
+            "  policies "
+            + ", ".join(f"{k.replace('ROLLOUT_BUFFER_', '')}={v}" for k, v in POLICY_ENV.items())
+        )
+    server = ServerProcess(
+        port,
+        server_env(db_url, logs, groups=groups, pace=pace, policies=policies),
+        server_log,
+        cwd=workdir,
+    )
     started = time.monotonic()
     server.spawn()
     client: BufferClient | None = None
@@ -194,9 +223,11 @@ def run_demo(args: argparse.Namespace) -> int:
                 g = stats.get("groups") or {}
                 r = stats.get("rows") or {}
                 rate = (r.get("read") or 0) / max(elapsed, 1e-6)
-                progress.show(f"  {elapsed:6.1f} s  groups {len(checker.groups):4d}  items {checker.items:6d}  "
-                              f"{rate:8.0f} rows/s  pending {g.get('pending', 0):3d}  "
-                              f"dropped {g.get('dropped_total', 0):3d}")
+                progress.show(
+                    f"  {elapsed:6.1f} s  groups {len(checker.groups):4d}  items {checker.items:6d}  "
+                    f"{rate:8.0f} rows/s  pending {g.get('pending', 0):3d}  "
+                    f"dropped {g.get('dropped_total', 0):3d}"
+                )
                 if not got and _finished(stats):
                     progress.show(progress.last_text, force=True)
                     break
@@ -206,8 +237,19 @@ def run_demo(args: argparse.Namespace) -> int:
         if not timed_out:
             stats = client.stats()
         progress.end()
-        return _summary(out, checker, stats, wall=wall, workdir=workdir, db_path=db_path, logs=logs,
-                        server_log=server_log, timed_out=timed_out, timeout=timeout, policies=policies)
+        return _summary(
+            out,
+            checker,
+            stats,
+            wall=wall,
+            workdir=workdir,
+            db_path=db_path,
+            logs=logs,
+            server_log=server_log,
+            timed_out=timed_out,
+            timeout=timeout,
+            policies=policies,
+        )
     except BufferError as exc:
         progress.end()
         print(f"rollout-buffer demo: the buffer failed: {exc}", file=sys.stderr)
@@ -222,52 +264,105 @@ def run_demo(args: argparse.Namespace) -> int:
             client.close()
         code = server.stop(wait_s=STOP_WAIT_S)
         if code not in (0, None, -signal.SIGTERM):
-            print(f"rollout-buffer demo: the server exited with code {code} (see {server_log})", file=sys.stderr)
+            print(
+                f"rollout-buffer demo: the server exited with code {code} (see {server_log})",
+                file=sys.stderr,
+            )
 
 
-def _summary(out: TextIO, checker: Checker, stats: dict[str, Any], *, wall: float, workdir: str, db_path: str,
-             logs: str, server_log: str, timed_out: bool, timeout: float, policies: bool = False) -> int:
+def _summary(
+    out: TextIO,
+    checker: Checker,
+    stats: dict[str, Any],
+    *,
+    wall: float,
+    workdir: str,
+    db_path: str,
+    logs: str,
+    server_log: str,
+    timed_out: bool,
+    timeout: float,
+    policies: bool = False,
+) -> int:
     g = stats.get("groups") or {}
     r = stats.get("rows") or {}
     balanced = stats.get("accounting_balanced")
     served_by_server = g.get("served")
     problems = list(checker.problems)
     if timed_out:
-        problems.append(f"timed out after {timeout:g} s before the launcher finished and the buffer drained")
+        problems.append(
+            f"timed out after {timeout:g} s before the launcher finished and the buffer drained"
+        )
     if not checker.groups:
         problems.append("no group was served")
     if balanced is not True:
         problems.append(f"accounting not balanced in /stats: rows {r}")
     sim = launcher_summary((stats.get("launcher") or {}).get("log_path"))
     by_policy = {k: v for k, v in (g.get("dropped") or {}).items() if k in POLICY_REASONS}
-    if sim is not None and not timed_out and not policies and sim.get("complete_groups") != len(checker.groups):
-        problems.append(f"the simulator completed {sim.get('complete_groups')} groups, the trainer received "
-                        f"{len(checker.groups)}")
-    if sim is not None and not timed_out and policies \
-            and sim.get("complete_groups", 0) > len(checker.groups) + sum(by_policy.values()):
+    if (
+        sim is not None
+        and not timed_out
+        and not policies
+        and sim.get("complete_groups") != len(checker.groups)
+    ):
+        problems.append(
+            f"the simulator completed {sim.get('complete_groups')} groups, the trainer received "
+            f"{len(checker.groups)}"
+        )
+    if (
+        sim is not None
+        and not timed_out
+        and policies
+        and sim.get("complete_groups", 0) > len(checker.groups) + sum(by_policy.values())
+    ):
         # over-sampling serves a group once K of its K+1 sessions completed: more may be served
-        problems.append(f"the simulator completed {sim.get('complete_groups')} groups, the trainer received "
-                        f"{len(checker.groups)} and {sum(by_policy.values())} were dropped by a policy")
+        problems.append(
+            f"the simulator completed {sim.get('complete_groups')} groups, the trainer received "
+            f"{len(checker.groups)} and {sum(by_policy.values())} were dropped by a policy"
+        )
     if served_by_server is not None and served_by_server != len(checker.groups):
-        problems.append(f"/stats says {served_by_server} groups served, the trainer received {len(checker.groups)}")
+        problems.append(
+            f"/stats says {served_by_server} groups served, the trainer received {len(checker.groups)}"
+        )
     avg = sum(checker.rewards) / len(checker.rewards) if checker.rewards else 0.0
-    avg_s = sum(checker.session_rewards) / len(checker.session_rewards) if checker.session_rewards else 0.0
+    avg_s = (
+        sum(checker.session_rewards) / len(checker.session_rewards)
+        if checker.session_rewards
+        else 0.0
+    )
     rows = [
         ("groups served", f"{len(checker.groups)}"),
         ("items (steps)", f"{checker.items}"),
         ("sessions", f"{checker.sessions}"),
         ("dropped groups", f"{g.get('dropped_total', 0)}  ({_reasons(g.get('dropped'))})"),
         ("rejected rows", f"{r.get('rejected_total', 0)}  ({_reasons(r.get('rejected'))})"),
-        *([("policies", f"stale {by_policy.get('stale', 0)} groups, zero_variance "
-                        f"{by_policy.get('zero_variance', 0)} groups, oversampled "
-                        f"{(r.get('dropped') or {}).get('oversampled', 0)} rows")] if policies else []),
-        ("rows read", f"{r.get('read', 0)}  (served {r.get('served', 0)}, dropped {r.get('dropped_total', 0)}, "
-                      f"pending {r.get('pending', 0)})"),
+        *(
+            [
+                (
+                    "policies",
+                    f"stale {by_policy.get('stale', 0)} groups, zero_variance "
+                    f"{by_policy.get('zero_variance', 0)} groups, oversampled "
+                    f"{(r.get('dropped') or {}).get('oversampled', 0)} rows",
+                )
+            ]
+            if policies
+            else []
+        ),
+        (
+            "rows read",
+            f"{r.get('read', 0)}  (served {r.get('served', 0)}, dropped {r.get('dropped_total', 0)}, "
+            f"pending {r.get('pending', 0)})",
+        ),
         ("avg reward", f"{avg:.3f} per item, {avg_s:.3f} per session"),
         ("wall time", f"{wall:.1f} s"),
-        ("simulator", "-" if sim is None else f"{sim.get('sessions')} sessions ({sim.get('completed_sessions')} "
-                      f"completed, {sim.get('failed_sessions')} crashed), {sim.get('complete_groups')} complete "
-                      "groups"),
+        (
+            "simulator",
+            "-"
+            if sim is None
+            else f"{sim.get('sessions')} sessions ({sim.get('completed_sessions')} "
+            f"completed, {sim.get('failed_sessions')} crashed), {sim.get('complete_groups')} complete "
+            "groups",
+        ),
         ("database", db_path),
         ("logs", f"{logs}  (server: {server_log})"),
         ("accounting balanced", "yes" if balanced is True else "no"),

@@ -14,6 +14,7 @@ backend. The file is written as ``FILE.partial`` and renamed when complete.
 
 It must not write to either database: it only reads, through read-only connections.
 """
+
 from __future__ import annotations
 
 import collections
@@ -25,18 +26,34 @@ import os
 import sys
 import time
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import IO, Any, Iterator, Sequence, TextIO
+from typing import IO, Any, TextIO
 
+from rollout_buffer.core.errors import RolloutBufferError
+from rollout_buffer.core.items import (
+    COMPLETED,
+    CREATED,
+    ENV_STATE,
+    GID,
+    MESSAGES,
+    PARTIAL_FLAG,
+    RESPONSE,
+    SID,
+    STEP,
+    STEP_REWARD,
+    TRUNCATED,
+    Malformed,
+    build_group,
+    epoch,
+    weight_version,
+)
+from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
 from rollout_buffer.storage import queries as q
 from rollout_buffer.storage.db import Database, connect
-from rollout_buffer.core.errors import RolloutBufferError
-from rollout_buffer.core.items import (PARTIAL_FLAG, COMPLETED, CREATED, ENV_STATE, GID, MESSAGES, RESPONSE, SID, STEP, STEP_REWARD, TRUNCATED,
-                    Malformed, build_group, epoch, weight_version)
-from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
-from rollout_buffer.tools.progress import Progress, bar
 from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
+from rollout_buffer.tools.progress import Progress, bar
 
 WHAT = ("served", "dropped", "all")
 PAGE = 500
@@ -114,16 +131,30 @@ def step_record(row: Sequence[Any], outcome: str, reason: str | None) -> dict[st
         ts = None
     out: dict[str, Any] = {"step_pk": int(row[0]), "step_id": _number(row[STEP])}
     out.update(_messages(row[MESSAGES]))
-    out.update({
-        "response": _text(row[RESPONSE]), "step_reward": _number(row[STEP_REWARD]),
-        "reward": _number(row[CUM_REWARD]), "weight_version": _wv(row[ENV_STATE]), "env_state": _text(row[ENV_STATE]),
-        "truncated": bool(row[TRUNCATED]), "terminal": bool(row[TERMINAL]), "completed": bool(row[COMPLETED]),
-        "created_at": _text(row[CREATED]), "timestamp": ts, "env_name": _text(row[ENV_NAME]),
-        "llm_model": _text(row[LLM_MODEL]), "outcome": outcome, "reason": reason})
+    out.update(
+        {
+            "response": _text(row[RESPONSE]),
+            "step_reward": _number(row[STEP_REWARD]),
+            "reward": _number(row[CUM_REWARD]),
+            "weight_version": _wv(row[ENV_STATE]),
+            "env_state": _text(row[ENV_STATE]),
+            "truncated": bool(row[TRUNCATED]),
+            "terminal": bool(row[TERMINAL]),
+            "completed": bool(row[COMPLETED]),
+            "created_at": _text(row[CREATED]),
+            "timestamp": ts,
+            "env_name": _text(row[ENV_NAME]),
+            "llm_model": _text(row[LLM_MODEL]),
+            "outcome": outcome,
+            "reason": reason,
+        }
+    )
     return out
 
 
-def sessions_of(rows: dict[int, tuple], outcomes: dict[int, tuple[str, str | None]]) -> list[dict[str, Any]]:
+def sessions_of(
+    rows: dict[int, tuple], outcomes: dict[int, tuple[str, str | None]]
+) -> list[dict[str, Any]]:
     """The sessions of some rows, sorted by session_id, their steps by (step_id, step_pk), each with
     its terminal reward: the step_reward of its last completed row (None when it never completed)."""
     by_session: dict[str, list[tuple]] = collections.defaultdict(list)
@@ -131,16 +162,23 @@ def sessions_of(rows: dict[int, tuple], outcomes: dict[int, tuple[str, str | Non
         by_session[_text(r[SID]) or ""].append(r)
     out = []
     for sid in sorted(by_session):
+
         def order(r: tuple) -> tuple:
             try:
                 return (0, int(r[STEP]), int(r[0]))
             except (TypeError, ValueError):
                 return (1, 0, int(r[0]))
+
         steps = sorted(by_session[sid], key=order)
         done = [r for r in steps if r[COMPLETED]]
-        out.append({"session_id": sid, "completed": bool(done),
-                    "terminal_reward": _number(done[-1][STEP_REWARD]) if done else None,
-                    "steps": [step_record(r, *outcomes[int(r[0])]) for r in steps]})
+        out.append(
+            {
+                "session_id": sid,
+                "completed": bool(done),
+                "terminal_reward": _number(done[-1][STEP_REWARD]) if done else None,
+                "steps": [step_record(r, *outcomes[int(r[0])]) for r in steps],
+            }
+        )
     return out
 
 
@@ -152,18 +190,23 @@ class Exporter:
         self.st = st
         self.job_id = job_id
         # batch_id -> (uid seed, its partial groups), None once the batch was pruned
-        self._seeds: collections.OrderedDict[str, tuple[bytes, frozenset[str]] | None] = collections.OrderedDict()
+        self._seeds: collections.OrderedDict[str, tuple[bytes, frozenset[str]] | None] = (
+            collections.OrderedDict()
+        )
 
     def count(self) -> int:
         """How many records an ``all`` export has."""
         return int(self.st.scalar(q.EXPORT_COUNT_GROUPS, (self.job_id,)) or 0) + int(
-            self.st.scalar(q.EXPORT_COUNT_ORPHANS, (self.job_id,)) or 0)
+            self.st.scalar(q.EXPORT_COUNT_ORPHANS, (self.job_id,)) or 0
+        )
 
     def check_job(self) -> None:
         if self.st.fetchone(q.GET_JOB, (self.job_id,)) is None:
             known = [r[0] for r in self.st.rows(q.EXPORT_RECENT_JOBS)]
-            raise ExportError(f"no job {self.job_id!r} in the buffer's tables; known jobs (newest first): "
-                              f"{', '.join(known) or 'none'}")
+            raise ExportError(
+                f"no job {self.job_id!r} in the buffer's tables; known jobs (newest first): "
+                f"{', '.join(known) or 'none'}"
+            )
 
     # -- the two sorted streams --------------------------------------------------------------------
     def _groups(self) -> Iterator[dict[str, Any]]:
@@ -178,7 +221,9 @@ class Exporter:
     def _group_rows(self) -> Iterator[tuple]:
         gid, pk = "", -1 << 62
         while True:
-            page = self.st.rows(q.EXPORT_GROUP_ROWS[self.st.backend], (self.job_id, gid, gid, pk, PAGE))
+            page = self.st.rows(
+                q.EXPORT_GROUP_ROWS[self.st.backend], (self.job_id, gid, gid, pk, PAGE)
+            )
             yield from page
             if len(page) < PAGE:
                 return
@@ -207,7 +252,9 @@ class Exporter:
             while pending is not None and pending[0] <= gid:
                 if pending[0] == gid:
                     accounted.append(pending)
-                pending = next(extra, None)  # a row of an undecided group (never rejected) is skipped
+                pending = next(
+                    extra, None
+                )  # a row of an undecided group (never rejected) is skipped
             if what == "all" or (what == "served") == (g["status"] == SERVED):
                 yield self._group_record(g, accounted)
         if what != "served":
@@ -221,8 +268,11 @@ class Exporter:
         if batch_id not in self._seeds:
             r = self.st.fetchone(q.BATCH_SEED, (batch_id,))
             meta = json.loads(r["meta"]) if r is not None and r.get("meta") else {}
-            self._seeds[batch_id] = (bytes.fromhex(r["seed"]), frozenset(meta.get("partial_groups") or ())) \
-                if r is not None else None
+            self._seeds[batch_id] = (
+                (bytes.fromhex(r["seed"]), frozenset(meta.get("partial_groups") or ()))
+                if r is not None
+                else None
+            )
             if len(self._seeds) > SEED_CACHE:
                 self._seeds.popitem(last=False)
         return self._seeds[batch_id]
@@ -247,10 +297,17 @@ class Exporter:
                 outcomes[pk] = (DROPPED, reason)
         for pk, (outcome, why) in extra.items():
             outcomes[pk] = (REJECTED if outcome == REJECTED else DROPPED, why)
-        record = {"format": FORMAT_VERSION, "job_id": self.job_id, "group_id": gid, "status": status,
-                  "reason": reason, "batch_id": g["batch_id"], "decided_at": _number(g["resolved_at"]),
-                  "missing_step_pks": sorted(set(outcomes) - set(rows)),
-                  "sessions": sessions_of(rows, outcomes)}
+        record = {
+            "format": FORMAT_VERSION,
+            "job_id": self.job_id,
+            "group_id": gid,
+            "status": status,
+            "reason": reason,
+            "batch_id": g["batch_id"],
+            "decided_at": _number(g["resolved_at"]),
+            "missing_step_pks": sorted(set(outcomes) - set(rows)),
+            "sessions": sessions_of(rows, outcomes),
+        }
         if items_json is None:
             return json.dumps(record, ensure_ascii=False)
         record["uids"] = uids
@@ -264,8 +321,14 @@ class Exporter:
         seed, partial = known if known is not None else (None, frozenset())
         buf = bytearray()
         try:
-            build_group(take, rows, seed or b"\0" * 16, self.job_id, buf,
-                        PARTIAL_FLAG if take.group_id in partial else "")
+            build_group(
+                take,
+                rows,
+                seed or b"\0" * 16,
+                self.job_id,
+                buf,
+                PARTIAL_FLAG if take.group_id in partial else "",
+            )
         except Malformed as exc:  # pragma: no cover - served rows were valid and rows are immutable
             return json.dumps({"error": f"cannot rebuild: {exc.reason}"}), "unbuildable"
         text = buf.decode("utf-8")
@@ -280,17 +343,35 @@ class Exporter:
     def _orphan_record(self, r: tuple) -> str:
         pk, outcome, reason, recorded_at = int(r[0]), r[1], r[2], r[3]
         rows = self._rows([pk])
-        record = {"format": FORMAT_VERSION, "job_id": self.job_id, "group_id": None, "status": REJECTED,
-                  "reason": reason, "batch_id": None, "decided_at": _number(recorded_at),
-                  "missing_step_pks": [] if pk in rows else [pk],
-                  "sessions": sessions_of(rows, {pk: (REJECTED if outcome == REJECTED else DROPPED, reason)})}
+        record = {
+            "format": FORMAT_VERSION,
+            "job_id": self.job_id,
+            "group_id": None,
+            "status": REJECTED,
+            "reason": reason,
+            "batch_id": None,
+            "decided_at": _number(recorded_at),
+            "missing_step_pks": [] if pk in rows else [pk],
+            "sessions": sessions_of(
+                rows, {pk: (REJECTED if outcome == REJECTED else DROPPED, reason)}
+            ),
+        }
         if rows:
-            record["group_id_text"] = _text(rows[pk][GID])  # what the row held instead of a usable group_id
+            record["group_id_text"] = _text(
+                rows[pk][GID]
+            )  # what the row held instead of a usable group_id
         return json.dumps(record, ensure_ascii=False)
 
 
-def export(src: Database, st: Database, job_id: str, path: str, *, what: str = "all",
-           progress_to: TextIO | None = None) -> Summary:
+def export(
+    src: Database,
+    st: Database,
+    job_id: str,
+    path: str,
+    *,
+    what: str = "all",
+    progress_to: TextIO | None = None,
+) -> Summary:
     """Write the job's records to ``path`` (gzip when it ends in .gz); returns what was written."""
     ex = Exporter(src, st, job_id)
     ex.check_job()
@@ -310,8 +391,10 @@ def export(src: Database, st: Database, job_id: str, path: str, *, what: str = "
                 if progress is not None and now - shown >= 0.2:
                     shown = now
                     rate = summary.records / max(now - started, 1e-6)
-                    progress.show(f"  export {bar(summary.records, total)}  {summary.records} records  "
-                                  f"{summary.bytes / 1e6:7.1f} MB  {rate:6.0f} records/s")
+                    progress.show(
+                        f"  export {bar(summary.records, total)}  {summary.records} records  "
+                        f"{summary.bytes / 1e6:7.1f} MB  {rate:6.0f} records/s"
+                    )
         os.replace(partial, path)
     except BaseException:
         if progress is not None:
@@ -320,8 +403,11 @@ def export(src: Database, st: Database, job_id: str, path: str, *, what: str = "
             os.unlink(partial)
         raise
     if progress is not None:
-        progress.show(f"  export {bar(summary.records, total or summary.records)}  {summary.records} records  "
-                      f"{summary.bytes / 1e6:7.1f} MB  {time.monotonic() - started:.1f} s", force=True)
+        progress.show(
+            f"  export {bar(summary.records, total or summary.records)}  {summary.records} records  "
+            f"{summary.bytes / 1e6:7.1f} MB  {time.monotonic() - started:.1f} s",
+            force=True,
+        )
         progress.end()
     return summary
 
@@ -342,12 +428,18 @@ def read_export(path: str) -> Iterator[dict[str, Any]]:
                         record = json.loads(line)
                     except ValueError as exc:
                         raise ExportError(f"{path}:{n}: not a JSON record ({exc})") from None
-                    if not isinstance(record, dict) or not isinstance(record.get("sessions", []), list):
-                        raise ExportError(f"{path}:{n}: not an export record (a JSON object with its sessions)")
+                    if not isinstance(record, dict) or not isinstance(
+                        record.get("sessions", []), list
+                    ):
+                        raise ExportError(
+                            f"{path}:{n}: not an export record (a JSON object with its sessions)"
+                        )
                     yield record
     except (EOFError, gzip.BadGzipFile, UnicodeDecodeError, zlib.error) as exc:
-        raise ExportError(f"{path}: unreadable after line {n} ({type(exc).__name__}: {exc}); "
-                          "a truncated or corrupt file?") from None
+        raise ExportError(
+            f"{path}: unreadable after line {n} ({type(exc).__name__}: {exc}); "
+            "a truncated or corrupt file?"
+        ) from None
 
 
 def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, what: str) -> int:
@@ -355,24 +447,35 @@ def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, wh
     The databases are opened read-only (SQLite: a mistyped path is an error, never a new empty
     file). The progress bar is shown on a terminal only; the last line says what was written."""
     if what not in WHAT:
-        print(f"rollout-buffer export: --what {what!r}: expected one of {', '.join(WHAT)}", file=sys.stderr)
+        print(
+            f"rollout-buffer export: --what {what!r}: expected one of {', '.join(WHAT)}",
+            file=sys.stderr,
+        )
         return 2
     src = st = None
     try:
         src = connect(db_url, readonly=True)
-        st = connect(state_db_url, readonly=True) if state_db_url and state_db_url != db_url else src
-        summary = export(src, st, job_id, out, what=what, progress_to=sys.stderr if sys.stderr.isatty() else None)
+        st = (
+            connect(state_db_url, readonly=True) if state_db_url and state_db_url != db_url else src
+        )
+        summary = export(
+            src, st, job_id, out, what=what, progress_to=sys.stderr if sys.stderr.isatty() else None
+        )
     except ExportError as exc:
         print(f"rollout-buffer export: {exc}", file=sys.stderr)
         return 2
     except RolloutBufferError as exc:
         print(f"rollout-buffer export: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:  # the output cannot be written (no such directory, no space, no permission)
+    except (
+        OSError
+    ) as exc:  # the output cannot be written (no such directory, no space, no permission)
         print(f"rollout-buffer export: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     finally:
         for db in {id(d): d for d in (src, st) if d is not None}.values():
             db.close()
-    print(f"exported {summary.records} records of job {job_id} to {out} ({summary.bytes / 1e6:.1f} MB)")
+    print(
+        f"exported {summary.records} records of job {job_id} to {out} ({summary.bytes / 1e6:.1f} MB)"
+    )
     return 0

@@ -17,6 +17,7 @@ groups come back. ``created_at`` is the time of writing.
 It must not read or write the buffer's tables: it reads the export file and INSERTs launcher rows,
 as a launcher does.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,8 @@ import math
 import uuid
 from typing import Any
 
-from rollout_buffer.tools.export import read_export
 from rollout_buffer.storage.queries import INSERT_ENV, INSERT_STEP
+from rollout_buffer.tools.export import read_export
 from rollout_buffer.tools.simulator import Simulator
 from rollout_buffer.tools.workload import LLM_MODEL
 
@@ -68,14 +69,24 @@ class ExportReplayer(Simulator):
         self.check_stop()
         self.ensure_tables()
         if not a.quiet:
-            print(f"simulate: job {a.job_id}: writing back {a.from_export}, pace {a.pace}s -> {self.connect().safe_url}",
-                  flush=True)
+            print(
+                f"simulate: job {a.job_id}: writing back {a.from_export}, pace {a.pace}s -> {self.connect().safe_url}",
+                flush=True,
+            )
         first = True
         for record in read_export(a.from_export):
             self.check_stop()
-            sessions = [(str(uuid.uuid4()), [st for st in s.get("steps", [])
-                                             if not str(st.get("reason") or "").startswith(LATE)])
-                        for s in record.get("sessions", [])]
+            sessions = [
+                (
+                    str(uuid.uuid4()),
+                    [
+                        st
+                        for st in s.get("steps", [])
+                        if not str(st.get("reason") or "").startswith(LATE)
+                    ],
+                )
+                for s in record.get("sessions", [])
+            ]
             sessions = [(sid, steps) for sid, steps in sessions if steps]
             if not sessions:
                 continue
@@ -94,36 +105,82 @@ class ExportReplayer(Simulator):
                         self._step(sid, gid, steps[i])
                         self.progress()
 
-    def _environments(self, record: dict[str, Any], sessions: list[tuple[str, list[dict[str, Any]]]]) -> None:
+    def _environments(
+        self, record: dict[str, Any], sessions: list[tuple[str, list[dict[str, Any]]]]
+    ) -> None:
         a, created = self.args, self.now()
-        params = json.dumps({"replayed_from": record.get("job_id"), "group_id": record.get("group_id")})
-        rows = [(a.job_id, sid, steps[0].get("env_name") or "replay", params, None, record.get("group_id"), 0, 0,
-                 created) for sid, steps in sessions]
+        params = json.dumps(
+            {"replayed_from": record.get("job_id"), "group_id": record.get("group_id")}
+        )
+        rows = [
+            (
+                a.job_id,
+                sid,
+                steps[0].get("env_name") or "replay",
+                params,
+                None,
+                record.get("group_id"),
+                0,
+                0,
+                created,
+            )
+            for sid, steps in sessions
+        ]
 
         def insert(db: Any) -> None:
             with db.transaction():
                 db.executemany(INSERT_ENV, rows)
+
         self.write(insert, "inserting job_environments")
 
     def _step(self, sid: str, gid: str | None, st: dict[str, Any]) -> None:
         a = self.args
 
         def insert(db: Any) -> None:
-            db.execute(INSERT_STEP, (
-                sid, st.get("step_id"), st.get("env_name") or "replay", st.get("llm_model") or LLM_MODEL, gid,
-                a.job_id, _messages_text(st), st.get("response") or "", _number(st.get("step_reward"), db.backend),
-                _number(st.get("reward"), db.backend), st.get("env_state"), int(bool(st.get("terminal"))),
-                int(bool(st.get("truncated"))), int(bool(st.get("completed"))), 1, self.now()))
+            db.execute(
+                INSERT_STEP,
+                (
+                    sid,
+                    st.get("step_id"),
+                    st.get("env_name") or "replay",
+                    st.get("llm_model") or LLM_MODEL,
+                    gid,
+                    a.job_id,
+                    _messages_text(st),
+                    st.get("response") or "",
+                    _number(st.get("step_reward"), db.backend),
+                    _number(st.get("reward"), db.backend),
+                    st.get("env_state"),
+                    int(bool(st.get("terminal"))),
+                    int(bool(st.get("truncated"))),
+                    int(bool(st.get("completed"))),
+                    1,
+                    self.now(),
+                ),
+            )
+
         self.write(insert, f"inserting step {st.get('step_id')} of session {sid}")
         self.rows += 1
 
     def progress_line(self, rate: float) -> str:
-        return (f"simulate: job {self.args.job_id}: {self.rows} rows, {self.records} records, "
-                f"{self.sessions} sessions written back, {rate:.0f} rows/s")
+        return (
+            f"simulate: job {self.args.job_id}: {self.rows} rows, {self.records} records, "
+            f"{self.sessions} sessions written back, {rate:.0f} rows/s"
+        )
 
     def summary(self, interrupted: bool) -> dict[str, Any]:
         out = super().summary(interrupted)
-        out.update({"from_export": self.args.from_export, "records": self.records, "groups": len(self.group_ids),
-                    "sessions": self.sessions, "sessions_started": self.sessions, "complete_groups": None,
-                    "completed_sessions": None, "failed_sessions": None, "truncated_sessions": None})
+        out.update(
+            {
+                "from_export": self.args.from_export,
+                "records": self.records,
+                "groups": len(self.group_ids),
+                "sessions": self.sessions,
+                "sessions_started": self.sessions,
+                "complete_groups": None,
+                "completed_sessions": None,
+                "failed_sessions": None,
+                "truncated_sessions": None,
+            }
+        )
         return out

@@ -5,10 +5,12 @@ otherwise) and the text of a bar. It knows nothing of what is being counted.
 
 It must not know what is being counted nor decide where the output goes.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 PROGRESS_EVERY_S = 2.0  # when the stream is not a terminal
 BAR_WIDTH = 24
@@ -62,8 +64,14 @@ def bar(done: int, total: int | None) -> str:
 CLEAR_HOME = "\x1b[H\x1b[2J"  # cursor home, clear the screen: the table is redrawn in place
 
 
-def watch(render: Callable[[], str], out: TextIO, *, interval: float = 2.0, count: int = 0,
-          title: str = "") -> int:
+def watch(
+    render: Callable[[], str],
+    out: TextIO,
+    *,
+    interval: float = 2.0,
+    count: int = 0,
+    title: str = "",
+) -> int:
     """Redraw ``render()`` every ``interval`` seconds: in place on a terminal, else one block per
     refresh under a time stamp. ``count`` > 0 stops after that many; Ctrl-C stops (status 0)."""
     tty = out.isatty()
@@ -72,7 +80,9 @@ def watch(render: Callable[[], str], out: TextIO, *, interval: float = 2.0, coun
         while True:
             stamp = f"{title}  {time.strftime('%H:%M:%S')}  (every {interval:g} s, Ctrl-C to stop)"
             text = render()
-            out.write((CLEAR_HOME if tty else "") + stamp + "\n" + text + "\n" + ("" if tty else "\n"))
+            out.write(
+                (CLEAR_HOME if tty else "") + stamp + "\n" + text + "\n" + ("" if tty else "\n")
+            )
             out.flush()
             n += 1
             if count and n >= count:

@@ -5,6 +5,7 @@ subprocess in its own session (so its whole process group can be signalled), wai
 ``GET /health``, stopping (a signal, a wait, then SIGKILL of what is left) and reading its log.
 It must not know about pytest or about what the caller does with the server.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,13 +15,20 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import requests
 
 SCRUB_PREFIXES = ("AIEVOBOX_", "AIEVOBOC_", "ROLLOUT_BUFFER_", "LLM_PROXY_")
-SCRUB_NAMES = ("STORAGE_TYPE", "BUFFER_SERVER_PORT", "WEB_CONCURRENCY", "GUNICORN_CMD_ARGS", "RL_MODEL",
-               "RL_EPOCH", "LLM_TEMPERATURE")
+SCRUB_NAMES = (
+    "STORAGE_TYPE",
+    "BUFFER_SERVER_PORT",
+    "WEB_CONCURRENCY",
+    "GUNICORN_CMD_ARGS",
+    "RL_MODEL",
+    "RL_EPOCH",
+    "LLM_TEMPERATURE",
+)
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -31,11 +39,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def clean_env(settings: Mapping[str, str], *, package_parent: str = PACKAGE_PARENT) -> dict[str, str]:
+def clean_env(
+    settings: Mapping[str, str], *, package_parent: str = PACKAGE_PARENT
+) -> dict[str, str]:
     """os.environ without any service setting, plus ``settings``, with the package importable."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES) and k not in SCRUB_NAMES}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(SCRUB_PREFIXES) and k not in SCRUB_NAMES
+    }
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (package_parent, os.environ.get("PYTHONPATH")) if p
+    )
     env.update(settings)
     return env
 
@@ -60,8 +76,15 @@ def serve_argv(port: int, host: str = "127.0.0.1") -> list[str]:
 class ServerProcess:
     """One server subprocess (gunicorn master and worker) in its own process group."""
 
-    def __init__(self, port: int, env: Mapping[str, str], log_path: str | os.PathLike, *,
-                 cwd: str | os.PathLike | None = None, argv: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        port: int,
+        env: Mapping[str, str],
+        log_path: str | os.PathLike,
+        *,
+        cwd: str | os.PathLike | None = None,
+        argv: Sequence[str] | None = None,
+    ) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.env = dict(env)
@@ -80,8 +103,15 @@ class ServerProcess:
         with open(self.log_path, "ab") as log:
             log.write(f"--- start{note}: {self.argv}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(self.argv, cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv,
+                cwd=self.cwd,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def wait_healthy(self, timeout: float) -> str | None:
         """None once GET /health answers 200, else why it did not within ``timeout``."""

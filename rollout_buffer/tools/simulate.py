@@ -41,6 +41,7 @@ database cannot be written (after retries), 2 for bad arguments.
 Owns: the simulator's command line (flags, signals, exit statuses); the engine is simulator.py and
 the replay of an export from_export.py. It must not UPDATE or DELETE a row.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,25 +49,27 @@ import json
 import os
 import signal
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from rollout_buffer.storage import db as dbmod
 from rollout_buffer.core.errors import RolloutBufferError
+from rollout_buffer.storage import db as dbmod
 from rollout_buffer.tools.from_export import ExportReplayer
 from rollout_buffer.tools.simulator import Simulator, Stop
 
 
-
-
-
 def _bounded(kind: type, lo: float, hi: float | None = None) -> Any:
     """An argparse type: a number of ``kind`` within [lo, hi]."""
+
     def parse(text: str) -> Any:
         value = kind(text)
         if not (value >= lo and (hi is None or value <= hi)):
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} "
-                                             f">= {lo:g}{'' if hi is None else f' and <= {hi:g}'}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'} "
+                f">= {lo:g}{'' if hi is None else f' and <= {hi:g}'}, got {text!r}"
+            )
         return value
+
     return parse
 
 
@@ -78,40 +81,84 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rollout_buffer.simulate",
         description="Simulated AIEvoBox launcher: writes launcher rows (one per step) into "
-                    "session_steps and job_environments. Unknown launcher flags are ignored.",
+        "session_steps and job_environments. Unknown launcher flags are ignored.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        allow_abbrev=False)  # an unknown launcher flag must never be taken for a prefix of ours
+        allow_abbrev=False,
+    )  # an unknown launcher flag must never be taken for a prefix of ours
     g = p.add_argument_group("the original launcher's flags")
-    g.add_argument("--db-path", required=True,
-                   help="database URL: sqlite:///abs/path, sqlite://rel/path or postgresql://... "
-                        "(a bare file path is taken as SQLite)")
-    g.add_argument("--storage-type", choices=("sqlite", "postgres", "postgresql"), default=None,
-                   help="backend; must agree with --db-path (the URL decides)")
+    g.add_argument(
+        "--db-path",
+        required=True,
+        help="database URL: sqlite:///abs/path, sqlite://rel/path or postgresql://... "
+        "(a bare file path is taken as SQLite)",
+    )
+    g.add_argument(
+        "--storage-type",
+        choices=("sqlite", "postgres", "postgresql"),
+        default=None,
+        help="backend; must agree with --db-path (the URL decides)",
+    )
     g.add_argument("--job-id", required=True, help="job_id of every row")
     g.add_argument("--rl-group-size", type=_pos_int, default=8, help="sessions per group (K)")
-    g.add_argument("--max-steps", type=_pos_int, default=6,
-                   help="step cap: sessions have 1..max-steps steps (random per session)")
+    g.add_argument(
+        "--max-steps",
+        type=_pos_int,
+        default=6,
+        help="step cap: sessions have 1..max-steps steps (random per session)",
+    )
     g.add_argument("--pool-size", type=_pos_int, default=16, help="concurrently running sessions")
-    g.add_argument("--rl-epoch", type=int, default=1,
-                   help="epoch: shifts the task index (and so the group ids) by (epoch-1)*groups")
+    g.add_argument(
+        "--rl-epoch",
+        type=int,
+        default=1,
+        help="epoch: shifts the task index (and so the group ids) by (epoch-1)*groups",
+    )
     s = p.add_argument_group("simulator knobs")
     s.add_argument("--groups", type=_pos_int, default=32, help="prompt groups G")
-    s.add_argument("--fail-rate", type=_rate, default=0.05,
-                   help="fraction of sessions that crash after 0..n-1 rows, never completing")
-    s.add_argument("--flat-rate", type=_rate, default=0.0,
-                   help="fraction of groups whose sessions all end with the same reward (zero variance)")
-    s.add_argument("--truncate-rate", type=_rate, default=0.1,
-                   help="fraction of sessions that hit the step cap and end truncated")
-    s.add_argument("--pace", type=_nonneg_float, default=0.02,
-                   help="seconds to sleep between rows (0 = as fast as possible)")
-    s.add_argument("--prompt-bytes", type=_pos_int, default=600,
-                   help="approximate size of the first user prompt")
-    s.add_argument("--seed", type=int, default=None,
-                   help="random seed for the run's shape (session ids are always fresh uuid4s)")
+    s.add_argument(
+        "--fail-rate",
+        type=_rate,
+        default=0.05,
+        help="fraction of sessions that crash after 0..n-1 rows, never completing",
+    )
+    s.add_argument(
+        "--flat-rate",
+        type=_rate,
+        default=0.0,
+        help="fraction of groups whose sessions all end with the same reward (zero variance)",
+    )
+    s.add_argument(
+        "--truncate-rate",
+        type=_rate,
+        default=0.1,
+        help="fraction of sessions that hit the step cap and end truncated",
+    )
+    s.add_argument(
+        "--pace",
+        type=_nonneg_float,
+        default=0.02,
+        help="seconds to sleep between rows (0 = as fast as possible)",
+    )
+    s.add_argument(
+        "--prompt-bytes",
+        type=_pos_int,
+        default=600,
+        help="approximate size of the first user prompt",
+    )
+    s.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="random seed for the run's shape (session ids are always fresh uuid4s)",
+    )
     s.add_argument("--quiet", action="store_true", help="print only the final SIMULATE line")
-    s.add_argument("--from-export", metavar="FILE", default=None,
-                   help="write the records of a `rollout-buffer export` file (JSONL, .gz or plain) back as this "
-                        "job's rows, at --pace, instead of simulating (see rollout_buffer.tools.from_export)")
+    s.add_argument(
+        "--from-export",
+        metavar="FILE",
+        default=None,
+        help="write the records of a `rollout-buffer export` file (JSONL, .gz or plain) back as this "
+        "job's rows, at --pace, instead of simulating (see rollout_buffer.tools.from_export)",
+    )
     return p
 
 
@@ -120,12 +167,18 @@ def normalise_url(db_path: str, storage_type: str | None) -> str:
     if db_path.startswith(("sqlite://", "postgresql://", "postgres://")):
         kind = "sqlite" if db_path.startswith("sqlite://") else "postgres"
         if storage_type and storage_type.replace("postgresql", "postgres") != kind:
-            print(f"simulate: warning: --storage-type {storage_type} disagrees with --db-path "
-                  f"({kind}); using {kind}", file=sys.stderr, flush=True)  # never the URL: it may hold a password
+            print(
+                f"simulate: warning: --storage-type {storage_type} disagrees with --db-path "
+                f"({kind}); using {kind}",
+                file=sys.stderr,
+                flush=True,
+            )  # never the URL: it may hold a password
         return db_path
     if storage_type in ("postgres", "postgresql"):
-        raise SystemExit(f"simulate: --db-path {dbmod.redact(db_path)!r} is not a postgresql:// URL "
-                         "but --storage-type is postgres")
+        raise SystemExit(
+            f"simulate: --db-path {dbmod.redact(db_path)!r} is not a postgresql:// URL "
+            "but --storage-type is postgres"
+        )
     return "sqlite://" + os.path.abspath(db_path)
 
 
@@ -138,7 +191,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(exc, file=sys.stderr, flush=True)
         return 2
     if args.from_export is not None:
-
         sim: Simulator = ExportReplayer(args, url)
     else:
         sim = Simulator(args, url)

@@ -7,6 +7,7 @@ database, and stops cleanly on SIGTERM/SIGINT between two rows.
 Owns: planning a job's groups and sessions, pacing and retrying writes, and the run's summary. It
 must not UPDATE or DELETE a row, nor read the buffer's tables.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,14 +20,14 @@ from collections import deque
 from datetime import datetime, timezone
 from typing import Any
 
-from rollout_buffer.storage import db as dbmod
 from rollout_buffer.core.errors import IntegrityError, StorageError
+from rollout_buffer.storage import db as dbmod
 from rollout_buffer.storage.queries import INSERT_ENV, INSERT_STEP, LAUNCHER_DDL
 from rollout_buffer.tools.workload import LLM_MODEL, SYSTEM_PROMPTS, Group, Session, Text
 
-WEIGHT_VERSION_EVERY = 50      # weight_version = rows written // this
-WRITE_ATTEMPTS = 6             # tries per write on StorageError (database locked, connection lost)
-SLEEP_SLICE_S = 0.05           # granularity of the --pace sleep, so SIGTERM is seen promptly
+WEIGHT_VERSION_EVERY = 50  # weight_version = rows written // this
+WRITE_ATTEMPTS = 6  # tries per write on StorageError (database locked, connection lost)
+SLEEP_SLICE_S = 0.05  # granularity of the --pace sleep, so SIGTERM is seen promptly
 
 
 class Stop(Exception):
@@ -91,8 +92,12 @@ class Simulator:
             except StorageError as exc:
                 if attempt == WRITE_ATTEMPTS:
                     raise
-                print(f"simulate: {what} failed (attempt {attempt}/{WRITE_ATTEMPTS}), retrying in "
-                      f"{delay:.2f}s: {exc}", file=sys.stderr, flush=True)
+                print(
+                    f"simulate: {what} failed (attempt {attempt}/{WRITE_ATTEMPTS}), retrying in "
+                    f"{delay:.2f}s: {exc}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if self.db is not None and self.db.broken:
                     self.reset_connection()
                 time.sleep(delay)
@@ -118,7 +123,9 @@ class Simulator:
         if not self.tables_exist(db):
             time.sleep(0.2)
             if not self.tables_exist(db):
-                raise StorageError(f"launcher tables are missing in {db.safe_url} and could not be created")
+                raise StorageError(
+                    f"launcher tables are missing in {db.safe_url} and could not be created"
+                )
 
     def now(self) -> Any:
         now = datetime.now(timezone.utc)
@@ -139,7 +146,9 @@ class Simulator:
             reward_list = sorted(rewards)
             rng.shuffle(reward_list)
             if rng.random() < getattr(a, "flat_rate", 0.0):
-                reward_list = reward_list[:1]  # every session of the group ends with the same reward
+                reward_list = reward_list[
+                    :1
+                ]  # every session of the group ends with the same reward
             for k in range(a.rl_group_size):
                 s = Session(gr, str(uuid.uuid4()))
                 s.terminal_reward = reward_list[k % len(reward_list)]
@@ -160,23 +169,44 @@ class Simulator:
         created = self.now()
         rows = []
         for gr in self.groups:
-            params = json.dumps({"task_idx": gr.task_idx, "env_num": a.rl_group_size,
-                                 "max_steps": a.max_steps, "split": "train", "simulated": True})
+            params = json.dumps(
+                {
+                    "task_idx": gr.task_idx,
+                    "env_num": a.rl_group_size,
+                    "max_steps": a.max_steps,
+                    "split": "train",
+                    "simulated": True,
+                }
+            )
             for s in gr.sessions:
-                rows.append((a.job_id, s.session_id, gr.env_name, params,
-                             f"aievobox/{gr.env_name}:latest", gr.group_id, 0, 0, created))
+                rows.append(
+                    (
+                        a.job_id,
+                        s.session_id,
+                        gr.env_name,
+                        params,
+                        f"aievobox/{gr.env_name}:latest",
+                        gr.group_id,
+                        0,
+                        0,
+                        created,
+                    )
+                )
 
         def insert(db: dbmod.Database) -> None:
             with db.transaction():
                 db.executemany(INSERT_ENV, rows)
+
         self.write(insert, "inserting job_environments")
 
     # -- running ----------------------------------------------------------------------------
     def start(self, s: Session) -> None:
         self.sessions_started += 1
         gr = s.group
-        s.history = [{"role": "system", "content": SYSTEM_PROMPTS[gr.env_name]},
-                     {"role": "user", "content": gr.task}]
+        s.history = [
+            {"role": "system", "content": SYSTEM_PROMPTS[gr.env_name]},
+            {"role": "user", "content": gr.task},
+        ]
 
     def finish(self, s: Session) -> None:
         if s.completes:
@@ -192,8 +222,11 @@ class Simulator:
         a, rng, gr = self.args, self.rng, s.group
         s.step += 1
         last = s.step == s.rows_planned and s.completes
-        response = (f"Thought: step {s.step}. " + self.text.words(rng.uniform(40, 160))
-                    + f"\nAction: act_{s.step}")
+        response = (
+            f"Thought: step {s.step}. "
+            + self.text.words(rng.uniform(40, 160))
+            + f"\nAction: act_{s.step}"
+        )
         if last:
             step_reward = s.terminal_reward
         else:
@@ -205,15 +238,33 @@ class Simulator:
 
         def insert(db: dbmod.Database) -> None:
             # a fresh timestamp per attempt: (session_id, step_id, created_at) is unique
-            row = (s.session_id, s.step, gr.env_name, LLM_MODEL, gr.group_id, a.job_id, messages,
-                   response, step_reward, cum, env_state, flag, 1 if (last and s.truncated) else 0,
-                   flag, 1, self.now())
+            row = (
+                s.session_id,
+                s.step,
+                gr.env_name,
+                LLM_MODEL,
+                gr.group_id,
+                a.job_id,
+                messages,
+                response,
+                step_reward,
+                cum,
+                env_state,
+                flag,
+                1 if (last and s.truncated) else 0,
+                flag,
+                1,
+                self.now(),
+            )
             db.execute(INSERT_STEP, row)
+
         self.write(insert, f"inserting step {s.step} of session {s.session_id}")
         s.cum_reward = cum
         self.rows += 1
         s.history.append({"role": "assistant", "content": response})
-        s.history.append({"role": "user", "content": "Observation: " + self.text.words(rng.uniform(40, 200))})
+        s.history.append(
+            {"role": "user", "content": "Observation: " + self.text.words(rng.uniform(40, 200))}
+        )
 
     def progress(self, force: bool = False) -> None:
         if self.args.quiet:
@@ -228,9 +279,11 @@ class Simulator:
         """The text of a progress line (``rate`` in rows/s)."""
         total = len(self.groups) * self.args.rl_group_size
         done = self.completed_sessions + self.failed_sessions
-        return (f"simulate: job {self.args.job_id}: {self.rows} rows, sessions {done}/{total} done "
-                f"({self.completed_sessions} completed, {self.failed_sessions} failed), "
-                f"{rate:.0f} rows/s, weight_version {self.rows // WEIGHT_VERSION_EVERY}")
+        return (
+            f"simulate: job {self.args.job_id}: {self.rows} rows, sessions {done}/{total} done "
+            f"({self.completed_sessions} completed, {self.failed_sessions} failed), "
+            f"{rate:.0f} rows/s, weight_version {self.rows // WEIGHT_VERSION_EVERY}"
+        )
 
     def run(self) -> None:
         a, rng = self.args, self.rng
@@ -240,9 +293,11 @@ class Simulator:
         self.plan()
         self.write_environments()
         if not a.quiet:
-            print(f"simulate: job {a.job_id}: {a.groups} groups x K={a.rl_group_size}, max {a.max_steps} "
-                  f"steps, pool {a.pool_size}, pace {a.pace}s -> {self.connect().safe_url}",
-                  flush=True)
+            print(
+                f"simulate: job {a.job_id}: {a.groups} groups x K={a.rl_group_size}, max {a.max_steps} "
+                f"steps, pool {a.pool_size}, pace {a.pace}s -> {self.connect().safe_url}",
+                flush=True,
+            )
         queue = deque(s for gr in self.groups for s in gr.sessions)
         active: list[Session] = []
 

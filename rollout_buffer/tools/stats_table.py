@@ -2,6 +2,7 @@
 
 Owns: formatting a /stats document for a terminal. Pure text: it must not do I/O or HTTP.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -64,11 +65,17 @@ def format_stats(stats: dict[str, Any]) -> str:
     f = stats.get("figures")
     if isinstance(f, dict):
         section("figures (steps per session, mean terminal reward)")
-        for label, fig in [("served", f.get("served") or {})] + sorted((f.get("dropped") or {}).items()):
+        for label, fig in [("served", f.get("served") or {})] + sorted(
+            (f.get("dropped") or {}).items()
+        ):
             add(label, fig.get("steps_per_session"), f", {_fmt(fig.get('terminal_reward_mean'))}")
     v = stats.get("versions")
     if isinstance(v, dict):
-        add("weight version", v.get("current"), f"  (trainer {_fmt(v.get('trainer'))}, rows {_fmt(v.get('rows'))})")
+        add(
+            "weight version",
+            v.get("current"),
+            f"  (trainer {_fmt(v.get('trainer'))}, rows {_fmt(v.get('rows'))})",
+        )
     if r is not None or "cursor" in stats:
         section("ingest")
         add("cursor (last id read)", stats.get("cursor"))

@@ -5,6 +5,7 @@ Owns the shapes the simulated launcher (simulate.py) fills in and writes as rows
 
 It must not do I/O or draw randomness of its own (the simulator hands it its seeded generator).
 """
+
 from __future__ import annotations
 
 import random
@@ -14,12 +15,61 @@ ENV_NAMES = ("alfworld", "webshop", "sokoban", "math500", "textcraft", "osgym")
 LLM_MODEL = "simulated"
 SYSTEM_PROMPTS = {
     name: f"You are an agent acting in the {name} environment. Think step by step, then "
-          f"reply with exactly one action in the form 'Action: <command>'."
+    f"reply with exactly one action in the form 'Action: <command>'."
     for name in ENV_NAMES
 }
-_VOCAB = ("the a to of and you see go take open room door key box table north south east west "
-          "drawer shelf apple knife lamp put on in with from item price buy search click back "
-          "next answer compute sum value step check look inventory café naïve 数据 环境 → —").split()
+_VOCAB = [
+    "the",
+    "a",
+    "to",
+    "of",
+    "and",
+    "you",
+    "see",
+    "go",
+    "take",
+    "open",
+    "room",
+    "door",
+    "key",
+    "box",
+    "table",
+    "north",
+    "south",
+    "east",
+    "west",
+    "drawer",
+    "shelf",
+    "apple",
+    "knife",
+    "lamp",
+    "put",
+    "on",
+    "in",
+    "with",
+    "from",
+    "item",
+    "price",
+    "buy",
+    "search",
+    "click",
+    "back",
+    "next",
+    "answer",
+    "compute",
+    "sum",
+    "value",
+    "step",
+    "check",
+    "look",
+    "inventory",
+    "café",
+    "naïve",
+    "数据",
+    "环境",
+    "→",
+    "—",
+]
 
 
 class Text:
@@ -41,10 +91,19 @@ class Text:
 
 
 class Session:
-    __slots__ = ("group", "session_id", "history", "step", "rows_planned", "completes",
-                 "truncated", "terminal_reward", "cum_reward")
+    __slots__ = (
+        "completes",
+        "cum_reward",
+        "group",
+        "history",
+        "rows_planned",
+        "session_id",
+        "step",
+        "terminal_reward",
+        "truncated",
+    )
 
-    def __init__(self, group: "Group", session_id: str) -> None:
+    def __init__(self, group: Group, session_id: str) -> None:
         self.group = group
         self.session_id = session_id
         self.history: list[dict[str, str]] = []
@@ -57,7 +116,7 @@ class Session:
 
 
 class Group:
-    __slots__ = ("index", "task_idx", "env_name", "group_id", "task", "sessions", "completed")
+    __slots__ = ("completed", "env_name", "group_id", "index", "sessions", "task", "task_idx")
 
     def __init__(self, index: int, task_idx: int) -> None:
         self.index = index

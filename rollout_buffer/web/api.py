@@ -9,6 +9,7 @@ Owns: the routes, parsing and validating bodies, the token and the same-origin c
 the service's answers into responses. It must not hold state or decide anything: every action is a
 call to the service (the page and /metrics render what the service reports).
 """
+
 from __future__ import annotations
 
 import hmac
@@ -23,12 +24,12 @@ from flask import Blueprint, Response, current_app, g, request
 
 from rollout_buffer.core.errors import ApiError
 from rollout_buffer.core.items import iter_bytes
-from rollout_buffer.web.metrics import render_metrics
 from rollout_buffer.core.model import PollRequest
-from rollout_buffer.web.page import page_html, status_document
-from rollout_buffer.storage.connections import LazyPair
-from rollout_buffer.serving.redelivery import parse_skip
 from rollout_buffer.service import Service
+from rollout_buffer.serving.redelivery import parse_skip
+from rollout_buffer.storage.connections import LazyPair
+from rollout_buffer.web.metrics import render_metrics
+from rollout_buffer.web.page import page_html, status_document
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +65,14 @@ def _same_origin() -> None:
     (Sec-Fetch-Site, Origin); trainers and curl send neither, and are never refused here."""
     site = request.headers.get("Sec-Fetch-Site", "")
     origin = request.headers.get("Origin")
-    if site == "cross-site" or (origin and origin != "null" and urlsplit(origin).netloc != request.host):
-        raise ApiError(403, "cross-site browser requests are refused; call the API from the trainer or from "
-                       "this service's own page")
+    if site == "cross-site" or (
+        origin and origin != "null" and urlsplit(origin).netloc != request.host
+    ):
+        raise ApiError(
+            403,
+            "cross-site browser requests are refused; call the API from the trainer or from "
+            "this service's own page",
+        )
     if origin == "null" and request.method != "GET":
         raise ApiError(403, "requests from an opaque origin are refused")
 
@@ -105,9 +111,13 @@ def json_body() -> dict[str, Any]:
     try:
         body = json.loads(raw, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON ({exc}); expected a JSON object") from None
+        raise ApiError(
+            400, f"request body is not valid JSON ({exc}); expected a JSON object"
+        ) from None
     except RecursionError:
-        raise ApiError(400, "request body is nested too deeply; expected a small, flat JSON object") from None
+        raise ApiError(
+            400, "request body is nested too deeply; expected a small, flat JSON object"
+        ) from None
     if not isinstance(body, dict):
         raise ApiError(400, f"request body is a JSON {type(body).__name__}; expected a JSON object")
     return body
@@ -121,13 +131,17 @@ def parse_k(v: Any) -> int:
     """num_repeat_per_sample: int 1-4096 or a string of one; default 16."""
     if v is None:
         return 16
-    if isinstance(v, str) and re.fullmatch(r"\s*[+]?\d+\s*", v):
-        v = int(v)
-    elif isinstance(v, float) and math.isfinite(v) and v.is_integer():
+    if (isinstance(v, str) and re.fullmatch(r"\s*[+]?\d+\s*", v)) or (
+        isinstance(v, float) and math.isfinite(v) and v.is_integer()
+    ):
         v = int(v)
     if not _is_int(v) or not 1 <= v <= MAX_K:
-        raise ApiError(400, f"num_repeat_per_sample={v!r} is invalid: expected an integer from 1 to {MAX_K} "
-                       "(or a string of one)", field="num_repeat_per_sample")
+        raise ApiError(
+            400,
+            f"num_repeat_per_sample={v!r} is invalid: expected an integer from 1 to {MAX_K} "
+            "(or a string of one)",
+            field="num_repeat_per_sample",
+        )
     return v
 
 
@@ -147,10 +161,15 @@ def parse_job_session(v: Any) -> str | None:
     if v is None:
         return None
     if not isinstance(v, str) or not JOB_SESSION_RE.fullmatch(v):
-        raise ApiError(400, f"job_session={v!r} is invalid: expected 1-64 characters of A-Z a-z 0-9 . _ -",
-                       field="job_session")
+        raise ApiError(
+            400,
+            f"job_session={v!r} is invalid: expected 1-64 characters of A-Z a-z 0-9 . _ -",
+            field="job_session",
+        )
     if v.startswith("-"):  # the launcher's argparse would read it as an option: --job-id -rf
-        raise ApiError(400, f"job_session={v!r} is invalid: it must not start with '-'", field="job_session")
+        raise ApiError(
+            400, f"job_session={v!r} is invalid: it must not start with '-'", field="job_session"
+        )
     return v
 
 
@@ -161,8 +180,11 @@ def parse_max_groups(v: Any) -> int | None:
     if isinstance(v, float) and math.isfinite(v) and v.is_integer():
         v = int(v)
     if not _is_int(v):
-        raise ApiError(400, f"max_groups={v!r} is invalid: expected an integer (<= 0 or null for no cap)",
-                       field="max_groups")
+        raise ApiError(
+            400,
+            f"max_groups={v!r} is invalid: expected an integer (<= 0 or null for no cap)",
+            field="max_groups",
+        )
     return v if v > 0 else None
 
 
@@ -171,8 +193,12 @@ def parse_request_id(v: Any) -> str | None:
     if v is None:
         return None
     if not isinstance(v, str) or not 1 <= len(v) <= 128 or not v.isprintable():
-        raise ApiError(400, f"request_id={v!r} is invalid: expected a string of 1-128 printable characters "
-                       "(one fresh uuid4 per logical poll)", field="request_id")
+        raise ApiError(
+            400,
+            f"request_id={v!r} is invalid: expected a string of 1-128 printable characters "
+            "(one fresh uuid4 per logical poll)",
+            field="request_id",
+        )
     return v
 
 
@@ -183,9 +209,17 @@ def parse_wait_s(v: Any) -> float:
     """wait_s: seconds to long-poll, a number from 0 to 60; default 0 (answer at once)."""
     if v is None:
         return 0.0
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= MAX_WAIT_S:
-        raise ApiError(400, f"wait_s={v!r} is invalid: expected a number of seconds from 0 to {MAX_WAIT_S:g}",
-                       field="wait_s")
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, (int, float))
+        or not math.isfinite(v)
+        or not 0 <= v <= MAX_WAIT_S
+    ):
+        raise ApiError(
+            400,
+            f"wait_s={v!r} is invalid: expected a number of seconds from 0 to {MAX_WAIT_S:g}",
+            field="wait_s",
+        )
     return float(v)
 
 
@@ -195,7 +229,7 @@ def parse_version(name: str, v: Any) -> int | None:
         return None
     if isinstance(v, float) and math.isfinite(v) and v.is_integer():
         v = int(v)
-    if not _is_int(v) or v < 0 or v > 2 ** 53:
+    if not _is_int(v) or v < 0 or v > 2**53:
         raise ApiError(400, f"{name}={v!r} is invalid: expected an integer >= 0", field=name)
     return v
 
@@ -207,7 +241,9 @@ def parse_min_groups(v: Any) -> int:
     if isinstance(v, float) and math.isfinite(v) and v.is_integer():
         v = int(v)
     if not _is_int(v) or v < 1:
-        raise ApiError(400, f"min_groups={v!r} is invalid: expected an integer >= 1", field="min_groups")
+        raise ApiError(
+            400, f"min_groups={v!r} is invalid: expected an integer >= 1", field="min_groups"
+        )
     return v
 
 
@@ -217,18 +253,26 @@ def start_rollout() -> tuple[dict[str, Any], int]:
     k = parse_k(body.get("num_repeat_per_sample"))
     restart = parse_bool("restart_training", body.get("restart_training"))
     job = parse_job_session(body.get("job_session"))
-    skip = parse_skip(body.get("skip_instance_ids"))  # a checkpoint's groups: the others are delivered again
-    status, out = service().start_rollout(conns(), k=k, restart_training=restart, job_session=job, skip=skip)
+    skip = parse_skip(
+        body.get("skip_instance_ids")
+    )  # a checkpoint's groups: the others are delivered again
+    status, out = service().start_rollout(
+        conns(), k=k, restart_training=restart, job_session=job, skip=skip
+    )
     return out, status
 
 
 @bp.post("/get_rollout_data")
 def get_rollout_data() -> Response:
     b = json_body()
-    poll = PollRequest(parse_max_groups(b.get("max_groups")), parse_request_id(b.get("request_id")),
-                       parse_wait_s(b.get("wait_s")), parse_min_groups(b.get("min_groups")),
-                       parse_version("max_off_policy", b.get("max_off_policy")),
-                       parse_version("current_weight_version", b.get("current_weight_version")))
+    poll = PollRequest(
+        parse_max_groups(b.get("max_groups")),
+        parse_request_id(b.get("request_id")),
+        parse_wait_s(b.get("wait_s")),
+        parse_min_groups(b.get("min_groups")),
+        parse_version("max_off_policy", b.get("max_off_policy")),
+        parse_version("current_weight_version", b.get("current_weight_version")),
+    )
     body = service().get_rollout_data(conns(), poll)
     resp = Response(iter_bytes(body), status=200, mimetype="application/json")
     resp.headers["Content-Length"] = str(sum(len(c) for c in body))
@@ -261,8 +305,10 @@ def metrics() -> Response:
 def status_page() -> Response:
     resp = Response(page_html(), mimetype="text/html; charset=utf-8")
     # nothing external, ever: the page only talks to this service
-    resp.headers["Content-Security-Policy"] = ("default-src 'none'; script-src 'unsafe-inline'; "
-                                               "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:")
+    resp.headers["Content-Security-Policy"] = (
+        "default-src 'none'; script-src 'unsafe-inline'; "
+        "style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:"
+    )
     resp.headers["Cache-Control"] = "no-store"
     return resp
 

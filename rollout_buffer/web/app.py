@@ -4,6 +4,7 @@ Owns: building the Service and the Flask app around it, the one JSON error shape
 instance that does not own the job answers a request that needs the owner (307 to it, or 503).
 It must not start threads or touch a database (gunicorn's hooks start the service).
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,11 +14,11 @@ from typing import Any
 from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
-from rollout_buffer.web.api import bp
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError, LeaseLost
 from rollout_buffer.runtime.lease import OWNER, STANDBY, STARTING, Lease
 from rollout_buffer.service import Service
+from rollout_buffer.web.api import bp
 
 logger = logging.getLogger(__name__)
 
@@ -50,28 +51,67 @@ def standby_answer(lease: Lease, path: str) -> ApiError:
     now = lease.clock()
     h = lease.holder
     if lease.role == OWNER:  # the loop is still loading the job (or has just lost it)
-        return ApiError(503, "this instance owns the job and is loading its state; retry", retry_after=1)
+        return ApiError(
+            503, "this instance owns the job and is loading its state; retry", retry_after=1
+        )
     if lease.role == STARTING or h is None:
-        return ApiError(503, "this instance has not read who owns the job yet"
-                        + (f": {lease.problem}" if lease.problem else ""), retry_after=1, role=lease.role)
+        return ApiError(
+            503,
+            "this instance has not read who owns the job yet"
+            + (f": {lease.problem}" if lease.problem else ""),
+            retry_after=1,
+            role=lease.role,
+        )
     owner = h.shown(now)
     left = h.left(now)
     if left <= 0 or h.released:
-        return ApiError(503, "no instance owns the job at the moment (the last owner's lease has ended); a standby "
-                        "takes it over within a second", retry_after=1, role=STANDBY, owner=owner)
+        return ApiError(
+            503,
+            "no instance owns the job at the moment (the last owner's lease has ended); a standby "
+            "takes it over within a second",
+            retry_after=1,
+            role=STANDBY,
+            owner=owner,
+        )
     if not h.url:
-        return ApiError(503, f"this instance is a standby, and the owner (instance {h.instance} on host {h.host}) "
-                        "has no ROLLOUT_BUFFER_ADVERTISE_URL to redirect to: set it on every instance, or call the "
-                        "owner directly", retry_after=5, role=STANDBY, owner=owner)
-    if h.url == lease.url and lease.advertised != "wrong":  # (a URL that reaches another instance is no loop)
-        return ApiError(503, f"the owner advertises {h.url}, which is this standby's own ROLLOUT_BUFFER_ADVERTISE_URL: "
-                        "one of the two is misconfigured", retry_after=5, role=STANDBY, owner=owner)
-    if left < h.length / 3:  # it missed two renewals: probably gone, and a redirect there would fail
-        return ApiError(503, f"this instance is a standby; the owner at {h.url} has not renewed its lease for "
-                        f"{h.length - left:.0f} s: if it is gone, this instance takes over in {left:.0f} s",
-                        retry_after=math.ceil(left) + 1, role=STANDBY, owner=owner)
-    return ApiError(307, f"this instance is a standby; the owner is {h.url}", location=h.url + path, role=STANDBY,
-                    owner=owner)
+        return ApiError(
+            503,
+            f"this instance is a standby, and the owner (instance {h.instance} on host {h.host}) "
+            "has no ROLLOUT_BUFFER_ADVERTISE_URL to redirect to: set it on every instance, or call the "
+            "owner directly",
+            retry_after=5,
+            role=STANDBY,
+            owner=owner,
+        )
+    if (
+        h.url == lease.url and lease.advertised != "wrong"
+    ):  # (a URL that reaches another instance is no loop)
+        return ApiError(
+            503,
+            f"the owner advertises {h.url}, which is this standby's own ROLLOUT_BUFFER_ADVERTISE_URL: "
+            "one of the two is misconfigured",
+            retry_after=5,
+            role=STANDBY,
+            owner=owner,
+        )
+    if (
+        left < h.length / 3
+    ):  # it missed two renewals: probably gone, and a redirect there would fail
+        return ApiError(
+            503,
+            f"this instance is a standby; the owner at {h.url} has not renewed its lease for "
+            f"{h.length - left:.0f} s: if it is gone, this instance takes over in {left:.0f} s",
+            retry_after=math.ceil(left) + 1,
+            role=STANDBY,
+            owner=owner,
+        )
+    return ApiError(
+        307,
+        f"this instance is a standby; the owner is {h.url}",
+        location=h.url + path,
+        role=STANDBY,
+        owner=owner,
+    )
 
 
 def create_app(config: Config | None = None, *, service: Service | None = None) -> Flask:
@@ -95,7 +135,9 @@ def create_app(config: Config | None = None, *, service: Service | None = None) 
 
     @app.errorhandler(LeaseLost)
     def _not_owner(exc: LeaseLost):
-        path = request.path + (f"?{request.query_string.decode('latin-1')}" if request.query_string else "")
+        path = request.path + (
+            f"?{request.query_string.decode('latin-1')}" if request.query_string else ""
+        )
         answer = standby_answer(service.lease, path)
         return error_response(answer.status, answer.message, **answer.context)
 
@@ -103,14 +145,18 @@ def create_app(config: Config | None = None, *, service: Service | None = None) 
     def _http_error(exc: HTTPException):
         message = exc.description or exc.name
         if exc.code == 413:
-            message = (f"request body is larger than {service.config.max_request_bytes} bytes; "
-                       "expected a small JSON object")
+            message = (
+                f"request body is larger than {service.config.max_request_bytes} bytes; "
+                "expected a small JSON object"
+            )
         elif exc.code == 405:
             message = f"method {request.method} is not allowed on {request.path}"
         elif exc.code == 404:
-            message = (f"no such endpoint: {request.path}; endpoints are POST /start_rollout, "
-                       "POST /get_rollout_data, POST /stop_rollout, GET /health, GET /stats, GET /metrics, "
-                       "GET / (the status page), GET /status")
+            message = (
+                f"no such endpoint: {request.path}; endpoints are POST /start_rollout, "
+                "POST /get_rollout_data, POST /stop_rollout, GET /health, GET /stats, GET /metrics, "
+                "GET / (the status page), GET /status"
+            )
         return error_response(exc.code or 500, message)
 
     @app.errorhandler(Exception)

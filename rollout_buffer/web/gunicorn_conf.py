@@ -8,6 +8,7 @@ N workers would mean N accumulators, N cursors and N launchers, i.e. split or du
 Owns: gunicorn's settings and hooks (logging, starting and stopping the service in the worker). It
 must not build the app before the worker forks (no preload, no threads in the master).
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -51,13 +52,17 @@ def on_starting(server) -> None:
     if cfg.preload_app:
         problems.append("preload_app=True")
     if cfg.worker_class_str != WORKER_CLASS:
-        problems.append(f"worker_class={cfg.worker_class_str} (rollout-buffer runs {WORKER_CLASS}, a gthread "
-                        "worker that reads request heads without tying up a thread)")
+        problems.append(
+            f"worker_class={cfg.worker_class_str} (rollout-buffer runs {WORKER_CLASS}, a gthread "
+            "worker that reads request heads without tying up a thread)"
+        )
     if cfg.max_requests:
         problems.append(f"max_requests={cfg.max_requests}")
     if problems:
-        raise RuntimeError("rollout-buffer must run as exactly 1 gthread worker without preload or "
-                           "max_requests (its state lives in the worker's memory); refusing " + ", ".join(problems))
+        raise RuntimeError(
+            "rollout-buffer must run as exactly 1 gthread worker without preload or "
+            "max_requests (its state lives in the worker's memory); refusing " + ", ".join(problems)
+        )
     config = Config.from_env()
     if config.token is None:
         for addr in cfg.bind:
@@ -67,8 +72,11 @@ def on_starting(server) -> None:
             except ValueError:
                 loopback = False
             if not loopback:
-                server.log.warning("rollout-buffer listens on %s without ROLLOUT_BUFFER_TOKEN: anyone who can "
-                                   "reach it can start rollouts and take groups; set a token", addr)
+                server.log.warning(
+                    "rollout-buffer listens on %s without ROLLOUT_BUFFER_TOKEN: anyone who can "
+                    "reach it can start rollouts and take groups; set a token",
+                    addr,
+                )
 
 
 def nworkers_changed(server, new_value, old_value) -> None:
@@ -86,7 +94,9 @@ def post_fork(server, worker) -> None:
 def post_worker_init(worker) -> None:
     """The app is loaded in this worker: start the service (background thread, notifier)."""
     service = worker.wsgi.extensions["rollout_buffer"]
-    service.serving.should_stop = lambda: not worker.alive  # SIGTERM: waiting long-polls answer at once
+    service.serving.should_stop = lambda: (
+        not worker.alive
+    )  # SIGTERM: waiting long-polls answer at once
     service.start()
 
 
@@ -108,4 +118,6 @@ def worker_exit(server, worker) -> None:
 def worker_int(worker) -> None:
     """On SIGINT/SIGQUIT, dump every thread's stack: the way to see a hung thread."""
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    logging.getLogger("rollout_buffer").warning("worker interrupted; thread stacks dumped to stderr")
+    logging.getLogger("rollout_buffer").warning(
+        "worker interrupted; thread stacks dumped to stderr"
+    )

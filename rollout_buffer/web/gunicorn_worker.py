@@ -21,6 +21,7 @@ No reverse proxy is needed for any of it.
 Owns: how a connection's head is read and how long a thread waits on a silent client. It must not
 know the app or change what gthread does with a complete request.
 """
+
 from __future__ import annotations
 
 import errno
@@ -38,14 +39,20 @@ from rollout_buffer.core.config import Config
 
 logger = logging.getLogger(__name__)
 
-HEAD_TIMEOUT_S = 5.0   # a request head must be complete this long after its first byte could be read
-BODY_TIMEOUT_S = 10.0  # its body (at most ROLLOUT_BUFFER_MAX_REQUEST_BYTES) this long after the head
-IO_TIMEOUT_S = 60.0    # longest silence while a thread sends an answer
-LINGER_S = 2.0         # a closing connection is drained this long at most, from the event loop
-MAX_HEAD_BYTES = 64 << 10  # gunicorn's own limits (8190-byte lines, 100 fields) refuse far smaller heads
-ACCEPT_PAUSE_S = 0.5   # no descriptor left: stop accepting this long (connections wait in the backlog)
-FD_RESERVE = 64        # descriptors kept for the service itself, plus FD_PER_THREAD per thread
-FD_PER_THREAD = 8      # (a request's database connections: SQLite holds 3 per connection)
+HEAD_TIMEOUT_S = 5.0  # a request head must be complete this long after its first byte could be read
+BODY_TIMEOUT_S = (
+    10.0  # its body (at most ROLLOUT_BUFFER_MAX_REQUEST_BYTES) this long after the head
+)
+IO_TIMEOUT_S = 60.0  # longest silence while a thread sends an answer
+LINGER_S = 2.0  # a closing connection is drained this long at most, from the event loop
+MAX_HEAD_BYTES = (
+    64 << 10
+)  # gunicorn's own limits (8190-byte lines, 100 fields) refuse far smaller heads
+ACCEPT_PAUSE_S = (
+    0.5  # no descriptor left: stop accepting this long (connections wait in the backlog)
+)
+FD_RESERVE = 64  # descriptors kept for the service itself, plus FD_PER_THREAD per thread
+FD_PER_THREAD = 8  # (a request's database connections: SQLite holds 3 per connection)
 _RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _END = b"\r\n\r\n"
 
@@ -71,12 +78,12 @@ def _recv(sock: socket.socket) -> bytes | None:
 class _Request:
     """What the event loop knows of a request it is reading: its bytes and where its body ends."""
 
-    __slots__ = ("buf", "head_end", "need", "chunk_at", "deadline")
+    __slots__ = ("buf", "chunk_at", "deadline", "head_end", "need")
 
     def __init__(self, data: bytes, deadline: float) -> None:
         self.buf = bytearray(data)
         self.head_end: int | None = None  # offset just past the head's blank line
-        self.need: int | None = None      # total bytes of head and body (a Content-Length body)
+        self.need: int | None = None  # total bytes of head and body (a Content-Length body)
         self.chunk_at: int | None = None  # offset of the next chunk-size line (a chunked body)
         self.deadline = deadline
 
@@ -86,9 +93,11 @@ class HeadFirstWorker(ThreadWorker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.reading_heads: deque = deque()   # connections reading their head, oldest deadline first
-        self.reading_bodies: deque = deque()  # connections reading their body, oldest deadline first
-        self.lingering: deque = deque()       # connections being closed, oldest deadline first
+        self.reading_heads: deque = deque()  # connections reading their head, oldest deadline first
+        self.reading_bodies: deque = (
+            deque()
+        )  # connections reading their body, oldest deadline first
+        self.lingering: deque = deque()  # connections being closed, oldest deadline first
         self.max_body = Config.from_env().max_request_bytes
         self.worker_connections = connection_budget(self.cfg.threads, self.worker_connections)
         self.max_keepalived = self.worker_connections - self.cfg.threads
@@ -110,9 +119,13 @@ class HeadFirstWorker(ThreadWorker):
             self.set_accept_enabled(False)
             if now - self._accept_warned_at > 60.0:
                 self._accept_warned_at = now
-                logger.warning("cannot accept a connection (%s) with %d open; pausing accepts for %.1f s "
-                               "(raise the open-files limit, ulimit -n, for more clients)", exc, self.nr_conns,
-                               ACCEPT_PAUSE_S)
+                logger.warning(
+                    "cannot accept a connection (%s) with %d open; pausing accepts for %.1f s "
+                    "(raise the open-files limit, ulimit -n, for more clients)",
+                    exc,
+                    self.nr_conns,
+                    ACCEPT_PAUSE_S,
+                )
 
     def set_accept_enabled(self, enabled: bool) -> None:
         if enabled and time.monotonic() < self._accept_paused_until:
@@ -170,7 +183,7 @@ class HeadFirstWorker(ThreadWorker):
         refuse with a 413 without reading it)."""
         length = chunked = None
         expect = False
-        lines = bytes(req.buf[:req.head_end]).split(b"\r\n")
+        lines = bytes(req.buf[: req.head_end]).split(b"\r\n")
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
             if not sep:
@@ -204,14 +217,16 @@ class HeadFirstWorker(ThreadWorker):
         return True
 
     @staticmethod
-    def _rewrite_head(req: _Request, lines: list[bytes], name: bytes, replacement: bytes | None) -> None:
+    def _rewrite_head(
+        req: _Request, lines: list[bytes], name: bytes, replacement: bytes | None
+    ) -> None:
         """Replace (or drop) the header ``name`` in the buffered head; the body offsets follow."""
         kept = [ln for ln in lines if ln.partition(b":")[0].strip().lower() != name or not ln]
         if replacement is not None:
             kept.insert(1, replacement)
         head = b"\r\n".join(kept)
         shift = len(head) - req.head_end
-        req.buf[:req.head_end] = head
+        req.buf[: req.head_end] = head
         assert req.head_end is not None
         req.head_end += shift
         if req.need is not None:
@@ -231,7 +246,7 @@ class HeadFirstWorker(ThreadWorker):
             eol = buf.find(b"\r\n", req.chunk_at)
             if eol < 0:
                 return len(buf) - req.chunk_at > 1024  # a chunk-size line that long is malformed
-            size_text = bytes(buf[req.chunk_at:eol]).split(b";")[0].strip()
+            size_text = bytes(buf[req.chunk_at : eol]).split(b";")[0].strip()
             try:
                 size = int(size_text, 16)
             except ValueError:
@@ -277,7 +292,7 @@ class HeadFirstWorker(ThreadWorker):
         loop without blocking it (see _linger)."""
         try:
             result = fs.result() if not fs.cancelled() else False
-        except Exception:  # noqa: BLE001 - gunicorn closes such a connection at once
+        except Exception:
             result = None
         if result:
             super().finish_request(conn, fs)

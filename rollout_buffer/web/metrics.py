@@ -7,10 +7,12 @@ dashboard selecting by ``job`` would select by the scrape job instead.
 Owns: the exposition text of what the service reports. It must not compute figures of its own or
 open a database connection (it renders ``service.stats`` without one).
 """
+
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from rollout_buffer.service import Service
@@ -34,7 +36,9 @@ class _Out:
     def __init__(self) -> None:
         self.lines: list[str] = []
 
-    def metric(self, name: str, kind: str, help_: str, samples: Iterable[tuple[dict[str, Any], float]]) -> None:
+    def metric(
+        self, name: str, kind: str, help_: str, samples: Iterable[tuple[dict[str, Any], float]]
+    ) -> None:
         full = PREFIX + name
         self.lines.append(f"# HELP {full} {help_}")
         self.lines.append(f"# TYPE {full} {kind}")
@@ -46,7 +50,7 @@ class _Out:
         self.lines.append(f"{full}{{{lab}}} {_fmt(value)}" if lab else f"{full} {_fmt(value)}")
 
 
-def render_metrics(service: "Service") -> str:
+def render_metrics(service: Service) -> str:
     """The exposition text."""
     s = service.stats(None)
     out = _Out()
@@ -56,40 +60,112 @@ def render_metrics(service: "Service") -> str:
     rows = s.get("rows")
     if rows is not None:
         j = {"job_session": job}
-        out.metric("rows_read_total", "counter", "Distinct trainable rows read for the active job.",
-                   [(j, rows["read"])])
-        out.metric("rows_served_total", "counter", "Rows served to the trainer.", [(j, rows["served"])])
-        out.metric("rows_dropped_total", "counter", "Rows dropped, by reason.",
-                   [({"job_session": job, "reason": r}, n) for r, n in sorted(rows["dropped"].items())])
-        out.metric("rows_rejected_total", "counter", "Rows that could not become items, by reason.",
-                   [({"job_session": job, "reason": r}, n) for r, n in sorted(rows["rejected"].items())])
+        out.metric(
+            "rows_read_total",
+            "counter",
+            "Distinct trainable rows read for the active job.",
+            [(j, rows["read"])],
+        )
+        out.metric(
+            "rows_served_total", "counter", "Rows served to the trainer.", [(j, rows["served"])]
+        )
+        out.metric(
+            "rows_dropped_total",
+            "counter",
+            "Rows dropped, by reason.",
+            [({"job_session": job, "reason": r}, n) for r, n in sorted(rows["dropped"].items())],
+        )
+        out.metric(
+            "rows_rejected_total",
+            "counter",
+            "Rows that could not become items, by reason.",
+            [({"job_session": job, "reason": r}, n) for r, n in sorted(rows["rejected"].items())],
+        )
         out.metric("rows_pending", "gauge", "Rows of undecided groups.", [(j, rows["pending"])])
         groups = s["groups"]
-        out.metric("groups", "gauge", "Undecided groups by state.",
-                   [({"job_session": job, "state": st}, groups[st]) for st in ("pending", "ready", "in_flight")])
+        out.metric(
+            "groups",
+            "gauge",
+            "Undecided groups by state.",
+            [
+                ({"job_session": job, "state": st}, groups[st])
+                for st in ("pending", "ready", "in_flight")
+            ],
+        )
         out.metric("groups_served_total", "counter", "Groups served.", [(j, groups["served"])])
-        out.metric("groups_dropped_total", "counter", "Groups dropped, by reason.",
-                   [({"job_session": job, "reason": r}, n) for r, n in sorted(groups["dropped"].items())])
-        out.metric("cursor", "gauge", "Ingest cursor (all rows at or below it are read).", [(j, s["cursor"])])
+        out.metric(
+            "groups_dropped_total",
+            "counter",
+            "Groups dropped, by reason.",
+            [({"job_session": job, "reason": r}, n) for r, n in sorted(groups["dropped"].items())],
+        )
+        out.metric(
+            "cursor",
+            "gauge",
+            "Ingest cursor (all rows at or below it are read).",
+            [(j, s["cursor"])],
+        )
         age = s.get("oldest_pending_group_age_s")
-        out.metric("oldest_pending_group_age_seconds", "gauge", "Age of the oldest undecided group.",
-                   [(j, age or 0.0)])
-        figs = [("served", "", s["figures"]["served"])] + [("dropped", r, f) for r, f in s["figures"]["dropped"].items()]
-        for key, name, help_ in (("steps_per_session", "group_steps_per_session", "Mean steps per session"),
-                                 ("terminal_reward_mean", "group_terminal_reward_mean", "Mean terminal reward")):
-            out.metric(name, "gauge", f"{help_} of the served and the dropped groups (by reason): drop bias.",
-                       [({"job_session": job, "outcome": o, "reason": r}, f[key]) for o, r, f in figs if f[key] is not None])
+        out.metric(
+            "oldest_pending_group_age_seconds",
+            "gauge",
+            "Age of the oldest undecided group.",
+            [(j, age or 0.0)],
+        )
+        figs = [("served", "", s["figures"]["served"])] + [
+            ("dropped", r, f) for r, f in s["figures"]["dropped"].items()
+        ]
+        for key, name, help_ in (
+            ("steps_per_session", "group_steps_per_session", "Mean steps per session"),
+            ("terminal_reward_mean", "group_terminal_reward_mean", "Mean terminal reward"),
+        ):
+            out.metric(
+                name,
+                "gauge",
+                f"{help_} of the served and the dropped groups (by reason): drop bias.",
+                [
+                    ({"job_session": job, "outcome": o, "reason": r}, f[key])
+                    for o, r, f in figs
+                    if f[key] is not None
+                ],
+            )
         rd = s["redelivery"]
-        out.metric("redelivery_queued", "gauge", "Served groups queued to be delivered again (a trainer crash).",
-                   [(j, rd["queued"])])
-        out.metric("redeliveries_total", "counter", "Served groups asked for again, by what became of them.",
-                   [({"job_session": job, "outcome": k}, rd[k]) for k in ("requested", "delivered", "cancelled", "failed")])
+        out.metric(
+            "redelivery_queued",
+            "gauge",
+            "Served groups queued to be delivered again (a trainer crash).",
+            [(j, rd["queued"])],
+        )
+        out.metric(
+            "redeliveries_total",
+            "counter",
+            "Served groups asked for again, by what became of them.",
+            [
+                ({"job_session": job, "outcome": k}, rd[k])
+                for k in ("requested", "delivered", "cancelled", "failed")
+            ],
+        )
         v = s["versions"]
-        out.metric("weight_version", "gauge", "The job's current version, the trainer's last and the rows' largest.",
-                   [({"job_session": job, "kind": k}, v[k]) for k in ("current", "trainer", "rows") if v[k] is not None])
+        out.metric(
+            "weight_version",
+            "gauge",
+            "The job's current version, the trainer's last and the rows' largest.",
+            [
+                ({"job_session": job, "kind": k}, v[k])
+                for k in ("current", "trainer", "rows")
+                if v[k] is not None
+            ],
+        )
     polls = s["polls"]
-    out.metric("polls_total", "counter", "POST /get_rollout_data calls answered.", [({}, polls["count"])])
-    out.metric("polls_with_data_total", "counter", "Polls that returned groups.", [({}, polls["with_data"])])
+    out.metric(
+        "polls_total", "counter", "POST /get_rollout_data calls answered.", [({}, polls["count"])]
+    )
+    out.metric(
+        "polls_with_data_total",
+        "counter",
+        "Polls that returned groups.",
+        [({}, polls["with_data"])],
+    )
     name = PREFIX + "poll_duration_seconds"
     out.lines.append(f"# HELP {name} Time to answer POST /get_rollout_data.")
     out.lines.append(f"# TYPE {name} histogram")
@@ -99,27 +175,80 @@ def render_metrics(service: "Service") -> str:
         out.sample(name + "_bucket", {"le": "+Inf" if math.isinf(b) else repr(b)}, cum)
     out.sample(name + "_sum", {}, float(polls["seconds_total"]))
     out.sample(name + "_count", {}, polls["count"])
-    out.metric("launcher_running", "gauge", "1 while the launcher process runs.", [({}, bool(launcher["running"]))])
-    out.metric("launcher_restarts_total", "counter", "Launcher restarts by the supervisor.",
-               [({}, launcher.get("restarts") or 0)])
+    out.metric(
+        "launcher_running",
+        "gauge",
+        "1 while the launcher process runs.",
+        [({}, bool(launcher["running"]))],
+    )
+    out.metric(
+        "launcher_restarts_total",
+        "counter",
+        "Launcher restarts by the supervisor.",
+        [({}, launcher.get("restarts") or 0)],
+    )
     code = launcher.get("exit_code")
     if code is not None:
-        out.metric("launcher_exit_code", "gauge", "Exit code of the last launcher that ended.", [({}, code)])
-    out.metric("proxy_pending_sessions", "gauge", "Sessions waiting to be cleared at the LLM proxy.",
-               [({}, notif.get("sessions", 0))])
-    out.metric("proxy_failures_total", "counter", "Failed clear_sessions attempts.", [({}, notif.get("failures", 0))])
-    out.metric("proxy_delivered_calls_total", "counter", "Successful clear_sessions calls.",
-               [({}, notif.get("delivered_calls", 0))])
-    out.metric("database_up", "gauge", "0 while background reads are failing.", [({}, s["database"] == "ok")])
+        out.metric(
+            "launcher_exit_code",
+            "gauge",
+            "Exit code of the last launcher that ended.",
+            [({}, code)],
+        )
+    out.metric(
+        "proxy_pending_sessions",
+        "gauge",
+        "Sessions waiting to be cleared at the LLM proxy.",
+        [({}, notif.get("sessions", 0))],
+    )
+    out.metric(
+        "proxy_failures_total",
+        "counter",
+        "Failed clear_sessions attempts.",
+        [({}, notif.get("failures", 0))],
+    )
+    out.metric(
+        "proxy_delivered_calls_total",
+        "counter",
+        "Successful clear_sessions calls.",
+        [({}, notif.get("delivered_calls", 0))],
+    )
+    out.metric(
+        "database_up",
+        "gauge",
+        "0 while background reads are failing.",
+        [({}, s["database"] == "ok")],
+    )
     lease = s["lease"]
-    out.metric("role", "gauge", "1 for this instance's role: owner, standby, or starting (before it read the lease).",
-               [({"role": r}, lease["role"] == r) for r in ("owner", "standby", "starting")])
-    out.metric("lease_renewals_total", "counter", "Lease renewals by this instance as the owner.",
-               [({}, lease.get("renewals", 0))])
-    out.metric("lease_renewal_failures_total", "counter", "Lease renewals that failed (the database did not answer).",
-               [({}, lease.get("renewal_failures", 0))])
-    out.metric("takeovers_total", "counter", "Times this instance took the job over from another owner.",
-               [({}, lease.get("takeovers", 0))])
-    out.metric("takeover_duration_seconds", "gauge", "The last takeover: from the end of the previous owner's "
-               "lease until this instance had loaded the job.", [({}, lease.get("last_takeover_s") or 0.0)])
+    out.metric(
+        "role",
+        "gauge",
+        "1 for this instance's role: owner, standby, or starting (before it read the lease).",
+        [({"role": r}, lease["role"] == r) for r in ("owner", "standby", "starting")],
+    )
+    out.metric(
+        "lease_renewals_total",
+        "counter",
+        "Lease renewals by this instance as the owner.",
+        [({}, lease.get("renewals", 0))],
+    )
+    out.metric(
+        "lease_renewal_failures_total",
+        "counter",
+        "Lease renewals that failed (the database did not answer).",
+        [({}, lease.get("renewal_failures", 0))],
+    )
+    out.metric(
+        "takeovers_total",
+        "counter",
+        "Times this instance took the job over from another owner.",
+        [({}, lease.get("takeovers", 0))],
+    )
+    out.metric(
+        "takeover_duration_seconds",
+        "gauge",
+        "The last takeover: from the end of the previous owner's "
+        "lease until this instance had loaded the job.",
+        [({}, lease.get("last_takeover_s") or 0.0)],
+    )
     return "\n".join(out.lines) + "\n"

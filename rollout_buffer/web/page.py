@@ -9,6 +9,7 @@ outside (it must work on an air-gapped cluster).
 It must not compute figures of its own: everything it shows comes from the service's stats, health
 and history.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,8 +18,8 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from rollout_buffer.storage.connections import LazyPair
     from rollout_buffer.service import Service
+    from rollout_buffer.storage.connections import LazyPair
 
 
 @functools.lru_cache(maxsize=1)
@@ -27,7 +28,7 @@ def page_html() -> bytes:
     return (resources.files(__package__) / "static" / "status.html").read_bytes()
 
 
-def status_document(service: "Service", conns: "LazyPair | None") -> dict[str, Any]:
+def status_document(service: Service, conns: LazyPair | None) -> dict[str, Any]:
     """Everything the status page shows, in one JSON object."""
     stats = service.stats(conns)
     health = service.health()

@@ -10,6 +10,7 @@ fresh database (a SQLite file, or a fresh schema of ``postgresql://root@127.0.0.
 reads the export's peak RSS (VmHWM). Prints one line per size and the ratio of the largest to the
 smallest peak RSS (constant memory: close to 1, while the job is 10 times larger).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,9 +47,26 @@ def write_job(url: str, groups: int, prompt_bytes: int) -> int:
             for s in range(2):
                 for step in (1, 2):
                     done = int(step == 2)
-                    rows.append((f"s{g}-{s}", step, "env", "model", f"g{g:07d}", JOB, history, f"answer {step}",
-                                 0.25 * (s + 1) * done, 0.25 * (s + 1) * done, '{"weight_version": 1}', done, 0,
-                                 done, 1, now))
+                    rows.append(
+                        (
+                            f"s{g}-{s}",
+                            step,
+                            "env",
+                            "model",
+                            f"g{g:07d}",
+                            JOB,
+                            history,
+                            f"answer {step}",
+                            0.25 * (s + 1) * done,
+                            0.25 * (s + 1) * done,
+                            '{"weight_version": 1}',
+                            done,
+                            0,
+                            done,
+                            1,
+                            now,
+                        )
+                    )
             if len(rows) >= 20000:
                 with db.transaction():
                     db.executemany(q.INSERT_STEP, rows)
@@ -61,13 +79,17 @@ def write_job(url: str, groups: int, prompt_bytes: int) -> int:
 
 
 def serve_all(base: str, groups: int) -> None:
-    r = requests.post(base + "/start_rollout", json={"num_repeat_per_sample": 2, "job_session": JOB}, timeout=30)
+    r = requests.post(
+        base + "/start_rollout", json={"num_repeat_per_sample": 2, "job_session": JOB}, timeout=30
+    )
     r.raise_for_status()
     served, deadline = 0, time.monotonic() + 600
     while served < groups:
         if time.monotonic() > deadline:
             raise RuntimeError(f"only {served} of {groups} groups served")
-        doc = requests.post(base + "/get_rollout_data", json={"max_groups": 1000}, timeout=120).json()
+        doc = requests.post(
+            base + "/get_rollout_data", json={"max_groups": 1000}, timeout=120
+        ).json()
         if doc.get("success"):
             served += len(doc["data"]["meta_info"]["finished_groups"])
         else:
@@ -90,11 +112,18 @@ def export_peak(url: str, out: str) -> tuple[int, float, float]:
     """(records, seconds, peak RSS MB) of one export subprocess. The peak is read from /proc while it
     runs (ru_maxrss would count the memory of this process, which Linux carries across the exec)."""
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "rollout_buffer", "export", "--db", url, "--job", JOB,
-                             "--out", out], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout_buffer", "export", "--db", url, "--job", JOB, "--out", out],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     peak = 0.0
     while proc.poll() is None:
-        peak = max(peak, _hwm_mb(proc.pid) or 0.0)  # a zombie has no VmHWM: the last read is the peak
+        peak = max(
+            peak, _hwm_mb(proc.pid) or 0.0
+        )  # a zombie has no VmHWM: the last read is the peak
         time.sleep(0.02)
     took = time.monotonic() - started
     stdout, stderr = proc.communicate()
@@ -119,8 +148,17 @@ def one(size: int, args: argparse.Namespace, tmp: str) -> dict:
     try:
         rows = write_job(url, size, args.prompt_bytes)
         port = free_port()
-        server = ServerProcess(port, clean_env({"AIEVOBOX_DB_URL": url, "AIEVOBOX_RUN_DIR": os.path.join(work, "logs"),
-                                                "ROLLOUT_BUFFER_LAUNCHER": "none"}), os.path.join(work, "server.log"))
+        server = ServerProcess(
+            port,
+            clean_env(
+                {
+                    "AIEVOBOX_DB_URL": url,
+                    "AIEVOBOX_RUN_DIR": os.path.join(work, "logs"),
+                    "ROLLOUT_BUFFER_LAUNCHER": "none",
+                }
+            ),
+            os.path.join(work, "server.log"),
+        )
         server.spawn()
         try:
             problem = server.wait_healthy(60)
@@ -131,8 +169,14 @@ def one(size: int, args: argparse.Namespace, tmp: str) -> dict:
             records, took, rss = export_peak(url, out)  # while the service runs
         finally:
             server.stop()
-        return {"groups": size, "rows": rows, "records": records, "seconds": took, "rss_mb": rss,
-                "file_mb": os.path.getsize(out) / 1e6}
+        return {
+            "groups": size,
+            "rows": rows,
+            "records": records,
+            "seconds": took,
+            "rss_mb": rss,
+            "file_mb": os.path.getsize(out) / 1e6,
+        }
     finally:
         if schema is not None:
             import psycopg
@@ -145,7 +189,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--groups", default="2000,20000", help="comma-separated job sizes in groups")
     p.add_argument("--backend", choices=("sqlite", "postgres"), default="sqlite")
-    p.add_argument("--pg", default=os.environ.get("ROLLOUT_BUFFER_TEST_PG", "postgresql://root@127.0.0.1:5432/test"))
+    p.add_argument(
+        "--pg",
+        default=os.environ.get("ROLLOUT_BUFFER_TEST_PG", "postgresql://root@127.0.0.1:5432/test"),
+    )
     p.add_argument("--prompt-bytes", type=int, default=1024)
     args = p.parse_args()
     sizes = [int(x) for x in args.groups.split(",")]
@@ -154,11 +201,16 @@ def main() -> int:
         for size in sizes:
             r = one(size, args, tmp)
             results.append(r)
-            print(f"{args.backend}: {r['groups']:>7} groups ({r['rows']} rows): {r['records']} records, "
-                  f"{r['file_mb']:.1f} MB gzipped in {r['seconds']:.1f} s, peak RSS {r['rss_mb']:.1f} MB", flush=True)
+            print(
+                f"{args.backend}: {r['groups']:>7} groups ({r['rows']} rows): {r['records']} records, "
+                f"{r['file_mb']:.1f} MB gzipped in {r['seconds']:.1f} s, peak RSS {r['rss_mb']:.1f} MB",
+                flush=True,
+            )
     lo, hi = min(results, key=lambda r: r["groups"]), max(results, key=lambda r: r["groups"])
-    print(f"peak RSS {hi['groups']} / {lo['groups']} groups: {hi['rss_mb'] / lo['rss_mb']:.2f}x "
-          f"(job {hi['groups'] / lo['groups']:.0f}x larger)")
+    print(
+        f"peak RSS {hi['groups']} / {lo['groups']} groups: {hi['rss_mb'] / lo['rss_mb']:.2f}x "
+        f"(job {hi['groups'] / lo['groups']:.0f}x larger)"
+    )
     return 0
 
 

@@ -13,6 +13,7 @@ must have reached the trainer exactly once, every decided group must be served, 
 may have met a conflicting decision (the fence keeps a paused owner from making one). A failure
 prints the seed and the command that reruns it; exit 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import psycopg  # noqa: E402
-
 from failover_bench import Instance, fresh_database, keep_writing, wait  # noqa: E402
+
 from rollout_buffer.client import BufferClient, groups_of  # noqa: E402
 from rollout_buffer.storage.db import connect, create_launcher_tables  # noqa: E402
 
@@ -49,9 +50,9 @@ def soak(args: argparse.Namespace, url: str, work: str) -> bool:
         try:
             while not stop.is_set() or set(written) - set(got):
                 doc = client.get_rollout_data(max_groups=pick.choice([1, 2, 5, 16]), wait_s=0.3)
-                for gid, _items in (groups_of(doc) if doc.get("success") else []):
+                for gid, _items in groups_of(doc) if doc.get("success") else []:
                     got[gid] += 1
-        except BaseException as exc:  # noqa: BLE001 - reported
+        except BaseException as exc:
             failures.append(exc)
 
     def owner() -> Instance | None:
@@ -61,10 +62,16 @@ def soak(args: argparse.Namespace, url: str, work: str) -> bool:
         for inst in insts:
             inst.start()
         wait(lambda: owner() is not None, 30, "an owner")
-        client = BufferClient([i.url for i in insts], retries=400, backoff_s=0.05, backoff_max_s=0.5, timeout=30)
+        client = BufferClient(
+            [i.url for i in insts], retries=400, backoff_s=0.05, backoff_max_s=0.5, timeout=30
+        )
         client.start_rollout(num_repeat_per_sample=2, job_session="J")
-        threads = [threading.Thread(target=keep_writing, args=(url, written, stop, 0.03), daemon=True),
-                   threading.Thread(target=trainer, args=(client, random.Random(args.seed + 1)), daemon=True)]
+        threads = [
+            threading.Thread(target=keep_writing, args=(url, written, stop, 0.03), daemon=True),
+            threading.Thread(
+                target=trainer, args=(client, random.Random(args.seed + 1)), daemon=True
+            ),
+        ]
         for t in threads:
             t.start()
         end = time.monotonic() + args.seconds
@@ -74,7 +81,9 @@ def soak(args: argparse.Namespace, url: str, work: str) -> bool:
             n += 1
             o = owner()
             alive = [i for i in insts if i.proc is not None]
-            attack = rng.choice(["kill_owner", "kill_owner", "kill_any", "stop_owner", "kill_twice"])
+            attack = rng.choice(
+                ["kill_owner", "kill_owner", "kill_any", "stop_owner", "kill_twice"]
+            )
             if attack == "kill_any" and alive:
                 victim = rng.choice(alive)
                 print(f"  {n:3d} kill -9 {victim.name}", flush=True)
@@ -86,8 +95,11 @@ def soak(args: argparse.Namespace, url: str, work: str) -> bool:
                 time.sleep(pause)
                 os.killpg(o.proc.pid, signal.SIGCONT)
             elif o is not None:
-                print(f"  {n:3d} kill -9 the owner {o.name}" + (" and the next one as it takes over"
-                                                                  if attack == "kill_twice" else ""), flush=True)
+                print(
+                    f"  {n:3d} kill -9 the owner {o.name}"
+                    + (" and the next one as it takes over" if attack == "kill_twice" else ""),
+                    flush=True,
+                )
                 o.kill9()
                 if attack == "kill_twice":
                     deadline = time.monotonic() + args.lease + 10
@@ -119,15 +131,20 @@ def soak(args: argparse.Namespace, url: str, work: str) -> bool:
     missing = sorted(set(written) - set(got))
     twice = {g: c for g, c in got.items() if c > 1}
     conflicts = sum(open(i.log).read().count("conflicting decision") for i in insts)
-    print(f"\nseed {args.seed}: {n} attacks; {len(written)} groups written, {len(got)} received, missing "
-          f"{len(missing)}, more than once {len(twice)}; decided {statuses}; conflicting decisions {conflicts}; "
-          f"trainer errors {failures}")
+    print(
+        f"\nseed {args.seed}: {n} attacks; {len(written)} groups written, {len(got)} received, missing "
+        f"{len(missing)}, more than once {len(twice)}; decided {statuses}; conflicting decisions {conflicts}; "
+        f"trainer errors {failures}"
+    )
     return not (missing or twice or conflicts or failures or set(statuses) - {"served"})
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--seed", type=int, default=random.randrange(1 << 30))
     p.add_argument("--seconds", type=float, default=90.0)
     p.add_argument("--backend", choices=("postgres", "sqlite"), default="postgres")
@@ -144,7 +161,9 @@ def main(argv=None) -> int:
         db.close()
     else:
         url, schema = fresh_database(args, "rbsoak_")
-    print(f"failover soak: seed {args.seed}, {args.backend}, lease {args.lease:g} s, {args.seconds:g} s (logs in {work})")
+    print(
+        f"failover soak: seed {args.seed}, {args.backend}, lease {args.lease:g} s, {args.seconds:g} s (logs in {work})"
+    )
     try:
         ok = soak(args, url, work)
     finally:
@@ -152,8 +171,10 @@ def main(argv=None) -> int:
             with psycopg.connect(args.pg, autocommit=True) as conn:
                 conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
     if not ok:
-        print(f"FAILED; rerun: python tests/bench/failover_soak.py --seed {args.seed} --backend {args.backend} "
-              f"--seconds {args.seconds:g} --lease {args.lease:g}")
+        print(
+            f"FAILED; rerun: python tests/bench/failover_soak.py --seed {args.seed} --backend {args.backend} "
+            f"--seconds {args.seconds:g} --lease {args.lease:g}"
+        )
         return 1
     print("ok: every group exactly once, nothing decided twice")
     return 0

@@ -9,6 +9,7 @@ Round i runs seed ``seed + i`` on a fresh database (a temporary SQLite file, or 
 per round and stops at the first failure, printing the report (with the seed and the command
 that reruns it) and exiting 1. ``--keep`` keeps the work directories (server and writer logs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,20 +29,34 @@ from support import fresh_pg_schema  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, required=True)
-    ap.add_argument("--rounds", type=int, default=1, help="scenarios to run, seeds seed..seed+rounds-1")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="scenarios to run, seeds seed..seed+rounds-1"
+    )
     ap.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
     ap.add_argument("--writers", type=int, default=faultlib.Settings.writers)
-    ap.add_argument("--groups", type=int, default=faultlib.Settings.groups_per_writer, help="groups per writer")
+    ap.add_argument(
+        "--groups", type=int, default=faultlib.Settings.groups_per_writer, help="groups per writer"
+    )
     ap.add_argument("--kills", type=int, default=faultlib.Settings.kills)
     ap.add_argument("--k", type=int, default=faultlib.Settings.k)
     ap.add_argument("--ttl", type=float, default=faultlib.Settings.ttl_s)
-    ap.add_argument("--kinds", default="", help="comma-separated malformed kinds to draw from (default: all)")
+    ap.add_argument(
+        "--kinds", default="", help="comma-separated malformed kinds to draw from (default: all)"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the work directories")
     args = ap.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k) or None
     for i in range(args.rounds):
-        s = faultlib.Settings(seed=args.seed + i, backend=args.backend, writers=args.writers,
-                              groups_per_writer=args.groups, kills=args.kills, k=args.k, ttl_s=args.ttl, kinds=kinds)
+        s = faultlib.Settings(
+            seed=args.seed + i,
+            backend=args.backend,
+            writers=args.writers,
+            groups_per_writer=args.groups,
+            kills=args.kills,
+            k=args.k,
+            ttl_s=args.ttl,
+            kinds=kinds,
+        )
         workdir = Path(tempfile.mkdtemp(prefix=f"fault-soak-{s.seed}-"))
         try:
             with contextlib.ExitStack() as stack:

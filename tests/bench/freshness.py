@@ -25,6 +25,7 @@ one run on this shared machine.
 
 Stdlib only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,10 @@ BENCH = os.environ.get("BENCH_DIR", os.path.join(os.path.dirname(ROOT), "shared"
 sys.path.insert(0, BENCH)
 import schema  # noqa: E402  (../shared/bench: the launcher's v1 DDL)
 
-PEERS = {"original": [sys.executable, os.path.join(BENCH, "peer_original.py")],
-         "new": [sys.executable, os.path.join(HERE, "peer.py")]}
+PEERS = {
+    "original": [sys.executable, os.path.join(BENCH, "peer_original.py")],
+    "new": [sys.executable, os.path.join(HERE, "peer.py")],
+}
 BATCH_GROUPS = 64
 
 
@@ -80,15 +83,38 @@ def write(args: argparse.Namespace) -> int:
         if delay > 0:
             time.sleep(delay)
         last = s == args.steps
-        messages = [{"role": "system", "content": "You are an agent."},
-                    {"role": "user", "content": filler}]
+        messages = [
+            {"role": "system", "content": "You are an agent."},
+            {"role": "user", "content": filler},
+        ]
         for i in range(1, s):
-            messages += [{"role": "assistant", "content": f"Action: step {i}"}, {"role": "user", "content": f"obs {i}"}]
+            messages += [
+                {"role": "assistant", "content": f"Action: step {i}"},
+                {"role": "user", "content": f"obs {i}"},
+            ]
         now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f+00:00")
         reward = round(0.1 * (k + 1), 3) if last else 0.0
-        db.execute(schema.INSERT_STEP, (sids[g][k], s, "bench", "model", gids[g], args.job, json.dumps(messages),
-                                        f"Action: step {s}", reward, reward, json.dumps({"weight_version": 1}),
-                                        1 if last else 0, 0, 1 if last else 0, 1, now))
+        db.execute(
+            schema.INSERT_STEP,
+            (
+                sids[g][k],
+                s,
+                "bench",
+                "model",
+                gids[g],
+                args.job,
+                json.dumps(messages),
+                f"Action: step {s}",
+                reward,
+                reward,
+                json.dumps({"weight_version": 1}),
+                1 if last else 0,
+                0,
+                1 if last else 0,
+                1,
+                now,
+            ),
+        )
         if last:  # autocommit: the COMMIT has returned
             completed[g] += 1
             if completed[g] == args.k:
@@ -99,8 +125,12 @@ def write(args: argparse.Namespace) -> int:
 
 # -- one run: a peer, a client mode ------------------------------------------------------------------
 def post(url: str, body: dict, timeout: float = 120.0) -> dict:
-    req = urllib.request.Request(url + "/get_rollout_data", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/get_rollout_data",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
@@ -174,16 +204,53 @@ def run_one(peer: str, mode: str, args: argparse.Namespace, workdir: str) -> dic
         db.execute(ddl)
     db.close()
     job = "fresh"
-    out = subprocess.run(PEERS[peer] + ["start", "--port", str(free_port()), "--db", db_path, "--job", job,
-                                        "--k", str(args.k), "--workdir", os.path.join(workdir, "peer")],
-                         capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        PEERS[peer]
+        + [
+            "start",
+            "--port",
+            str(free_port()),
+            "--db",
+            db_path,
+            "--job",
+            job,
+            "--k",
+            str(args.k),
+            "--workdir",
+            os.path.join(workdir, "peer"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     if out.returncode != 0:
         raise SystemExit(f"{peer} did not start:\n{out.stdout}\n{out.stderr}")
     info = dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
-    writer = subprocess.Popen([sys.executable, os.path.abspath(__file__), "write", "--db", db_path, "--job", job,
-                               "--rate", str(args.rate), "--duration", str(args.duration), "--k", str(args.k),
-                               "--steps", str(args.steps), "--prompt-bytes", str(args.prompt_bytes),
-                               "--step-s", str(args.step_s)], stdout=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "write",
+            "--db",
+            db_path,
+            "--job",
+            job,
+            "--rate",
+            str(args.rate),
+            "--duration",
+            str(args.duration),
+            "--k",
+            str(args.k),
+            "--steps",
+            str(args.steps),
+            "--prompt-bytes",
+            str(args.prompt_bytes),
+            "--step-s",
+            str(args.step_s),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     client = Client(info["URL"], mode, args.k)
     thread = threading.Thread(target=client.run, daemon=True)
     thread.start()
@@ -202,11 +269,21 @@ def run_one(peer: str, mode: str, args: argparse.Namespace, workdir: str) -> dic
         thread.join(150)
         subprocess.run(PEERS[peer] + ["stop", info["PID"]], capture_output=True, timeout=120)
     lat = [client.received[g] - t for g, t in committed.items() if g in client.received]
-    return {"peer": peer, "mode": mode, "groups_written": len(committed), "groups_received": len(lat),
-            "duplicates": len(client.duplicates), "short": len(client.short), "polls": client.polls,
-            "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99), "latency_max_s": max(lat, default=None),
-            "batches": len(client.batch_waits), "batch_wait_p50_s": pct(client.batch_waits, 50),
-            "batch_wait_p99_s": pct(client.batch_waits, 99)}
+    return {
+        "peer": peer,
+        "mode": mode,
+        "groups_written": len(committed),
+        "groups_received": len(lat),
+        "duplicates": len(client.duplicates),
+        "short": len(client.short),
+        "polls": client.polls,
+        "latency_p50_s": pct(lat, 50),
+        "latency_p99_s": pct(lat, 99),
+        "latency_max_s": max(lat, default=None),
+        "batches": len(client.batch_waits),
+        "batch_wait_p50_s": pct(client.batch_waits, 50),
+        "batch_wait_p99_s": pct(client.batch_waits, 99),
+    }
 
 
 def fmt(v: float | None) -> str:
@@ -214,8 +291,9 @@ def fmt(v: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd")
     w = sub.add_parser("write", help="(internal) the live writer")
     for a in (p, w):
@@ -224,13 +302,20 @@ def main(argv: list[str] | None = None) -> int:
         a.add_argument("--k", type=int, default=8)
         a.add_argument("--steps", type=int, default=4)
         a.add_argument("--prompt-bytes", type=int, default=2048)
-        a.add_argument("--step-s", type=float, default=0.5, help="seconds between a session's steps")
+        a.add_argument(
+            "--step-s", type=float, default=0.5, help="seconds between a session's steps"
+        )
     w.add_argument("--db", required=True)
     w.add_argument("--job", required=True)
     w.add_argument("--seed", type=int, default=1)
-    p.add_argument("--runs", default="original:upstream,new:upstream,new:longpoll",
-                   help="peer:mode pairs, run in this order")
-    p.add_argument("--tail", type=float, default=30.0, help="seconds to wait for the last groups after writing")
+    p.add_argument(
+        "--runs",
+        default="original:upstream,new:upstream,new:longpoll",
+        help="peer:mode pairs, run in this order",
+    )
+    p.add_argument(
+        "--tail", type=float, default=30.0, help="seconds to wait for the last groups after writing"
+    )
     p.add_argument("--workdir", default="/tmp/freshness")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
@@ -239,22 +324,38 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for i, pair in enumerate(args.runs.split(",")):
         peer, mode = pair.split(":")
-        print(f"run {i + 1}: {peer} / {mode} ({args.duration:g} s of {args.rate:g} groups/s, K={args.k})",
-              file=sys.stderr, flush=True)
-        results.append(run_one(peer, mode, args, os.path.join(args.workdir, f"run{i}-{peer}-{mode}")))
+        print(
+            f"run {i + 1}: {peer} / {mode} ({args.duration:g} s of {args.rate:g} groups/s, K={args.k})",
+            file=sys.stderr,
+            flush=True,
+        )
+        results.append(
+            run_one(peer, mode, args, os.path.join(args.workdir, f"run{i}-{peer}-{mode}"))
+        )
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    print("| peer | client | groups written / received | dup / short | polls | latency p50 | p99 | max "
-          "| batches of 64 | wait per batch p50 | p99 |")
+    print(
+        "| peer | client | groups written / received | dup / short | polls | latency p50 | p99 | max "
+        "| batches of 64 | wait per batch p50 | p99 |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['peer']} | {r['mode']} | {r['groups_written']} / {r['groups_received']} | "
-              f"{r['duplicates']} / {r['short']} | {r['polls']} | {fmt(r['latency_p50_s'])} s | "
-              f"{fmt(r['latency_p99_s'])} s | {fmt(r['latency_max_s'])} s | {r['batches']} | "
-              f"{fmt(r['batch_wait_p50_s'])} s | {fmt(r['batch_wait_p99_s'])} s |")
+        print(
+            f"| {r['peer']} | {r['mode']} | {r['groups_written']} / {r['groups_received']} | "
+            f"{r['duplicates']} / {r['short']} | {r['polls']} | {fmt(r['latency_p50_s'])} s | "
+            f"{fmt(r['latency_p99_s'])} s | {fmt(r['latency_max_s'])} s | {r['batches']} | "
+            f"{fmt(r['batch_wait_p50_s'])} s | {fmt(r['batch_wait_p99_s'])} s |"
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)
-    return 1 if any(r["duplicates"] or r["short"] or r["groups_received"] < r["groups_written"] for r in results) else 0
+    return (
+        1
+        if any(
+            r["duplicates"] or r["short"] or r["groups_received"] < r["groups_written"]
+            for r in results
+        )
+        else 0
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ PID= (the group leader: the gunicorn master), URL=, MEM_PIDS= (master and worker
 APP_LOG= and PROXY_RECORD=. ``stop PID`` TERMs the group, waits, KILLs what is left.
 Stdlib only; the service runs on this interpreter (it needs the project's requirements).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,9 @@ def free_port() -> int:
 
 def http(method: str, url: str, obj=None, timeout: float = 10.0):
     data = None if obj is None else json.dumps(obj).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return resp.status, resp.read()
 
@@ -71,7 +74,6 @@ children = procfs.children
 group_members = procfs.group_members
 
 
-
 def cmd_start(args: argparse.Namespace) -> int:
     if port_in_use(args.port):
         die(f"port {args.port} is already in use")
@@ -85,24 +87,38 @@ def cmd_start(args: argparse.Namespace) -> int:
     root = os.path.join(workdir, "aievobox")
     os.makedirs(os.path.join(root, "env"), exist_ok=True)
     os.makedirs(run_dir, exist_ok=True)
-    shutil.copy(os.path.join(BENCH, "originalpeer", "launcher.py"), os.path.join(root, "launcher.py"))
+    shutil.copy(
+        os.path.join(BENCH, "originalpeer", "launcher.py"), os.path.join(root, "launcher.py")
+    )
     log_path = os.path.join(workdir, "server.out")
     proxy_record = os.path.join(workdir, "proxy_calls.jsonl")
     proxy_port_file = os.path.join(workdir, "proxy.port")
     proxy_port = free_port()
 
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ROLLOUT_BUFFER_", "AIEVOBOX_", "LLM_PROXY_")) and k != "RB_PEER_ENV"}
-    env.update({
-        "BUFFER_SERVER_PORT": str(args.port), "ROLLOUT_BUFFER_HOST": "127.0.0.1",
-        "STORAGE_TYPE": "sqlite", "AIEVOBOX_DB_URL": "sqlite://" + db,
-        "LLM_PROXY_HOST": "127.0.0.1", "LLM_PROXY_PORT": str(proxy_port),
-        "AIEVOBOX_RUN_DIR": run_dir, "AIEVOBOX_ROOT": root, "AIEVOBOX_ENV_ROOT": os.path.join(root, "env"),
-        "PYTHONUNBUFFERED": "1", "BENCH_LAUNCHER_MODE": "sleep",
-        # the AIEvoBox launcher command is `python3 launcher.py`: resolve it to this interpreter
-        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
-        "PYTHONPATH": ROOT + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""),
-    })
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("ROLLOUT_BUFFER_", "AIEVOBOX_", "LLM_PROXY_")) and k != "RB_PEER_ENV"
+    }
+    env.update(
+        {
+            "BUFFER_SERVER_PORT": str(args.port),
+            "ROLLOUT_BUFFER_HOST": "127.0.0.1",
+            "STORAGE_TYPE": "sqlite",
+            "AIEVOBOX_DB_URL": "sqlite://" + db,
+            "LLM_PROXY_HOST": "127.0.0.1",
+            "LLM_PROXY_PORT": str(proxy_port),
+            "AIEVOBOX_RUN_DIR": run_dir,
+            "AIEVOBOX_ROOT": root,
+            "AIEVOBOX_ENV_ROOT": os.path.join(root, "env"),
+            "PYTHONUNBUFFERED": "1",
+            "BENCH_LAUNCHER_MODE": "sleep",
+            # the AIEvoBox launcher command is `python3 launcher.py`: resolve it to this interpreter
+            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+            "PYTHONPATH": ROOT
+            + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""),
+        }
+    )
     # RB_PEER_ENV="KEY=VALUE ..." in the peer's own environment: per-peer settings in one bench.py run
     # (--peer "on=env RB_PEER_ENV='ROLLOUT_BUFFER_OVERSAMPLE=1' python3 tests/bench/peer.py"), which
     # --peer-arg (the same for every peer) cannot give
@@ -111,15 +127,32 @@ def cmd_start(args: argparse.Namespace) -> int:
         if not sep:
             die(f"--env expects KEY=VALUE, got {kv!r}")
         env[key] = value
-    proxy_cmd = [sys.executable, os.path.join(BENCH, "fake_proxy.py"), "--port", str(proxy_port),
-                 "--record", proxy_record, "--port-file", proxy_port_file]
+    proxy_cmd = [
+        sys.executable,
+        os.path.join(BENCH, "fake_proxy.py"),
+        "--port",
+        str(proxy_port),
+        "--record",
+        proxy_record,
+        "--port-file",
+        proxy_port_file,
+    ]
     server_cmd = [sys.executable, "-m", "rollout_buffer", "serve"]
     shell = "{} >{} 2>&1 </dev/null & exec {}".format(
-        " ".join(map(shlex.quote, proxy_cmd)), shlex.quote(os.path.join(workdir, "proxy.out")),
-        " ".join(map(shlex.quote, server_cmd)))
+        " ".join(map(shlex.quote, proxy_cmd)),
+        shlex.quote(os.path.join(workdir, "proxy.out")),
+        " ".join(map(shlex.quote, server_cmd)),
+    )
     with open(log_path, "wb") as out:
-        server = subprocess.Popen(["/bin/sh", "-c", shell], cwd=workdir, env=env, stdout=out,
-                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        server = subprocess.Popen(
+            ["/bin/sh", "-c", shell],
+            cwd=workdir,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def fail(msg: str) -> None:
         try:
@@ -142,9 +175,16 @@ def cmd_start(args: argparse.Namespace) -> int:
             fail(f"server did not answer on {url} within {args.timeout} s")
         time.sleep(0.05)
     try:
-        status, body = http("POST", url + "/start_rollout", {"num_repeat_per_sample": args.k,
-                                                              "job_session": args.job,
-                                                              "restart_training": args.restart_training}, 30)
+        status, body = http(
+            "POST",
+            url + "/start_rollout",
+            {
+                "num_repeat_per_sample": args.k,
+                "job_session": args.job,
+                "restart_training": args.restart_training,
+            },
+            30,
+        )
     except urllib.error.HTTPError as exc:
         fail(f"/start_rollout answered {exc.code}: {exc.read()[:300]!r}")
     marker = os.path.join(run_dir, "launcher.json")
@@ -152,6 +192,7 @@ def cmd_start(args: argparse.Namespace) -> int:
         if time.monotonic() > deadline:
             fail("the stand-in launcher did not start")
         time.sleep(0.05)
+
     def is_proxy(pid: int) -> bool:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
@@ -159,7 +200,9 @@ def cmd_start(args: argparse.Namespace) -> int:
         except OSError:
             return False
 
-    workers = [p for p in children(server.pid) if not is_proxy(p)]  # the gunicorn worker, not the proxy
+    workers = [
+        p for p in children(server.pid) if not is_proxy(p)
+    ]  # the gunicorn worker, not the proxy
     print(f"PID={server.pid}")
     print(f"URL={url}")
     print(f"MEM_PIDS={','.join(str(p) for p in [server.pid] + workers)}")
@@ -194,8 +237,11 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="rollout-buffer as a bench.py peer",
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description="rollout-buffer as a bench.py peer",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("start")
     s.add_argument("--port", type=int, required=True)
@@ -204,7 +250,9 @@ def main(argv=None) -> int:
     s.add_argument("--k", type=int, required=True)
     s.add_argument("--workdir")
     s.add_argument("--restart-training", action="store_true")
-    s.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra server environment")
+    s.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="extra server environment"
+    )
     s.add_argument("--timeout", type=float, default=60.0)
     s.set_defaults(func=cmd_start)
     t = sub.add_parser("stop")

@@ -9,6 +9,7 @@ each with ../shared/bench/drain.py through tests/bench/peer.py (gunicorn), alter
 Prints items/s, items/s in requests, polls and poll p99 per backend (medians) and the ratio
 Postgres / SQLite. Needs the project's requirements (psycopg).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,9 +27,25 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 BENCH = os.environ.get("BENCH_DIR", os.path.join(os.path.dirname(ROOT), "shared", "bench"))
 sys.path.insert(0, ROOT)
 
-COLUMNS = ("id", "session_id", "step_id", "env_name", "llm_model", "group_id", "job_id", "messages", "response",
-           "step_reward", "reward", "env_state", "is_terminal", "is_truncated", "is_session_completed",
-           "is_trainable", "created_at")
+COLUMNS = (
+    "id",
+    "session_id",
+    "step_id",
+    "env_name",
+    "llm_model",
+    "group_id",
+    "job_id",
+    "messages",
+    "response",
+    "step_reward",
+    "reward",
+    "env_state",
+    "is_terminal",
+    "is_truncated",
+    "is_session_completed",
+    "is_trainable",
+    "created_at",
+)
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -56,10 +73,14 @@ def pg_copy(sqlite_path: str, dsn: str) -> tuple[str, str]:
             conn.execute(ddl)
         with conn.transaction(), conn.cursor() as cur:
             with cur.copy(f"COPY session_steps ({', '.join(COLUMNS)}) FROM STDIN") as cp:
-                for row in src.execute(f"SELECT {', '.join(COLUMNS)} FROM session_steps ORDER BY id"):
+                for row in src.execute(
+                    f"SELECT {', '.join(COLUMNS)} FROM session_steps ORDER BY id"
+                ):
                     cp.write_row(row)
-        conn.execute("SELECT setval(pg_get_serial_sequence('session_steps', 'id'), "
-                     "(SELECT MAX(id) FROM session_steps))")
+        conn.execute(
+            "SELECT setval(pg_get_serial_sequence('session_steps', 'id'), "
+            "(SELECT MAX(id) FROM session_steps))"
+        )
         conn.execute("ANALYZE session_steps")
     src.close()
     return url, schema
@@ -72,7 +93,9 @@ def drop_schema(dsn: str, schema: str) -> None:
         conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
-def trial(backend: str, template: str, args: argparse.Namespace, work: str, n: int, groups: int) -> dict:
+def trial(
+    backend: str, template: str, args: argparse.Namespace, work: str, n: int, groups: int
+) -> dict:
     db = os.path.join(work, f"{backend}-{n}.db")
     shutil.copyfile(template, db)
     extra: list[str] = []
@@ -80,31 +103,71 @@ def trial(backend: str, template: str, args: argparse.Namespace, work: str, n: i
     if backend == "postgres":
         url, schema = pg_copy(template, args.pg)
         extra = ["--env", f"AIEVOBOX_DB_URL={url}", "--env", "STORAGE_TYPE=postgres"]
-    peer = run([sys.executable, os.path.join(HERE, "peer.py"), "start", "--port", str(args.port), "--db", db,
-                "--job", "J", "--k", str(args.k), "--workdir", os.path.join(work, f"peer-{backend}-{n}")] + extra,
-               timeout=120)
+    peer = run(
+        [
+            sys.executable,
+            os.path.join(HERE, "peer.py"),
+            "start",
+            "--port",
+            str(args.port),
+            "--db",
+            db,
+            "--job",
+            "J",
+            "--k",
+            str(args.k),
+            "--workdir",
+            os.path.join(work, f"peer-{backend}-{n}"),
+        ]
+        + extra,
+        timeout=120,
+    )
     info = dict(line.split("=", 1) for line in peer.stdout.splitlines() if "=" in line)
     out = os.path.join(work, f"drain-{backend}-{n}.json")
     try:
-        subprocess.run([sys.executable, os.path.join(BENCH, "drain.py"), "--url", info["URL"], "--expect-groups",
-                        str(groups), "--k", str(args.k), "--json-out", out, "--quiet"],
-                       capture_output=True, text=True, timeout=900)
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.join(BENCH, "drain.py"),
+                "--url",
+                info["URL"],
+                "--expect-groups",
+                str(groups),
+                "--k",
+                str(args.k),
+                "--json-out",
+                out,
+                "--quiet",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     finally:
-        subprocess.run([sys.executable, os.path.join(HERE, "peer.py"), "stop", info["PID"]], capture_output=True)
+        subprocess.run(
+            [sys.executable, os.path.join(HERE, "peer.py"), "stop", info["PID"]],
+            capture_output=True,
+        )
         if schema:
             drop_schema(args.pg, schema)
         os.remove(db)
     with open(out) as fh:
         d = json.load(fh)
-    print(f"  {backend} trial {n}: {d['groups']} groups, {d['items_per_s']} items/s, "
-          f"{d['items_per_server_s']} items/s in requests, polls {d['polls']}, p99 {d['poll_ms_p99']} ms, "
-          f"violations {d['violation_count']}", flush=True)
+    print(
+        f"  {backend} trial {n}: {d['groups']} groups, {d['items_per_s']} items/s, "
+        f"{d['items_per_server_s']} items/s in requests, polls {d['polls']}, p99 {d['poll_ms_p99']} ms, "
+        f"violations {d['violation_count']}",
+        flush=True,
+    )
     return d
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--groups", type=int, default=256)
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--steps", type=int, default=4)
@@ -117,23 +180,57 @@ def main(argv=None) -> int:
     work = args.workdir or tempfile.mkdtemp(prefix="rb-pgbench-")
     os.makedirs(work, exist_ok=True)
     template = os.path.join(work, "template.db")
-    gen = run([sys.executable, os.path.join(BENCH, "gen_rows.py"), "--db", template, "--job", "J", "--groups",
-               str(args.groups), "--k", str(args.k), "--steps", str(args.steps), "--prompt-bytes",
-               str(args.prompt_bytes), "--force", "--quiet"])
+    gen = run(
+        [
+            sys.executable,
+            os.path.join(BENCH, "gen_rows.py"),
+            "--db",
+            template,
+            "--job",
+            "J",
+            "--groups",
+            str(args.groups),
+            "--k",
+            str(args.k),
+            "--steps",
+            str(args.steps),
+            "--prompt-bytes",
+            str(args.prompt_bytes),
+            "--force",
+            "--quiet",
+        ]
+    )
     summary = json.loads(gen.stdout.strip().splitlines()[-1].split(" ", 1)[1])
-    print(f"pg_bench: {summary['rows']} rows, {summary['complete_groups']} complete groups", flush=True)
+    print(
+        f"pg_bench: {summary['rows']} rows, {summary['complete_groups']} complete groups",
+        flush=True,
+    )
     results: dict[str, list[dict]] = {"sqlite": [], "postgres": []}
     for n in range(1, args.repeat + 1):
         for backend in ("sqlite", "postgres"):
-            results[backend].append(trial(backend, template, args, work, n, summary["complete_groups"]))
-    med = {b: {k: statistics.median(d[k] for d in ds) for k in
-               ("items_per_s", "items_per_server_s", "polls", "poll_ms_p99", "violation_count")}
-           for b, ds in results.items()}
+            results[backend].append(
+                trial(backend, template, args, work, n, summary["complete_groups"])
+            )
+    med = {
+        b: {
+            k: statistics.median(d[k] for d in ds)
+            for k in (
+                "items_per_s",
+                "items_per_server_s",
+                "polls",
+                "poll_ms_p99",
+                "violation_count",
+            )
+        }
+        for b, ds in results.items()
+    }
     print("\n| backend | items/s | items/s in requests | polls | poll p99 ms | violations |")
     print("|---|---|---|---|---|---|")
     for b, m in med.items():
-        print(f"| {b} | {m['items_per_s']:.0f} | {m['items_per_server_s']:.0f} | {m['polls']:.0f} | "
-              f"{m['poll_ms_p99']:.1f} | {m['violation_count']:.0f} |")
+        print(
+            f"| {b} | {m['items_per_s']:.0f} | {m['items_per_server_s']:.0f} | {m['polls']:.0f} | "
+            f"{m['poll_ms_p99']:.1f} | {m['violation_count']:.0f} |"
+        )
     ratio = med["postgres"]["items_per_server_s"] / med["sqlite"]["items_per_server_s"]
     print(f"\nPostgres / SQLite, items/s in requests: {ratio:.2f} (target >= 0.5, i.e. within 2x)")
     return 1 if any(m["violation_count"] for m in med.values()) else 0

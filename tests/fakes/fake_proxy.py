@@ -9,14 +9,16 @@ gateway in front of the proxy answers; every GET is answered 200, like its login
 ``"up"``, ``"down"`` (the socket is closed: connection refused) and ``"hung"`` (requests are read
 and recorded, then held without an answer until the mode changes, when they are dropped).
 """
+
 from __future__ import annotations
 
 import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 
 CLEAR_PATH = "/admin/clear_sessions"
 
@@ -32,7 +34,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True  # held handler threads must not block server_close()
     block_on_close = False
 
-    def handle_error(self, request, client_address) -> None:  # noqa: ANN001 - stdlib signature
+    def handle_error(self, request, client_address) -> None:
         # The client gave up on a held request (read timeout): a broken pipe is expected.
         pass
 
@@ -40,8 +42,15 @@ class _Server(ThreadingHTTPServer):
 class FakeProxy:
     """A recording stand-in for the LLM proxy; usable as a context manager."""
 
-    def __init__(self, *, port: int = 0, status: int = 200, hold_s: float = 0.0,
-                 script: list[int] | None = None, location: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        port: int = 0,
+        status: int = 200,
+        hold_s: float = 0.0,
+        script: list[int] | None = None,
+        location: str | None = None,
+    ) -> None:
         self.status = status
         self.location = location
         self.gets = 0
@@ -61,9 +70,15 @@ class FakeProxy:
 
     def _listen(self) -> None:
         self._server = _Server(("127.0.0.1", self._port), self._handler_class())
-        self._port = self._server.server_address[1]  # port 0 becomes the real one, kept for "up" again
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
-                                        name=f"fake-proxy-{self._port}", daemon=True)
+        self._port = self._server.server_address[
+            1
+        ]  # port 0 becomes the real one, kept for "up" again
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name=f"fake-proxy-{self._port}",
+            daemon=True,
+        )
         self._thread.start()
 
     def _unlisten(self) -> None:
@@ -157,10 +172,10 @@ class FakeProxy:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib name
+            def log_message(self, format: str, *args: Any) -> None:
                 pass
 
-            def do_POST(self) -> None:  # noqa: N802 - stdlib name
+            def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length)
                 if self.path != CLEAR_PATH:
@@ -180,9 +195,11 @@ class FakeProxy:
                     self.close_connection = True  # closing: drop the connection unanswered
                     return
                 fake._answered(status, body)
-                self._reply(status, json.dumps({"cleared": len(body.get("session_ids", []))}).encode())
+                self._reply(
+                    status, json.dumps({"cleared": len(body.get("session_ids", []))}).encode()
+                )
 
-            def do_GET(self) -> None:  # noqa: N802 - stdlib name
+            def do_GET(self) -> None:
                 with fake._lock:
                     fake.gets += 1
                 self._reply(200, b'{"page": "login"}')

@@ -13,6 +13,7 @@ code would not write: a BLOB ``session_id`` or TEXT that is not valid UTF-8 (SQL
 Each commit is appended to ``log_path`` as a JSON line ``{"txn", "t", "pks"}`` (wall time), so a
 failure report can tell a gap in the writing from a gap in the reading.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,24 @@ import sys
 import time
 from typing import Any
 
-COLUMNS = ("session_id", "step_id", "env_name", "llm_model", "group_id", "job_id", "messages", "response",
-           "step_reward", "reward", "env_state", "is_terminal", "is_truncated", "is_session_completed",
-           "is_trainable", "created_at")
+COLUMNS = (
+    "session_id",
+    "step_id",
+    "env_name",
+    "llm_model",
+    "group_id",
+    "job_id",
+    "messages",
+    "response",
+    "step_reward",
+    "reward",
+    "env_state",
+    "is_terminal",
+    "is_truncated",
+    "is_session_completed",
+    "is_trainable",
+    "created_at",
+)
 # Columns a row may give as {"bytes_hex": ...}: bound as bytes, stored as BLOB or (cast) invalid TEXT.
 BLOB_KINDS = {"blob", "text_bytes"}
 
@@ -44,7 +60,7 @@ class Conn:
         if backend == "sqlite":
             import sqlite3
 
-            path = url[len("sqlite://"):]
+            path = url[len("sqlite://") :]
             self.conn = sqlite3.connect(path, timeout=30, isolation_level=None)
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA busy_timeout=30000")
@@ -65,7 +81,9 @@ class Conn:
             values.append(value)
             mark = "?" if self.backend == "sqlite" else "%s"
             marks.append(f"CAST({mark} AS TEXT)" if kind == "text_bytes" else mark)
-        sql = "INSERT INTO session_steps ({}) VALUES ({}) RETURNING id".format(", ".join(COLUMNS), ", ".join(marks))
+        sql = "INSERT INTO session_steps ({}) VALUES ({}) RETURNING id".format(
+            ", ".join(COLUMNS), ", ".join(marks)
+        )
         cur = self.conn.execute(sql, values)
         return int(cur.fetchone()[0])
 
@@ -101,7 +119,9 @@ def main(argv: list[str]) -> int:
         time.sleep(txn["delay_s"])
         settle_detached()
         if txn.get("detach") and detached is None and backend == "postgres":
-            side_conn = side_conn or Conn(plan["url"], backend, plan.get("app_name", "fault_writer"))
+            side_conn = side_conn or Conn(
+                plan["url"], backend, plan.get("app_name", "fault_writer")
+            )
             side_conn.begin()
             pks = [side_conn.insert(r) for r in txn["rows"]]
             detached = (time.monotonic() + txn["hold_s"], index, pks)

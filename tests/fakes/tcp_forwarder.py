@@ -7,6 +7,7 @@ hung PgBouncer, a network path that stopped carrying packets: a statement sent g
 new connection no reply to its startup); ``flow()`` forwards what was held and carries on.
 ``close()`` stops listening. Use it to point a service at a database it then loses.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +15,7 @@ import socket
 import threading
 
 
-def _cut(socks: "list[socket.socket] | tuple[socket.socket, ...]") -> None:
+def _cut(socks: list[socket.socket] | tuple[socket.socket, ...]) -> None:
     for s in socks:
         with contextlib.suppress(OSError):
             s.shutdown(socket.SHUT_RDWR)
@@ -54,7 +55,9 @@ class TcpForwarder:
                 server.settimeout(None)
                 self._open += [client, server]
             for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(a, b), name="tcp-forwarder-pipe", daemon=True).start()
+                threading.Thread(
+                    target=self._pipe, args=(a, b), name="tcp-forwarder-pipe", daemon=True
+                ).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
         try:

@@ -1,4 +1,5 @@
 """Behaviour through the Flask test client, on SQLite and Postgres (the `db_url` fixture)."""
+
 from __future__ import annotations
 
 import json
@@ -6,9 +7,16 @@ import logging
 from urllib.parse import urlsplit
 
 import pytest
-
 from fakes.tcp_forwarder import TcpForwarder
-from support import PG_DSN, Writer, assert_balanced, groups_of, make_launcher_db, now_text, wait_until
+from support import (
+    PG_DSN,
+    Writer,
+    assert_balanced,
+    groups_of,
+    make_launcher_db,
+    now_text,
+    wait_until,
+)
 
 
 def test_complete_groups_are_served_whole_with_terminal_rewards(harness, writer):
@@ -22,7 +30,10 @@ def test_complete_groups_are_served_whole_with_terminal_rewards(harness, writer)
     items = groups["g1"]
     assert len(items) == 9
     # sorted by (session_id, step_id, step_pk)
-    keys = [(i["extra_info"]["session_id"], i["extra_info"]["steps"], i["extra_info"]["step_pk"]) for i in items]
+    keys = [
+        (i["extra_info"]["session_id"], i["extra_info"]["steps"], i["extra_info"]["step_pk"])
+        for i in items
+    ]
     assert keys == sorted(keys)
     for i, sid in enumerate(sessions):
         mine = [it for it in items if it["extra_info"]["session_id"] == sid]
@@ -39,19 +50,37 @@ def test_complete_groups_are_served_whole_with_terminal_rewards(harness, writer)
 
 def test_item_matches_the_row_exactly(harness, writer):
     harness.start(k=1)
-    msgs = [{"role": "system", "content": "sÿstem ✓"}, {"role": "user", "content": "q \"quoted\"\n"}]
-    pk = writer.step("gx", "sess-1", 1, completed=True, step_reward=0.75, truncated=True, messages=msgs,
-                     response="final → answer", env_state={"weight_version": 7, "other": [1]},
-                     created_at="2026-12-02 13:35:10.889937+00:00")
+    msgs = [{"role": "system", "content": "sÿstem ✓"}, {"role": "user", "content": 'q "quoted"\n'}]
+    pk = writer.step(
+        "gx",
+        "sess-1",
+        1,
+        completed=True,
+        step_reward=0.75,
+        truncated=True,
+        messages=msgs,
+        response="final → answer",
+        env_state={"weight_version": 7, "other": [1]},
+        created_at="2026-12-02 13:35:10.889937+00:00",
+    )
     item = harness.poll()["data"]["data"][0]
     assert item["instance_id"] == "gx"
     assert item["messages"] == msgs + [{"role": "assistant", "content": "final → answer"}]
     assert item["reward"] == 0.75
     assert isinstance(item["uid"], str) and len(item["uid"]) == 36 and item["uid"][14] == "4"
     assert item["extra_info"] == {
-        "timestamp": 1796218510.889937, "steps": 1, "finish_reason": "length", "session_id": "sess-1",
-        "env_id": "sess-1", "group_id": "gx", "weight_version": 7, "truncated": True, "step_pk": pk,
-        "is_session_completed": True, "step_reward": 0.75, "terminal_reward": 0.75,
+        "timestamp": 1796218510.889937,
+        "steps": 1,
+        "finish_reason": "length",
+        "session_id": "sess-1",
+        "env_id": "sess-1",
+        "group_id": "gx",
+        "weight_version": 7,
+        "truncated": True,
+        "step_pk": pk,
+        "is_session_completed": True,
+        "step_reward": 0.75,
+        "terminal_reward": 0.75,
     }
 
 
@@ -63,10 +92,18 @@ def test_naive_timestamp_is_utc_and_empty_history_is_spliced(harness, writer):
     assert item["messages"] == [{"role": "assistant", "content": "answer s 1"}]
 
 
-@pytest.mark.parametrize("env_state,expected", [
-    (None, 0), ({}, 0), ({"weight_version": None}, 0), ({"weight_version": "12"}, 12),
-    ({"weight_version": 3.9}, 3), ({"weight_version": "abc"}, 0), ("null", 0),
-])
+@pytest.mark.parametrize(
+    "env_state,expected",
+    [
+        (None, 0),
+        ({}, 0),
+        ({"weight_version": None}, 0),
+        ({"weight_version": "12"}, 12),
+        ({"weight_version": 3.9}, 3),
+        ({"weight_version": "abc"}, 0),
+        ("null", 0),
+    ],
+)
 def test_weight_version_is_tolerant(harness, writer, env_state, expected):
     # SPEC §7.2: a missing weight_version raised KeyError and the row was silently skipped.
     harness.start(k=1)
@@ -106,7 +143,9 @@ def test_whole_backlog_in_one_poll(harness, writer):
     assert doc["data"]["meta_info"]["total_samples"] == 320
 
 
-@pytest.mark.parametrize("value,cap", [(None, None), (0, None), (-3, None), (1, 1), (2, 2), (2.0, 2)])
+@pytest.mark.parametrize(
+    "value,cap", [(None, None), (0, None), (-3, None), (1, 1), (2, 2), (2.0, 2)]
+)
 def test_max_groups_caps_or_not(harness, writer, value, cap):
     harness.start(k=2)
     for g in range(5):
@@ -142,8 +181,22 @@ def test_body_parsing(harness):
     assert r.status_code == 413 and r.get_json()["ok"] is False
 
 
-@pytest.mark.parametrize("k,status", [(8, 200), ("8", 200), (1, 200), (4096, 200), (0, 400), (4097, 400),
-                                      (True, 400), (2.5, 400), ("8.5", 400), ("x", 400), ([8], 400)])
+@pytest.mark.parametrize(
+    "k,status",
+    [
+        (8, 200),
+        ("8", 200),
+        (1, 200),
+        (4096, 200),
+        (0, 400),
+        (4097, 400),
+        (True, 400),
+        (2.5, 400),
+        ("8.5", 400),
+        ("x", 400),
+        ([8], 400),
+    ],
+)
 def test_num_repeat_per_sample_validation(harness, k, status):
     r = harness.client.post("/start_rollout", json={"num_repeat_per_sample": k, "job_session": "j"})
     assert r.status_code == status, r.get_json()
@@ -153,21 +206,27 @@ def test_num_repeat_per_sample_validation(harness, k, status):
         assert "num_repeat_per_sample" in r.get_json()["error"]
 
 
-@pytest.mark.parametrize("job,status", [("abc-1.2_x", 200), ("", 400), ("a b", 400), ("x" * 65, 400),
-                                        (5, 400), ("ok" * 32, 200)])
+@pytest.mark.parametrize(
+    "job,status",
+    [("abc-1.2_x", 200), ("", 400), ("a b", 400), ("x" * 65, 400), (5, 400), ("ok" * 32, 200)],
+)
 def test_job_session_validation(harness, job, status):
     r = harness.client.post("/start_rollout", json={"job_session": job})
     assert r.status_code == status, r.get_json()
 
 
 def test_job_session_absent_means_new_uuid_and_other_keys_ignored(harness):
-    r = harness.client.post("/start_rollout", json={"num_repeat_per_sample": 2, "foo": 1, "batch": [1]})
+    r = harness.client.post(
+        "/start_rollout", json={"num_repeat_per_sample": 2, "foo": 1, "batch": [1]}
+    )
     body = r.get_json()
     assert r.status_code == 200 and len(body["job_session"]) == 32
     assert body["message"] == "Rollout started"
 
 
-@pytest.mark.parametrize("value,status", [(True, 200), (1, 200), (0, 200), (False, 200), ("true", 400), (2, 400)])
+@pytest.mark.parametrize(
+    "value,status", [(True, 200), (1, 200), (0, 200), (False, 200), ("true", 400), (2, 400)]
+)
 def test_restart_training_validation(harness, value, status):
     r = harness.client.post("/start_rollout", json={"restart_training": value, "job_session": "j"})
     assert r.status_code == status
@@ -183,8 +242,8 @@ def test_k_from_start_rollout(harness, writer):
 
 def test_restart_training_skips_written_rows_and_tombstones_their_groups(harness, writer):
     writer.group("old", 2, steps=2)
-    half = writer.group("half", 2, steps=1, complete=0)   # rows at or below the floor, no completion
-    writer.group("done", 2, steps=1)                       # the last terminal row sets the floor
+    half = writer.group("half", 2, steps=1, complete=0)  # rows at or below the floor, no completion
+    writer.group("done", 2, steps=1)  # the last terminal row sets the floor
     harness.start(k=2, restart_training=True)
     # rows of "half" after the floor must not make it ready with half its rows
     for sid in half:
@@ -200,11 +259,11 @@ def test_restart_training_skips_written_rows_and_tombstones_their_groups(harness
 
 def test_restart_training_counts_the_rows_below_the_floor(harness, writer):
     harness.start(k=2)
-    writer.group("g", 2, steps=2, complete=0)       # 4 rows, read while pending
-    writer.group("h", 2, steps=1)                   # served; its terminal rows set the floor
+    writer.group("g", 2, steps=2, complete=0)  # 4 rows, read while pending
+    writer.group("h", 2, steps=1)  # served; its terminal rows set the floor
     assert list(groups_of(harness.poll())) == ["h"]
     assert harness.stats()["rows"]["read"] == 6
-    harness.start(k=2, restart_training=True)       # same job: g is tombstoned with its 4 rows
+    harness.start(k=2, restart_training=True)  # same job: g is tombstoned with its 4 rows
     s = harness.stats()
     assert s["rows"]["read"] == 6 and s["rows"]["dropped"] == {"restart_training": 4}
     assert s["groups"]["dropped"] == {"restart_training": 1} and s["rows"]["served"] == 2
@@ -274,20 +333,31 @@ def test_non_trainable_rows_are_not_read(harness, writer):
     assert [i["extra_info"]["steps"] for i in items] == [2]
 
 
-@pytest.mark.parametrize("kind,reason", [
-    ("messages", "invalid_json_messages"), ("not_list", "messages_not_a_list"),
-    ("env_state", "invalid_json_env_state"), ("env_list", "env_state_not_an_object"),
-    ("nan", "invalid_json_messages"),
-])
+@pytest.mark.parametrize(
+    "kind,reason",
+    [
+        ("messages", "invalid_json_messages"),
+        ("not_list", "messages_not_a_list"),
+        ("env_state", "invalid_json_env_state"),
+        ("env_list", "env_state_not_an_object"),
+        ("nan", "invalid_json_messages"),
+    ],
+)
 def test_malformed_row_drops_its_group_and_others_are_served(harness, writer, kind, reason):
     harness.start(k=2)
     writer.group("good1", 2, steps=2)
     sessions = writer.group("bad", 2, steps=1, complete=0)
-    kw = {"messages": '[{"role": "user", "content": "x"}'} if kind == "messages" else \
-        {"messages": '{"role": "user"}'} if kind == "not_list" else \
-        {"env_state": "{not json"} if kind == "env_state" else \
-        {"env_state": "[1, 2]"} if kind == "env_list" else \
-        {"messages": '[{"role": "user", "content": NaN}]'}
+    kw = (
+        {"messages": '[{"role": "user", "content": "x"}'}
+        if kind == "messages"
+        else {"messages": '{"role": "user"}'}
+        if kind == "not_list"
+        else {"env_state": "{not json"}
+        if kind == "env_state"
+        else {"env_state": "[1, 2]"}
+        if kind == "env_list"
+        else {"messages": '[{"role": "user", "content": NaN}]'}
+    )
     writer.step("bad", sessions[0], 2, completed=True, step_reward=0.5, **kw)
     writer.step("bad", sessions[1], 2, completed=True, step_reward=0.5)
     writer.group("good2", 2, steps=1)
@@ -328,9 +398,11 @@ def test_a_blob_group_id_is_rejected_and_a_numeric_one_names_its_group(lite_url,
 
     h = harness_factory(lite_url)
     h.start(k=2)
-    conn = sqlite3.connect(lite_url[len("sqlite://"):])
-    cols = ("session_id, step_id, env_name, llm_model, group_id, job_id, messages, response, step_reward, reward, "
-            "env_state, is_terminal, is_truncated, is_session_completed, is_trainable, created_at")
+    conn = sqlite3.connect(lite_url[len("sqlite://") :])
+    cols = (
+        "session_id, step_id, env_name, llm_model, group_id, job_id, messages, response, step_reward, reward, "
+        "env_state, is_terminal, is_truncated, is_session_completed, is_trainable, created_at"
+    )
     sql = f"INSERT INTO session_steps ({cols}) VALUES (?, 1, 'e', 'm', ?, 'job1', '[]', 'r', 1, 1, NULL, 1, 0, 1, 1, ?)"
     with conn:
         for sid, gid in (("b1", b"g-blob"), ("b2", b"g-blob"), ("n1", 42), ("n2", "42")):
@@ -358,7 +430,11 @@ def test_polls_do_not_log_pending_state_at_info(harness, writer, caplog):
 
 def test_error_shape_everywhere(harness):
     c = harness.client
-    for r in (c.get("/nope"), c.get("/get_rollout_data"), c.post("/start_rollout", json={"job_session": ""})):
+    for r in (
+        c.get("/nope"),
+        c.get("/get_rollout_data"),
+        c.post("/start_rollout", json={"job_session": ""}),
+    ):
         body = r.get_json()
         assert set(body) >= {"ok", "error", "status"}
         assert body["ok"] is False and body["status"] == r.status_code and body["error"]
@@ -379,12 +455,15 @@ def test_stats_identity_and_lag(harness, writer):
     assert json.loads(json.dumps(s)) == s  # plain JSON: no NaN, no objects the encoder would mangle
 
 
-@pytest.mark.parametrize("second", [
-    '[{"role": "user", "content": "q"}\x0c, {"role": "assistant", "content": "a1"}]',  # form feed: not JSON
-    '[{"role": "user", "content": "q"}, ]',                                            # trailing comma
-    '[{"role": "user", "content": "q"}, {"role": "assistant", "content": NaN}]',       # NaN in the new tail
-    '[{"role": "user", "content": "q"}]x',                                              # garbage after the list
-])
+@pytest.mark.parametrize(
+    "second",
+    [
+        '[{"role": "user", "content": "q"}\x0c, {"role": "assistant", "content": "a1"}]',  # form feed: not JSON
+        '[{"role": "user", "content": "q"}, ]',  # trailing comma
+        '[{"role": "user", "content": "q"}, {"role": "assistant", "content": NaN}]',  # NaN in the new tail
+        '[{"role": "user", "content": "q"}]x',  # garbage after the list
+    ],
+)
 def test_growing_history_is_validated_even_when_only_its_tail_is_new(harness, writer, second):
     """The second step's history extends the first's byte for byte; a bad tail still drops the group."""
     harness.start(k=1)
@@ -401,12 +480,22 @@ def test_growing_history_with_valid_tails_is_served_exactly(harness, writer):
     harness.start(k=1)
     h1 = '[ {"role": "user", "content": "q"} ]'
     h2 = '[ {"role": "user", "content": "q"} ,\n {"role": "assistant", "content": "a1"}, {"role": "user", "content": "o1"}]'
-    h3 = h2[:-1] + '\t]'
+    h3 = h2[:-1] + "\t]"
     for i, h in enumerate((h1, h2, h3), start=1):
-        writer.step("g", "s", i, completed=i == 3, step_reward=1.0 if i == 3 else 0.0, messages=h, response=f"r{i}")
+        writer.step(
+            "g",
+            "s",
+            i,
+            completed=i == 3,
+            step_reward=1.0 if i == 3 else 0.0,
+            messages=h,
+            response=f"r{i}",
+        )
     items = harness.poll()["data"]["data"]
-    assert [i["messages"] for i in items] == [json.loads(h) + [{"role": "assistant", "content": f"r{n}"}]
-                                              for n, h in enumerate((h1, h2, h3), start=1)]
+    assert [i["messages"] for i in items] == [
+        json.loads(h) + [{"role": "assistant", "content": f"r{n}"}]
+        for n, h in enumerate((h1, h2, h3), start=1)
+    ]
 
 
 def test_invalid_utf8_text_drops_its_group_instead_of_failing_every_poll(lite_url, harness_factory):
@@ -417,13 +506,19 @@ def test_invalid_utf8_text_drops_its_group_instead_of_failing_every_poll(lite_ur
     h.start(k=1)
     w = Writer(lite_url)
     w.group("ok1", 1, steps=1)
-    conn = sqlite3.connect(lite_url[len("sqlite://"):])
-    cols = ("session_id, step_id, env_name, llm_model, group_id, job_id, messages, response, step_reward, reward, "
-            "env_state, is_terminal, is_truncated, is_session_completed, is_trainable, created_at")
+    conn = sqlite3.connect(lite_url[len("sqlite://") :])
+    cols = (
+        "session_id, step_id, env_name, llm_model, group_id, job_id, messages, response, step_reward, reward, "
+        "env_state, is_terminal, is_truncated, is_session_completed, is_trainable, created_at"
+    )
     sql = f"INSERT INTO session_steps ({cols}) VALUES (?, 1, 'e', 'm', {{gid}}, 'job1', '[]', {{resp}}, 1, 1, NULL, 1, 0, 1, 1, ?)"
     with conn:
-        conn.execute(sql.format(gid="'badresp'", resp="CAST(? AS TEXT)"), ("s-bad", b"caf\xe9", now_text()))
-        conn.execute(sql.format(gid="CAST(? AS TEXT)", resp="'r'"), ("s-badgid", b"g\xff", now_text()))
+        conn.execute(
+            sql.format(gid="'badresp'", resp="CAST(? AS TEXT)"), ("s-bad", b"caf\xe9", now_text())
+        )
+        conn.execute(
+            sql.format(gid="CAST(? AS TEXT)", resp="'r'"), ("s-badgid", b"g\xff", now_text())
+        )
     conn.close()
     w.group("ok2", 1, steps=1)
     w.close()
@@ -435,12 +530,15 @@ def test_invalid_utf8_text_drops_its_group_instead_of_failing_every_poll(lite_ur
     assert_balanced(s)
 
 
-def test_a_commit_that_failed_after_it_happened_is_settled_not_served_again(harness, writer, monkeypatch):
+def test_a_commit_that_failed_after_it_happened_is_settled_not_served_again(
+    harness, writer, monkeypatch
+):
     """The serving COMMIT reaches the server but reports an error: the groups are recorded as decided.
     The next polls must neither re-serve them nor 503 forever; the batch replays to its request_id."""
     import contextlib
 
     from rollout_buffer.storage import db as db_mod
+
     harness.start(k=1)
     writer.step("bad", "sb", 1, completed=True, step_reward=1.0, messages="{not json")
     for g in ("g1", "g2", "g3"):
@@ -463,7 +561,11 @@ def test_a_commit_that_failed_after_it_happened_is_settled_not_served_again(harn
     monkeypatch.setattr(db_mod.Database, "transaction", real)
     # the trainer retries its id: the recorded batch comes back
     doc = harness.poll(request_id="R1")
-    assert doc["data"]["meta_info"]["replayed"] is True and sorted(groups_of(doc)) == ["g1", "g2", "g3"]
+    assert doc["data"]["meta_info"]["replayed"] is True and sorted(groups_of(doc)) == [
+        "g1",
+        "g2",
+        "g3",
+    ]
     # a new id: nothing is served twice, and the service answers normally
     for rid in ("R2", "R3"):
         assert harness.poll(request_id=rid)["success"] is False
@@ -479,7 +581,9 @@ def test_huge_but_finite_values_never_break_the_response(harness, writer):
     harness.start(k=2)
     sids = writer.group("huge", 2, steps=1, complete=0)
     for sid in sids:
-        writer.step("huge", sid, 2, completed=True, step_reward=1e308, env_state={"weight_version": 10 ** 400})
+        writer.step(
+            "huge", sid, 2, completed=True, step_reward=1e308, env_state={"weight_version": 10**400}
+        )
     doc = harness.poll()
     meta = doc["data"]["meta_info"]
     assert list(groups_of(doc)) == ["huge"] and meta["avg_reward"] == pytest.approx(1e308)
@@ -491,8 +595,14 @@ def test_the_byte_budget_covers_the_whole_body(db_url, harness_factory):
     h.start(k=1)
     w = Writer(db_url)
     for g in range(40):
-        w.step("group-with-a-rather-long-identifier-%03d" % g, f"s{g}", 1, completed=True, step_reward=1.0,
-               messages=[{"role": "user", "content": "x" * 40}])
+        w.step(
+            "group-with-a-rather-long-identifier-%03d" % g,
+            f"s{g}",
+            1,
+            completed=True,
+            step_reward=1.0,
+            messages=[{"role": "user", "content": "x" * 40}],
+        )
     w.close()
     seen = set()
     for _ in range(40):
@@ -525,9 +635,12 @@ def test_a_group_too_large_to_build_is_dropped_and_others_are_served(db_url, har
     assert h.poll()["success"] is False  # decided once, never retried
 
 
-def test_a_group_whose_build_keeps_failing_is_dropped_after_bounded_tries(harness, writer, monkeypatch):
+def test_a_group_whose_build_keeps_failing_is_dropped_after_bounded_tries(
+    harness, writer, monkeypatch
+):
     from rollout_buffer.serving import draft
     from rollout_buffer.serving import poll as serving
+
     real = draft.build_group
 
     def build(take, *a, **kw):
@@ -586,16 +699,26 @@ def test_a_job_session_that_argparse_would_read_as_an_option_is_refused(harness)
 
 def test_cross_site_browser_requests_are_refused_and_clients_are_not(harness):
     harness.start(k=2)
-    hostile = [{"Sec-Fetch-Site": "cross-site"}, {"Origin": "http://evil.example"}, {"Origin": "null"}]
+    hostile = [
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Origin": "http://evil.example"},
+        {"Origin": "null"},
+    ]
     for headers in hostile:
-        r = harness.client.post("/start_rollout", data='{"job_session":"x"}', headers=headers,
-                                content_type="text/plain")
+        r = harness.client.post(
+            "/start_rollout", data='{"job_session":"x"}', headers=headers, content_type="text/plain"
+        )
         assert r.status_code == 403, headers
         assert r.get_json()["status"] == 403
-    same = harness.client.post("/get_rollout_data", json={}, headers={"Origin": "http://localhost",
-                                                                      "Sec-Fetch-Site": "same-origin"})
+    same = harness.client.post(
+        "/get_rollout_data",
+        json={},
+        headers={"Origin": "http://localhost", "Sec-Fetch-Site": "same-origin"},
+    )
     assert same.status_code == 200
-    assert harness.client.post("/get_rollout_data", json={}).status_code == 200  # no headers: a trainer
+    assert (
+        harness.client.post("/get_rollout_data", json={}).status_code == 200
+    )  # no headers: a trainer
 
 
 def test_a_flood_of_bad_rows_is_logged_per_kind_not_per_row(harness, writer, caplog):
@@ -619,18 +742,24 @@ def test_duplicate_steps_in_many_groups_are_logged_per_kind_not_per_row(harness,
     with caplog.at_level(logging.INFO, logger="rollout_buffer"):
         assert len(groups_of(harness.poll())) == 60
     lines = [r for r in caplog.records if "two rows for step" in r.getMessage()]
-    assert len(lines) <= 1, [r.getMessage() for r in lines][:5]  # (0: an earlier test opened the window)
+    assert len(lines) <= 1, [r.getMessage() for r in lines][
+        :5
+    ]  # (0: an earlier test opened the window)
 
 
-def test_stats_and_status_answer_from_memory_while_the_database_is_down(pg_url, harness_factory, caplog):
+def test_stats_and_status_answer_from_memory_while_the_database_is_down(
+    pg_url, harness_factory, caplog
+):
     """The figures an operator needs most when the database is gone (/stats, the status page's
     /status) are in memory: only the lag needs the database, so they answer, with the problem."""
     make_launcher_db(pg_url)
     dsn = urlsplit(PG_DSN)
     relay = TcpForwarder(dsn.port or 5432, dsn.hostname or "127.0.0.1")
     try:  # the service reaches Postgres through the relay; the test's writer directly
-        h = harness_factory(pg_url.replace(dsn.netloc.rsplit("@", 1)[-1], f"127.0.0.1:{relay.port}", 1),
-                            db_unhealthy_after_s=0.5)
+        h = harness_factory(
+            pg_url.replace(dsn.netloc.rsplit("@", 1)[-1], f"127.0.0.1:{relay.port}", 1),
+            db_unhealthy_after_s=0.5,
+        )
         h.start(k=2, job="J")
         w = Writer(pg_url, job="J")
         w.group("g", 2)
@@ -641,7 +770,11 @@ def test_stats_and_status_answer_from_memory_while_the_database_is_down(pg_url, 
         for path in ("/stats", "/status"):  # before the loop has noticed, and after
             r = h.client.get(path)
             assert r.status_code == 200, r.get_data(as_text=True)
-        wait_until(lambda: h.client.get("/health").get_json()["status"] == "degraded", 15, "the loop sees the database down")
+        wait_until(
+            lambda: h.client.get("/health").get_json()["status"] == "degraded",
+            15,
+            "the loop sees the database down",
+        )
         s = h.client.get("/stats").get_json()
         assert s["database"] != "ok" and s["lag_rows"] is None
         assert (s["rows"]["served"], s["rows"]["pending"], s["groups"]["pending"]) == (4, 4, 1)

@@ -1,22 +1,25 @@
 """The DB-API shim against the real backends: timeouts, values the driver cannot decode, options."""
+
 from __future__ import annotations
 
 import time
 
 import psycopg
 import pytest
+from support import Writer, assert_balanced, groups_of, make_launcher_db
 
-from rollout_buffer.storage import queries as q
 from rollout_buffer.core.config import Config
+from rollout_buffer.core.errors import StorageError
+from rollout_buffer.storage import queries as q
 from rollout_buffer.storage.connections import service_connect
 from rollout_buffer.storage.db import connect, to_pyformat
-from rollout_buffer.core.errors import StorageError
-from support import Writer, assert_balanced, groups_of, make_launcher_db
 
 
 def test_a_locked_table_fails_fast_instead_of_hanging(pg_url, tmp_path):
     make_launcher_db(pg_url)
-    config = Config.from_env({}, db_url=pg_url, run_dir=str(tmp_path), lock_timeout_s=1.0, statement_timeout_s=3.0)
+    config = Config.from_env(
+        {}, db_url=pg_url, run_dir=str(tmp_path), lock_timeout_s=1.0, statement_timeout_s=3.0
+    )
     db = service_connect(config, pg_url)
     assert db.scalar("SHOW lock_timeout") == "1s" and db.scalar("SHOW statement_timeout") == "3s"
     assert db.scalar("SELECT COUNT(*) FROM session_steps") == 0  # the URL's search_path is kept
@@ -82,7 +85,9 @@ def test_service_connections_never_prepare_statements_for_a_transaction_pooler(p
         db.execute("CREATE TEMP TABLE decided (job_id TEXT, step_pk BIGINT)")
         for i in range(10):
             db.rows("SELECT id FROM session_steps WHERE job_id = ? AND id > ?", ("j", i))
-            db.executemany("INSERT INTO decided (job_id, step_pk) VALUES (?, ?)", [("j", i), ("j", -i)])
+            db.executemany(
+                "INSERT INTO decided (job_id, step_pk) VALUES (?, ?)", [("j", i), ("j", -i)]
+            )
         assert db.scalar("SELECT COUNT(*) FROM decided") == 20
         assert db.scalar("SELECT COUNT(*) FROM pg_prepared_statements") == 0
     finally:
@@ -92,7 +97,10 @@ def test_service_connections_never_prepare_statements_for_a_transaction_pooler(p
 def test_a_readonly_sqlite_connection_opens_any_path_and_never_creates_one(tmp_path):
     odd = tmp_path / "a dir?with#odd%chars"
     odd.mkdir()
-    for url in (f"sqlite://{odd}/launcher.db", f"sqlite:///{odd}/launcher.db"):  # '/abs' and '//abs'
+    for url in (
+        f"sqlite://{odd}/launcher.db",
+        f"sqlite:///{odd}/launcher.db",
+    ):  # '/abs' and '//abs'
         make_launcher_db(f"sqlite://{odd}/launcher.db")
         db = connect(url, readonly=True)
         try:
@@ -107,12 +115,17 @@ def test_a_readonly_sqlite_connection_opens_any_path_and_never_creates_one(tmp_p
 
 
 def test_pyformat_translation_refuses_ambiguous_sql():
-    assert to_pyformat("SELECT a FROM t WHERE b = ? AND c = ?") == "SELECT a FROM t WHERE b = %s AND c = %s"
+    assert (
+        to_pyformat("SELECT a FROM t WHERE b = ? AND c = ?")
+        == "SELECT a FROM t WHERE b = %s AND c = %s"
+    )
     with pytest.raises(StorageError):
         to_pyformat("SELECT a FROM t WHERE b LIKE '%x'")
     with pytest.raises(StorageError):
         to_pyformat("SELECT '?' FROM t")
     for name in dir(q):  # every statement of the package translates
         value = getattr(q, name)
-        if isinstance(value, str) and value.lstrip().upper().startswith(("SELECT", "INSERT", "UPDATE", "DELETE")):
+        if isinstance(value, str) and value.lstrip().upper().startswith(
+            ("SELECT", "INSERT", "UPDATE", "DELETE")
+        ):
             to_pyformat(value)

@@ -6,6 +6,7 @@ while the service runs; the export (the real command, plain and gzip; and in sma
 process) is checked record by record against the database, and its served items against what the
 trainer received. The round trip writes an export back into a new job and drains it.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -17,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from support import Writer, groups_of, now_text, run_on_a_terminal, wait_until
-from rollout_buffer.tools import export as export_mod
+
 from rollout_buffer.storage.db import connect
+from rollout_buffer.tools import export as export_mod
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 JOB = "exp-job"
@@ -46,7 +47,11 @@ def _job(harness, writer: Writer) -> dict[str, list[dict]]:
     doc = harness.poll(request_id=uuid.uuid4().hex)
     got.update(groups_of(doc))
     writer.step("g-served-a", "late-session", 1, completed=True)  # after its group was served
-    wait_until(lambda: harness.stats()["groups"]["dropped"].get("incomplete_group_ttl") == 1, 10, "the TTL drop")
+    wait_until(
+        lambda: harness.stats()["groups"]["dropped"].get("incomplete_group_ttl") == 1,
+        10,
+        "the TTL drop",
+    )
     harness.settle()
     s = harness.stats()
     assert sorted(got) == ["g-served-a", "g-served-b"]
@@ -57,8 +62,26 @@ def _job(harness, writer: Writer) -> dict[str, list[dict]]:
 
 
 def _export_cli(db_url: str, out: Path, what: str = "all") -> list[dict]:
-    r = subprocess.run([sys.executable, "-m", "rollout_buffer", "export", "--db", db_url, "--job", JOB,
-                        "--out", str(out), "--what", what], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollout_buffer",
+            "export",
+            "--db",
+            db_url,
+            "--job",
+            JOB,
+            "--out",
+            str(out),
+            "--what",
+            what,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "exported" in r.stdout and r.stderr == ""  # no progress bar off a terminal
     assert not Path(str(out) + ".partial").exists()
@@ -69,11 +92,18 @@ def _check_against_db(db_url: str, records: list[dict], trainer: dict[str, list[
     """Every record holds what the database holds, and served items are what the trainer got."""
     db = connect(db_url)
     try:
-        groups = {r["group_id"]: r for r in db.fetchall(
-            "SELECT * FROM rollout_buffer_groups WHERE job_id = ?", (JOB,))}
-        accounted = {int(r["step_pk"]): r for r in db.fetchall(
-            "SELECT * FROM rollout_buffer_rows WHERE job_id = ?", (JOB,))}
-        steps = {int(r["id"]): r for r in db.fetchall("SELECT * FROM session_steps WHERE job_id = ?", (JOB,))}
+        groups = {
+            r["group_id"]: r
+            for r in db.fetchall("SELECT * FROM rollout_buffer_groups WHERE job_id = ?", (JOB,))
+        }
+        accounted = {
+            int(r["step_pk"]): r
+            for r in db.fetchall("SELECT * FROM rollout_buffer_rows WHERE job_id = ?", (JOB,))
+        }
+        steps = {
+            int(r["id"]): r
+            for r in db.fetchall("SELECT * FROM session_steps WHERE job_id = ?", (JOB,))
+        }
     finally:
         db.close()
     by_group = {r["group_id"]: r for r in records}
@@ -87,12 +117,20 @@ def _check_against_db(db_url: str, records: list[dict], trainer: dict[str, list[
         seen_pks.update(pks)
         if rec["group_id"] is None:
             row = accounted[pks[0]]
-            assert (rec["status"], rec["reason"], rec["decided_at"]) == ("rejected", row["reason"], row["recorded_at"])
+            assert (rec["status"], rec["reason"], rec["decided_at"]) == (
+                "rejected",
+                row["reason"],
+                row["recorded_at"],
+            )
             assert rec["sessions"][0]["steps"][0]["outcome"] == "rejected"
             continue
         g = groups[rec["group_id"]]
         assert (rec["status"], rec["reason"], rec["batch_id"], rec["decided_at"]) == (
-            g["status"], g["reason"], g["batch_id"], g["resolved_at"])
+            g["status"],
+            g["reason"],
+            g["batch_id"],
+            g["resolved_at"],
+        )
         mine = {pk for pk, r in accounted.items() if r["group_id"] == rec["group_id"]}
         assert sorted(pks) == sorted({int(p) for p in g["pks"].split(",")} | mine)
         for s in rec["sessions"]:
@@ -100,8 +138,19 @@ def _check_against_db(db_url: str, records: list[dict], trainer: dict[str, list[
             assert s["terminal_reward"] == (done[-1]["step_reward"] if done else None)
             for st in s["steps"]:
                 row = steps[st["step_pk"]]
-                assert (s["session_id"], st["step_id"], st["response"], st["step_reward"], st["env_state"]) == (
-                    row["session_id"], row["step_id"], row["response"], row["step_reward"], row["env_state"])
+                assert (
+                    s["session_id"],
+                    st["step_id"],
+                    st["response"],
+                    st["step_reward"],
+                    st["env_state"],
+                ) == (
+                    row["session_id"],
+                    row["step_id"],
+                    row["response"],
+                    row["step_reward"],
+                    row["env_state"],
+                )
                 if st["messages"] is None:
                     assert st["messages_text"] == row["messages"] == "{not json"
                     assert (st["outcome"], st["reason"]) == ("rejected", "invalid_json_messages")
@@ -117,10 +166,18 @@ def _check_against_db(db_url: str, records: list[dict], trainer: dict[str, list[
             assert "items" not in rec
     assert seen_pks == set(steps), "every row of the job is in the export"
     ttl = by_group["g-ttl"]
-    assert ttl["reason"] == "incomplete_group_ttl" and [s["completed"] for s in ttl["sessions"]] == [True, False]
+    assert ttl["reason"] == "incomplete_group_ttl" and [
+        s["completed"] for s in ttl["sessions"]
+    ] == [True, False]
     served_b = by_group["g-served-b"]
     assert sorted(st["reason"] or "" for s in served_b["sessions"] for st in s["steps"]) == [
-        "", "", "", "", "incomplete_session_in_served_group", "incomplete_session_in_served_group"]
+        "",
+        "",
+        "",
+        "",
+        "incomplete_session_in_served_group",
+        "incomplete_session_in_served_group",
+    ]
 
 
 def test_export_of_served_dropped_and_rejected_rows(harness, writer, db_url, tmp_path):
@@ -154,8 +211,24 @@ def test_export_pages_merge_at_every_page_boundary(harness, writer, db_url, tmp_
 
 def test_export_of_an_unknown_job_names_the_known_ones(harness, writer, db_url, tmp_path):
     _job(harness, writer)
-    r = subprocess.run([sys.executable, "-m", "rollout_buffer", "export", "--db", db_url, "--job", "nope",
-                        "--out", str(tmp_path / "x.jsonl")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollout_buffer",
+            "export",
+            "--db",
+            db_url,
+            "--job",
+            "nope",
+            "--out",
+            str(tmp_path / "x.jsonl"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "no job 'nope'" in r.stderr and JOB in r.stderr
     assert not (tmp_path / "x.jsonl").exists()
 
@@ -165,20 +238,48 @@ def _session_shapes(items: list[dict]) -> list[tuple]:
     by: dict[str, list[dict]] = {}
     for it in items:
         by.setdefault(it["extra_info"]["session_id"], []).append(it)
-    return sorted((its[0]["reward"], [(i["extra_info"]["steps"], json.dumps(i["messages"]),
-                                       i["extra_info"]["step_reward"], i["extra_info"]["truncated"]) for i in its])
-                  for its in by.values())
+    return sorted(
+        (
+            its[0]["reward"],
+            [
+                (
+                    i["extra_info"]["steps"],
+                    json.dumps(i["messages"]),
+                    i["extra_info"]["step_reward"],
+                    i["extra_info"]["truncated"],
+                )
+                for i in its
+            ],
+        )
+        for its in by.values()
+    )
 
 
 def test_round_trip_export_replay_drain(harness, writer, db_url, tmp_path):
     trainer = _job(harness, writer)
     out = tmp_path / "all.jsonl.gz"
     _export_cli(db_url, out)
-    r = subprocess.run([sys.executable, "-m", "rollout_buffer.simulate", "--from-export", str(out),
-                        "--db-path", db_url, "--job-id", "replayed", "--pace", "0"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollout_buffer.simulate",
+            "--from-export",
+            str(out),
+            "--db-path",
+            db_url,
+            "--job-id",
+            "replayed",
+            "--pace",
+            "0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
-    summary = json.loads(r.stdout.splitlines()[-1][len("SIMULATE "):])
+    summary = json.loads(r.stdout.splitlines()[-1][len("SIMULATE ") :])
     assert summary["records"] == 5 and summary["groups"] == 4
     harness.start(k=2, job="replayed")
     again: dict[str, list[dict]] = {}
@@ -198,22 +299,55 @@ def test_round_trip_export_replay_drain(harness, writer, db_url, tmp_path):
 # -- hostile rows, hostile arguments ---------------------------------------------------------------------
 
 DEEP = 2000
-STEP_COLUMNS = ("session_id", "step_id", "env_name", "llm_model", "group_id", "job_id", "messages", "response",
-                "step_reward", "reward", "env_state", "is_terminal", "is_truncated", "is_session_completed",
-                "is_trainable", "created_at")
+STEP_COLUMNS = (
+    "session_id",
+    "step_id",
+    "env_name",
+    "llm_model",
+    "group_id",
+    "job_id",
+    "messages",
+    "response",
+    "step_reward",
+    "reward",
+    "env_state",
+    "is_terminal",
+    "is_truncated",
+    "is_session_completed",
+    "is_trainable",
+    "created_at",
+)
 
 
-def _raw_step(db, gid: str, sid: Any, step: int, completed: bool, as_text: tuple[str, ...] = (), **spoil: Any) -> None:
+def _raw_step(
+    db, gid: str, sid: Any, step: int, completed: bool, as_text: tuple[str, ...] = (), **spoil: Any
+) -> None:
     """One launcher row written with exactly the given values (bytes are bound as a BLOB, or as
     undecodable TEXT for the columns in ``as_text``), as a buggy launcher could write it."""
-    row = {"session_id": sid, "step_id": step, "env_name": "env", "llm_model": "m", "group_id": gid, "job_id": JOB,
-           "messages": json.dumps([{"role": "user", "content": f"task {gid}"}]), "response": "answer",
-           "step_reward": 0.5 if completed else 0.0, "reward": 0.0, "env_state": '{"weight_version": 3}',
-           "is_terminal": int(completed), "is_truncated": 0, "is_session_completed": int(completed),
-           "is_trainable": 1, "created_at": now_text()}
+    row = {
+        "session_id": sid,
+        "step_id": step,
+        "env_name": "env",
+        "llm_model": "m",
+        "group_id": gid,
+        "job_id": JOB,
+        "messages": json.dumps([{"role": "user", "content": f"task {gid}"}]),
+        "response": "answer",
+        "step_reward": 0.5 if completed else 0.0,
+        "reward": 0.0,
+        "env_state": '{"weight_version": 3}',
+        "is_terminal": int(completed),
+        "is_truncated": 0,
+        "is_session_completed": int(completed),
+        "is_trainable": 1,
+        "created_at": now_text(),
+    }
     row.update(spoil)
     marks = ", ".join("CAST(? AS TEXT)" if c in as_text else "?" for c in STEP_COLUMNS)
-    db.execute(f"INSERT INTO session_steps ({', '.join(STEP_COLUMNS)}) VALUES ({marks})", [row[c] for c in STEP_COLUMNS])
+    db.execute(
+        f"INSERT INTO session_steps ({', '.join(STEP_COLUMNS)}) VALUES ({marks})",
+        [row[c] for c in STEP_COLUMNS],
+    )
 
 
 def _hostile_rows(backend: str) -> dict[str, dict[str, Any]]:
@@ -221,22 +355,31 @@ def _hostile_rows(backend: str) -> dict[str, dict[str, Any]]:
     kinds: dict[str, dict[str, Any]] = {
         "deep_messages": {"messages": "[" * DEEP + "]" * DEEP},
         "deep_env_state": {"env_state": '{"a": ' * DEEP + "1" + "}" * DEEP},
-        "bad_created_at": {"created_at": "infinity" if backend == "postgres" else "garbage, not a time"},
+        "bad_created_at": {
+            "created_at": "infinity" if backend == "postgres" else "garbage, not a time"
+        },
         "nan_messages": {"messages": '[{"role": "user", "content": NaN}]'},
         "nan_reward": {"step_reward": float("nan") if backend == "postgres" else float("inf")},
     }
     if backend == "sqlite":  # values only SQLite's loose typing can hold
-        kinds.update({
-            "blob_session_id": {"session_id": b"blob-session"},
-            "undecodable_messages": {"messages": b'["\xff\xfe broken"]', "as_text": ("messages",)},
-            "undecodable_response": {"response": b"answer \xc3\x28", "as_text": ("response",)},
-            "text_reward": {"step_reward": "not a number"},
-            "text_step_id": {"step_id": "one"},
-        })
+        kinds.update(
+            {
+                "blob_session_id": {"session_id": b"blob-session"},
+                "undecodable_messages": {
+                    "messages": b'["\xff\xfe broken"]',
+                    "as_text": ("messages",),
+                },
+                "undecodable_response": {"response": b"answer \xc3\x28", "as_text": ("response",)},
+                "text_reward": {"step_reward": "not a number"},
+                "text_step_id": {"step_id": "one"},
+            }
+        )
     return kinds
 
 
-def test_every_bad_row_is_exported_with_its_reason_and_written_back(db_url, harness_factory, tmp_path):
+def test_every_bad_row_is_exported_with_its_reason_and_written_back(
+    db_url, harness_factory, tmp_path
+):
     """Rows of every malformed kind: the export holds each of them with its reason (none skipped, no
     crash), and simulate --from-export writes the file back without stopping."""
     h = harness_factory(db_url)
@@ -259,8 +402,12 @@ def test_every_bad_row_is_exported_with_its_reason_and_written_back(db_url, harn
     s = h.stats()
     assert s["groups"]["dropped"] == {"malformed_row": len(kinds)}, s
     records = _export_cli(db_url, tmp_path / "hostile.jsonl.gz")
-    steps = {st["step_pk"]: (rec["group_id"], st["outcome"], st["reason"])
-             for rec in records for se in rec["sessions"] for st in se["steps"]}
+    steps = {
+        st["step_pk"]: (rec["group_id"], st["outcome"], st["reason"])
+        for rec in records
+        for se in rec["sessions"]
+        for st in se["steps"]
+    }
     assert len(steps) == written, "a row is missing from the export"
     for kind in kinds:
         mine = [v for v in steps.values() if v[0] == f"g-{kind}"]
@@ -268,32 +415,84 @@ def test_every_bad_row_is_exported_with_its_reason_and_written_back(db_url, harn
         assert len(mine) == 3 and len(rejected) == 1 and rejected[0], (kind, mine)
         rec = next(r for r in records if r["group_id"] == f"g-{kind}")
         assert (rec["status"], rec["reason"]) == ("dropped", "malformed_row")
-    r = subprocess.run([sys.executable, "-m", "rollout_buffer.simulate", "--from-export", str(tmp_path / "hostile.jsonl.gz"),
-                        "--db-path", db_url, "--job-id", "again", "--pace", "0"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollout_buffer.simulate",
+            "--from-export",
+            str(tmp_path / "hostile.jsonl.gz"),
+            "--db-path",
+            db_url,
+            "--job-id",
+            "again",
+            "--pace",
+            "0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     late = sum(1 for _, _, reason in steps.values() if (reason or "").startswith("late_rows_"))
-    assert json.loads(r.stdout.splitlines()[-1][len("SIMULATE "):])["rows"] == written - late
+    assert json.loads(r.stdout.splitlines()[-1][len("SIMULATE ") :])["rows"] == written - late
 
 
 def test_export_shows_its_progress_bar_on_a_terminal_only(harness, writer, tmp_path):
     _job(harness, writer)
-    code, err, out = run_on_a_terminal([sys.executable, "-m", "rollout_buffer", "export", "--db", harness.config.db_url,
-                                        "--job", JOB, "--out", str(tmp_path / "t.jsonl")], cwd=ROOT, stream="stderr")
+    code, err, out = run_on_a_terminal(
+        [
+            sys.executable,
+            "-m",
+            "rollout_buffer",
+            "export",
+            "--db",
+            harness.config.db_url,
+            "--job",
+            JOB,
+            "--out",
+            str(tmp_path / "t.jsonl"),
+        ],
+        cwd=ROOT,
+        stream="stderr",
+    )
     assert code == 0 and "exported 5 records" in out
     assert "export [########################] 100%" in err
 
 
-def test_export_refuses_a_missing_database_and_an_unwritable_file_clearly(harness, writer, db_url, tmp_path):
+def test_export_refuses_a_missing_database_and_an_unwritable_file_clearly(
+    harness, writer, db_url, tmp_path
+):
     _job(harness, writer)
 
     def export(db: str, out: Path) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "rollout_buffer", "export", "--db", db, "--job", JOB,
-                               "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rollout_buffer",
+                "export",
+                "--db",
+                db,
+                "--job",
+                JOB,
+                "--out",
+                str(out),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     typo = tmp_path / "no-such.db"
     r = export(f"sqlite://{typo}", tmp_path / "x.jsonl")
-    assert r.returncode == 1 and "cannot open SQLite database" in r.stderr and "Traceback" not in r.stderr
+    assert (
+        r.returncode == 1
+        and "cannot open SQLite database" in r.stderr
+        and "Traceback" not in r.stderr
+    )
     assert not typo.exists(), "the export created a database where there was none"
     r = export(db_url, tmp_path / "no-such-dir" / "x.jsonl")
     assert r.returncode == 1 and "cannot write" in r.stderr and "Traceback" not in r.stderr
@@ -307,14 +506,42 @@ def test_writing_back_a_file_that_is_not_an_export_is_an_error_not_a_traceback(l
     good = tmp_path / "good.jsonl.gz"
     with gzip.open(good, "wt") as f:
         for i in range(200):  # enough for the gzip stream to span several blocks
-            f.write(json.dumps({"format": 1, "group_id": f"g{i}", "sessions": [], "pad": uuid.uuid4().hex * 40}) + "\n")
+            f.write(
+                json.dumps(
+                    {"format": 1, "group_id": f"g{i}", "sessions": [], "pad": uuid.uuid4().hex * 40}
+                )
+                + "\n"
+            )
     data = good.read_bytes()
-    cases = {"truncated.jsonl.gz": data[:len(data) // 2], "list.jsonl": b"[1, 2]\n", "binary.jsonl": b"\xff\xfe\n",
-             "text.jsonl": b'{"format": 1, "sessions": "none"}\n'}
+    cases = {
+        "truncated.jsonl.gz": data[: len(data) // 2],
+        "list.jsonl": b"[1, 2]\n",
+        "binary.jsonl": b"\xff\xfe\n",
+        "text.jsonl": b'{"format": 1, "sessions": "none"}\n',
+    }
     for name, content in cases.items():
         (tmp_path / name).write_bytes(content)
-        r = subprocess.run([sys.executable, "-m", "rollout_buffer.simulate", "--from-export", str(tmp_path / name),
-                            "--db-path", lite_url, "--job-id", "again", "--pace", "0"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=60)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "rollout_buffer.simulate",
+                "--from-export",
+                str(tmp_path / name),
+                "--db-path",
+                lite_url,
+                "--job-id",
+                "again",
+                "--pace",
+                "0",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 1, (name, r.returncode, r.stderr)
-        assert f"simulate: error: {tmp_path / name}" in r.stderr and "Traceback" not in r.stderr, (name, r.stderr)
+        assert f"simulate: error: {tmp_path / name}" in r.stderr and "Traceback" not in r.stderr, (
+            name,
+            r.stderr,
+        )

@@ -5,6 +5,7 @@ Each test builds real Lease objects (their own threads and connections) on a rea
 a fresh Postgres schema; two Leases with different instance ids are two instances. Waits are on
 observable conditions (the role, the row), never sleeps that prove nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,21 +13,22 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from typing import Any
 
 import psycopg
 import pytest
-
-from rollout_buffer.launcher import procfs
-from rollout_buffer.web.app import standby_answer
-from rollout_buffer.core.config import Config
-from rollout_buffer.storage.db import connect
-from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost
-from rollout_buffer.runtime.lease import OWNER, STANDBY, Lease
-from rollout_buffer.core.model import Decisions, Drop
-from rollout_buffer.storage.store import Store
 from support import wait_until
+
+from rollout_buffer.core.config import Config
+from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost
+from rollout_buffer.core.model import Decisions, Drop
+from rollout_buffer.launcher import procfs
+from rollout_buffer.runtime.lease import OWNER, STANDBY, Lease
+from rollout_buffer.storage.db import connect
+from rollout_buffer.storage.store import Store
+from rollout_buffer.web.app import standby_answer
 
 LEASE_S = 1.5
 
@@ -41,7 +43,9 @@ def leases(db_url: str, tmp_path) -> Iterator[Any]:
     made: list[Lease] = []
 
     def make(name: str, *, lease_s: float = LEASE_S, start: bool = True, **over: Any) -> Lease:
-        config = Config.from_env({}, db_url=db_url, run_dir=str(tmp_path / "logs"), lease_s=lease_s, **over)
+        config = Config.from_env(
+            {}, db_url=db_url, run_dir=str(tmp_path / "logs"), lease_s=lease_s, **over
+        )
         lease = Lease(config, name)
         made.append(lease)
         if start:
@@ -56,7 +60,10 @@ def leases(db_url: str, tmp_path) -> Iterator[Any]:
 def lease_row(url: str) -> dict[str, Any]:
     db = connect(url)
     try:
-        return db.fetchone("SELECT owner, owner_url, epoch, lease_until FROM rollout_buffer_lease") or {}
+        return (
+            db.fetchone("SELECT owner, owner_url, epoch, lease_until FROM rollout_buffer_lease")
+            or {}
+        )
     finally:
         db.close()
 
@@ -72,7 +79,9 @@ def record_drop(url: str, lease: Lease, group: str) -> None:
     """A decision through the store with this lease's fence (as the service records one)."""
     db = connect(url)
     try:
-        Store(db, lease.fence).record("job1", Decisions(drops=[Drop(group, "incomplete_group_ttl", [1], [])]))
+        Store(db, lease.fence).record(
+            "job1", Decisions(drops=[Drop(group, "incomplete_group_ttl", [1], [])])
+        )
     finally:
         db.close()
 
@@ -89,22 +98,33 @@ def test_the_first_instance_owns_the_job_and_a_second_waits_as_its_standby(url, 
     a = owned(leases("a", advertise_url="http://a.example:18889"))
     b = leases("b", advertise_url="http://b.example:18889")
     wait_until(lambda: b.role == STANDBY and b.holder is not None, 10, "b is a standby")
-    assert b.holder.instance == "a" and b.holder.url == "http://a.example:18889" and b.holder.epoch == 1
+    assert (
+        b.holder.instance == "a"
+        and b.holder.url == "http://a.example:18889"
+        and b.holder.epoch == 1
+    )
     assert lease_row(url)["owner"] == "a"
     assert b.describe()["owner"]["url"] == "http://a.example:18889"
     # what b answers for the owner's endpoints: 307 to the owner's URL, the path kept
     answer = standby_answer(b, "/get_rollout_data")
-    assert answer.status == 307 and answer.context["location"] == "http://a.example:18889/get_rollout_data"
+    assert (
+        answer.status == 307
+        and answer.context["location"] == "http://a.example:18889/get_rollout_data"
+    )
     with pytest.raises(LeaseLost):
         b.check(0.1)
     a.check(0.1)  # the owner passes
+
     def live() -> dict[str, str]:
         db = connect(url)
         try:
             return {i["instance_id"]: i["role"] for i in Lease.live_instances(db, 10)}
         finally:
             db.close()
-    wait_until(lambda: live() == {"a": "owner", "b": "standby"}, 10, "both instances seen with their roles")
+
+    wait_until(
+        lambda: live() == {"a": "owner", "b": "standby"}, 10, "both instances seen with their roles"
+    )
 
 
 def test_the_fence_lets_only_the_current_owner_record(url, leases):
@@ -123,11 +143,16 @@ def test_the_fence_lets_only_the_current_owner_record(url, leases):
     assert decided(url) == ["g-a1", "g-b2"]
 
 
-def test_state_loaded_under_an_older_epoch_is_fenced_even_when_this_instance_owns_again(url, leases):
+def test_state_loaded_under_an_older_epoch_is_fenced_even_when_this_instance_owns_again(
+    url, leases
+):
     a = owned(leases("a"))
     loaded_under = a.epoch
     a.state_epoch = loaded_under
-    a.epoch, a.state_epoch = loaded_under + 1, loaded_under  # as after losing and taking the job again
+    a.epoch, a.state_epoch = (
+        loaded_under + 1,
+        loaded_under,
+    )  # as after losing and taking the job again
     with pytest.raises(LeaseLost):
         record_drop(url, a, "stale")
     assert decided(url) == []
@@ -166,21 +191,28 @@ def test_a_takeover_waits_for_a_decision_that_passed_the_fence(url, leases):
     b = leases("b", host_id="host-b", start=False)
     try:
         with store.decision():
-            db.execute("INSERT INTO rollout_buffer_groups (job_id, group_id, status, reason, batch_id, n_served, "
-                       "n_dropped, pks, clear_sessions, notified, resolved_at) VALUES ('job1', 'in-flight', "
-                       "'dropped', 'incomplete_group_ttl', NULL, 0, 1, '1', '[]', 1, 0)")
+            db.execute(
+                "INSERT INTO rollout_buffer_groups (job_id, group_id, status, reason, batch_id, n_served, "
+                "n_dropped, pks, clear_sessions, notified, resolved_at) VALUES ('job1', 'in-flight', "
+                "'dropped', 'incomplete_group_ttl', NULL, 0, 1, '1', '[]', 1, 0)"
+            )
             a._stop.set()
             a._wake.set()
             a._thread.join(5)  # no more renewals: the lease ends while this transaction is open
-            wait_until(lambda: lease_row(url)["lease_until"] < time.time(), 10, "the lease has ended")
+            wait_until(
+                lambda: lease_row(url)["lease_until"] < time.time(), 10, "the lease has ended"
+            )
             b.start()
-            wait_until(lambda: "timeout" in (b.problem or ""), 10, "b's takeover waiting on the fenced transaction")
+            wait_until(
+                lambda: "timeout" in (b.problem or ""),
+                10,
+                "b's takeover waiting on the fenced transaction",
+            )
             assert b.role != OWNER, "the takeover did not wait for the fenced transaction"
         owned(b)
         assert "in-flight" in decided(url)
-        with pytest.raises(LeaseLost):
-            with store.decision():
-                pass
+        with pytest.raises(LeaseLost), store.decision():
+            pass
     finally:
         db.close()
 
@@ -193,9 +225,12 @@ def test_an_owner_whose_process_on_this_host_is_gone_is_replaced_at_once(url, le
     db = connect(url)
     try:
         Store(db).ensure_schema()
-        db.execute("INSERT INTO rollout_buffer_lease (scope, owner, owner_url, owner_host, owner_pid, owner_start_ticks, "
-                   "epoch, lease_until, acquired_at, renewed_at) VALUES ('job', 'dead', NULL, ?, ?, ?, 7, "
-                   "EXTRACT(EPOCH FROM now()) + 600, 0, 0)", (procfs.host_id(), gone.pid, ticks))
+        db.execute(
+            "INSERT INTO rollout_buffer_lease (scope, owner, owner_url, owner_host, owner_pid, owner_start_ticks, "
+            "epoch, lease_until, acquired_at, renewed_at) VALUES ('job', 'dead', NULL, ?, ?, ?, 7, "
+            "EXTRACT(EPOCH FROM now()) + 600, 0, 0)",
+            (procfs.host_id(), gone.pid, ticks),
+        )
     finally:
         db.close()
     b = owned(leases("b"))
@@ -205,7 +240,7 @@ def test_an_owner_whose_process_on_this_host_is_gone_is_replaced_at_once(url, le
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_an_advertised_url_that_answers_as_another_instance_is_reported_and_comes_last(url, leases):
     class Other(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - stdlib name
+        def do_GET(self) -> None:
             data = json.dumps({"status": "healthy", "instance": "someone-else"}).encode()
             self.send_response(200)
             self.send_header("Content-Length", str(len(data)))
@@ -221,11 +256,22 @@ def test_an_advertised_url_that_answers_as_another_instance_is_reported_and_come
     try:
         # (a longer lease: the wrong one's extra wait, a third of it, must outlast a busy machine's delays)
         right = owned(leases("right", host_id="host-r", lease_s=6.0))
-        wrong = leases("wrong", host_id="host-w", lease_s=6.0, advertise_url=f"http://127.0.0.1:{httpd.server_address[1]}")
-        wait_until(lambda: wrong.problem is not None and wrong.role == STANDBY, 10, "the check of the advertised URL")
+        wrong = leases(
+            "wrong",
+            host_id="host-w",
+            lease_s=6.0,
+            advertise_url=f"http://127.0.0.1:{httpd.server_address[1]}",
+        )
+        wait_until(
+            lambda: wrong.problem is not None and wrong.role == STANDBY,
+            10,
+            "the check of the advertised URL",
+        )
         assert "answers as another instance" in wrong.problem
         assert wrong.describe()["lease_problem"] == wrong.problem
-        other = leases("other", host_id="host-o", lease_s=6.0)  # correctly configured (no URL to check)
+        other = leases(
+            "other", host_id="host-o", lease_s=6.0
+        )  # correctly configured (no URL to check)
         wait_until(lambda: other.role == STANDBY, 10, "a second standby")
         right._stop.set()  # the owner stops renewing: its lease ends
         right._wake.set()

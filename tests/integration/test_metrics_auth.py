@@ -1,4 +1,5 @@
 """GET /metrics is valid Prometheus text; bearer-token auth on every endpoint but /health."""
+
 from __future__ import annotations
 
 import math
@@ -6,10 +7,10 @@ import re
 
 import pytest
 
-
-
-SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*\})? '
-                    r'(-?[0-9.eE+-]+|\+Inf|-Inf|NaN)$')
+SAMPLE = re.compile(
+    r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\.)*",?)*\})? '
+    r"(-?[0-9.eE+-]+|\+Inf|-Inf|NaN)$"
+)
 
 
 def parse_prometheus(text: str) -> dict[str, dict]:
@@ -26,16 +27,27 @@ def parse_prometheus(text: str) -> dict[str, dict]:
             current = name
         elif line.startswith("# TYPE "):
             name, _, kind = line[7:].partition(" ")
-            assert name == current and kind in ("counter", "gauge", "histogram", "summary", "untyped")
+            assert name == current and kind in (
+                "counter",
+                "gauge",
+                "histogram",
+                "summary",
+                "untyped",
+            )
             families[name]["type"] = kind
         else:
             m = SAMPLE.match(line)
             assert m, f"not a sample line: {line!r}"
             name = m.group(1)
-            base = re.sub(r"_(bucket|sum|count)$", "", name) if families.get(current, {}).get("type") == "histogram" \
+            base = (
+                re.sub(r"_(bucket|sum|count)$", "", name)
+                if families.get(current, {}).get("type") == "histogram"
                 else name
+            )
             assert base == current, f"sample {name} outside its family {current}"
-            labels = dict(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+            labels = dict(
+                re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', m.group(2) or "")
+            )
             value = float(m.group(3).replace("+Inf", "inf").replace("-Inf", "-inf"))
             families[current]["samples"].append((name, labels, value))
     for name, fam in families.items():
@@ -72,7 +84,9 @@ def test_metrics_parse_and_agree_with_stats(harness, writer):
 
     assert value("rows_read_total", job_session="job1") == stats["rows"]["read"] == 6
     # Prometheus owns the job and instance labels (a scraped one is renamed exported_job)
-    assert not [(n, l) for f in fams.values() for n, l, _ in f["samples"] if {"job", "instance"} & set(l)]
+    assert not [
+        (n, l) for f in fams.values() for n, l, _ in f["samples"] if {"job", "instance"} & set(l)
+    ]
     assert value("rows_served_total") == 4 and value("rows_pending") == 2
     assert value("groups", state="pending") == 1
     assert value("polls_total") >= 2 and math.isfinite(value("poll_duration_seconds_sum"))
@@ -89,20 +103,47 @@ def authed(lite_url, harness_factory):
     return harness_factory(lite_url, token="s3cret-token")
 
 
-@pytest.mark.parametrize("method,path", [("post", "/start_rollout"), ("post", "/get_rollout_data"),
-                                         ("post", "/stop_rollout"), ("get", "/stats"), ("get", "/metrics")])
+@pytest.mark.parametrize(
+    "method,path",
+    [
+        ("post", "/start_rollout"),
+        ("post", "/get_rollout_data"),
+        ("post", "/stop_rollout"),
+        ("get", "/stats"),
+        ("get", "/metrics"),
+    ],
+)
 def test_auth_required_everywhere_but_health(authed, method, path):
     c = authed.client
     call = getattr(c, method)
     r = call(path, json={}) if method == "post" else call(path)
     assert r.status_code == 401 and r.get_json()["error"].startswith("missing bearer token")
-    r = call(path, headers={"Authorization": "Bearer wrong"}, **({"json": {}} if method == "post" else {}))
-    assert r.status_code == 401 and r.get_json() == {"ok": False, "error": "wrong bearer token", "status": 401,
-                                                     **({"success": False, "message": "wrong bearer token"}
-                                                        if path == "/get_rollout_data" else {})}
-    r = call(path, headers={"Authorization": "Basic s3cret-token"}, **({"json": {}} if method == "post" else {}))
+    r = call(
+        path,
+        headers={"Authorization": "Bearer wrong"},
+        **({"json": {}} if method == "post" else {}),
+    )
+    assert r.status_code == 401 and r.get_json() == {
+        "ok": False,
+        "error": "wrong bearer token",
+        "status": 401,
+        **(
+            {"success": False, "message": "wrong bearer token"}
+            if path == "/get_rollout_data"
+            else {}
+        ),
+    }
+    r = call(
+        path,
+        headers={"Authorization": "Basic s3cret-token"},
+        **({"json": {}} if method == "post" else {}),
+    )
     assert r.status_code == 401
-    r = call(path, headers={"Authorization": "Bearer s3cret-token"}, **({"json": {}} if method == "post" else {}))
+    r = call(
+        path,
+        headers={"Authorization": "Bearer s3cret-token"},
+        **({"json": {}} if method == "post" else {}),
+    )
     assert r.status_code == 200
     assert c.get("/health").status_code == 200
 
@@ -119,7 +160,16 @@ def test_the_status_page_loads_without_the_token_and_holds_no_data_and_no_markup
     assert r.status_code == 200 and r.mimetype == "text/html"
     assert "default-src 'none'" in r.headers["Content-Security-Policy"]
     html = r.get_data(as_text=True)
-    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
+    for sink in (
+        "innerHTML",
+        "outerHTML",
+        "insertAdjacentHTML",
+        "document.write",
+        "eval(",
+        "new Function",
+    ):
         assert sink not in html, sink
-    assert re.findall(r"https?://[^\s\"')]+", html) == ["http://www.w3.org/2000/svg"]  # a namespace, never fetched
+    assert re.findall(r"https?://[^\s\"')]+", html) == [
+        "http://www.w3.org/2000/svg"
+    ]  # a namespace, never fetched
     assert authed.client.get("/status").status_code == 401

@@ -1,16 +1,18 @@
 """ProxyNotifier against a real HTTP server (tests/fakes/fake_proxy.py); nothing is mocked."""
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
-
-from rollout_buffer.runtime.proxy import ProxyNotifier
 from fakes.fake_proxy import FakeProxy, closed_port
 from support import wait_until
+
+from rollout_buffer.runtime.proxy import ProxyNotifier
 
 LOGGER = "rollout_buffer.runtime.proxy"
 
@@ -26,7 +28,9 @@ class Recorder:
         self.calls: list[tuple[str, list[str], list[str], list[Any]]] = []
         self.lock = threading.Lock()
 
-    def __call__(self, reason: str, session_ids: list[str], group_ids: list[str], keys: list[Any]) -> None:
+    def __call__(
+        self, reason: str, session_ids: list[str], group_ids: list[str], keys: list[Any]
+    ) -> None:
         with self.lock:
             self.calls.append((reason, session_ids, group_ids, keys))
 
@@ -34,7 +38,14 @@ class Recorder:
 @pytest.fixture(autouse=True)
 def _no_env_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
     # requests honours HTTP(S)_PROXY: make sure 127.0.0.1 is always reached directly.
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+    for name in (
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
 
@@ -68,37 +79,60 @@ def test_delivers_sorted_unique_ids_one_post_per_reason(fake: FakeProxy, make_no
     rec = Recorder()
     notifier = make_notifier(base_url=fake.url + "/", on_delivered=rec)
     notifier.start()
-    notifier.notify("incomplete_group_ttl", ["s3", "s1", "s2", "s1"], ["g2", "g1", "g2"],
-                    keys=[("group", "job", "g1"), ("group", "job", "g2")])
+    notifier.notify(
+        "incomplete_group_ttl",
+        ["s3", "s1", "s2", "s1"],
+        ["g2", "g1", "g2"],
+        keys=[("group", "job", "g1"), ("group", "job", "g2")],
+    )
     notifier.notify("job_ended", ["x1"], ["gx"], keys=[("group", "job", "gx")])
 
     assert wait_until(lambda: len(rec.calls) == 2)
     assert sorted(fake.calls, key=lambda b: b["reason"]) == [
-        {"session_ids": ["s1", "s2", "s3"], "reason": "incomplete_group_ttl", "group_ids": ["g1", "g2"]},
+        {
+            "session_ids": ["s1", "s2", "s3"],
+            "reason": "incomplete_group_ttl",
+            "group_ids": ["g1", "g2"],
+        },
         {"session_ids": ["x1"], "reason": "job_ended", "group_ids": ["gx"]},
     ]
     assert sorted(rec.calls) == [
-        ("incomplete_group_ttl", ["s1", "s2", "s3"], ["g1", "g2"],
-         [("group", "job", "g1"), ("group", "job", "g2")]),
+        (
+            "incomplete_group_ttl",
+            ["s1", "s2", "s3"],
+            ["g1", "g2"],
+            [("group", "job", "g1"), ("group", "job", "g2")],
+        ),
         ("job_ended", ["x1"], ["gx"], [("group", "job", "gx")]),
     ]
     stats = notifier.pending()
-    assert stats == {"sessions": 0, "reasons": {}, "failures": 0, "delivered_calls": 2,
-                     "last_error": None, "enabled": True}
+    assert stats == {
+        "sessions": 0,
+        "reasons": {},
+        "failures": 0,
+        "delivered_calls": 2,
+        "last_error": None,
+        "enabled": True,
+    }
 
 
 def test_notifies_before_start_are_coalesced_into_one_call(fake: FakeProxy, make_notifier) -> None:
     rec = Recorder()
     notifier = make_notifier(base_url=fake.url, on_delivered=rec)
     for _ in range(3):
-        notifier.notify("late_rows_from_dropped_groups", ["b", "a"], ["g1"], keys=[("group", "j", "g1")])
+        notifier.notify(
+            "late_rows_from_dropped_groups", ["b", "a"], ["g1"], keys=[("group", "j", "g1")]
+        )
     assert notifier.pending()["reasons"] == {"late_rows_from_dropped_groups": 2}
 
     notifier.start()
     assert wait_until(lambda: rec.calls)
-    assert fake.calls == [{"session_ids": ["a", "b"], "reason": "late_rows_from_dropped_groups",
-                           "group_ids": ["g1"]}]
-    assert rec.calls == [("late_rows_from_dropped_groups", ["a", "b"], ["g1"], [("group", "j", "g1")])]
+    assert fake.calls == [
+        {"session_ids": ["a", "b"], "reason": "late_rows_from_dropped_groups", "group_ids": ["g1"]}
+    ]
+    assert rec.calls == [
+        ("late_rows_from_dropped_groups", ["a", "b"], ["g1"], [("group", "j", "g1")])
+    ]
 
 
 def test_coalesces_repeats_while_proxy_fails(fake: FakeProxy, make_notifier) -> None:
@@ -119,10 +153,15 @@ def test_coalesces_repeats_while_proxy_fails(fake: FakeProxy, make_notifier) -> 
     # was not sent a second time meanwhile
     notifier.notify("job_ended", ["s9"], ["g9"], keys=["k9"])
     assert wait_until(lambda: len(rec.calls) == 2)
-    assert fake.delivered == [{"session_ids": ["s1", "s2"], "reason": "restart_training", "group_ids": ["g1"]},
-                              {"session_ids": ["s9"], "reason": "job_ended", "group_ids": ["g9"]}]
+    assert fake.delivered == [
+        {"session_ids": ["s1", "s2"], "reason": "restart_training", "group_ids": ["g1"]},
+        {"session_ids": ["s9"], "reason": "job_ended", "group_ids": ["g9"]},
+    ]
     assert all(call["session_ids"] == ["s1", "s2"] for call in fake.calls[:-1])
-    assert rec.calls == [("restart_training", ["s1", "s2"], ["g1"], ["k"]), ("job_ended", ["s9"], ["g9"], ["k9"])]
+    assert rec.calls == [
+        ("restart_training", ["s1", "s2"], ["g1"], ["k"]),
+        ("job_ended", ["s9"], ["g9"], ["k9"]),
+    ]
     assert notifier.pending()["sessions"] == 0
 
 
@@ -144,14 +183,18 @@ def test_proxy_down_then_back(make_notifier) -> None:
 
     with FakeProxy(port=port) as fake:  # the proxy comes back on the same port
         assert wait_until(lambda: rec.calls)
-        assert fake.calls == [{"session_ids": ["s1", "s2"], "reason": "launcher_exited", "group_ids": ["g1"]}]
+        assert fake.calls == [
+            {"session_ids": ["s1", "s2"], "reason": "launcher_exited", "group_ids": ["g1"]}
+        ]
     assert rec.calls == [("launcher_exited", ["s1", "s2"], ["g1"], [("group", "j", "g1")])]
     assert notifier.pending()["sessions"] == 0
 
 
 def test_hung_proxy_never_blocks_notify_and_stop_is_prompt(make_notifier) -> None:
     with FakeProxy(hold_s=30) as fake:
-        notifier = make_notifier(base_url=fake.url, read_timeout=1.0, backoff_s=5.0, backoff_max_s=5.0)
+        notifier = make_notifier(
+            base_url=fake.url, read_timeout=1.0, backoff_s=5.0, backoff_max_s=5.0
+        )
         notifier.start()
         notifier.notify("job_ended", ["s1"], ["g1"])
         assert fake.wait_for(lambda f: len(f.calls) == 1)  # the POST is now held by the proxy
@@ -181,8 +224,10 @@ def test_non_2xx_is_a_failure_and_retried(make_notifier, caplog: pytest.LogCaptu
         assert wait_until(lambda: rec.calls)
 
     assert len(fake.calls) == 4
-    assert all(call == {"session_ids": ["s1"], "reason": "malformed_row", "group_ids": ["g1"]}
-               for call in fake.calls)
+    assert all(
+        call == {"session_ids": ["s1"], "reason": "malformed_row", "group_ids": ["g1"]}
+        for call in fake.calls
+    )
     stats = notifier.pending()
     assert stats["failures"] == 3 and stats["delivered_calls"] == 1 and stats["last_error"] is None
     warnings = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
@@ -201,7 +246,9 @@ def test_a_redirect_is_a_failure_never_followed(make_notifier, status) -> None:
         notifier.notify("incomplete_group_ttl", ["s1"], ["g1"], keys=[1])
         assert wait_until(lambda: notifier.pending()["failures"] >= 2)
         assert not rec.calls and fake.gets == 0
-        assert notifier.pending()["sessions"] == 1 and str(status) in notifier.pending()["last_error"]
+        assert (
+            notifier.pending()["sessions"] == 1 and str(status) in notifier.pending()["last_error"]
+        )
         fake.status = 200  # the proxy answers again: delivered then
         assert wait_until(lambda: rec.calls)
 
@@ -213,7 +260,11 @@ def test_large_reasons_are_split_and_delivered_once(fake: FakeProxy, make_notifi
     notifier.notify("job_ended", reversed(ids), ["g1", "g0"], keys=["k"])
     notifier.start()
     assert wait_until(lambda: rec.calls)
-    assert [call["session_ids"] for call in fake.calls] == [sorted(ids)[0:3], sorted(ids)[3:6], sorted(ids)[6:]]
+    assert [call["session_ids"] for call in fake.calls] == [
+        sorted(ids)[0:3],
+        sorted(ids)[3:6],
+        sorted(ids)[6:],
+    ]
     assert all(call["group_ids"] == ["g0", "g1"] for call in fake.calls)
     assert rec.calls == [("job_ended", sorted(ids), ["g0", "g1"], ["k"])]
 
@@ -227,8 +278,14 @@ def test_disabled_without_proxy_url(make_notifier, caplog: pytest.LogCaptureFixt
         notifier.notify("job_ended", ["s1"], ["g1"], keys=["k"])
     assert "proxy-test-disabled" not in thread_names()
     assert threading.active_count() == before
-    assert notifier.pending() == {"sessions": 0, "reasons": {}, "failures": 0, "delivered_calls": 0,
-                                  "last_error": None, "enabled": False}
+    assert notifier.pending() == {
+        "sessions": 0,
+        "reasons": {},
+        "failures": 0,
+        "delivered_calls": 0,
+        "last_error": None,
+        "enabled": False,
+    }
     notifier.stop()
     warnings = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "disabled" in warnings[0].getMessage()
@@ -253,8 +310,9 @@ def test_start_stop_idempotent_and_restartable(fake: FakeProxy, make_notifier) -
     assert notifier.name not in thread_names()
 
 
-def test_on_delivered_errors_are_logged_not_raised(fake: FakeProxy, make_notifier,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
+def test_on_delivered_errors_are_logged_not_raised(
+    fake: FakeProxy, make_notifier, caplog: pytest.LogCaptureFixture
+) -> None:
     calls: list[str] = []
 
     def explode(reason: str, *_: Any) -> None:
@@ -267,7 +325,9 @@ def test_on_delivered_errors_are_logged_not_raised(fake: FakeProxy, make_notifie
     assert wait_until(lambda: calls == ["a"])
     notifier.notify("b", ["s2"], ["g2"])  # the thread survived
     assert wait_until(lambda: calls == ["a", "b"])
-    assert any("on_delivered" in r.getMessage() and r.exc_info for r in caplog.records if r.name == LOGGER)
+    assert any(
+        "on_delivered" in r.getMessage() and r.exc_info for r in caplog.records if r.name == LOGGER
+    )
 
 
 def test_notify_with_bad_arguments_never_raises(fake: FakeProxy, make_notifier) -> None:

@@ -1,12 +1,13 @@
 """The reader (unit tier): the ingest cursor on both backends (ids at or below 0 too), and Postgres commit order (a smaller id
 committed after a larger one is read once, after it commits, never skipped)."""
+
 from __future__ import annotations
 
 import json
 
 import psycopg
-
 from support import PG_DSN, Writer, assert_balanced, groups_of, make_launcher_db, now_text
+
 from rollout_buffer.storage import queries as q
 from rollout_buffer.storage.db import connect, to_pyformat
 from rollout_buffer.storage.reader import Reader
@@ -19,8 +20,8 @@ def test_reader_rereads_rows_that_were_not_ingested(db_url):
     try:
         pks = [w.step("g", f"s{i}", 1) for i in range(3)]
         reader = Reader("J", 0, 1000)
-        assert [r[0] for r in reader.read(db)] == pks   # ... and the caller fails before advance()
-        assert [r[0] for r in reader.read(db)] == pks   # read again, nothing lost
+        assert [r[0] for r in reader.read(db)] == pks  # ... and the caller fails before advance()
+        assert [r[0] for r in reader.read(db)] == pks  # read again, nothing lost
         reader.advance()
         assert reader.read(db) == []
     finally:
@@ -47,8 +48,10 @@ def test_reader_cursor_waits_for_in_flight_transactions(pg_url):
     reader = Reader("J", 0, 1000, clock=lambda: now[0])
     slow = psycopg.connect(pg_url, autocommit=False)
     try:
-        held = slow.execute(to_pyformat(q.INSERT_STEP) + " RETURNING id",
-                            ("s", 1, "e", "m", "g", "J", "[]", "r", 0, 0, None, 0, 0, 0, 1, now_text())).fetchone()[0]
+        held = slow.execute(
+            to_pyformat(q.INSERT_STEP) + " RETURNING id",
+            ("s", 1, "e", "m", "g", "J", "[]", "r", 0, 0, None, 0, 0, 0, 1, now_text()),
+        ).fetchone()[0]
         later = [w.step("g", f"s{i}", 1) for i in range(3)]
         seen = read_ticks(reader, db, now)
         assert seen == later
@@ -71,20 +74,37 @@ def test_postgres_out_of_order_commit_is_read_exactly_once(pg_url, harness_facto
     msgs = json.dumps([{"role": "user", "content": "hi"}])
 
     def row(sid, completed):
-        return (sid, 1, "env", "m", "g", "J", msgs, "r", 0.5, 0.5, None, completed, 0, completed, 1, now_text())
+        return (
+            sid,
+            1,
+            "env",
+            "m",
+            "g",
+            "J",
+            msgs,
+            "r",
+            0.5,
+            0.5,
+            None,
+            completed,
+            0,
+            completed,
+            1,
+            now_text(),
+        )
 
     slow = psycopg.connect(pg_url, autocommit=False)
     fast = psycopg.connect(pg_url, autocommit=True)
     try:
         sql = to_pyformat(q.INSERT_STEP) + " RETURNING id"
-        small = slow.execute(sql, row("s1", 1)).fetchone()[0]          # takes the smaller id, not committed
-        large = fast.execute(sql, row("s2", 1)).fetchone()[0]          # larger id, committed first
+        small = slow.execute(sql, row("s1", 1)).fetchone()[0]  # takes the smaller id, not committed
+        large = fast.execute(sql, row("s2", 1)).fetchone()[0]  # larger id, committed first
         assert small < large
-        h.settle()                                                     # ingests `large` only
+        h.settle()  # ingests `large` only
         assert h.poll()["success"] is False
         s = h.stats()
         assert s["rows"]["read"] == 1
-        slow.commit()                                                  # now the smaller id appears
+        slow.commit()  # now the smaller id appears
         doc = h.poll()
         items = doc["data"]["data"]
         assert sorted(i["extra_info"]["step_pk"] for i in items) == [small, large]
@@ -98,14 +118,35 @@ def test_postgres_out_of_order_commit_is_read_exactly_once(pg_url, harness_facto
         fast.close()
 
 
-def insert_with_id(url: str, pk: int, group: str, session: str, *, completed: bool, job: str = "job1") -> None:
+def insert_with_id(
+    url: str, pk: int, group: str, session: str, *, completed: bool, job: str = "job1"
+) -> None:
     """A row written by hand with an explicit id (an identity column accepts one)."""
     db = connect(url)
     try:
-        db.execute(f"INSERT INTO session_steps (id, {', '.join(q.STEP_COLUMNS)}) VALUES "
-                   f"(?, {', '.join('?' * len(q.STEP_COLUMNS))})",
-                   (pk, session, 1, "env", "model", group, job, "[]", "r", 1.0 if completed else 0.0, 0.0, None,
-                    int(completed), 0, int(completed), 1, now_text()))
+        db.execute(
+            f"INSERT INTO session_steps (id, {', '.join(q.STEP_COLUMNS)}) VALUES "
+            f"(?, {', '.join('?' * len(q.STEP_COLUMNS))})",
+            (
+                pk,
+                session,
+                1,
+                "env",
+                "model",
+                group,
+                job,
+                "[]",
+                "r",
+                1.0 if completed else 0.0,
+                0.0,
+                None,
+                int(completed),
+                0,
+                int(completed),
+                1,
+                now_text(),
+            ),
+        )
     finally:
         db.close()
 
@@ -116,7 +157,9 @@ def test_rows_with_ids_at_or_below_zero_are_read_and_survive_a_restart(db_url, h
     h = harness_factory(db_url)
     h.start(k=2)
     # in id order, as a sequence would hand them out (a row below what was read is not read again)
-    insert_with_id(db_url, -9, "g-later", "t1", completed=True)  # its group completes after a restart
+    insert_with_id(
+        db_url, -9, "g-later", "t1", completed=True
+    )  # its group completes after a restart
     insert_with_id(db_url, -5, "g-neg", "s1", completed=True)
     insert_with_id(db_url, 0, "g-neg", "s2", completed=True)
     w = Writer(db_url)
@@ -147,7 +190,9 @@ def test_a_transaction_left_open_elsewhere_on_the_server_does_not_hold_the_curso
     w = Writer(pg_url, job="J")
     now = [0.0]
     reader = Reader("J", 0, 1000, clock=lambda: now[0])
-    elsewhere = psycopg.connect(PG_DSN.rsplit("/", 1)[0] + "/postgres", autocommit=False)  # another database
+    elsewhere = psycopg.connect(
+        PG_DSN.rsplit("/", 1)[0] + "/postgres", autocommit=False
+    )  # another database
     same = psycopg.connect(pg_url, autocommit=False)  # this database, another table
     try:
         elsewhere.execute("SELECT txid_current()")  # an xid held open, idle in transaction
@@ -157,8 +202,10 @@ def test_a_transaction_left_open_elsewhere_on_the_server_does_not_hold_the_curso
         read_ticks(reader, db, now)
         assert reader.cursor == max(pks) and reader.caught_up, (reader.cursor, pks)
         # a writer of session_steps itself is still waited for
-        held = same.execute(to_pyformat(q.INSERT_STEP) + " RETURNING id",
-                            ("s-late", 1, "e", "m", "g", "J", "[]", "r", 0, 0, None, 0, 0, 0, 1, now_text())).fetchone()[0]
+        held = same.execute(
+            to_pyformat(q.INSERT_STEP) + " RETURNING id",
+            ("s-late", 1, "e", "m", "g", "J", "[]", "r", 0, 0, None, 0, 0, 0, 1, now_text()),
+        ).fetchone()[0]
         more = [w.step("g", f"t{i}", 1) for i in range(2)]
         read_ticks(reader, db, now)
         assert reader.cursor < held < max(more)

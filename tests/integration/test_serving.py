@@ -2,6 +2,7 @@
 timing: an empty poll touches neither the database nor any pending group, a data poll's queries
 scale with the rows served, not with what is pending), many pollers while rows are written, and a
 drain of 8,192 rows checked item by item against what was written."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,8 @@ import threading
 import uuid
 
 import pytest
-
 from support import Writer, assert_balanced, groups_of, now_text
+
 from rollout_buffer.storage import connections as service_mod
 from rollout_buffer.storage import db as db_mod
 from rollout_buffer.storage import queries as q
@@ -34,6 +35,7 @@ class Counting:
 
         monkeypatch.setattr(service_mod, "connect", connect)
         for cls, run in real_run.items():
+
             def counted(obj, sql, params, many=False, binary=False, _run=run):
                 if threading.current_thread().name != self.loop:
                     self.statements += 1
@@ -45,7 +47,7 @@ class Counting:
 def test_empty_poll_touches_no_database_and_no_pending_group(harness, writer, monkeypatch):
     harness.start(k=4)
     for g in range(300):
-        writer.group(f"p{g:03d}", 4, steps=1, complete=3)   # 300 pending groups, none ready
+        writer.group(f"p{g:03d}", 4, steps=1, complete=3)  # 300 pending groups, none ready
     harness.settle()
     assert harness.stats()["groups"]["pending"] == 300
     counting = Counting(monkeypatch)
@@ -53,6 +55,7 @@ def test_empty_poll_touches_no_database_and_no_pending_group(harness, writer, mo
     class Tripwire(dict):
         def __iter__(self):
             raise AssertionError("an empty poll iterated the pending groups")
+
         values = items = keys = __iter__
 
     acc = harness.service.current.acc
@@ -72,9 +75,9 @@ def test_empty_poll_touches_no_database_and_no_pending_group(harness, writer, mo
 def test_data_poll_queries_scale_with_rows_served_not_pending(harness, writer, monkeypatch):
     harness.start(k=2)
     for g in range(200):
-        writer.group(f"p{g:03d}", 2, steps=1, complete=1)   # pending, never ready
+        writer.group(f"p{g:03d}", 2, steps=1, complete=1)  # pending, never ready
     for g in range(20):
-        writer.group(f"r{g:02d}", 2, steps=2)               # 20 ready groups, 80 rows
+        writer.group(f"r{g:02d}", 2, steps=2)  # 20 ready groups, 80 rows
     harness.settle()
     counting = Counting(monkeypatch)
     doc = harness.client.post("/get_rollout_data", json={}).get_json()
@@ -119,7 +122,9 @@ def test_many_concurrent_pollers_while_rows_are_written(db_url, harness_factory)
             if not groups and done.is_set():
                 empty_after_done += 1
 
-    threads = [threading.Thread(target=writer_thread)] + [threading.Thread(target=poller) for _ in range(8)]
+    threads = [threading.Thread(target=writer_thread)] + [
+        threading.Thread(target=poller) for _ in range(8)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -137,7 +142,6 @@ def test_many_concurrent_pollers_while_rows_are_written(db_url, harness_factory)
     assert_balanced(s)
 
 
-
 @pytest.mark.slow
 def test_drain_256_groups_of_8_sessions_of_4_steps_exactly(db_url, harness_factory, tmp_path):
     """The contract's items, every group exactly once (256 x 8 x 4 = 8,192 rows)."""
@@ -148,17 +152,40 @@ def test_drain_256_groups_of_8_sessions_of_4_steps_exactly(db_url, harness_facto
         gid = f"group-{g:03d}"
         for s in range(8):
             sid = str(uuid.uuid4())
-            history = [{"role": "system", "content": "sys"}, {"role": "user", "content": f"task {g} ✓"}]
+            history = [
+                {"role": "system", "content": "sys"},
+                {"role": "user", "content": f"task {g} ✓"},
+            ]
             for step in range(1, 5):
                 last = step == 4
                 reward = round((g * 8 + s) / 2048.0, 6) if last else 0.0
-                rows.append((sid, step, "env", "m", gid, "J", json.dumps(history, ensure_ascii=False),
-                             f"answer {step}", reward, reward, json.dumps({"weight_version": g % 5}),
-                             int(last), 0, int(last), 1, now_text()))
+                rows.append(
+                    (
+                        sid,
+                        step,
+                        "env",
+                        "m",
+                        gid,
+                        "J",
+                        json.dumps(history, ensure_ascii=False),
+                        f"answer {step}",
+                        reward,
+                        reward,
+                        json.dumps({"weight_version": g % 5}),
+                        int(last),
+                        0,
+                        int(last),
+                        1,
+                        now_text(),
+                    )
+                )
                 expected.setdefault(gid, {}).setdefault(sid, []).append(
-                    (step, history + [{"role": "assistant", "content": f"answer {step}"}]))
-                history = history + [{"role": "assistant", "content": f"answer {step}"},
-                                     {"role": "user", "content": f"obs {step}"}]
+                    (step, history + [{"role": "assistant", "content": f"answer {step}"}])
+                )
+                history = history + [
+                    {"role": "assistant", "content": f"answer {step}"},
+                    {"role": "user", "content": f"obs {step}"},
+                ]
     # interleave sessions as a worker pool would
     rows.sort(key=lambda r: (r[1], hash(r[0]) % 97))
     with db.transaction():
@@ -183,7 +210,10 @@ def test_drain_256_groups_of_8_sessions_of_4_steps_exactly(db_url, harness_facto
                 assert [it["extra_info"]["steps"] for it in its] == [1, 2, 3, 4]
                 assert [it["messages"] for it in its] == [m for _, m in exp]
                 terminal = its[-1]["extra_info"]["step_reward"]
-                assert all(it["reward"] == terminal and it["extra_info"]["terminal_reward"] == terminal for it in its)
+                assert all(
+                    it["reward"] == terminal and it["extra_info"]["terminal_reward"] == terminal
+                    for it in its
+                )
                 assert all(it["extra_info"]["weight_version"] == int(gid[-3:]) % 5 for it in its)
     assert len(seen) == 256
     assert polls > 1, "the byte budget should have split the backlog"

@@ -1,17 +1,33 @@
 """The state store alone (unit tier), on SQLite and Postgres: the ``rollout_buffer_*`` tables through
 :class:`rollout_buffer.storage.store.Store`, with plans built by hand (no accumulator, no service)."""
+
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
+from rollout_buffer.core.errors import IntegrityError, StorageError
+from rollout_buffer.core.model import (
+    INCOMPLETE_IN_SERVED,
+    LATE_SERVED,
+    MISSING_GROUP,
+    REJECTED,
+    ROW_DROPPED,
+    TTL,
+    Batch,
+    Decisions,
+    Drop,
+    GroupKey,
+    LauncherState,
+    RowEvent,
+    RowKey,
+    Served,
+    Take,
+)
 from rollout_buffer.storage import queries as q
 from rollout_buffer.storage.db import connect
-from rollout_buffer.core.errors import IntegrityError, StorageError
-from rollout_buffer.core.model import (INCOMPLETE_IN_SERVED, LATE_SERVED, MISSING_GROUP, REJECTED, ROW_DROPPED, TTL, Batch,
-                                  Decisions, Drop, GroupKey, LauncherState, RowEvent, RowKey, Served, Take)
 from rollout_buffer.storage.store import LauncherRecord, Store
 
 JOB = "store-job"
@@ -33,8 +49,14 @@ def _plan(batch_id: str = "b1", request_id: str | None = "r1") -> Decisions:
     return Decisions(
         served=[Served(take, batch_id)],
         drops=[Drop("g-ttl", TTL, [6, 7], ["s4"])],
-        rows=[RowEvent(8, REJECTED, MISSING_GROUP, None, "s5"), RowEvent(9, ROW_DROPPED, LATE_SERVED, "g-served", "s6")],
-        batch=Batch(batch_id, JOB, request_id, bytes(range(16)), ["g-served"], n_items=4, n_bytes=1234))
+        rows=[
+            RowEvent(8, REJECTED, MISSING_GROUP, None, "s5"),
+            RowEvent(9, ROW_DROPPED, LATE_SERVED, "g-served", "s6"),
+        ],
+        batch=Batch(
+            batch_id, JOB, request_id, bytes(range(16)), ["g-served"], n_items=4, n_bytes=1234
+        ),
+    )
 
 
 def test_a_plan_is_recorded_and_loads_back_as_the_same_decisions(store):
@@ -45,8 +67,13 @@ def test_a_plan_is_recorded_and_loads_back_as_the_same_decisions(store):
     assert dict(t.dropped) == {INCOMPLETE_IN_SERVED: 1, TTL: 2, LATE_SERVED: 1}
     assert dict(t.rejected) == {MISSING_GROUP: 1}
     assert t.accounted_rows == 9  # every pk of the plan, once
-    assert store.group_pks(JOB, "g-served") == [1, 2, 3, 4, 5] and store.group_pks(JOB, "g-ttl") == [6, 7]
-    assert store.group_decision(JOB, "g-ttl") == ("dropped", TTL) and store.group_decision(JOB, "nope") is None
+    assert store.group_pks(JOB, "g-served") == [1, 2, 3, 4, 5] and store.group_pks(
+        JOB, "g-ttl"
+    ) == [6, 7]
+    assert (
+        store.group_decision(JOB, "g-ttl") == ("dropped", TTL)
+        and store.group_decision(JOB, "nope") is None
+    )
     assert store.tainted_sessions(JOB) == ["s5"]
     assert store.row_pks_from(JOB, 9) == {9}
     batch, at = store.batch_for_request(JOB, "r1")
@@ -66,7 +93,10 @@ def test_a_plan_that_fails_leaves_nothing_of_it(store):
 
 
 def test_drops_and_rows_are_idempotent_so_an_uncertain_commit_can_be_retried(store):
-    plan = Decisions(drops=[Drop("g-ttl", TTL, [6, 7], ["s4"])], rows=[RowEvent(8, REJECTED, MISSING_GROUP, None, "s5")])
+    plan = Decisions(
+        drops=[Drop("g-ttl", TTL, [6, 7], ["s4"])],
+        rows=[RowEvent(8, REJECTED, MISSING_GROUP, None, "s5")],
+    )
     store.record(JOB, plan)
     store.record(JOB, plan)
     t = store.load_totals(JOB)
@@ -76,8 +106,12 @@ def test_drops_and_rows_are_idempotent_so_an_uncertain_commit_can_be_retried(sto
 def test_unconfirmed_notifications_are_listed_until_marked(store):
     store.record(JOB, _plan())
     pending = {u.key: (u.reason, u.sessions) for u in store.unnotified()}
-    assert pending == {GroupKey(JOB, "g-served"): (INCOMPLETE_IN_SERVED, ["s3"]), GroupKey(JOB, "g-ttl"): (TTL, ["s4"]),
-                       RowKey(JOB, 8): (MISSING_GROUP, ["s5"]), RowKey(JOB, 9): (LATE_SERVED, ["s6"])}
+    assert pending == {
+        GroupKey(JOB, "g-served"): (INCOMPLETE_IN_SERVED, ["s3"]),
+        GroupKey(JOB, "g-ttl"): (TTL, ["s4"]),
+        RowKey(JOB, 8): (MISSING_GROUP, ["s5"]),
+        RowKey(JOB, 9): (LATE_SERVED, ["s6"]),
+    }
     store.mark_notified([GroupKey(JOB, "g-ttl"), RowKey(JOB, 9)])
     assert {u.key for u in store.unnotified()} == {GroupKey(JOB, "g-served"), RowKey(JOB, 8)}
 
@@ -94,7 +128,10 @@ def test_one_active_job_with_its_tombstones_cursor_and_launcher(store):
     assert (int(job["cursor_pk"]), int(job["low_water_pk"])) == (150, 120)
     store.save_launcher("b", LauncherRecord(4242, 4242, 99, LauncherState.RUNNING), "instance-1")
     job = store.get_job("b")
-    assert (job["launcher_pid"], LauncherState.parse(job["launcher_state"])) == (4242, LauncherState.RUNNING)
+    assert (job["launcher_pid"], LauncherState.parse(job["launcher_state"])) == (
+        4242,
+        LauncherState.RUNNING,
+    )
     assert store.launcher_owner("b") == "instance-1"
 
 
@@ -106,7 +143,7 @@ def test_retention_prunes_old_batches_and_purges_an_ended_job_in_steps(store):
     store.activate_job("next", 2, 0, 0, 0, [])
     assert [j["job_id"] for j in store.ended_jobs(time.time() + 1)] == [JOB]
     removed = 0
-    while (n := store.purge_step(JOB, limit=1)):
+    while n := store.purge_step(JOB, limit=1):
         removed += n
     assert removed == 4 and store.load_totals(JOB).accounted_rows == 0  # 2 groups, 2 rows
     store.mark_purged(JOB, 200)

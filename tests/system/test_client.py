@@ -5,6 +5,7 @@ launcher filled beforehand (every group complete), so the set of groups to expec
 The scripted server (stdlib ``http.server``) is used only where a server must misbehave on cue:
 a 503 on the first attempt, an always-empty answer, a duplicated group.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,14 +20,13 @@ from typing import Any
 
 import pytest
 import requests
+from servers import ROOT, serve
+from support import Writer, make_launcher_db, wait_until
 
 from rollout_buffer.client import BufferClient, BufferError, BufferUnavailable
-from rollout_buffer.tools.stats_table import format_stats
-from rollout_buffer.storage.db import connect
-from support import Writer, make_launcher_db
 from rollout_buffer.core.errors import RolloutBufferError
-from servers import ROOT, serve
-from support import wait_until
+from rollout_buffer.storage.db import connect
+from rollout_buffer.tools.stats_table import format_stats
 
 JOB = "client-job"
 K = 4
@@ -35,9 +35,29 @@ K = 4
 def simulate(db_url: str, groups: int, k: int = K, job: str = JOB) -> dict[str, Any]:
     """Fill the database with ``groups`` complete groups of ``k`` sessions (the simulated launcher)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "rollout_buffer.simulate", "--db-path", db_url, "--job-id", job, "--groups",
-         str(groups), "--rl-group-size", str(k), "--pace", "0", "--fail-rate", "0", "--quiet"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "rollout_buffer.simulate",
+            "--db-path",
+            db_url,
+            "--job-id",
+            job,
+            "--groups",
+            str(groups),
+            "--rl-group-size",
+            str(k),
+            "--pace",
+            "0",
+            "--fail-rate",
+            "0",
+            "--quiet",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1].split(" ", 1)[1])
     assert summary["complete_groups"] == groups, summary
@@ -48,7 +68,10 @@ def group_ids(db_url: str, job: str = JOB) -> set[str]:
     """Every group id the launcher wrote for the job."""
     db = connect(db_url)
     try:
-        return {r[0] for r in db.rows("SELECT DISTINCT group_id FROM session_steps WHERE job_id = ?", (job,))}
+        return {
+            r[0]
+            for r in db.rows("SELECT DISTINCT group_id FROM session_steps WHERE job_id = ?", (job,))
+        }
     finally:
         db.close()
 
@@ -85,10 +108,25 @@ def test_iter_groups_returns_every_group_exactly_once(db_url: str, tmp_path: Pat
         stats = client.stats()
         assert stats["groups"]["served"] == 10 and stats["accounting_balanced"] is True
         table = format_stats(stats)
-        for label in ("job", JOB, "read", "served", "dropped", "pending", "cursor", "launcher", "accounting balanced"):
+        for label in (
+            "job",
+            JOB,
+            "read",
+            "served",
+            "dropped",
+            "pending",
+            "cursor",
+            "launcher",
+            "accounting balanced",
+        ):
             assert label in table, table
-        cli = subprocess.run([sys.executable, "-m", "rollout_buffer", "stats", srv.url], cwd=ROOT,
-                             capture_output=True, text=True, timeout=60)
+        cli = subprocess.run(
+            [sys.executable, "-m", "rollout_buffer", "stats", srv.url],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert cli.returncode == 0, cli.stderr
         assert JOB in cli.stdout and "accounting balanced" in cli.stdout
 
@@ -98,18 +136,26 @@ def test_get_rollout_data_with_max_groups(db_url: str, tmp_path: Path) -> None:
     expected = group_ids(db_url)
     with serve(db_url, tmp_path) as srv, BufferClient(srv.url, backoff_s=0.1) as client:
         client.start_rollout(num_repeat_per_sample=K, job_session=JOB)
-        wait_until(lambda: client.stats()["groups"]["ready"] == 8, 30, "the service has ingested the 8 groups")
+        wait_until(
+            lambda: client.stats()["groups"]["ready"] == 8,
+            30,
+            "the service has ingested the 8 groups",
+        )
         doc = client.get_rollout_data(max_groups=3)
         assert doc["success"] is True
         first = {it["instance_id"] for it in doc["data"]["data"]}
         assert len(first) == 3
         assert doc["data"]["meta_info"]["finished_groups"] == sorted(first)
-        rest = [gid for gid, _ in client.iter_groups(5, max_groups=2, poll_interval=0.1, timeout=30)]
+        rest = [
+            gid for gid, _ in client.iter_groups(5, max_groups=2, poll_interval=0.1, timeout=30)
+        ]
         assert len(rest) == 5 and not first & set(rest)
         assert first | set(rest) == expected
 
 
-def test_the_client_sends_the_trainer_version_and_the_staleness_bound(db_url: str, tmp_path: Path) -> None:
+def test_the_client_sends_the_trainer_version_and_the_staleness_bound(
+    db_url: str, tmp_path: Path
+) -> None:
     make_launcher_db(db_url)
     w = Writer(db_url, job=JOB)
     w.group("v7", K, env_state={"weight_version": 7})  # ready first: the poll meets it first
@@ -122,8 +168,16 @@ def test_the_client_sends_the_trainer_version_and_the_staleness_bound(db_url: st
             assert time.monotonic() < deadline, "the two groups never became ready"
             time.sleep(0.05)
         asked = []
-        got = [gid for gid, _ in client.iter_groups(1, current_weight_version=lambda: asked.append(1) or 10,
-                                                     max_off_policy=1, poll_interval=0.1, timeout=30)]
+        got = [
+            gid
+            for gid, _ in client.iter_groups(
+                1,
+                current_weight_version=lambda: asked.append(1) or 10,
+                max_off_policy=1,
+                poll_interval=0.1,
+                timeout=30,
+            )
+        ]
         assert got == ["v9"] and asked  # 10 - 7 > 1: v7 is dropped as stale, never sent
         stats = client.stats()
         assert stats["versions"]["trainer"] == 10 and stats["groups"]["dropped"] == {"stale": 1}
@@ -133,8 +187,9 @@ def test_the_client_sends_the_trainer_version_and_the_staleness_bound(db_url: st
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
-def test_retries_survive_a_server_restart_mid_iteration(db_url: str, tmp_path: Path, sig: int,
-                                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_retries_survive_a_server_restart_mid_iteration(
+    db_url: str, tmp_path: Path, sig: int, caplog: pytest.LogCaptureFixture
+) -> None:
     simulate(db_url, 12)
     expected = group_ids(db_url)
     with serve(db_url, tmp_path) as srv:
@@ -149,7 +204,7 @@ def test_retries_survive_a_server_restart_mid_iteration(db_url: str, tmp_path: P
                 down.set()
                 time.sleep(1.0)  # the client polls a dead port meanwhile
                 srv.start()
-            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            except BaseException as exc:
                 errors.append(exc)
                 down.set()
 
@@ -168,8 +223,9 @@ def test_retries_survive_a_server_restart_mid_iteration(db_url: str, tmp_path: P
             client.close()
         assert not errors, errors
         assert srv.starts == 2
-        assert any("retry" in r.getMessage() for r in caplog.records if r.name == "rollout_buffer.client"), \
-            "the client never had to retry: the restart did not happen mid-iteration"
+        assert any(
+            "retry" in r.getMessage() for r in caplog.records if r.name == "rollout_buffer.client"
+        ), "the client never had to retry: the restart did not happen mid-iteration"
         assert len(got) == len(set(got)) == 12, got
         assert set(got) == expected
         with BufferClient(srv.url) as c2:
@@ -186,7 +242,9 @@ def test_4xx_raises_buffer_error_with_the_server_message(db_url: str, tmp_path: 
             client.get_rollout_data(max_groups="x")  # type: ignore[arg-type]
         assert info.value.status == 400
         assert "max_groups" in str(info.value) and "expected" in str(info.value)
-        assert isinstance(info.value, RolloutBufferError) and not isinstance(info.value, BufferUnavailable)
+        assert isinstance(info.value, RolloutBufferError) and not isinstance(
+            info.value, BufferUnavailable
+        )
         with pytest.raises(BufferError) as info:
             client.start_rollout(num_repeat_per_sample=0)
         assert info.value.status == 400 and "num_repeat_per_sample" in str(info.value)
@@ -218,7 +276,11 @@ def test_auth_with_a_token(db_url: str, tmp_path: Path) -> None:
 class Scripted:
     """A stdlib HTTP server: answers POSTs from a script of (status, body, headers), records request bodies."""
 
-    def __init__(self, script: list[tuple[int, Any, dict[str, str]]], default: tuple[int, Any, dict[str, str]]):
+    def __init__(
+        self,
+        script: list[tuple[int, Any, dict[str, str]]],
+        default: tuple[int, Any, dict[str, str]],
+    ):
         self.script = list(script)
         self.default = default
         self.bodies: list[dict[str, Any]] = []
@@ -226,7 +288,7 @@ class Scripted:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - stdlib name
+            def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 outer.bodies.append(json.loads(raw or b"{}"))
                 outer.headers.append(dict(self.headers))
@@ -246,9 +308,11 @@ class Scripted:
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05})
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}
+        )
 
-    def __enter__(self) -> "Scripted":
+    def __enter__(self) -> Scripted:
         self.thread.start()
         return self
 
@@ -258,21 +322,56 @@ class Scripted:
         self.thread.join(5)
 
 
-EMPTY = (200, {"success": False, "message": "No data available to read",
-               "data": {"data": [], "meta_info": {"total_samples": 0}}}, {})
-UNAVAILABLE = (503, {"ok": False, "error": "the database is unreachable: locked", "status": 503,
-                     "success": False, "message": "the database is unreachable: locked"}, {"Retry-After": "0"})
+EMPTY = (
+    200,
+    {
+        "success": False,
+        "message": "No data available to read",
+        "data": {"data": [], "meta_info": {"total_samples": 0}},
+    },
+    {},
+)
+UNAVAILABLE = (
+    503,
+    {
+        "ok": False,
+        "error": "the database is unreachable: locked",
+        "status": 503,
+        "success": False,
+        "message": "the database is unreachable: locked",
+    },
+    {"Retry-After": "0"},
+)
 
 
 def batch(*groups: str) -> tuple[int, Any, dict[str, str]]:
-    items = [{"uid": f"{g}-{i}", "instance_id": g, "messages": [], "reward": 1.0,
-              "extra_info": {"session_id": f"{g}-s{i}", "group_id": g}} for g in groups for i in range(2)]
-    return 200, {"success": True, "message": f"Successfully read {len(items)} items",
-                 "data": {"data": items, "meta_info": {"total_samples": len(items)}}}, {}
+    items = [
+        {
+            "uid": f"{g}-{i}",
+            "instance_id": g,
+            "messages": [],
+            "reward": 1.0,
+            "extra_info": {"session_id": f"{g}-s{i}", "group_id": g},
+        }
+        for g in groups
+        for i in range(2)
+    ]
+    return (
+        200,
+        {
+            "success": True,
+            "message": f"Successfully read {len(items)} items",
+            "data": {"data": items, "meta_info": {"total_samples": len(items)}},
+        },
+        {},
+    )
 
 
 def test_request_id_is_reused_across_retries_and_fresh_per_call() -> None:
-    with Scripted([UNAVAILABLE, batch("g1")], EMPTY) as srv, BufferClient(srv.url, backoff_s=0.01) as client:
+    with (
+        Scripted([UNAVAILABLE, batch("g1")], EMPTY) as srv,
+        BufferClient(srv.url, backoff_s=0.01) as client,
+    ):
         doc = client.get_rollout_data(max_groups=1)
         assert doc["success"] is True
         assert len(srv.bodies) == 2
@@ -289,8 +388,10 @@ def test_request_id_is_reused_across_retries_and_fresh_per_call() -> None:
 
 
 def test_no_request_id_for_the_original_server() -> None:
-    with Scripted([UNAVAILABLE, batch("g1")], EMPTY) as srv, \
-            BufferClient(srv.url, backoff_s=0.01, use_request_id=False) as client:
+    with (
+        Scripted([UNAVAILABLE, batch("g1")], EMPTY) as srv,
+        BufferClient(srv.url, backoff_s=0.01, use_request_id=False) as client,
+    ):
         assert client.get_rollout_data()["success"] is True
         assert srv.bodies == [{}, {}]
         srv.script.append(batch("g2"))
@@ -300,7 +401,10 @@ def test_no_request_id_for_the_original_server() -> None:
 
 
 def test_retries_exhausted_raise_buffer_unavailable() -> None:
-    with Scripted([], UNAVAILABLE) as srv, BufferClient(srv.url, retries=2, backoff_s=0.01) as client:
+    with (
+        Scripted([], UNAVAILABLE) as srv,
+        BufferClient(srv.url, retries=2, backoff_s=0.01) as client,
+    ):
         with pytest.raises(BufferUnavailable) as info:
             client.get_rollout_data()
         assert info.value.status == 503 and "database is unreachable" in str(info.value)
@@ -309,7 +413,10 @@ def test_retries_exhausted_raise_buffer_unavailable() -> None:
 
 def test_retry_after_is_honoured_and_capped() -> None:
     slow = (503, {"error": "busy"}, {"Retry-After": "3600"})
-    with Scripted([slow], EMPTY) as srv, BufferClient(srv.url, backoff_s=0.01, backoff_max_s=0.3) as client:
+    with (
+        Scripted([slow], EMPTY) as srv,
+        BufferClient(srv.url, backoff_s=0.01, backoff_max_s=0.3) as client,
+    ):
         t0 = time.monotonic()
         client.get_rollout_data()
         waited = time.monotonic() - t0
@@ -325,8 +432,10 @@ def test_connection_refused_is_retried_then_unavailable() -> None:
 
 
 def test_iter_groups_skips_duplicates_and_times_out() -> None:
-    with Scripted([batch("a", "b"), EMPTY, batch("b", "c")], EMPTY) as srv, \
-            BufferClient(srv.url, backoff_s=0.01) as client:
+    with (
+        Scripted([batch("a", "b"), EMPTY, batch("b", "c")], EMPTY) as srv,
+        BufferClient(srv.url, backoff_s=0.01) as client,
+    ):
         got = []
         with pytest.raises(TimeoutError):
             for gid, items in client.iter_groups(4, poll_interval=0.02, timeout=1.0):
@@ -338,7 +447,10 @@ def test_iter_groups_skips_duplicates_and_times_out() -> None:
 
 
 def test_iter_groups_stops_after_n() -> None:
-    with Scripted([batch("a"), batch("b"), batch("c")], EMPTY) as srv, BufferClient(srv.url) as client:
+    with (
+        Scripted([batch("a"), batch("b"), batch("c")], EMPTY) as srv,
+        BufferClient(srv.url) as client,
+    ):
         assert [g for g, _ in client.iter_groups(2, poll_interval=0.01, timeout=5)] == ["a", "b"]
         assert len(srv.bodies) == 2
 
@@ -350,30 +462,50 @@ def test_bearer_header_is_sent() -> None:
 
 
 def test_start_rollout_500_is_not_retried_and_unsent_failures_are() -> None:
-    spawn_failed = (500, {"ok": False, "error": "the launcher could not be started: no such file", "status": 500},
-                    {})
+    spawn_failed = (
+        500,
+        {"ok": False, "error": "the launcher could not be started: no such file", "status": 500},
+        {},
+    )
     started = (200, {"message": "Rollout started", "pid": 7, "job_session": "j"}, {})
-    with Scripted([spawn_failed, UNAVAILABLE, started], EMPTY) as srv, BufferClient(srv.url, backoff_s=0.01) as client:
+    with (
+        Scripted([spawn_failed, UNAVAILABLE, started], EMPTY) as srv,
+        BufferClient(srv.url, backoff_s=0.01) as client,
+    ):
         with pytest.raises(BufferError) as info:
             client.start_rollout(num_repeat_per_sample=2)
         assert info.value.status == 500 and "launcher could not be started" in str(info.value)
         assert len(srv.bodies) == 1
         # a 503 did not select a job: retried even without job_session
         assert client.start_rollout(num_repeat_per_sample=2, extra_key="kept")["pid"] == 7
-        assert srv.bodies[-1] == {"num_repeat_per_sample": 2, "restart_training": False, "extra_key": "kept"}
+        assert srv.bodies[-1] == {
+            "num_repeat_per_sample": 2,
+            "restart_training": False,
+            "extra_key": "kept",
+        }
         assert len(srv.bodies) == 3
 
 
 # -- failover (issue 12): a standby's 307 and a list of URLs ----------------------------------------------
 def to_owner(owner: Scripted) -> tuple[int, Any, dict[str, str]]:
     """What a standby answers: 307 to the owner's URL, the path kept."""
-    return 307, {"ok": False, "error": f"this instance is a standby; the owner is {owner.url}", "status": 307}, \
-        {"Location": owner.url + "/get_rollout_data"}
+    return (
+        307,
+        {
+            "ok": False,
+            "error": f"this instance is a standby; the owner is {owner.url}",
+            "status": 307,
+        },
+        {"Location": owner.url + "/get_rollout_data"},
+    )
 
 
 def test_a_standbys_307_is_followed_with_the_same_body_request_id_and_token() -> None:
-    with Scripted([batch("g1"), batch("g2")], EMPTY) as owner, Scripted([], to_owner(owner)) as standby, \
-            BufferClient([standby.url, owner.url], token="tok", backoff_s=0.01) as client:
+    with (
+        Scripted([batch("g1"), batch("g2")], EMPTY) as owner,
+        Scripted([], to_owner(owner)) as standby,
+        BufferClient([standby.url, owner.url], token="tok", backoff_s=0.01) as client,
+    ):
         doc = client.get_rollout_data(max_groups=3)
         assert doc["success"] is True and len(standby.bodies) == 1 and len(owner.bodies) == 1
         assert owner.bodies[0] == standby.bodies[0]  # the same body, request_id included
@@ -387,10 +519,17 @@ def test_a_url_that_refuses_the_connection_is_left_for_the_next_at_once() -> Non
     from tests.servers import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
-    with Scripted([batch("g1")], EMPTY) as alive, BufferClient([dead, alive.url], retries=0) as client:
-        assert client.get_rollout_data()["success"] is True  # no retry was needed: the next URL, at once
+    with (
+        Scripted([batch("g1")], EMPTY) as alive,
+        BufferClient([dead, alive.url], retries=0) as client,
+    ):
+        assert (
+            client.get_rollout_data()["success"] is True
+        )  # no retry was needed: the next URL, at once
         assert client.url == alive.url and len(alive.bodies) == 1
-    with BufferClient(f"{dead},{dead}/", retries=1, backoff_s=0.01) as client:  # one string with commas
+    with BufferClient(
+        f"{dead},{dead}/", retries=1, backoff_s=0.01
+    ) as client:  # one string with commas
         assert client.urls == [dead, dead]
         with pytest.raises(BufferUnavailable):
             client.get_rollout_data()
@@ -398,7 +537,11 @@ def test_a_url_that_refuses_the_connection_is_left_for_the_next_at_once() -> Non
 
 def test_a_redirect_loop_and_a_redirect_to_another_scheme_are_refused() -> None:
     with Scripted([], EMPTY) as srv:
-        srv.default = (307, {}, {"Location": srv.url + "/get_rollout_data"})  # it names itself, forever
+        srv.default = (
+            307,
+            {},
+            {"Location": srv.url + "/get_rollout_data"},
+        )  # it names itself, forever
         with BufferClient(srv.url, retries=1, backoff_s=0.01) as client:
             with pytest.raises(BufferUnavailable, match="redirected more than"):
                 client.get_rollout_data()

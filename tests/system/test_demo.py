@@ -1,4 +1,5 @@
 """``rollout-buffer demo`` end to end: real gunicorn, SQLite, the simulated launcher, a polling trainer."""
+
 from __future__ import annotations
 
 import os
@@ -22,16 +23,43 @@ def test_demo_runs_end_to_end_and_prints_the_summary(tmp_path: Path) -> None:
     env["AIEVOBOX_DB_URL"] = "sqlite:///nonexistent/elsewhere.db"
     workdir = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "rollout_buffer", "demo", "--groups", "6", "--k", "3", "--pace", "0.001",
-         "--dir", str(workdir), "--timeout", "100"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "rollout_buffer",
+            "demo",
+            "--groups",
+            "6",
+            "--k",
+            "3",
+            "--pace",
+            "0.001",
+            "--dir",
+            str(workdir),
+            "--timeout",
+            "100",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{proc.stderr}"
     assert "summary" in out
     m = re.search(r"groups served\s+(\d+)", out)
     assert m and int(m.group(1)) >= 1, out
-    for label in ("items (steps)", "sessions", "dropped groups", "rejected rows", "avg reward", "wall time",
-                  "database", "logs"):
+    for label in (
+        "items (steps)",
+        "sessions",
+        "dropped groups",
+        "rejected rows",
+        "avg reward",
+        "wall time",
+        "database",
+        "logs",
+    ):
         assert label in out, out
     assert re.search(r"accounting balanced\s+yes", out), out
     assert re.search(r"checks\s+passed", out), out
@@ -47,12 +75,34 @@ def test_demo_runs_end_to_end_and_prints_the_summary(tmp_path: Path) -> None:
 def test_demo_with_policies_shows_their_counts(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES)}
     proc = subprocess.run(
-        [sys.executable, "-m", "rollout_buffer", "demo", "--policies", "--groups", "20", "--k", "3", "--pace",
-         "0.001", "--dir", str(tmp_path / "demo"), "--timeout", "100"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "rollout_buffer",
+            "demo",
+            "--policies",
+            "--groups",
+            "20",
+            "--k",
+            "3",
+            "--pace",
+            "0.001",
+            "--dir",
+            str(tmp_path / "demo"),
+            "--timeout",
+            "100",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{proc.stderr}"
-    m = re.search(r"policies\s+stale (\d+) groups, zero_variance (\d+) groups, oversampled (\d+) rows", out)
+    m = re.search(
+        r"policies\s+stale (\d+) groups, zero_variance (\d+) groups, oversampled (\d+) rows", out
+    )
     assert m, out
     # 20 groups of K+1 sessions: over-sampling always has extra sessions to drop
     assert int(m.group(3)) > 0, out

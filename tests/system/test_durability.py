@@ -6,6 +6,7 @@ decided, and a request_id replays its batch -- also after a crash. Database faul
 backends terminated, SQLite locked past the busy timeout) give 503s for a while, then the
 service recovers by itself.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,11 +20,20 @@ from pathlib import Path
 
 import pytest
 import requests
-
+from servers import (
+    Server,
+    Trainer,
+    assert_exactly_once,
+    assert_stats_balance,
+    complete_groups,
+    kill9,
+    log_tail,
+    uids,
+)
 from support import PG_DSN, Writer, groups_of, make_launcher_db, wait_until
-from rollout_buffer.storage.db import connect
+
 from rollout_buffer.launcher import procfs
-from servers import Server, Trainer, assert_exactly_once, assert_stats_balance, complete_groups, kill9, log_tail, uids
+from rollout_buffer.storage.db import connect
 
 pytestmark = pytest.mark.slow
 
@@ -62,8 +72,10 @@ def new_server(db_url: str, tmp_path: Path, **env: str) -> Server:
 # -- crash windows --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("point", ["before_any_poll", "between_polls", "twice_between_polls", "half_complete",
-                                   "worker_only"])
+@pytest.mark.parametrize(
+    "point",
+    ["before_any_poll", "between_polls", "twice_between_polls", "half_complete", "worker_only"],
+)
 def test_kill9_and_restart_serves_every_group_exactly_once(tmp_path, point):
     db_url = "sqlite://" + str(tmp_path / "launcher.db")
     make_launcher_db(db_url)
@@ -87,7 +99,11 @@ def test_kill9_and_restart_serves_every_group_exactly_once(tmp_path, point):
         else:
             for _crash in range(2 if point == "twice_between_polls" else 1):
                 # the background ingest (or, after a restart, the resume) must have caught up first
-                wait_until(lambda: (t.stats().get("groups") or {}).get("ready", 0) >= 10, 15, "10 groups ready")
+                wait_until(
+                    lambda: (t.stats().get("groups") or {}).get("ready", 0) >= 10,
+                    15,
+                    "10 groups ready",
+                )
                 for _ in range(2):
                     assert t.poll(max_groups=5)["success"] is True
                 if point == "worker_only":
@@ -143,7 +159,9 @@ def test_restart_keeps_drops_and_serves_nothing_twice_and_a_new_job_starts_clean
         before = wait_until(both_dropped, 15, "ttl and malformed drops")
         kill9_and_restart(srv)
 
-        after = wait_until(lambda: (s := t.stats())["job_session"] == "job1" and s, 15, "job1 resumed")
+        after = wait_until(
+            lambda: (s := t.stats())["job_session"] == "job1" and s, 15, "job1 resumed"
+        )
         assert after["groups"]["served"] == 6
         assert after["groups"]["dropped"] == before["groups"]["dropped"]
         assert after["rows"]["rejected"] == before["rows"]["rejected"]
@@ -172,8 +190,11 @@ def test_restart_keeps_drops_and_serves_nothing_twice_and_a_new_job_starts_clean
         finally:
             w2.close()
         t.start_rollout("job2", k=2)
-        fresh = wait_until(lambda: (lambda s: s if s["rows"]["read"] == 2 * 1 + 2 * 3 else None)(t.stats()), 15,
-                           "job2 rows read")
+        fresh = wait_until(
+            lambda: (lambda s: s if s["rows"]["read"] == 2 * 1 + 2 * 3 else None)(t.stats()),
+            15,
+            "job2 rows read",
+        )
         assert fresh["job_session"] == "job2"
         assert fresh["groups"]["served"] == 0 and fresh["groups"]["dropped_total"] == 0
         assert fresh["rows"]["served"] == 0 and fresh["rows"]["dropped_total"] == 0
@@ -223,8 +244,11 @@ def test_request_id_replays_binds_only_data_serialises_and_survives_kill9(tmp_pa
         def hit() -> None:
             with requests.Session() as s:
                 barrier.wait(10)
-                doc = s.post(srv.url + "/get_rollout_data", json={"request_id": "B", "max_groups": 2},
-                             timeout=60).json()
+                doc = s.post(
+                    srv.url + "/get_rollout_data",
+                    json={"request_id": "B", "max_groups": 2},
+                    timeout=60,
+                ).json()
             with lock:
                 answers.append(doc)
 
@@ -236,7 +260,9 @@ def test_request_id_replays_binds_only_data_serialises_and_survives_kill9(tmp_pa
         assert len(answers) == n
         assert all(a["success"] for a in answers)
         assert len({tuple(uids(a)) for a in answers}) == 1
-        assert sorted(a["data"]["meta_info"]["replayed"] for a in answers) == [False] + [True] * (n - 1)
+        assert sorted(a["data"]["meta_info"]["replayed"] for a in answers) == [False] + [True] * (
+            n - 1
+        )
         t.record("B", next(a for a in answers if not a["data"]["meta_info"]["replayed"]))
 
         # drain the rest, then: an empty answer does not bind the id
@@ -326,9 +352,11 @@ def test_postgres_backends_terminated_mid_drain_lose_and_duplicate_nothing(tmp_p
                 while not stop.wait(0.3):
                     n = conn.execute(
                         "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                        "WHERE application_name = %s AND pid <> pg_backend_pid()", (app_name,)).fetchone()[0]
+                        "WHERE application_name = %s AND pid <> pg_backend_pid()",
+                        (app_name,),
+                    ).fetchone()[0]
                     killed.append(int(n))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     try:
@@ -380,7 +408,7 @@ def test_sqlite_locked_past_the_busy_timeout_gives_503_then_recovers(tmp_path):
                 wl.db.execute("COMMIT")
             finally:
                 wl.close()
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
             locked.set()
 
@@ -404,10 +432,18 @@ def test_sqlite_locked_past_the_busy_timeout_gives_503_then_recovers(tmp_path):
         assert complete_groups(db_url, "job1") == expected
         assert_exactly_once(t, expected)
         assert_stats_balance(t, db_url)
-        wait_until(lambda: requests.get(srv.url + "/health", timeout=10).json()["status"] == "healthy", 15,
-                   "healthy again")
+        wait_until(
+            lambda: requests.get(srv.url + "/health", timeout=10).json()["status"] == "healthy",
+            15,
+            "healthy again",
+        )
         with contextlib.closing(sqlite3.connect(path)) as conn:
-            assert conn.execute("SELECT COUNT(*) FROM rollout_buffer_groups WHERE status = 'served'").fetchone()[0] == 23
+            assert (
+                conn.execute(
+                    "SELECT COUNT(*) FROM rollout_buffer_groups WHERE status = 'served'"
+                ).fetchone()[0]
+                == 23
+            )
     finally:
         w.close()
         srv.stop()
@@ -470,14 +506,25 @@ def test_an_on_failure_restart_pending_at_a_kill9_is_carried_out_after_it(tmp_pa
     make_launcher_db(url)
     marker = tmp_path / "launcher.starts"
     fake = Path(__file__).resolve().parent.parent / "fakes" / "fake_launcher.py"
-    srv = Server(url, tmp_path / "srv", launcher="auto", env={
-        "ROLLOUT_BUFFER_LAUNCHER_CMD": shlex.join([sys.executable, str(fake), "--mode", "exit1", "--marker",
-                                                   str(marker)]),
-        "ROLLOUT_BUFFER_RESTART_POLICY": "on-failure", "ROLLOUT_BUFFER_RESTART_BACKOFF_SECONDS": "600"})
+    srv = Server(
+        url,
+        tmp_path / "srv",
+        launcher="auto",
+        env={
+            "ROLLOUT_BUFFER_LAUNCHER_CMD": shlex.join(
+                [sys.executable, str(fake), "--mode", "exit1", "--marker", str(marker)]
+            ),
+            "ROLLOUT_BUFFER_RESTART_POLICY": "on-failure",
+            "ROLLOUT_BUFFER_RESTART_BACKOFF_SECONDS": "600",
+        },
+    )
     srv.start()
     try:
-        r = requests.post(srv.url + "/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "j"},
-                          timeout=30)
+        r = requests.post(
+            srv.url + "/start_rollout",
+            json={"num_repeat_per_sample": 2, "job_session": "j"},
+            timeout=30,
+        )
         assert r.status_code == 200, r.text
 
         def pending_restart() -> bool:
@@ -486,18 +533,27 @@ def test_an_on_failure_restart_pending_at_a_kill9_is_carried_out_after_it(tmp_pa
                 return False
             db = connect(url)  # and recorded: a kill before that is a launcher that ended unseen
             try:
-                return db.scalar("SELECT launcher_state FROM rollout_buffer_jobs WHERE job_id = 'j'") == \
-                    "restart_pending"
+                return (
+                    db.scalar("SELECT launcher_state FROM rollout_buffer_jobs WHERE job_id = 'j'")
+                    == "restart_pending"
+                )
             finally:
                 db.close()
 
-        wait_until(pending_restart, 15, "the launcher exited and its restart (in 600 s) is recorded")
+        wait_until(
+            pending_restart, 15, "the launcher exited and its restart (in 600 s) is recorded"
+        )
         assert len(marker.read_text().split()) == 1
         pgid = srv.proc.pid
         srv.stop(signal.SIGKILL)
         wait_until(lambda: not procfs.group_members(pgid), 5, "the killed service gone")
         srv.start()
-        wait_until(lambda: len(marker.read_text().split()) == 2, 15,
-                   lambda: f"the pending restart carried out after the kill -9 ({log_tail(srv.log_path, 20)})")
+        wait_until(
+            lambda: len(marker.read_text().split()) == 2,
+            15,
+            lambda: (
+                f"the pending restart carried out after the kill -9 ({log_tail(srv.log_path, 20)})"
+            ),
+        )
     finally:
         srv.stop()

@@ -14,6 +14,7 @@
 
 Every wait is on an observable condition, bounded; figures are printed (``-s`` shows them).
 """
+
 from __future__ import annotations
 
 import collections
@@ -25,18 +26,19 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import psycopg
 import pytest
 import requests
-
-from rollout_buffer.launcher import procfs
-from rollout_buffer.client import BufferClient, groups_of
-from rollout_buffer.storage.db import connect
 from servers import ROOT, Server, free_port
 from support import Writer, make_launcher_db, wait_until
+
+from rollout_buffer.client import BufferClient, groups_of
+from rollout_buffer.launcher import procfs
+from rollout_buffer.storage.db import connect
 
 pytestmark = pytest.mark.slow
 
@@ -46,11 +48,22 @@ FAKE_LAUNCHER = ROOT / "tests" / "fakes" / "fake_launcher.py"
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def instance(url: str, tmp_path: Path, name: str, *, host: str | None = None, launcher: str = "none",
-             env: dict[str, str] | None = None, port: int | None = None) -> Server:
+def instance(
+    url: str,
+    tmp_path: Path,
+    name: str,
+    *,
+    host: str | None = None,
+    launcher: str = "none",
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+) -> Server:
     """A server that advertises its own URL, with a short lease (and, given, its own host id)."""
     port = port or free_port()
-    extra = {"ROLLOUT_BUFFER_ADVERTISE_URL": f"http://127.0.0.1:{port}", "ROLLOUT_BUFFER_LEASE_SECONDS": str(LEASE_S)}
+    extra = {
+        "ROLLOUT_BUFFER_ADVERTISE_URL": f"http://127.0.0.1:{port}",
+        "ROLLOUT_BUFFER_LEASE_SECONDS": str(LEASE_S),
+    }
     if host:
         extra["ROLLOUT_BUFFER_HOST_ID"] = host
     extra.update(env or {})
@@ -76,8 +89,11 @@ def stats(srv: Server) -> dict[str, Any]:
 
 def worker_pid(srv: Server) -> int:
     assert srv.proc is not None
-    return wait_until(lambda: (lambda w: w[0] if len(w) == 1 else None)(procfs.children(srv.proc.pid)), 10,
-                      f"the gunicorn worker of {srv.name}")
+    return wait_until(
+        lambda: (lambda w: w[0] if len(w) == 1 else None)(procfs.children(srv.proc.pid)),
+        10,
+        f"the gunicorn worker of {srv.name}",
+    )
 
 
 def kill9(srv: Server) -> None:
@@ -95,7 +111,12 @@ def alive(pid: int) -> bool:
 def served_groups(url: str, job: str = "job1") -> dict[str, str]:
     db = connect(url)
     try:
-        return {g: s for g, s in db.rows("SELECT group_id, status FROM rollout_buffer_groups WHERE job_id = ?", (job,))}
+        return {
+            g: s
+            for g, s in db.rows(
+                "SELECT group_id, status FROM rollout_buffer_groups WHERE job_id = ?", (job,)
+            )
+        }
     finally:
         db.close()
 
@@ -112,7 +133,7 @@ class Drain:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "Drain":
+    def __enter__(self) -> Drain:
         self._thread.start()
         return self
 
@@ -125,16 +146,19 @@ class Drain:
         try:
             while not self._stop.is_set():
                 doc = self.client.get_rollout_data(max_groups=2, wait_s=0.5)
-                for gid, items in (groups_of(doc) if doc.get("success") else []):
+                for gid, items in groups_of(doc) if doc.get("success") else []:
                     self.got[gid] += 1
                     self.items[gid] = len(items)
                     self.when.append(time.monotonic())
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
+        except BaseException as exc:
             self.error = exc
 
     def wait_for(self, n: int, timeout: float) -> None:
-        wait_until(lambda: self.error is not None or len(self.got) >= n, timeout,
-                   lambda: f"{n} groups received (got {len(self.got)})")
+        wait_until(
+            lambda: self.error is not None or len(self.got) >= n,
+            timeout,
+            lambda: f"{n} groups received (got {len(self.got)})",
+        )
         assert self.error is None, f"the trainer failed: {self.error!r}"
 
     def first_after(self, t: float) -> float | None:
@@ -143,6 +167,7 @@ class Drain:
 
 def write_groups(url: str, names: list[str], pace_s: float, job: str = "job1") -> threading.Thread:
     """An external writer (as a launcher elsewhere): complete groups of K one-step sessions, paced."""
+
     def run() -> None:
         w = Writer(url, job=job)
         try:
@@ -151,13 +176,16 @@ def write_groups(url: str, names: list[str], pace_s: float, job: str = "job1") -
                 time.sleep(pace_s)
         finally:
             w.close()
+
     th = threading.Thread(target=run, daemon=True)
     th.start()
     return th
 
 
 @contextlib.contextmanager
-def instances(url: str, tmp_path: Path, *names: str, hosts: bool = False, **kw: Any) -> Iterator[list[Server]]:
+def instances(
+    url: str, tmp_path: Path, *names: str, hosts: bool = False, **kw: Any
+) -> Iterator[list[Server]]:
     """The launcher's tables and an instance per name (each on host ``host-<name>`` when ``hosts``),
     every one stopped (and woken first, if it was stopped with SIGSTOP) at the end."""
     make_launcher_db(url)
@@ -203,20 +231,26 @@ def test_kill9_of_the_owner_mid_drain_serves_every_group_once(tmp_path, pg_url, 
             writer.join(30)
             trainer.wait_for(len(want), 60)
             first_after = trainer.first_after(killed_at)
-        assert set(trainer.got) == set(want) and set(trainer.got.values()) == {1}, \
-            {g: n for g, n in trainer.got.items() if n != 1} or sorted(set(want) - set(trainer.got))
+        assert set(trainer.got) == set(want) and set(trainer.got.values()) == {1}, {
+            g: n for g, n in trainer.got.items() if n != 1
+        } or sorted(set(want) - set(trainer.got))
         assert set(trainer.items.values()) == {K}
         assert served_groups(pg_url) == dict.fromkeys(want, "served")
         s = stats(b)
         assert s["accounting_balanced"] and s["groups"]["dropped_total"] == 0, s
         assert s["lease"]["takeovers"] == 1 and s["lease"]["role"] == "owner"
-        print(f"\n[{hosts}] takeover: the standby owned the job {owner_after:.2f} s after kill -9 of the owner "
-              f"(lease {LEASE_S:g} s); the trainer got its next group {first_after:.2f} s after the kill; the "
-              f"service measured {s['lease']['last_takeover_s']:.2f} s from the end of the old lease to serving")
+        print(
+            f"\n[{hosts}] takeover: the standby owned the job {owner_after:.2f} s after kill -9 of the owner "
+            f"(lease {LEASE_S:g} s); the trainer got its next group {first_after:.2f} s after the kill; the "
+            f"service measured {s['lease']['last_takeover_s']:.2f} s from the end of the old lease to serving"
+        )
         bound = LEASE_S + 5.0 if other else 5.0
         assert owner_after < bound, f"takeover took {owner_after:.1f} s (lease {LEASE_S:g} s)"
         metrics = requests.get(b.url + "/metrics", timeout=10).text
-        assert 'rollout_buffer_role{role="owner"} 1' in metrics and "rollout_buffer_takeovers_total 1" in metrics
+        assert (
+            'rollout_buffer_role{role="owner"} 1' in metrics
+            and "rollout_buffer_takeovers_total 1" in metrics
+        )
 
 
 # -- SIGSTOP longer than the lease ------------------------------------------------------------------------
@@ -225,45 +259,97 @@ AUDIT = (
     "CREATE FUNCTION audit_write() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
     "INSERT INTO audit VALUES (TG_TABLE_NAME, TG_OP, current_setting('application_name'), "
     "EXTRACT(EPOCH FROM clock_timestamp())); RETURN NULL; END $$",
-    *(f"CREATE TRIGGER audit_{t} AFTER INSERT OR UPDATE OR DELETE ON rollout_buffer_{t} FOR EACH ROW "
-      "EXECUTE FUNCTION audit_write()" for t in ("groups", "rows", "batches", "jobs")),
+    *(
+        f"CREATE TRIGGER audit_{t} AFTER INSERT OR UPDATE OR DELETE ON rollout_buffer_{t} FOR EACH ROW "
+        "EXECUTE FUNCTION audit_write()"
+        for t in ("groups", "rows", "batches", "jobs")
+    ),
 )
 
 
-def test_an_owner_paused_past_its_lease_records_nothing_when_it_wakes_and_turns_standby(tmp_path, pg_url):
+def test_an_owner_paused_past_its_lease_records_nothing_when_it_wakes_and_turns_standby(
+    tmp_path, pg_url
+):
     want = [f"p{i}" for i in range(6)]
     with instances(pg_url, tmp_path, "a", "b") as (a, b):
         owner_and_standby(a, b)
-        r = requests.post(a.url + "/start_rollout", json={"num_repeat_per_sample": K, "job_session": "job1"}, timeout=30)
+        r = requests.post(
+            a.url + "/start_rollout",
+            json={"num_repeat_per_sample": K, "job_session": "job1"},
+            timeout=30,
+        )
         assert r.status_code == 200, r.text
         with psycopg.connect(pg_url, autocommit=True) as conn:
             for ddl in AUDIT:
                 conn.execute(ddl)
         a_app = f"rollout-buffer {os.uname().nodename}:{worker_pid(a)}"[:63]
-        write_groups(pg_url, ["pre"], 0).join(30)  # served by the owner before its pause: the audit sees it
-        wait_until(lambda: "pre" in dict(groups_of(requests.post(a.url + "/get_rollout_data", json={},
-                                                             timeout=30).json())), 15, "the owner serves a group")
+        write_groups(pg_url, ["pre"], 0).join(
+            30
+        )  # served by the owner before its pause: the audit sees it
+        wait_until(
+            lambda: (
+                "pre"
+                in dict(
+                    groups_of(
+                        requests.post(a.url + "/get_rollout_data", json={}, timeout=30).json()
+                    )
+                )
+            ),
+            15,
+            "the owner serves a group",
+        )
         write_groups(pg_url, want, 0).join(30)
-        wait_until(lambda: stats(a)["groups"]["ready"] == len(want), 15, "the owner has every group ready")
+        wait_until(
+            lambda: stats(a)["groups"]["ready"] == len(want), 15, "the owner has every group ready"
+        )
 
-        os.killpg(a.proc.pid, signal.SIGSTOP)  # a GC pause, a frozen VM: the process lives on, silent
+        os.killpg(
+            a.proc.pid, signal.SIGSTOP
+        )  # a GC pause, a frozen VM: the process lives on, silent
         stale: dict[str, Any] = {}
-        poll = threading.Thread(target=lambda: stale.update(r=requests.post(
-            a.url + "/get_rollout_data", json={"request_id": "stale-1"}, allow_redirects=False, timeout=60)))
+        poll = threading.Thread(
+            target=lambda: stale.update(
+                r=requests.post(
+                    a.url + "/get_rollout_data",
+                    json={"request_id": "stale-1"},
+                    allow_redirects=False,
+                    timeout=60,
+                )
+            )
+        )
         poll.start()  # waits in the paused owner's accept queue
-        wait_until(lambda: role(b) == "owner", LEASE_S + 15, "the standby takes over from the paused owner")
-        wait_until(lambda: stats(b).get("groups", {}).get("ready") == len(want), 15, "the new owner resumed the job")
+        wait_until(
+            lambda: role(b) == "owner", LEASE_S + 15, "the standby takes over from the paused owner"
+        )
+        wait_until(
+            lambda: stats(b).get("groups", {}).get("ready") == len(want),
+            15,
+            "the new owner resumed the job",
+        )
         with psycopg.connect(pg_url, autocommit=True) as conn:
-            took_at, epoch = conn.execute("SELECT acquired_at, epoch FROM rollout_buffer_lease").fetchone()
+            took_at, epoch = conn.execute(
+                "SELECT acquired_at, epoch FROM rollout_buffer_lease"
+            ).fetchone()
             assert epoch == 2
-            before = conn.execute("SELECT COUNT(*) FROM audit WHERE app = %s", (a_app,)).fetchone()[0]
+            before = conn.execute("SELECT COUNT(*) FROM audit WHERE app = %s", (a_app,)).fetchone()[
+                0
+            ]
 
         os.killpg(a.proc.pid, signal.SIGCONT)
         poll.join(60)
         assert stale["r"].status_code in (307, 503), (stale["r"].status_code, stale["r"].text[:300])
-        answers = [requests.post(a.url + "/get_rollout_data", json={"request_id": uuid.uuid4().hex},
-                                 allow_redirects=False, timeout=30) for _ in range(5)]
-        assert all(r.status_code in (307, 503) for r in answers), [(r.status_code, r.text[:200]) for r in answers]
+        answers = [
+            requests.post(
+                a.url + "/get_rollout_data",
+                json={"request_id": uuid.uuid4().hex},
+                allow_redirects=False,
+                timeout=30,
+            )
+            for _ in range(5)
+        ]
+        assert all(r.status_code in (307, 503) for r in answers), [
+            (r.status_code, r.text[:200]) for r in answers
+        ]
         wait_until(lambda: role(a) == "standby", 15, "the old owner turns standby")
         h = health(a)
         assert h["owner"]["url"] == b.url and h["owner"]["epoch"] == 2
@@ -274,8 +360,12 @@ def test_an_owner_paused_past_its_lease_records_nothing_when_it_wakes_and_turns_
             trainer.wait_for(len(want), 30)
         assert dict(trainer.got) == dict.fromkeys(want, 1)
         with psycopg.connect(pg_url, autocommit=True) as conn:
-            late = conn.execute("SELECT tbl, op, at FROM audit WHERE app = %s AND at >= %s", (a_app, took_at)).fetchall()
-            others = conn.execute("SELECT COUNT(*) FROM audit WHERE app <> %s AND at >= %s", (a_app, took_at)).fetchone()[0]
+            late = conn.execute(
+                "SELECT tbl, op, at FROM audit WHERE app = %s AND at >= %s", (a_app, took_at)
+            ).fetchall()
+            others = conn.execute(
+                "SELECT COUNT(*) FROM audit WHERE app <> %s AND at >= %s", (a_app, took_at)
+            ).fetchone()[0]
         assert late == [], f"the paused owner wrote after the takeover: {late}"
         assert before > 0 and others > 0  # (the audit sees each instance's writes, by its process)
         assert "role: owner -> standby" in a.log()
@@ -295,15 +385,19 @@ def test_a_rolling_update_serves_everything_exactly_once(tmp_path, pg_url):
             new.start()  # first the new one ...
             wait_until(lambda: role(new) == "standby", 15, "the new instance waits as a standby")
             stopped_at = time.monotonic()
-            assert old.stop(signal.SIGTERM) == 0  # ... then the old one, gracefully: it gives the lease up
+            assert (
+                old.stop(signal.SIGTERM) == 0
+            )  # ... then the old one, gracefully: it gives the lease up
             wait_until(lambda: role(new) == "owner", 10, "the new instance takes over")
             handover = time.monotonic() - stopped_at
             writer.join(30)
             trainer.wait_for(len(want), 60)
         assert dict(trainer.got) == dict.fromkeys(want, 1)
         assert served_groups(pg_url) == dict.fromkeys(want, "served")
-        print(f"\nrolling update: the new instance owned the job {handover:.2f} s after SIGTERM to the old one "
-              "(which gave its lease up)")
+        print(
+            f"\nrolling update: the new instance owned the job {handover:.2f} s after SIGTERM to the old one "
+            "(which gave its lease up)"
+        )
         assert "gave the lease up" in old.log()
 
 
@@ -317,12 +411,20 @@ def test_with_an_external_writer_a_failover_drops_nothing(tmp_path, pg_url):
             done = [f"d{i}" for i in range(4)]
             for gid in done:
                 w.group(gid, 3, steps=2)
-            open_sessions = {gid: w.group(gid, 3, steps=2, complete=2)[2] for gid in (f"o{i}" for i in range(4))}
+            open_sessions = {
+                gid: w.group(gid, 3, steps=2, complete=2)[2] for gid in (f"o{i}" for i in range(4))
+            }
             trainer.wait_for(4, 30)
-            wait_until(lambda: stats(a)["groups"]["pending"] == 4, 10, "the owner holds the open groups")
+            wait_until(
+                lambda: stats(a)["groups"]["pending"] == 4, 10, "the owner holds the open groups"
+            )
             kill9(a)
             wait_until(lambda: role(b) == "owner", LEASE_S + 15, "the standby takes over")
-            wait_until(lambda: stats(b).get("groups", {}).get("pending") == 4, 15, "the new owner holds them too")
+            wait_until(
+                lambda: stats(b).get("groups", {}).get("pending") == 4,
+                15,
+                "the new owner holds them too",
+            )
             for gid, sid in open_sessions.items():  # the launcher elsewhere goes on writing
                 w.step(gid, sid, 3, completed=True, step_reward=0.9)
             trainer.wait_for(8, 30)
@@ -361,7 +463,9 @@ def test_sqlite_two_instances_on_one_file(tmp_path):
 
 # -- the launcher across owners ------------------------------------------------------------------------
 def launcher_env(marker: Path) -> dict[str, str]:
-    cmd = shlex.join([sys.executable, str(FAKE_LAUNCHER), "--mode", "hang", "--marker", str(marker)])
+    cmd = shlex.join(
+        [sys.executable, str(FAKE_LAUNCHER), "--mode", "hang", "--marker", str(marker)]
+    )
     return {"ROLLOUT_BUFFER_LAUNCHER_CMD": cmd, "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "1"}
 
 
@@ -381,42 +485,72 @@ def launchers_killed(marker: Path) -> Iterator[None]:
 
 def test_on_its_host_the_launcher_is_adopted_or_relaunched_when_it_is_gone(tmp_path, pg_url):
     marker = tmp_path / "launcher.starts"
-    with launchers_killed(marker), instances(pg_url, tmp_path, "a", "b", "c", launcher="auto",
-                                             env=launcher_env(marker)) as (a, b, c):
+    with (
+        launchers_killed(marker),
+        instances(pg_url, tmp_path, "a", "b", "c", launcher="auto", env=launcher_env(marker)) as (
+            a,
+            b,
+            c,
+        ),
+    ):
         w = Writer(pg_url)
         owner_and_standby(a, b)
-        r = requests.post(a.url + "/start_rollout", json={"num_repeat_per_sample": K, "job_session": "job1"}, timeout=30)
+        r = requests.post(
+            a.url + "/start_rollout",
+            json={"num_repeat_per_sample": K, "job_session": "job1"},
+            timeout=30,
+        )
         first = r.json()["pid"]
         w.group("open", K, complete=1)
         wait_until(lambda: stats(a)["groups"]["pending"] == 1, 10, "the owner holds the open group")
         kill9(a)  # the launcher (its own session) lives on
         assert alive(first)
-        wait_until(lambda: role(b) == "owner" and health(b)["launcher"]["adopted"], 15, "b adopts the launcher")
+        wait_until(
+            lambda: role(b) == "owner" and health(b)["launcher"]["adopted"],
+            15,
+            "b adopts the launcher",
+        )
         assert health(b)["launcher"]["pid"] == first and starts(marker) == [first]
         assert stats(b)["groups"]["pending"] == 1  # nothing dropped
 
         c.start()
         wait_until(lambda: role(c) == "standby", 15, "c waits as a standby")
         kill9(b)
-        os.killpg(first, signal.SIGKILL)  # ... and the launcher dies with it (a crash of the whole host)
+        os.killpg(
+            first, signal.SIGKILL
+        )  # ... and the launcher dies with it (a crash of the whole host)
         wait_until(lambda: not alive(first), 5, "the launcher gone")
         wait_until(lambda: len(starts(marker)) == 2, 20, "c starts a fresh launcher")
         fresh = starts(marker)[1]
-        wait_until(lambda: health(c)["launcher"]["pid"] == fresh and health(c)["aievobox_running"], 10,
-                   "c supervises the fresh launcher")
+        wait_until(
+            lambda: health(c)["launcher"]["pid"] == fresh and health(c)["aievobox_running"],
+            10,
+            "c supervises the fresh launcher",
+        )
         s = stats(c)
-        assert s["groups"]["dropped"] == {"launcher_exited": 1}, s["groups"]  # its sessions died with it
+        assert s["groups"]["dropped"] == {"launcher_exited": 1}, s[
+            "groups"
+        ]  # its sessions died with it
         w.close()
 
 
-def test_on_another_host_the_launcher_is_left_alone_until_an_instance_there_stops_it(tmp_path, pg_url):
+def test_on_another_host_the_launcher_is_left_alone_until_an_instance_there_stops_it(
+    tmp_path, pg_url
+):
     marker = tmp_path / "launcher.starts"
-    with launchers_killed(marker), instances(pg_url, tmp_path, "a", "b", hosts=True, launcher="auto",
-                                             env=launcher_env(marker)) as (a, b):
+    with (
+        launchers_killed(marker),
+        instances(
+            pg_url, tmp_path, "a", "b", hosts=True, launcher="auto", env=launcher_env(marker)
+        ) as (a, b),
+    ):
         w = Writer(pg_url)
         owner_and_standby(a, b)
-        r = requests.post(b.url + "/start_rollout", json={"num_repeat_per_sample": K, "job_session": "job1"},
-                          timeout=30)  # (followed to the owner: requests keeps the method and body on a 307)
+        r = requests.post(
+            b.url + "/start_rollout",
+            json={"num_repeat_per_sample": K, "job_session": "job1"},
+            timeout=30,
+        )  # (followed to the owner: requests keeps the method and body on a 307)
         assert r.status_code == 200 and r.url.startswith(a.url), (r.status_code, r.url, r.text)
         first = r.json()["pid"]
         w.group("open", K, complete=1)
@@ -424,23 +558,43 @@ def test_on_another_host_the_launcher_is_left_alone_until_an_instance_there_stop
 
         os.killpg(a.proc.pid, signal.SIGSTOP)  # host A's instance is silent; its launcher runs on
         wait_until(lambda: role(b) == "owner", LEASE_S + 15, "b takes over")
-        wait_until(lambda: (health(b)["launcher"]["elsewhere"] or {}).get("pid") == first, 10,
-                   "b watches the launcher on host A")
+        wait_until(
+            lambda: (health(b)["launcher"]["elsewhere"] or {}).get("pid") == first,
+            10,
+            "b watches the launcher on host A",
+        )
         elsewhere = health(b)["launcher"]["elsewhere"]
         assert elsewhere["host"] == "host-a" and elsewhere["state"].startswith("unknown")
-        r = requests.post(b.url + "/start_rollout", json={"num_repeat_per_sample": K, "job_session": "job1"},
-                          timeout=30)
-        assert r.status_code == 200 and "already running" in r.json()["message"] and r.json()["pid"] == first
+        r = requests.post(
+            b.url + "/start_rollout",
+            json={"num_repeat_per_sample": K, "job_session": "job1"},
+            timeout=30,
+        )
+        assert (
+            r.status_code == 200
+            and "already running" in r.json()["message"]
+            and r.json()["pid"] == first
+        )
         assert alive(first) and starts(marker) == [first]
         assert stats(b)["groups"]["pending"] == 1 and stats(b)["groups"]["dropped_total"] == 0
 
-        os.killpg(a.proc.pid, signal.SIGCONT)  # host A's instance wakes: a standby now, it stops the
-        wait_until(lambda: not alive(first), 20, "the launcher on host A is stopped there")  # orphan
+        os.killpg(
+            a.proc.pid, signal.SIGCONT
+        )  # host A's instance wakes: a standby now, it stops the
+        wait_until(
+            lambda: not alive(first), 20, "the launcher on host A is stopped there"
+        )  # orphan
         wait_until(lambda: len(starts(marker)) == 2, 20, "b starts a fresh launcher on its host")
         fresh = starts(marker)[1]
-        wait_until(lambda: health(b)["launcher"]["pid"] == fresh and health(b)["aievobox_running"], 10,
-                   "b supervises the fresh launcher")
+        wait_until(
+            lambda: health(b)["launcher"]["pid"] == fresh and health(b)["aievobox_running"],
+            10,
+            "b supervises the fresh launcher",
+        )
         assert role(a) == "standby"
         assert stats(b)["groups"]["dropped"] == {"launcher_exited": 1}
-        assert "stopping launcher pid" in a.log() and "is gone, as an instance there reports" in b.log()
+        assert (
+            "stopping launcher pid" in a.log()
+            and "is gone, as an instance there reports" in b.log()
+        )
         w.close()

@@ -11,6 +11,7 @@
 Writers are real connections (tests/conftest.py ``Writer``); a transaction held open is a real
 ``BEGIN`` on one of them. Every wait is bounded and on an observable condition.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,18 +20,18 @@ import sys
 import threading
 import time
 import uuid
-from urllib.parse import urlsplit
 from typing import Any
+from urllib.parse import urlsplit
 
 import psycopg
 import pytest
 import requests
-
 from fakes.tcp_forwarder import TcpForwarder
+from servers import ROOT, Server, Trainer, assert_stats_balance, free_port, kill9, trainable_rows
 from support import PG_DSN, Writer, groups_of, make_launcher_db, wait_until
+
 from rollout_buffer.launcher import procfs
 from rollout_buffer.storage.db import connect
-from servers import ROOT, Server, Trainer, assert_stats_balance, free_port, kill9, trainable_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
@@ -44,7 +45,10 @@ def saved_job(url: str, job: str) -> dict[str, Any]:
     """The durable row of a job in rollout_buffer_jobs ({} before it exists)."""
     db = connect(url)
     try:
-        rows = db.rows("SELECT cursor_pk, low_water_pk, active FROM rollout_buffer_jobs WHERE job_id = ?", (job,))
+        rows = db.rows(
+            "SELECT cursor_pk, low_water_pk, active FROM rollout_buffer_jobs WHERE job_id = ?",
+            (job,),
+        )
     finally:
         db.close()
     if not rows:
@@ -65,7 +69,12 @@ def ids_of(url: str, session: str) -> list[int]:
     """The ids of one session's rows (``Writer.step`` returns MAX(id), which is not the row's own id here)."""
     db = connect(url)
     try:
-        return [int(r[0]) for r in db.rows("SELECT id FROM session_steps WHERE session_id = ? ORDER BY id", (session,))]
+        return [
+            int(r[0])
+            for r in db.rows(
+                "SELECT id FROM session_steps WHERE session_id = ? ORDER BY id", (session,)
+            )
+        ]
     finally:
         db.close()
 
@@ -100,7 +109,9 @@ def open_transaction(w: Writer) -> None:
 def test_a_row_committed_late_below_the_low_water_mark_is_served_after_kill9(tmp_path, pg_url):
     make_launcher_db(pg_url)
     # A short TTL: a resume that skipped the late row would drop G2 as incomplete instead of waiting.
-    srv = Server(pg_url, tmp_path / "srv", env={"AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS": "8"})
+    srv = Server(
+        pg_url, tmp_path / "srv", env={"AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS": "8"}
+    )
     w1, w2 = Writer(pg_url), Writer(pg_url)
     srv.start()
     try:
@@ -110,7 +121,11 @@ def test_a_row_committed_late_below_the_low_water_mark_is_served_after_kill9(tmp
         g1_max = max_id(pg_url)
         # The durable cursor has passed G1: the row in flight lands above it, where only the rule
         # "the low-water mark never passes the safe cursor" protects it.
-        wait_until(lambda: saved_job(pg_url, "job1").get("cursor_pk", 0) >= g1_max, 15, "cursor saved past G1")
+        wait_until(
+            lambda: saved_job(pg_url, "job1").get("cursor_pk", 0) >= g1_max,
+            15,
+            "cursor saved past G1",
+        )
         open_transaction(w1)
         pk_b = w1.step("G2", "G2-sB-" + uuid.uuid4().hex[:8], 1, completed=True, step_reward=0.7)
         pk_a = w2.step("G2", "G2-sA-" + uuid.uuid4().hex[:8], 1, completed=True, step_reward=0.3)
@@ -119,7 +134,11 @@ def test_a_row_committed_late_below_the_low_water_mark_is_served_after_kill9(tmp
         doc = t.poll()
         assert set(groups_of(doc)) == {"G1"}
         # G1 is accounted now: the next save moves the durable mark past it
-        wait_until(lambda: saved_job(pg_url, "job1")["low_water_pk"] > g1_max, 15, "low-water mark saved after the poll")
+        wait_until(
+            lambda: saved_job(pg_url, "job1")["low_water_pk"] > g1_max,
+            15,
+            "low-water mark saved after the poll",
+        )
         saved = saved_job(pg_url, "job1")
         kill9(srv)
         w1.db.execute("COMMIT")
@@ -130,8 +149,10 @@ def test_a_row_committed_late_below_the_low_water_mark_is_served_after_kill9(tmp
             return "G2" in t.served or t.stats()["groups"]["dropped_total"] > 0
 
         wait_until(g2_decided, 25, "G2 served or dropped after the restart")
-        assert "G2" in t.served, (f"G2 was not served (row {pk_b} committed after the crash; saved before it: "
-                                  f"{saved}): {t.stats()}")
+        assert "G2" in t.served, (
+            f"G2 was not served (row {pk_b} committed after the crash; saved before it: "
+            f"{saved}): {t.stats()}"
+        )
         assert sorted(i["extra_info"]["step_pk"] for i in t.served["G2"][0]) == [pk_b, pk_a]
         assert_stats_balance(t, pg_url)
     finally:
@@ -152,13 +173,21 @@ def test_a_job_selected_again_reads_every_row_written_while_it_was_not(tmp_path,
         t.start_rollout("jobA", k=2)
         wa.group("G1", 2, steps=1)
         g1_max = max_id(pg_url)
-        wait_until(lambda: saved_job(pg_url, "jobA").get("cursor_pk", 0) >= g1_max, 15, "cursor saved past G1")
+        wait_until(
+            lambda: saved_job(pg_url, "jobA").get("cursor_pk", 0) >= g1_max,
+            15,
+            "cursor saved past G1",
+        )
         open_transaction(held)  # held open across both switches
         held.step("G2", "G2-sB-" + uuid.uuid4().hex[:8], 1, completed=True)
         wa.step("G2", "G2-sA-" + uuid.uuid4().hex[:8], 1, completed=True)
         wa.group("G3", 2, steps=1)
         t.drain({"G1", "G3"})
-        wait_until(lambda: saved_job(pg_url, "jobA")["low_water_pk"] > g1_max, 15, "low-water mark saved after G1")
+        wait_until(
+            lambda: saved_job(pg_url, "jobA")["low_water_pk"] > g1_max,
+            15,
+            "low-water mark saved after G1",
+        )
 
         t.start_rollout("jobB", k=2)
         wa.group("G4", 2, steps=2)  # job A's writer keeps writing while B is selected
@@ -170,9 +199,15 @@ def test_a_job_selected_again_reads_every_row_written_while_it_was_not(tmp_path,
             s = t.stats()
             return s["job_session"] == "jobA" and s["rows"]["read"] == total
 
-        wait_until(all_read, 15, lambda: f"every one of job A's {total} trainable rows read (stats {t.stats()})")
+        wait_until(
+            all_read,
+            15,
+            lambda: f"every one of job A's {total} trainable rows read (stats {t.stats()})",
+        )
         t.drain({"G4"})
-        assert "G2" not in t.served  # dropped as job_ended at the switch; its late row is accounted as such
+        assert (
+            "G2" not in t.served
+        )  # dropped as job_ended at the switch; its late row is accounted as such
         assert_stats_balance(t, pg_url, "jobA")
     finally:
         with contextlib.suppress(Exception):
@@ -199,8 +234,12 @@ def test_a_caching_sequence_is_refused_clearly_and_no_row_is_skipped(tmp_path, p
         # Two connections, each with its own block of 20 ids: X writes 1, Y writes 21-25 (G2, complete).
         s1, s2 = "G1-s0-" + uuid.uuid4().hex[:8], "G1-s1-" + uuid.uuid4().hex[:8]
         x.step("G1", s1, 1, completed=True, step_reward=0.1)
-        pks = y.session("G2", "G2-s0-" + uuid.uuid4().hex[:8], 3) + y.session("G2", "G2-s1-" + uuid.uuid4().hex[:8], 2)
-        assert (ids_of(pg_url, s1), pks) == ([1], [21, 22, 23, 24, 25]), "the sequence did not hand out cached blocks"
+        pks = y.session("G2", "G2-s0-" + uuid.uuid4().hex[:8], 3) + y.session(
+            "G2", "G2-s1-" + uuid.uuid4().hex[:8], 2
+        )
+        assert (ids_of(pg_url, s1), pks) == ([1], [21, 22, 23, 24, 25]), (
+            "the sequence did not hand out cached blocks"
+        )
 
         def refused_or_read_past() -> dict | None:
             h = requests.get(srv.url + "/health", timeout=5).json()
@@ -208,7 +247,9 @@ def test_a_caching_sequence_is_refused_clearly_and_no_row_is_skipped(tmp_path, p
             return h if h["status"] != "healthy" or cursor >= 25 else None
 
         health = wait_until(refused_or_read_past, 15, "refusal (or the cursor past 25)")
-        r = requests.post(srv.url + "/get_rollout_data", json={"request_id": uuid.uuid4().hex}, timeout=15)
+        r = requests.post(
+            srv.url + "/get_rollout_data", json={"request_id": uuid.uuid4().hex}, timeout=15
+        )
         poll = (r.status_code, r.headers.get("Retry-After"), r.text[:500])
         # ... and seconds later X writes G1's last completed session as id 2, below what was read
         x.step("G1", s2, 1, completed=True, step_reward=0.2)
@@ -231,7 +272,9 @@ def test_a_caching_sequence_is_refused_clearly_and_no_row_is_skipped(tmp_path, p
 # -- scenario 4: Postgres stuck on a lock ------------------------------------------------------------------------
 
 
-def timed_post(url: str, body: dict | None = None, timeout: float = 15.0) -> tuple[float, requests.Response | str]:
+def timed_post(
+    url: str, body: dict | None = None, timeout: float = 15.0
+) -> tuple[float, requests.Response | str]:
     """(seconds, response or the exception's name) of one POST."""
     started = time.monotonic()
     try:
@@ -244,17 +287,29 @@ def timed_post(url: str, body: dict | None = None, timeout: float = 15.0) -> tup
 def test_a_locked_table_never_stalls_health_polls_or_stop_rollout(tmp_path, pg_url):
     make_launcher_db(pg_url)
     marker = tmp_path / "launcher.starts"
-    cmd = shlex.join([sys.executable, str(FAKE_LAUNCHER), "--mode", "hang", "--marker", str(marker)])
+    cmd = shlex.join(
+        [sys.executable, str(FAKE_LAUNCHER), "--mode", "hang", "--marker", str(marker)]
+    )
     grace = 2.0
-    srv = Server(pg_url, tmp_path / "srv", env={"ROLLOUT_BUFFER_LAUNCHER_CMD": cmd,
-                                                "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": str(grace),
-                                                "ROLLOUT_BUFFER_DB_UNHEALTHY_AFTER_SECONDS": "2"})
+    srv = Server(
+        pg_url,
+        tmp_path / "srv",
+        env={
+            "ROLLOUT_BUFFER_LAUNCHER_CMD": cmd,
+            "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": str(grace),
+            "ROLLOUT_BUFFER_DB_UNHEALTHY_AFTER_SECONDS": "2",
+        },
+    )
     w = Writer(pg_url)
     srv.start()
     try:
         t = Trainer(srv)
         pid = t.start_rollout(k=2)["pid"]
-        wait_until(lambda: marker.exists() and marker.read_text().strip() == str(pid), 10, "launcher started")
+        wait_until(
+            lambda: marker.exists() and marker.read_text().strip() == str(pid),
+            10,
+            "launcher started",
+        )
         want = {f"c{i}" for i in range(6)}
         for gid in sorted(want):
             w.group(gid, 2, steps=1)
@@ -268,8 +323,11 @@ def test_a_locked_table_never_stalls_health_polls_or_stop_rollout(tmp_path, pg_u
         finally:
             locker.rollback()
             locker.close()
-        wait_until(lambda: requests.get(srv.url + "/health", timeout=5).json()["status"] == "healthy", 20,
-                   "healthy again")
+        wait_until(
+            lambda: requests.get(srv.url + "/health", timeout=5).json()["status"] == "healthy",
+            20,
+            "healthy again",
+        )
         t.drain(want - set(t.served))
         assert all(len(v) == 1 for v in t.served.values()) and set(t.served) == want
         assert_stats_balance(t, pg_url)
@@ -288,7 +346,11 @@ def while_locked(srv: Server, pid: int, grace: float) -> None:
 
     took, r = timed_post(poll_url, {"request_id": uuid.uuid4().hex, "max_groups": 1})
     assert not isinstance(r, str), f"a poll with ready data got no answer in {took:.1f} s ({r})"
-    assert took <= 10.0 and r.status_code == 503 and r.headers.get("Retry-After"), (took, r.status_code, r.text)
+    assert took <= 10.0 and r.status_code == 503 and r.headers.get("Retry-After"), (
+        took,
+        r.status_code,
+        r.text,
+    )
 
     took, r = timed_post(srv.url + "/stop_rollout")
     assert not isinstance(r, str), f"/stop_rollout got no answer in {took:.1f} s ({r})"
@@ -318,13 +380,21 @@ def while_locked(srv: Server, pid: int, grace: float) -> None:
     health_took = time.monotonic() - started
     for th in threads:
         th.join(20)
-    bad = [(round(s, 1), r if isinstance(r, str) else r.status_code) for s, r in answers
-           if isinstance(r, str) or s > 10.0 or r.status_code != 503 or not r.headers.get("Retry-After")]
+    bad = [
+        (round(s, 1), r if isinstance(r, str) else r.status_code)
+        for s, r in answers
+        if isinstance(r, str)
+        or s > 10.0
+        or r.status_code != 503
+        or not r.headers.get("Retry-After")
+    ]
     assert len(answers) == 20 and not bad, bad
     assert h_during.status_code == 200 and health_took < 2.0, health_took
 
 
-def test_a_statement_that_never_gets_an_answer_shows_in_health_and_the_service_recovers(tmp_path, pg_url):
+def test_a_statement_that_never_gets_an_answer_shows_in_health_and_the_service_recovers(
+    tmp_path, pg_url
+):
     """A hung PgBouncer or a network path that stops carrying packets: the server-side timeouts cannot
     answer a statement whose answer never arrives, the loop hangs in it without failing, and only the
     age of its last tick tells. /health must say so, polls must answer 503 in bounded time, and the
@@ -333,7 +403,10 @@ def test_a_statement_that_never_gets_an_answer_shows_in_health_and_the_service_r
     dsn = urlsplit(PG_DSN)
     relay = TcpForwarder(dsn.port or 5432, dsn.hostname or "127.0.0.1")
     try:  # the service reaches Postgres through the relay; the test's writer directly
-        srv = Server(pg_url.replace(dsn.netloc.rsplit("@", 1)[-1], f"127.0.0.1:{relay.port}", 1), tmp_path / "srv")
+        srv = Server(
+            pg_url.replace(dsn.netloc.rsplit("@", 1)[-1], f"127.0.0.1:{relay.port}", 1),
+            tmp_path / "srv",
+        )
         w = Writer(pg_url)
         srv.start()
         try:
@@ -354,8 +427,11 @@ def test_a_statement_that_never_gets_an_answer_shows_in_health_and_the_service_r
             took, r = timed_post(srv.url + "/get_rollout_data", {"max_groups": 1})
             assert not isinstance(r, str) and r.status_code == 503 and took <= 10.0, (took, r)
             relay.flow()
-            wait_until(lambda: requests.get(srv.url + "/health", timeout=5).json()["status"] == "healthy", 30,
-                       "healthy again")
+            wait_until(
+                lambda: requests.get(srv.url + "/health", timeout=5).json()["status"] == "healthy",
+                30,
+                "healthy again",
+            )
             t.drain({"a", "b", "c"})
             assert all(len(v) == 1 for v in t.served.values())
             assert_stats_balance(t, pg_url)
@@ -375,8 +451,16 @@ def test_two_instances_on_one_schema_serve_each_group_once(tmp_path, pg_url):
     stops, the standby takes over and serves what comes next."""
     make_launcher_db(pg_url)
     ports = [free_port(), free_port()]
-    a, b = (Server(pg_url, tmp_path / n, name=n, port=p, env={"ROLLOUT_BUFFER_ADVERTISE_URL": f"http://127.0.0.1:{p}"})
-            for n, p in zip("ab", ports))
+    a, b = (
+        Server(
+            pg_url,
+            tmp_path / n,
+            name=n,
+            port=p,
+            env={"ROLLOUT_BUFFER_ADVERTISE_URL": f"http://127.0.0.1:{p}"},
+        )
+        for n, p in zip("ab", ports)
+    )
     w = Writer(pg_url)
     try:
         a.start()
@@ -387,8 +471,14 @@ def test_two_instances_on_one_schema_serve_each_group_once(tmp_path, pg_url):
         want = {f"c{i:02d}" for i in range(16)}
         for gid in sorted(want):
             w.group(gid, 2, steps=1)
-        wait_until(lambda: ta.stats()["groups"]["ready"] + ta.stats()["groups"]["served"] == 16
-                   and tb.stats()["lease"]["role"] == "standby", 15, "16 groups ready on the owner")
+        wait_until(
+            lambda: (
+                ta.stats()["groups"]["ready"] + ta.stats()["groups"]["served"] == 16
+                and tb.stats()["lease"]["role"] == "standby"
+            ),
+            15,
+            "16 groups ready on the owner",
+        )
 
         def served() -> dict[str, int]:
             out: dict[str, int] = {}
@@ -398,7 +488,11 @@ def test_two_instances_on_one_schema_serve_each_group_once(tmp_path, pg_url):
             return out
 
         def no_unique_errors() -> None:
-            bad = [e for e in ta.errors + tb.errors if "UNIQUE" in e or "unique constraint" in e or "duplicate key" in e]
+            bad = [
+                e
+                for e in ta.errors + tb.errors
+                if "UNIQUE" in e or "unique constraint" in e or "duplicate key" in e
+            ]
             assert not bad, bad
 
         deadline = time.monotonic() + 40
@@ -411,14 +505,20 @@ def test_two_instances_on_one_schema_serve_each_group_once(tmp_path, pg_url):
                 empty_in_a_row = 0 if doc["success"] else empty_in_a_row + 1
         counts = served()
         assert set(counts) == want and set(counts.values()) == {1}, counts
-        pks = [i["extra_info"]["step_pk"] for tr in (ta, tb) for v in tr.served.values() for i in v[0]]
+        pks = [
+            i["extra_info"]["step_pk"] for tr in (ta, tb) for v in tr.served.values() for i in v[0]
+        ]
         assert len(pks) == len(set(pks)) == 32
         db = connect(pg_url)
         try:
-            rows = db.rows("SELECT group_id, status FROM rollout_buffer_groups WHERE job_id = ?", ("job1",))
+            rows = db.rows(
+                "SELECT group_id, status FROM rollout_buffer_groups WHERE job_id = ?", ("job1",)
+            )
         finally:
             db.close()
-        assert sorted(g for g, _s in rows) == sorted(want) and {s for _g, s in rows} == {"served"}, rows
+        assert sorted(g for g, _s in rows) == sorted(want) and {s for _g, s in rows} == {
+            "served"
+        }, rows
 
         a.stop()
         late = {"late0", "late1", "late2"}
@@ -427,7 +527,9 @@ def test_two_instances_on_one_schema_serve_each_group_once(tmp_path, pg_url):
         got_before = set(tb.served)
         deadline = time.monotonic() + 20
         while not late <= set(tb.served):
-            assert time.monotonic() < deadline, f"b never served {sorted(late - set(tb.served))}: {tb.stats()}"
+            assert time.monotonic() < deadline, (
+                f"b never served {sorted(late - set(tb.served))}: {tb.stats()}"
+            )
             if not tb.poll(max_groups=3, retry_for=15)["success"]:
                 time.sleep(0.05)
             no_unique_errors()

@@ -15,6 +15,7 @@ Only observable conditions are waited for. The database counting of scenario 7 p
 database classes and every module that imported ``connect``, so it does not depend on which
 module of the service opens connections.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,18 +30,19 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import requests
-
+from servers import Server
 from support import Harness, Writer, groups_of, make_launcher_db, wait_until
-from rollout_buffer.storage import db as db_mod
-from rollout_buffer.launcher import procfs
+
 from rollout_buffer.core.accumulator import Accumulator
 from rollout_buffer.core.config import Config
-from servers import Server
+from rollout_buffer.launcher import procfs
+from rollout_buffer.storage import db as db_mod
 
 FAKE_LAUNCHER = Path(__file__).resolve().parent.parent / "fakes" / "fake_launcher.py"
 BACKGROUND = "rollout-buffer-"  # the loop and lease threads: their statements are not a poll's
@@ -64,6 +66,7 @@ class DbTouches:
             if name.startswith("rollout_buffer") and getattr(mod, "connect", None) is real_connect:
                 monkeypatch.setattr(mod, "connect", connect)
         for cls in (db_mod.SqliteDatabase, db_mod.PostgresDatabase):
+
             def counted(obj: Any, *a: Any, _run: Any = cls._run, **kw: Any) -> Any:
                 if not threading.current_thread().name.startswith(BACKGROUND):
                     self.statements += 1
@@ -86,15 +89,24 @@ def uids(doc: dict) -> list[str]:
 def one_row_group(w: Writer, gid: str, k: int, content: str) -> None:
     """K completed one-step sessions with short session ids and one user message of ``content``."""
     for i in range(k):
-        w.step(gid, f"s{i}-{uuid.uuid4().hex[:12]}", 1, completed=True, step_reward=0.5,
-               messages=[{"role": "user", "content": content}], response="a")
+        w.step(
+            gid,
+            f"s{i}-{uuid.uuid4().hex[:12]}",
+            1,
+            completed=True,
+            step_reward=0.5,
+            messages=[{"role": "user", "content": content}],
+            response="a",
+        )
 
 
 def worker_pid(master: int) -> int:
     """The gunicorn worker: the master's child (there is no launcher in that test)."""
+
     def find() -> int | None:
         kids = procfs.children(master)
         return kids[0] if len(kids) == 1 else None
+
     return wait_until(find, 10, "the gunicorn worker")
 
 
@@ -107,8 +119,11 @@ def vm_rss(pid: int) -> int:
 
 
 def start_rollout(url: str, job: str, k: int, timeout: float = 30) -> requests.Response:
-    return requests.post(url + "/start_rollout", json={"num_repeat_per_sample": k, "job_session": job},
-                         timeout=timeout)
+    return requests.post(
+        url + "/start_rollout",
+        json={"num_repeat_per_sample": k, "job_session": job},
+        timeout=timeout,
+    )
 
 
 def poll_count(url: str) -> int:
@@ -121,6 +136,7 @@ def stats(url: str) -> dict:
 
 def poll_until_data(url: str, request_id: str, groups: int) -> bytes:
     """Poll with request_id until a batch with ``groups`` groups is bound to it; its raw body."""
+
     def attempt() -> bytes | None:
         r = requests.post(url + "/get_rollout_data", json={"request_id": request_id}, timeout=60)
         assert r.status_code == 200, r.text[:300]
@@ -129,6 +145,7 @@ def poll_until_data(url: str, request_id: str, groups: int) -> bytes:
             return None
         assert len(groups_of(doc)) == groups, "a batch was bound to part of the groups"
         return r.content
+
     return wait_until(attempt, 30, f"a batch for request_id {request_id}")
 
 
@@ -138,13 +155,17 @@ def slow_reader(port: int, request_id: str) -> socket.socket:
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
     s.connect(("127.0.0.1", port))
     body = json.dumps({"request_id": request_id}).encode()
-    s.sendall(b"POST /get_rollout_data HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    s.sendall(
+        b"POST /get_rollout_data HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     return s
 
 
 def fake_launcher_cmd(marker: Path) -> str:
-    return shlex.join([sys.executable, str(FAKE_LAUNCHER), "--mode", "hang", "--marker", str(marker)])
+    return shlex.join(
+        [sys.executable, str(FAKE_LAUNCHER), "--mode", "hang", "--marker", str(marker)]
+    )
 
 
 class TwoInstances:
@@ -154,7 +175,10 @@ class TwoInstances:
     def __init__(self, url: str, tmp_path: Path) -> None:
         make_launcher_db(url)
         self.marker = tmp_path / "launcher.starts"
-        env = {"ROLLOUT_BUFFER_LAUNCHER_CMD": fake_launcher_cmd(self.marker), "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "1"}
+        env = {
+            "ROLLOUT_BUFFER_LAUNCHER_CMD": fake_launcher_cmd(self.marker),
+            "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "1",
+        }
         self.first = Server(url, tmp_path, launcher="auto", env=env, name="first")
         self.second = Server(url, tmp_path, launcher="auto", env=env, name="second")
         self.pids: list[int] = []
@@ -166,8 +190,11 @@ class TwoInstances:
         assert r.status_code == 200, r.text
         pid = r.json()["pid"]
         self.pids.append(pid)
-        wait_until(lambda: self.marker.exists() and str(pid) in self.marker.read_text().split(), 10,
-                   "launcher start")
+        wait_until(
+            lambda: self.marker.exists() and str(pid) in self.marker.read_text().split(),
+            10,
+            "launcher start",
+        )
         return pid
 
     def starts(self) -> list[str]:
@@ -195,7 +222,8 @@ def two_instances(url: str, tmp_path: Path) -> Iterator[TwoInstances]:
 
 # -- 7: an empty poll with a fresh request_id ---------------------------------------------------------------
 def test_empty_polls_with_fresh_request_ids_touch_no_database_and_bound_ids_still_replay(
-        db_url, writer, harness_factory, monkeypatch):
+    db_url, writer, harness_factory, monkeypatch
+):
     h = harness_factory(db_url)
     h.start(k=2)
     writer.group("g1", 2)
@@ -206,7 +234,9 @@ def test_empty_polls_with_fresh_request_ids_touch_no_database_and_bound_ids_stil
     def empty_polls(harness: Any, prefix: str, n: int) -> None:
         for i in range(n):
             r = harness.client.post("/get_rollout_data", json={"request_id": f"{prefix}-{i}"})
-            assert r.status_code == 200 and r.get_json()["success"] is False, r.get_data(as_text=True)[:300]
+            assert r.status_code == 200 and r.get_json()["success"] is False, r.get_data(
+                as_text=True
+            )[:300]
 
     empty_polls(h, "fresh", 30)
     assert touches.touched == (0, 0), "empty polls with fresh request_ids touched the database"
@@ -215,20 +245,26 @@ def test_empty_polls_with_fresh_request_ids_touch_no_database_and_bound_ids_stil
     h2 = harness_factory(db_url)  # a restart: the job is resumed from the database
     touches.reset()
     empty_polls(h2, "first", 1)
-    assert touches.connects <= 1, "the first poll after a restart may load the job's request_ids, once"
+    assert touches.connects <= 1, (
+        "the first poll after a restart may load the job's request_ids, once"
+    )
     touches.reset()
     empty_polls(h2, "after", 30)
-    assert touches.touched == (0, 0), "empty polls with fresh request_ids touched the database after a restart"
+    assert touches.touched == (0, 0), (
+        "empty polls with fresh request_ids touched the database after a restart"
+    )
 
     r = h2.client.post("/get_rollout_data", json={"request_id": "rid-bound"})
     assert r.status_code == 200
     replay = r.get_json()
     assert replay["data"]["meta_info"]["replayed"] is True
-    assert uids(replay) == uids(bound), "a bound request_id must replay the very same batch after a restart"
+    assert uids(replay) == uids(bound), (
+        "a bound request_id must replay the very same batch after a restart"
+    )
 
 
 # -- 8: the byte budget with non-ASCII group ids --------------------------------------------------------------
-@pytest.mark.parametrize("char,n", [("\u4e2d", 1500), ("\U0001F600", 500)], ids=["cjk", "emoji"])
+@pytest.mark.parametrize("char,n", [("\u4e2d", 1500), ("\U0001f600", 500)], ids=["cjk", "emoji"])
 def test_response_byte_budget_holds_with_non_ascii_group_ids(lite_url, harness_factory, char, n):
     budget = 64 * 1024
     h = harness_factory(lite_url, max_response_bytes=budget)
@@ -250,14 +286,17 @@ def test_response_byte_budget_holds_with_non_ascii_group_ids(lite_url, harness_f
         got = groups_of(json.loads(body))
         if not got:
             break
-        assert len(body) <= budget or len(got) == 1, \
+        assert len(body) <= budget or len(got) == 1, (
             f"{len(body)} bytes for {len(got)} groups: the budget of {budget} was exceeded ({len(body) / budget:.2f}x)"
+        )
         served |= set(got)
     assert served == set(gids)
 
 
 # -- 16: a backlog drain without max_groups ---------------------------------------------------------------
-def test_backlog_drain_without_max_groups_takes_what_it_serves(lite_url, harness_factory, monkeypatch):
+def test_backlog_drain_without_max_groups_takes_what_it_serves(
+    lite_url, harness_factory, monkeypatch
+):
     n_groups = 5000
     w = Writer(lite_url)
     h = harness_factory(lite_url, max_response_bytes=100_000, prebuild=False)  # the poll's own path
@@ -293,7 +332,9 @@ def test_backlog_drain_without_max_groups_takes_what_it_serves(lite_url, harness
         # what a poll moves in and out of the ready queue is bounded by what it serves (plus one
         # small step), never by the backlog
         assert moved["taken"] - served == moved["released"], moved
-        assert moved["taken"] <= served + 128, f"a poll serving {served} groups took {moved['taken']} of {left}"
+        assert moved["taken"] <= served + 128, (
+            f"a poll serving {served} groups took {moved['taken']} of {left}"
+        )
         left -= served
     assert h.stats()["groups"]["ready"] == left
 
@@ -316,8 +357,9 @@ def count(url: str, sql: str, params: tuple = ()) -> int:
         db.close()
 
 
-def test_batches_past_twice_the_replay_window_are_deleted_in_the_background(db_url, writer, harness_factory,
-                                                                             monkeypatch):
+def test_batches_past_twice_the_replay_window_are_deleted_in_the_background(
+    db_url, writer, harness_factory, monkeypatch
+):
     _fast_housekeeping(monkeypatch)
     h = harness_factory(db_url, replay_retention_s=1.0)
     h.start(k=2)
@@ -332,7 +374,9 @@ def test_batches_past_twice_the_replay_window_are_deleted_in_the_background(db_u
     assert count(db_url, batches) == 1, "a batch inside its replay window must be kept"
 
 
-def first_served_second_written(url: str, harness_factory: Any, **overrides: Any) -> tuple[Harness, Writer, dict]:
+def first_served_second_written(
+    url: str, harness_factory: Any, **overrides: Any
+) -> tuple[Harness, Writer, dict]:
     """A service whose group "first" was served to request_id r1, with group "second" written."""
     h = harness_factory(url, **overrides)
     h.start(k=2)
@@ -344,16 +388,24 @@ def first_served_second_written(url: str, harness_factory: Any, **overrides: Any
     return h, writer, first
 
 
-def test_a_wall_clock_step_forward_neither_expires_nor_deletes_a_fresh_batch(lite_url, harness_factory, monkeypatch):
+def test_a_wall_clock_step_forward_neither_expires_nor_deletes_a_fresh_batch(
+    lite_url, harness_factory, monkeypatch
+):
     """Also suspected in issue 14: a forward step of the wall clock turned a retry into a 410. And with
     housekeeping, the step deleted the batch of a poll answered a second ago: its retry then got new
     groups under the same request_id, and the first batch's groups were lost."""
-    monkeypatch.setattr(importlib.import_module("rollout_buffer.runtime.loop"), "HOUSEKEEPING_S", 0.0)  # every tick
-    h, writer, first = first_served_second_written(lite_url, harness_factory, replay_retention_s=60.0)
+    monkeypatch.setattr(
+        importlib.import_module("rollout_buffer.runtime.loop"), "HOUSEKEEPING_S", 0.0
+    )  # every tick
+    h, writer, first = first_served_second_written(
+        lite_url, harness_factory, replay_retention_s=60.0
+    )
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + 3600.0)  # NTP steps the clock an hour ahead
     assert h.service.sync() and h.service.sync()  # housekeeping has run with the stepped clock
-    assert count(lite_url, "SELECT COUNT(*) FROM rollout_buffer_batches") == 1, "the fresh batch was deleted"
+    assert count(lite_url, "SELECT COUNT(*) FROM rollout_buffer_batches") == 1, (
+        "the fresh batch was deleted"
+    )
     again = h.poll(request_id="r1")  # the retry of r1, a second later
     assert again["data"]["meta_info"]["replayed"] is True and list(groups_of(again)) == ["first"]
     assert [i["uid"] for i in again["data"]["data"]] == [i["uid"] for i in first["data"]["data"]]
@@ -361,37 +413,61 @@ def test_a_wall_clock_step_forward_neither_expires_nor_deletes_a_fresh_batch(lit
     writer.close()
 
 
-def test_an_ended_job_is_purged_and_selecting_it_again_serves_only_new_groups(lite_url, harness_factory,
-                                                                              monkeypatch, tmp_path):
+def test_an_ended_job_is_purged_and_selecting_it_again_serves_only_new_groups(
+    lite_url, harness_factory, monkeypatch, tmp_path
+):
     _fast_housekeeping(monkeypatch)
-    config = Config.from_env({"ROLLOUT_BUFFER_JOB_RETENTION_SECONDS": "1"}, db_url=lite_url, launcher="none",
-                             run_dir=str(tmp_path / "logs"), ingest_interval_s=0.02)
+    config = Config.from_env(
+        {"ROLLOUT_BUFFER_JOB_RETENTION_SECONDS": "1"},
+        db_url=lite_url,
+        launcher="none",
+        run_dir=str(tmp_path / "logs"),
+        ingest_interval_s=0.02,
+    )
     h = Harness(config)
     try:
         wa = Writer(lite_url, job="jobA")
         h.start(k=2, job="jobA")
         wa.group("a-served", 2)
         assert len(groups_of(h.poll(request_id="ra"))) == 1
-        wa.step(None, "orphan-session", 1)          # a row without group_id: accounted one by one
-        wa.group("a-pending", 2, complete=1)         # dropped as job_ended when jobB is selected
+        wa.step(None, "orphan-session", 1)  # a row without group_id: accounted one by one
+        wa.group("a-pending", 2, complete=1)  # dropped as job_ended when jobB is selected
         h.settle()
-        kept = {t: count(lite_url, f"SELECT COUNT(*) FROM rollout_buffer_{t} WHERE job_id = ?", ("jobA",))
-                for t in ("groups", "rows", "batches")}
+        kept = {
+            t: count(
+                lite_url, f"SELECT COUNT(*) FROM rollout_buffer_{t} WHERE job_id = ?", ("jobA",)
+            )
+            for t in ("groups", "rows", "batches")
+        }
         assert all(kept.values()), kept
-        h.start(k=2, job="jobB")                     # jobA ends
+        h.start(k=2, job="jobB")  # jobA ends
 
         def purged() -> bool:
-            return count(lite_url, "SELECT COUNT(*) FROM rollout_buffer_jobs WHERE job_id = ? AND purged_at IS NOT "
-                         "NULL", ("jobA",)) == 1
+            return (
+                count(
+                    lite_url,
+                    "SELECT COUNT(*) FROM rollout_buffer_jobs WHERE job_id = ? AND purged_at IS NOT "
+                    "NULL",
+                    ("jobA",),
+                )
+                == 1
+            )
+
         wait_until(purged, 15, "jobA marked purged")
-        left = {t: count(lite_url, f"SELECT COUNT(*) FROM rollout_buffer_{t} WHERE job_id = ?", ("jobA",))
-                for t in ("groups", "rows", "batches")}
+        left = {
+            t: count(
+                lite_url, f"SELECT COUNT(*) FROM rollout_buffer_{t} WHERE job_id = ?", ("jobA",)
+            )
+            for t in ("groups", "rows", "batches")
+        }
         assert left == {"groups": 0, "rows": 0, "batches": 0}, left
 
-        h.start(k=2, job="jobA")                     # selected again: its old rows are not new groups
+        h.start(k=2, job="jobA")  # selected again: its old rows are not new groups
         h.settle()
         doc = h.poll()
-        assert not groups_of(doc), f"old groups of a purged job were served again: {sorted(groups_of(doc))}"
+        assert not groups_of(doc), (
+            f"old groups of a purged job were served again: {sorted(groups_of(doc))}"
+        )
         wa.group("a-new", 2)
         assert set(groups_of(h.poll())) == {"a-new"}
         wa.close()
@@ -404,13 +480,19 @@ def test_indexes_for_the_startup_scans_exist(db_url, harness):
     db = db_mod.connect(db_url)
     try:
         if db.backend == "sqlite":
-            rows = db.rows("SELECT tbl_name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")
+            rows = db.rows(
+                "SELECT tbl_name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
+            )
         else:
-            rows = db.rows("SELECT tablename, indexdef FROM pg_indexes WHERE schemaname = current_schema()")
+            rows = db.rows(
+                "SELECT tablename, indexdef FROM pg_indexes WHERE schemaname = current_schema()"
+            )
     finally:
         db.close()
     for table in ("rollout_buffer_groups", "rollout_buffer_rows"):
-        assert any(t == table and "notified" in sql for t, sql in rows), f"no index on {table}.notified: {rows}"
+        assert any(t == table and "notified" in sql for t, sql in rows), (
+            f"no index on {table}.notified: {rows}"
+        )
     assert any(t == "rollout_buffer_batches" and "created_at" in sql for t, sql in rows), rows
 
 
@@ -440,8 +522,9 @@ def test_replays_share_one_copy_and_are_bounded_in_number(tmp_path):
         socks += [slow_reader(srv.port, "X") for _ in range(8)]
         wait_until(lambda: poll_count(srv.url) >= polls + 8, 60, "8 replays of X answered")
         grown = vm_rss(worker) - rss_before
-        assert grown < 4 * batch_bytes, \
+        assert grown < 4 * batch_bytes, (
             f"8 stalled replays of one {batch_bytes / 2**20:.0f} MiB batch grew the worker by {grown / 2**20:.0f} MiB"
+        )
 
         socks.append(slow_reader(srv.port, "Y"))
         wait_until(lambda: poll_count(srv.url) >= polls + 9, 60, "the replay of Y answered")
@@ -457,6 +540,7 @@ def test_replays_share_one_copy_and_are_bounded_in_number(tmp_path):
         def replayed_z() -> bool:
             r = requests.post(srv.url + "/get_rollout_data", json={"request_id": "Z"}, timeout=30)
             return r.status_code == 200 and r.json()["data"]["meta_info"]["replayed"] is True
+
         wait_until(replayed_z, 20, "Z replayed once the stalled replays are gone")
     finally:
         for s in socks:
@@ -474,19 +558,32 @@ def test_an_instance_that_stops_leaves_the_launcher_another_instance_adopted(tmp
         pid = two.start_launcher(first)
         w = Writer(url)
         w.group("pending", 2, complete=1)
-        wait_until(lambda: stats(first.url)["groups"]["pending"] == 1, 10, "first instance reads the group")
+        wait_until(
+            lambda: stats(first.url)["groups"]["pending"] == 1, 10, "first instance reads the group"
+        )
 
         second.start()
         health = lambda: requests.get(second.url + "/health", timeout=5).json()  # noqa: E731
-        wait_until(lambda: health()["role"] == "standby", 10, "the second instance waits as a standby")
+        wait_until(
+            lambda: health()["role"] == "standby", 10, "the second instance waits as a standby"
+        )
         assert not health()["launcher"]["adopted"] and not health()["aievobox_running"]
 
         first.stop(signal.SIGTERM)
-        assert procfs.alive(pid), "the stopping instance killed the launcher the standby on its host takes over"
-        wait_until(lambda: health()["role"] == "owner" and health()["launcher"]["adopted"], 10,
-                   "the second instance takes the job and the launcher over")
+        assert procfs.alive(pid), (
+            "the stopping instance killed the launcher the standby on its host takes over"
+        )
+        wait_until(
+            lambda: health()["role"] == "owner" and health()["launcher"]["adopted"],
+            10,
+            "the second instance takes the job and the launcher over",
+        )
         assert health()["launcher"]["pid"] == pid
-        wait_until(lambda: stats(second.url)["groups"]["pending"] == 1, 10, "second instance reads the group")
+        wait_until(
+            lambda: stats(second.url)["groups"]["pending"] == 1,
+            10,
+            "second instance reads the group",
+        )
 
         served_after(second, w)
         w.close()
@@ -502,8 +599,16 @@ def served_after(srv: Server, w: Writer) -> None:
     """Two more groups written and served: the server has ticked (and checked its launcher) since."""
     for name in ("after1", "after2"):
         w.group(name, 2)
-        wait_until(lambda name=name: name in groups_of(requests.post(
-            srv.url + "/get_rollout_data", json={}, timeout=30).json()), 20, f"{name} served")
+        wait_until(
+            lambda name=name: (
+                name
+                in groups_of(
+                    requests.post(srv.url + "/get_rollout_data", json={}, timeout=30).json()
+                )
+            ),
+            20,
+            f"{name} served",
+        )
 
 
 # -- 18: /start_rollout just after a restart -------------------------------------------------------------------
@@ -514,7 +619,9 @@ def test_start_rollout_right_after_a_restart_waits_for_the_resume(tmp_path):
     with two_instances(url, tmp_path) as two:
         try:
             pid = two.start_launcher(two.first)
-            two.first.stop(signal.SIGKILL)  # a crash: the launcher (its own process group) keeps running
+            two.first.stop(
+                signal.SIGKILL
+            )  # a crash: the launcher (its own process group) keeps running
             assert procfs.alive(pid)
 
             # Another connection holds SQLite's lock (exclusive: in WAL mode a plain write lock would
@@ -546,7 +653,11 @@ def test_start_rollout_right_after_a_restart_waits_for_the_resume(tmp_path):
                 r = start_rollout(two.second.url, "job1", 2)
             assert r.status_code == 200, (r.status_code, r.text)
             body = r.json()
-            assert "already running" in body["message"] and body["pid"] == pid and body["job_session"] == "job1", body
+            assert (
+                "already running" in body["message"]
+                and body["pid"] == pid
+                and body["job_session"] == "job1"
+            ), body
             assert two.starts() == [str(pid)], "a second launcher was started"
             assert procfs.alive(pid)
         finally:
@@ -559,8 +670,11 @@ def test_a_bootstrap_retried_after_the_adoption_keeps_the_adopted_launcher(pg_ur
     it waits on a row lock); the retried bootstrap must not take its own adoption for a dead launcher."""
     import psycopg
 
-    with two_instances(pg_url, tmp_path) as two, psycopg.connect(pg_url, autocommit=True) as holder, \
-            psycopg.connect(pg_url, autocommit=True) as monitor:
+    with (
+        two_instances(pg_url, tmp_path) as two,
+        psycopg.connect(pg_url, autocommit=True) as holder,
+        psycopg.connect(pg_url, autocommit=True) as monitor,
+    ):
         pid = two.start_launcher(two.first)
         w = Writer(pg_url)
         w.group("pending", 2, complete=1)
@@ -576,15 +690,19 @@ def test_a_bootstrap_retried_after_the_adoption_keeps_the_adopted_launcher(pg_ur
             # (not from the holder: a transaction sees pg_stat_activity as of its first look)
             row = monitor.execute(
                 "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE "
-                "'UPDATE rollout_buffer_jobs SET launcher_pid%'").fetchone()
+                "'UPDATE rollout_buffer_jobs SET launcher_pid%'"
+            ).fetchone()
             return row[0] if row else None
+
         backend = wait_until(blocked_update, 15, "the bootstrap recording the adopted launcher")
         monitor.execute("SELECT pg_terminate_backend(%s)", (backend,))
         holder.execute("ROLLBACK")
 
         served_after(two.second, w)
         w.close()
-        state = monitor.execute("SELECT launcher_state FROM rollout_buffer_jobs WHERE job_id = 'job1'").fetchone()
+        state = monitor.execute(
+            "SELECT launcher_state FROM rollout_buffer_jobs WHERE job_id = 'job1'"
+        ).fetchone()
         assert state[0] == "running", f"the running launcher was recorded as {state[0]!r}"
         assert "is gone" not in two.second.log()
         s = stats(two.second.url)
@@ -611,7 +729,9 @@ def test_a_replay_being_rebuilt_never_holds_up_fresh_polls(lite_url, harness_fac
 
     monkeypatch.setattr(replay_mod, "fetch_rows", held_fetch)
     answers: list[Any] = []
-    th = threading.Thread(target=lambda: answers.append(h.client.post("/get_rollout_data", json={"request_id": "r1"})))
+    th = threading.Thread(
+        target=lambda: answers.append(h.client.post("/get_rollout_data", json={"request_id": "r1"}))
+    )
     th.start()
     try:
         assert entered.wait(10), "the replay did not start rebuilding"

@@ -3,6 +3,7 @@
 Every test runs a real ``gunicorn`` (or ``python -m rollout_buffer serve``) subprocess in its own
 session on a free port, against a real SQLite file, and talks to it over HTTP.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,16 +15,16 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import pytest
 import requests
-
+from servers import ROOT, free_port, log_tail, server_env
 from support import Writer, make_launcher_db, wait_until
+
 from rollout_buffer.launcher import procfs
 from rollout_buffer.tools.runner import ServerProcess
-from servers import ROOT, free_port, log_tail, server_env
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +41,12 @@ def gunicorn_argv(*args: str) -> list[str]:
 
 def env_for(db_url: str, tmp_path: Path, port: int, **extra: str) -> dict[str, str]:
     """A scrubbed environment for a server on 127.0.0.1:port (no port or host flags needed)."""
-    return server_env(db_url, tmp_path / "logs", launcher=extra.pop("launcher", "none"),
-                      extra={"BUFFER_SERVER_PORT": str(port), "ROLLOUT_BUFFER_HOST": "127.0.0.1", **extra})
+    return server_env(
+        db_url,
+        tmp_path / "logs",
+        launcher=extra.pop("launcher", "none"),
+        extra={"BUFFER_SERVER_PORT": str(port), "ROLLOUT_BUFFER_HOST": "127.0.0.1", **extra},
+    )
 
 
 group_members = procfs.group_members
@@ -52,7 +57,9 @@ class Proc:
     """A server subprocess in its own session (rollout_buffer.tools.runner, as every real-server test and the
     demo use), with pytest's failure on a server that does not come up."""
 
-    def __init__(self, argv: Sequence[str], cwd: Path, env: dict[str, str], port: int, log: Path) -> None:
+    def __init__(
+        self, argv: Sequence[str], cwd: Path, env: dict[str, str], port: int, log: Path
+    ) -> None:
         self.argv = list(argv)
         self.log = log
         self._process = ServerProcess(port, env, log, cwd=cwd, argv=argv)
@@ -68,15 +75,19 @@ class Proc:
         problem = self._process.wait_healthy(timeout)
         if problem is not None:
             self.stop()
-            pytest.fail(f"{self.argv} did not serve /health on {self.url}: {problem}\n--- {self.log} ---\n"
-                        f"{log_tail(self.log)}")
+            pytest.fail(
+                f"{self.argv} did not serve /health on {self.url}: {problem}\n--- {self.log} ---\n"
+                f"{log_tail(self.log)}"
+            )
 
     def stop(self) -> None:
         self._process.stop(wait_s=20)
 
 
 @contextlib.contextmanager
-def running(argv: Sequence[str], cwd: Path, env: dict[str, str], port: int, log: Path) -> Iterator[Proc]:
+def running(
+    argv: Sequence[str], cwd: Path, env: dict[str, str], port: int, log: Path
+) -> Iterator[Proc]:
     p = Proc(argv, cwd, env, port, log)
     try:
         p.wait_healthy()
@@ -86,7 +97,9 @@ def running(argv: Sequence[str], cwd: Path, env: dict[str, str], port: int, log:
 
 
 def start_rollout(url: str, k: int, job: str) -> dict:
-    r = requests.post(url + "/start_rollout", json={"num_repeat_per_sample": k, "job_session": job}, timeout=30)
+    r = requests.post(
+        url + "/start_rollout", json={"num_repeat_per_sample": k, "job_session": job}, timeout=30
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -120,7 +133,9 @@ def assert_serves_a_poll(url: str, db_url: str) -> None:
         w.close()
     got = poll_groups(url, {"g1"})
     assert len(got["g1"]) == 6
-    assert {i["extra_info"]["session_id"] for i in got["g1"]} and all(len(i["uid"]) == 36 for i in got["g1"])
+    assert {i["extra_info"]["session_id"] for i in got["g1"]} and all(
+        len(i["uid"]) == 36 for i in got["g1"]
+    )
 
 
 # -- how operators start it --------------------------------------------------------------------------------
@@ -158,19 +173,25 @@ def test_rollout_buffer_serve_runs_gunicorn_with_our_settings(tmp_path):
         assert len(children_of(srv.pid)) == 1
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(30) == 0
-    assert "Using worker: rollout_buffer.web.gunicorn_worker.HeadFirstWorker" in (tmp_path / "serve.log").read_text()
+    assert (
+        "Using worker: rollout_buffer.web.gunicorn_worker.HeadFirstWorker"
+        in (tmp_path / "serve.log").read_text()
+    )
 
 
 # -- refusing settings that would split the state -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("how,extra_env,args,expect", [
-    ("WEB_CONCURRENCY", {"WEB_CONCURRENCY": "2"}, [], "WEB_CONCURRENCY=2"),
-    ("GUNICORN_CMD_ARGS", {"GUNICORN_CMD_ARGS": "--workers 2"}, [], "workers=2"),
-    ("-w", {}, ["-w", "2"], "workers=2"),
-    ("--preload", {}, ["--preload"], "preload"),
-    ("serve+WEB_CONCURRENCY", {"WEB_CONCURRENCY": "3"}, None, "WEB_CONCURRENCY=3"),
-])
+@pytest.mark.parametrize(
+    "how,extra_env,args,expect",
+    [
+        ("WEB_CONCURRENCY", {"WEB_CONCURRENCY": "2"}, [], "WEB_CONCURRENCY=2"),
+        ("GUNICORN_CMD_ARGS", {"GUNICORN_CMD_ARGS": "--workers 2"}, [], "workers=2"),
+        ("-w", {}, ["-w", "2"], "workers=2"),
+        ("--preload", {}, ["--preload"], "preload"),
+        ("serve+WEB_CONCURRENCY", {"WEB_CONCURRENCY": "3"}, None, "WEB_CONCURRENCY=3"),
+    ],
+)
 def test_more_than_one_worker_or_preload_is_refused(tmp_path, how, extra_env, args, expect):
     db_url = "sqlite://" + str(tmp_path / "launcher.db")
     make_launcher_db(db_url)
@@ -180,8 +201,15 @@ def test_more_than_one_worker_or_preload_is_refused(tmp_path, how, extra_env, ar
         argv, cwd = [sys.executable, "-m", "rollout_buffer", "serve"], tmp_path
     else:
         argv, cwd = gunicorn_argv(*args, "wsgi:app"), ROOT
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
@@ -206,20 +234,43 @@ def test_sigterm_to_the_master_stops_the_launcher_group_and_exits_0(tmp_path, mo
     port = free_port()
     marker = tmp_path / "launcher.starts"
     child_pid_file = tmp_path / "grandchild.pid"
-    cmd = shlex.join([sys.executable, str(FAKE_LAUNCHER), "--mode", mode, "--marker", str(marker),
-                      "--child-pid-file", str(child_pid_file)])
-    env = env_for(db_url, tmp_path, port, ROLLOUT_BUFFER_LAUNCHER_CMD=cmd, ROLLOUT_BUFFER_STOP_GRACE_SECONDS="1",
-                  ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS="20")
+    cmd = shlex.join(
+        [
+            sys.executable,
+            str(FAKE_LAUNCHER),
+            "--mode",
+            mode,
+            "--marker",
+            str(marker),
+            "--child-pid-file",
+            str(child_pid_file),
+        ]
+    )
+    env = env_for(
+        db_url,
+        tmp_path,
+        port,
+        ROLLOUT_BUFFER_LAUNCHER_CMD=cmd,
+        ROLLOUT_BUFFER_STOP_GRACE_SECONDS="1",
+        ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS="20",
+    )
     log = tmp_path / "gunicorn.log"
     with running(gunicorn_argv("wsgi:app"), ROOT, env, port, log) as srv:
         body = start_rollout(srv.url, 4, "job1")
         pid = body["pid"]
         assert isinstance(pid, int) and pid > 0, body
         # the fake marks its start after installing its TERM handling
-        wait_until(lambda: marker.exists() and marker.read_text().strip() == str(pid), 10,
-                   lambda: f"launcher start\n--- {log} ---\n{log_tail(log)}")
+        wait_until(
+            lambda: marker.exists() and marker.read_text().strip() == str(pid),
+            10,
+            lambda: f"launcher start\n--- {log} ---\n{log_tail(log)}",
+        )
         if mode == "spawn-child":
-            wait_until(child_pid_file.exists, 10, lambda: f"grandchild start\n--- {log} ---\n{log_tail(log)}")
+            wait_until(
+                child_pid_file.exists,
+                10,
+                lambda: f"grandchild start\n--- {log} ---\n{log_tail(log)}",
+            )
         health = requests.get(srv.url + "/health", timeout=5).json()
         assert health["aievobox_running"] is True and health["launcher"]["pid"] == pid
         st = procfs.stat(pid)
@@ -262,7 +313,11 @@ def test_a_worker_that_crashes_leaves_the_launcher_to_the_next_worker(tmp_path):
                 return launcher["pid"] == pid and launcher["running"] and launcher["adopted"]
             return False
 
-        wait_until(adopted, 20, lambda: f"the next worker adopted the launcher\n--- {log} ---\n{log_tail(log)}")
+        wait_until(
+            adopted,
+            20,
+            lambda: f"the next worker adopted the launcher\n--- {log} ---\n{log_tail(log)}",
+        )
         st = procfs.stat(pid)
         assert st is not None and st.alive, "the launcher was stopped with the crashed worker"
         os.kill(srv.pid, signal.SIGTERM)  # a real shutdown still stops it
@@ -291,7 +346,7 @@ def test_serves_groups_across_http_while_an_external_writer_writes(tmp_path):
                     if i % 8 == 0:  # never completes: must never be served
                         w.group(f"partial{i:02d}", k, steps=1, complete=k - 1)
                     time.sleep(0.02)
-            except BaseException as exc:  # noqa: BLE001 - reported below
+            except BaseException as exc:
                 errors.append(exc)
             finally:
                 w.close()
@@ -311,9 +366,14 @@ def test_serves_groups_across_http_while_an_external_writer_writes(tmp_path):
             assert len({i["extra_info"]["session_id"] for i in items}) == k
         pks = [i["extra_info"]["step_pk"] for items in got.values() for i in items]
         assert len(pks) == len(set(pks))
-        r = requests.post(srv.url + "/get_rollout_data", json={"request_id": uuid.uuid4().hex}, timeout=30)
+        r = requests.post(
+            srv.url + "/get_rollout_data", json={"request_id": uuid.uuid4().hex}, timeout=30
+        )
         assert r.status_code == 200 and r.json()["success"] is False
         stats = requests.get(srv.url + "/stats", timeout=10).json()
         rows = stats["rows"]
-        assert rows["read"] == rows["served"] + rows["dropped_total"] + rows["rejected_total"] + rows["pending"]
+        assert (
+            rows["read"]
+            == rows["served"] + rows["dropped_total"] + rows["rejected_total"] + rows["pending"]
+        )
         assert stats["groups"]["served"] == n_groups

@@ -1,6 +1,7 @@
 """Long-poll (``wait_s``, ``min_groups``): through the Flask test client on both backends, and a
 real gunicorn for SIGTERM. A waiting poll runs in its own thread; what it waits for is written by
 the test while it waits, so each answer's timing is caused, not guessed."""
+
 from __future__ import annotations
 
 import signal
@@ -8,9 +9,8 @@ import threading
 import time
 
 import requests
-
-from support import groups_of, wait_until
 from servers import Server
+from support import groups_of, wait_until
 
 
 class Waiting:
@@ -95,15 +95,24 @@ def test_a_request_id_replays_during_and_after_a_wait(harness, writer):
     writer.group("g1", 2, steps=2)
     first = p.result()
     assert list(groups_of(first)) == ["g1"]
-    again = harness.poll(wait_s=30, request_id="rid-1")  # a retry: replayed at once, never waited for
+    again = harness.poll(
+        wait_s=30, request_id="rid-1"
+    )  # a retry: replayed at once, never waited for
     assert again["data"]["meta_info"]["replayed"] is True
     assert [i["uid"] for i in again["data"]["data"]] == [i["uid"] for i in first["data"]["data"]]
 
 
 def test_bad_wait_s_and_min_groups_are_400(harness):
     harness.start(k=2)
-    for body in ({"wait_s": -1}, {"wait_s": 61}, {"wait_s": True}, {"wait_s": "5"}, {"min_groups": 0},
-                 {"min_groups": 1.5}, {"min_groups": "2"}):
+    for body in (
+        {"wait_s": -1},
+        {"wait_s": 61},
+        {"wait_s": True},
+        {"wait_s": "5"},
+        {"min_groups": 0},
+        {"min_groups": 1.5},
+        {"min_groups": "2"},
+    ):
         r = harness.client.post("/get_rollout_data", json=body)
         assert r.status_code == 400, body
         err = r.get_json()
@@ -114,20 +123,29 @@ def test_sigterm_answers_a_waiting_poll_at_once(lite_url, tmp_path):
     srv = Server(lite_url, tmp_path / "srv")
     srv.start()
     try:
-        r = requests.post(srv.url + "/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "j"},
-                          timeout=30)
+        r = requests.post(
+            srv.url + "/start_rollout",
+            json={"num_repeat_per_sample": 2, "job_session": "j"},
+            timeout=30,
+        )
         assert r.status_code == 200, r.text
         out: dict = {}
 
         def wait() -> None:
             t0 = time.monotonic()
             resp = requests.post(srv.url + "/get_rollout_data", json={"wait_s": 60}, timeout=90)
-            out["status"], out["doc"], out["seconds"] = resp.status_code, resp.json(), time.monotonic() - t0
+            out["status"], out["doc"], out["seconds"] = (
+                resp.status_code,
+                resp.json(),
+                time.monotonic() - t0,
+            )
 
         t = threading.Thread(target=wait, daemon=True)
         t.start()
-        wait_until(lambda: requests.get(srv.url + "/stats", timeout=5).json()["polls"]["waiting"] == 1,
-                   what="the poll is waiting in the server")
+        wait_until(
+            lambda: requests.get(srv.url + "/stats", timeout=5).json()["polls"]["waiting"] == 1,
+            what="the poll is waiting in the server",
+        )
         assert srv.proc is not None
         t_term = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)

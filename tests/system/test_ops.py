@@ -1,6 +1,7 @@
 """Operators' tools against a real server (gunicorn): the shipped Grafana dashboard queries only
 metrics that a running service's /metrics has, and ``rollout-buffer stats --watch`` refreshes
 (in place on a terminal, one block per refresh otherwise)."""
+
 from __future__ import annotations
 
 import json
@@ -13,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from fakes.fake_proxy import closed_port
-from support import Writer, run_on_a_terminal
 from servers import serve
+from support import Writer, run_on_a_terminal
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 pytestmark = pytest.mark.slow
@@ -24,7 +24,11 @@ pytestmark = pytest.mark.slow
 
 def _running_job(srv_url: str, db_url: str) -> None:
     """A job with a served group, a pending one and a malformed one (a rejected row, a drop)."""
-    r = requests.post(srv_url + "/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "ops"}, timeout=10)
+    r = requests.post(
+        srv_url + "/start_rollout",
+        json={"num_repeat_per_sample": 2, "job_session": "ops"},
+        timeout=10,
+    )
     assert r.status_code == 200, r.text
     w = Writer(db_url, job="ops")
     try:
@@ -35,7 +39,9 @@ def _running_job(srv_url: str, db_url: str) -> None:
     finally:
         w.close()
     for _ in range(100):
-        doc = requests.post(srv_url + "/get_rollout_data", json={"request_id": uuid.uuid4().hex}, timeout=10).json()
+        doc = requests.post(
+            srv_url + "/get_rollout_data", json={"request_id": uuid.uuid4().hex}, timeout=10
+        ).json()
         stats = requests.get(srv_url + "/stats", timeout=10).json()
         if stats["groups"]["served"] == 1 and stats["groups"]["dropped_total"] == 1:
             return
@@ -50,7 +56,9 @@ def _dashboard() -> dict:
 
 def _queries(dash: dict) -> list[str]:
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
-    exprs += [v["definition"] for v in dash.get("templating", {}).get("list", []) if v.get("definition")]
+    exprs += [
+        v["definition"] for v in dash.get("templating", {}).get("list", []) if v.get("definition")
+    ]
     return exprs
 
 
@@ -62,7 +70,11 @@ def test_every_metric_of_the_dashboard_is_in_metrics(lite_url, tmp_path):
     assert len(used) >= 15
     # a label Prometheus attaches itself (job, instance) is never the one the dashboard selects on:
     # a scraped job label is renamed exported_job, so it would select the scrape job instead
-    assert not [e for e in exprs if re.search(r"\b(job|instance)\s*(=~|=|!=)|\b(by|on) \((job|instance)\)|, job\)", e)]
+    assert not [
+        e
+        for e in exprs
+        if re.search(r"\b(job|instance)\s*(=~|=|!=)|\b(by|on) \((job|instance)\)|, job\)", e)
+    ]
     with serve(lite_url, tmp_path / "srv") as srv:
         _running_job(srv.url, lite_url)
         text = requests.get(srv.url + "/metrics", timeout=10).text
@@ -77,16 +89,41 @@ def test_every_metric_of_the_dashboard_is_in_metrics(lite_url, tmp_path):
     # the labels the dashboard selects or groups by are on those metrics
     for e in exprs:
         for name in re.findall(r"\brollout_buffer_[a-z_]+", e):
-            for label in (re.findall(r"\bby \(([a-z_]+)\)", e) + re.findall(r"\b([a-z_]+)=~", e)
-                          + re.findall(r"label_values\([a-z_]+, ([a-z_]+)\)", e)):
+            for label in (
+                re.findall(r"\bby \(([a-z_]+)\)", e)
+                + re.findall(r"\b([a-z_]+)=~", e)
+                + re.findall(r"label_values\([a-z_]+, ([a-z_]+)\)", e)
+            ):
                 if label == "le" and not name.endswith("_bucket"):
                     continue
-                assert all(f'{label}="' in s for s in samples[name]), (e, name, label, samples[name])
+                assert all(f'{label}="' in s for s in samples[name]), (
+                    e,
+                    name,
+                    label,
+                    samples[name],
+                )
 
 
 def _watch(url: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rollout_buffer", "stats", url, "--watch", "--interval", "0.2",
-                           "--count", "3"], cwd=ROOT, capture_output=True, text=True, timeout=60, **kw)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollout_buffer",
+            "stats",
+            url,
+            "--watch",
+            "--interval",
+            "0.2",
+            "--count",
+            "3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        **kw,
+    )
 
 
 def test_stats_watch_refreshes(lite_url, tmp_path):
@@ -99,8 +136,21 @@ def test_stats_watch_refreshes(lite_url, tmp_path):
         assert r.stdout.count("  job ") == 3 and "\x1b" not in r.stdout
         assert "malformed_row: 1" in r.stdout
         # on a terminal: the table is redrawn in place (cursor home, clear) at each refresh
-        code, text, _ = run_on_a_terminal([sys.executable, "-m", "rollout_buffer", "stats", srv.url, "--watch",
-                                           "--interval", "0.2", "--count", "3"], cwd=ROOT)
+        code, text, _ = run_on_a_terminal(
+            [
+                sys.executable,
+                "-m",
+                "rollout_buffer",
+                "stats",
+                srv.url,
+                "--watch",
+                "--interval",
+                "0.2",
+                "--count",
+                "3",
+            ],
+            cwd=ROOT,
+        )
         assert code == 0
         assert text.count("\x1b[H\x1b[2J") == 3 and text.count("  job ") == 3
         assert "ops" in text
@@ -112,11 +162,24 @@ def test_stats_against_a_service_that_is_down_says_so_without_retrying_or_a_trac
     r = _watch(url)
     assert r.returncode == 0 and r.stdout.count(f"cannot read {url}/stats") == 3, r.stdout
     assert "after 1 attempt(s)" in r.stdout and r.stderr == "", r.stderr
-    r = subprocess.run([sys.executable, "-m", "rollout_buffer", "stats", url], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "rollout_buffer", "stats", url],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 1 and f"rollout-buffer stats: cannot read {url}/stats" in r.stderr
     assert "Traceback" not in r.stderr
     for bad in (["--interval", "0"], ["--interval", "-1"], ["--count", "-1"]):
-        r = subprocess.run([sys.executable, "-m", "rollout_buffer", "stats", url, "--watch", *bad], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)
-        assert r.returncode == 2 and "expected" in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
+        r = subprocess.run(
+            [sys.executable, "-m", "rollout_buffer", "stats", url, "--watch", *bad],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2 and "expected" in r.stderr and "Traceback" not in r.stderr, (
+            bad,
+            r.stderr,
+        )

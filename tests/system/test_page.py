@@ -6,19 +6,20 @@ closed: without them Chromium's own background connections are refused and slow 
 the browser or selenium cannot be had, the tests skip, except under CI=true, where they fail:
 ``.ci/run`` installs chromium and chromium-driver.
 """
+
 from __future__ import annotations
 
 import os
 import shutil
 import struct
 import zlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import requests
-
-from support import Writer, wait_until
 from servers import serve
+from support import Writer, wait_until
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
@@ -51,10 +52,19 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", f"--window-size={WIDTH},{HEIGHT}",
-                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+        f"--window-size={WIDTH},{HEIGHT}",
+        f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}",
+    ):
         opts.add_argument(flag)
     driver = webdriver.Chrome(options=opts, service=Service(executable_path=CHROMEDRIVER))
     driver.set_page_load_timeout(30)
@@ -67,8 +77,12 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 def _served_job(srv_url: str, db_url: str, token: str | None) -> dict:
     """A job with 3 groups written, 2 complete: one poll serves them, one stays pending."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    r = requests.post(srv_url + "/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "page-job"},
-                      headers=headers, timeout=10)
+    r = requests.post(
+        srv_url + "/start_rollout",
+        json={"num_repeat_per_sample": 2, "job_session": "page-job"},
+        headers=headers,
+        timeout=10,
+    )
     assert r.status_code == 200, r.text
     w = Writer(db_url, job="page-job")
     try:
@@ -77,12 +91,22 @@ def _served_job(srv_url: str, db_url: str, token: str | None) -> dict:
         w.group("gc", 2, steps=2, complete=1)
     finally:
         w.close()
-    wait_until(lambda: requests.get(srv_url + "/status", headers=headers, timeout=10).json()["stats"]["groups"]["ready"]
-               == 2, 15, "2 groups ready")
+    wait_until(
+        lambda: (
+            requests.get(srv_url + "/status", headers=headers, timeout=10).json()["stats"][
+                "groups"
+            ]["ready"]
+            == 2
+        ),
+        15,
+        "2 groups ready",
+    )
     r = requests.post(srv_url + "/get_rollout_data", json={}, headers=headers, timeout=10)
     assert r.json()["success"] is True
     doc = requests.get(srv_url + "/status", headers=headers, timeout=10).json()
-    assert doc["stats"]["groups"]["served"] == 2 and doc["history"]["batches"][0]["send_s"] is not None
+    assert (
+        doc["stats"]["groups"]["served"] == 2 and doc["history"]["batches"][0]["send_s"] is not None
+    )
     return doc
 
 
@@ -91,8 +115,13 @@ def _text(driver: Any, el_id: str) -> str:
 
 
 def _wait_text(driver: Any, el_id: str, expected: str, timeout: float = 15.0) -> None:
-    wait_until(lambda: _text(driver, el_id) == expected, timeout,
-               lambda: f"#{el_id} showing {expected!r} (it shows {_text(driver, el_id)!r}); page: {driver.page_source[:2000]}")
+    wait_until(
+        lambda: _text(driver, el_id) == expected,
+        timeout,
+        lambda: (
+            f"#{el_id} showing {expected!r} (it shows {_text(driver, el_id)!r}); page: {driver.page_source[:2000]}"
+        ),
+    )
 
 
 def _check_figures(driver: Any, doc: dict) -> None:
@@ -117,7 +146,11 @@ def _check_figures(driver: Any, doc: dict) -> None:
     assert cells[0] == doc["history"]["batches"][0]["batch_id"][:12]
     assert cells[2:4] == ["2", "10"]
     # the charts are inline SVG with one point per 10 s over 15 minutes
-    points = driver.find_element("css selector", "#chart-ingest polyline").get_attribute("points").split()
+    points = (
+        driver.find_element("css selector", "#chart-ingest polyline")
+        .get_attribute("points")
+        .split()
+    )
     assert len(points) == 90
     assert float(_text(driver, "ingest-peak")) > 0
 
@@ -127,8 +160,8 @@ def _png(data: bytes) -> tuple[int, int, list[bytes]]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
     pos, idat, width = 8, b"", 0
     while pos < len(data):
-        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + n]
+        n, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        body = data[pos + 8 : pos + 8 + n]
         if kind == b"IHDR":
             width, height, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", body)
             assert depth == 8 and color in (2, 6) and interlace == 0, (depth, color, interlace)
@@ -140,7 +173,10 @@ def _png(data: bytes) -> tuple[int, int, list[bytes]]:
     stride = width * bpp
     rows, prev = [], bytearray(stride)
     for y in range(height):
-        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        f, line = (
+            raw[y * (stride + 1)],
+            bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)]),
+        )
         for i in range(stride):
             a = line[i - bpp] if i >= bpp else 0
             b, c = prev[i], (prev[i - bpp] if i >= bpp else 0)
@@ -163,7 +199,9 @@ def _check_screenshot(driver: Any, path: Any) -> None:
     """A screenshot renders: a PNG of the viewport's size, with the page drawn on it (not blank)."""
     data = driver.get_screenshot_as_png()
     path.write_bytes(data)
-    vw, vh, ratio = driver.execute_script("return [window.innerWidth, window.innerHeight, window.devicePixelRatio]")
+    vw, vh, ratio = driver.execute_script(
+        "return [window.innerWidth, window.innerHeight, window.devicePixelRatio]"
+    )
     width, height, rows = _png(data)
     assert (width, height) == (round(vw * ratio), round(vh * ratio)), (width, height, vw, vh, ratio)
     assert width >= 800 and height >= 600
@@ -172,7 +210,7 @@ def _check_screenshot(driver: Any, path: Any) -> None:
     colours, inked = set(), 0
     for row in rows[::4]:
         for i in range(0, len(row), bpp * 4):
-            px = row[i:i + 3]
+            px = row[i : i + 3]
             colours.add(px)
             inked += px != background
     assert len(colours) > 20, f"the screenshot looks blank ({len(colours)} colours)"
@@ -186,7 +224,9 @@ def test_page_without_token_shows_the_services_figures(browser, lite_url, tmp_pa
         _check_figures(browser, doc)
         assert not browser.find_element("id", "token-box").is_displayed()
         # nothing is loaded from anywhere but the service, and its answer says so to the browser
-        fetched = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+        fetched = browser.execute_script(
+            "return performance.getEntriesByType('resource').map(e => e.name)"
+        )
         assert fetched and all(u.startswith(srv.url + "/") for u in fetched), fetched
         csp = requests.get(srv.url + "/", timeout=10).headers["Content-Security-Policy"]
         assert "default-src 'none'" in csp and "connect-src 'self'" in csp
@@ -206,31 +246,46 @@ def test_page_with_token_asks_for_it_and_keeps_it_out_of_urls(browser, lite_url,
         assert requests.get(srv.url + "/status", timeout=10).status_code == 401
         doc = _served_job(srv.url, lite_url, TOKEN)
         browser.get(srv.url + "/")
-        wait_until(browser.find_element("id", "token-box").is_displayed, 15, "the page asking for the token")
+        wait_until(
+            browser.find_element("id", "token-box").is_displayed,
+            15,
+            "the page asking for the token",
+        )
         assert not browser.find_element("id", "main").is_displayed()
-        assert browser.find_element("id", "job").get_attribute("textContent") == "-"  # no figure without the token
+        assert (
+            browser.find_element("id", "job").get_attribute("textContent") == "-"
+        )  # no figure without the token
         browser.find_element("id", "token-input").send_keys("wrong-token")
         browser.find_element("id", "token-submit").click()
-        _wait_text(browser, "token-why", "The token was refused; enter the service's ROLLOUT_BUFFER_TOKEN.")
-        assert browser.execute_script("return sessionStorage.getItem('rollout_buffer_token')") is None
+        _wait_text(
+            browser, "token-why", "The token was refused; enter the service's ROLLOUT_BUFFER_TOKEN."
+        )
+        assert (
+            browser.execute_script("return sessionStorage.getItem('rollout_buffer_token')") is None
+        )
         # a character no HTTP header can carry (a pasted en dash) is refused as such, never stored, and
         # the service is not reported unreachable (every fetch used to throw and retry forever)
         browser.find_element("id", "token-input").send_keys(TOKEN[:4] + "\u2013" + TOKEN[5:])
         browser.find_element("id", "token-submit").click()
         assert "U+2013" in _text(browser, "token-why")
-        assert browser.execute_script("return sessionStorage.getItem('rollout_buffer_token')") is None
+        assert (
+            browser.execute_script("return sessionStorage.getItem('rollout_buffer_token')") is None
+        )
         assert _text(browser, "overall") == "token required" and not _text(browser, "banner")
         browser.find_element("id", "token-input").send_keys(TOKEN)
         browser.find_element("id", "token-submit").click()
         _check_figures(browser, doc)
-        assert browser.execute_script("return sessionStorage.getItem('rollout_buffer_token')") == TOKEN
+        assert (
+            browser.execute_script("return sessionStorage.getItem('rollout_buffer_token')") == TOKEN
+        )
         # a reload keeps it for the tab: the figures come back without asking
         browser.refresh()
         _check_figures(browser, doc)
         assert not browser.find_element("id", "token-box").is_displayed()
         urls = browser.execute_script(
             "return [location.href].concat(performance.getEntriesByType('navigation').map(e => e.name),"
-            " performance.getEntriesByType('resource').map(e => e.name))")
+            " performance.getEntriesByType('resource').map(e => e.name))"
+        )
         assert any(u.endswith("/status") for u in urls), urls
         assert not any(TOKEN in u or "wrong-token" in u for u in urls), urls
         _check_screenshot(browser, tmp_path / "page-token.png")

@@ -3,18 +3,20 @@ Postgres: staleness, zero-variance groups, over-sampling, partial groups at the 
 and the group figures. Each policy: off (the original's behaviour), on, at the bound and one past
 it, the proxy told with the reason, the accounting balanced, items the upstream client accepts.
 The restart tests (kill -9 of a real gunicorn) are in test_policies_restart.py."""
+
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 from fakes.fake_proxy import FakeProxy
+from support import Harness, assert_balanced, groups_of, wait_until
+
 from rollout_buffer.core.config import Config
 from rollout_buffer.service import Service
-from support import Harness, Writer, assert_balanced, groups_of, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 UPSTREAM_KEYS = ("uid", "instance_id", "messages", "reward", "extra_info")
@@ -45,8 +47,10 @@ def proxy() -> Iterator[FakeProxy]:
 @pytest.fixture
 def make(db_url: str, harness_factory: Any, proxy: FakeProxy):
     """A started service on the test's backend, notifying the fake proxy, with policy overrides."""
+
     def build(**overrides: Any) -> Harness:
         return harness_factory(db_url, proxy_host="127.0.0.1", proxy_port=proxy.port, **overrides)
+
     return build
 
 
@@ -65,6 +69,7 @@ def served_groups(h: Harness, **body: Any) -> list[str]:
 
 # -- staleness ------------------------------------------------------------------------------------------------
 
+
 def test_staleness_off_serves_every_version(make, writer):
     h = make()
     h.start(k=2)
@@ -79,7 +84,9 @@ def test_staleness_off_serves_every_version(make, writer):
 def test_staleness_drops_at_ready_by_the_rows_version_bound_and_one_past(make, writer, proxy):
     h = make(max_off_policy=2)
     h.start(k=2)
-    writer.group("newest", 2, env_state=wv(5))   # the rows' version is now 5, whatever the trainer sends ({})
+    writer.group(
+        "newest", 2, env_state=wv(5)
+    )  # the rows' version is now 5, whatever the trainer sends ({})
     writer.group("at_bound", 2, env_state=wv(3))  # 5 - 3 = 2: kept
     stale = writer.group("one_past", 2, env_state=wv(2))  # 5 - 2 = 3 > 2: stale
     h.settle()
@@ -150,7 +157,9 @@ def test_a_long_env_state_is_not_read_at_ingest_and_its_version_counts_once_buil
     doc = h.poll()
     assert [x["group_id"] for x in doc["data"]["meta_info"]["group_stats"]] == ["short", "new-long"]
     assert {i["extra_info"]["weight_version"] for i in groups_of(doc)["new-long"]} == {9}
-    assert doc["data"]["meta_info"]["filtered"] == {"stale": 1}  # old-long: 5 - 2 > 1, judged when built
+    assert doc["data"]["meta_info"]["filtered"] == {
+        "stale": 1
+    }  # old-long: 5 - 2 > 1, judged when built
     s = h.stats()
     assert s["versions"]["rows"] == 9  # the built rows' version counts from now on
     assert_balanced(s)
@@ -159,17 +168,21 @@ def test_a_long_env_state_is_not_read_at_ingest_and_its_version_counts_once_buil
 def fetch_counter(monkeypatch) -> list[int]:
     """Counts the rows a poll reads from the database (every body is read by draft.fetch_takes)."""
     import rollout_buffer.serving.draft as draft
+
     read = [0]
     real = draft.fetch_takes
 
     def counting(src, takes, cap):
         read[0] += sum(len(t.served_pks) for t in takes)
         return real(src, takes, cap)
+
     monkeypatch.setattr(draft, "fetch_takes", counting)
     return read
 
 
-def test_groups_stale_by_their_ingested_versions_are_dropped_without_reading_a_row(make, writer, monkeypatch):
+def test_groups_stale_by_their_ingested_versions_are_dropped_without_reading_a_row(
+    make, writer, monkeypatch
+):
     """The trainer's version jumps past every ready group: the poll drops them all from what ingest
     knows, instead of reading and building the whole backlog to throw it away."""
     h = make(max_off_policy=2)
@@ -196,26 +209,41 @@ def test_a_poll_builds_about_one_budget_of_groups_it_refuses(make, writer, monke
         writer.group(f"g{g}", 2, steps=3, env_state=wv(5))
     h.settle()
     import rollout_buffer.serving.draft as draft
+
     built, real = [0], draft.build_group
 
     def counting(*a, **kw):
         built[0] += 1
         return real(*a, **kw)
+
     monkeypatch.setattr(draft, "build_group", counting)
     doc = h.poll(current_weight_version=8, max_off_policy=2)
     assert doc["success"] is False
     first = h.stats()["groups"]["dropped"]["stale"]
-    assert 1 <= first < 40 and built[0] == first  # about a budget's worth; the others wait for the next polls
+    assert (
+        1 <= first < 40 and built[0] == first
+    )  # about a budget's worth; the others wait for the next polls
     for _ in range(40):
-        if not h.poll(current_weight_version=8, max_off_policy=2)["success"] and not h.stats()["groups"]["ready"]:
+        if (
+            not h.poll(current_weight_version=8, max_off_policy=2)["success"]
+            and not h.stats()["groups"]["ready"]
+        ):
             break
     s = h.stats()
     assert s["groups"]["dropped"] == {"stale": 40}
     assert_balanced(s)
 
 
-@pytest.mark.parametrize("body", [{"max_off_policy": -1}, {"max_off_policy": "2"}, {"max_off_policy": 1.5},
-                                  {"current_weight_version": -3}, {"current_weight_version": True}])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"max_off_policy": -1},
+        {"max_off_policy": "2"},
+        {"max_off_policy": 1.5},
+        {"current_weight_version": -3},
+        {"current_weight_version": True},
+    ],
+)
 def test_bad_policy_fields_in_a_poll_are_400(make, body):
     h = make()
     r = h.client.post("/get_rollout_data", json=body)
@@ -225,6 +253,7 @@ def test_bad_policy_fields_in_a_poll_are_400(make, body):
 
 
 # -- zero variance --------------------------------------------------------------------------------------------
+
 
 def test_zero_variance_off_serves_equal_rewards(make, writer):
     h = make()
@@ -240,9 +269,9 @@ def test_zero_variance_bound_is_over_sessions_not_items(make, writer, proxy):
     # equal terminal rewards, sessions of different lengths (their items' step_rewards differ)
     writer.session("flat", "flat-a", 1, reward=0.5)
     writer.session("flat", "flat-b", 3, reward=0.5)
-    writer.session("at_bound", "ab-a", 2, reward=0.5)    # spread 0.25 <= epsilon: dropped
+    writer.session("at_bound", "ab-a", 2, reward=0.5)  # spread 0.25 <= epsilon: dropped
     writer.session("at_bound", "ab-b", 2, reward=0.75)
-    writer.session("one_past", "op-a", 2, reward=0.5)    # spread 0.3125 > epsilon: served
+    writer.session("one_past", "op-a", 2, reward=0.5)  # spread 0.3125 > epsilon: served
     writer.session("one_past", "op-b", 2, reward=0.8125)
     h.settle()
     s = h.stats()
@@ -251,35 +280,58 @@ def test_zero_variance_bound_is_over_sessions_not_items(make, writer, proxy):
     doc = h.poll()
     assert list(groups_of(doc)) == ["one_past"]
     assert doc["data"]["meta_info"]["filtered"] == {"zero_variance": 2}
-    assert proxy.wait_for(lambda p: cleared(p, "zero_variance") == {"flat-a", "flat-b", "ab-a", "ab-b"})
+    assert proxy.wait_for(
+        lambda p: cleared(p, "zero_variance") == {"flat-a", "flat-b", "ab-a", "ab-b"}
+    )
     upstream_accepts(doc)
 
 
 # -- over-sampling --------------------------------------------------------------------------------------------
 
+
 def aievobox_config(tmp_path, url: str, **env: str) -> Config:
-    return Config.from_env({"AIEVOBOX_ROOT": str(tmp_path), "AIEVOBOX_DB_URL": url, "AIEVOBOX_ENV_ROOT": "/envs",
-                            "AIEVOBOX_RUN_DIR": str(tmp_path / "logs"), **env})
+    return Config.from_env(
+        {
+            "AIEVOBOX_ROOT": str(tmp_path),
+            "AIEVOBOX_DB_URL": url,
+            "AIEVOBOX_ENV_ROOT": "/envs",
+            "AIEVOBOX_RUN_DIR": str(tmp_path / "logs"),
+            **env,
+        }
+    )
 
 
 def test_oversampling_off_keeps_the_seed_argv_and_on_asks_k_plus_n(tmp_path, lite_url):
     seed = list(Service(aievobox_config(tmp_path, lite_url)).launch_spec("J", 8).argv)
     assert seed[seed.index("--rl-group-size") + 1] == "8"
-    assert list(Service(aievobox_config(tmp_path, lite_url, ROLLOUT_BUFFER_OVERSAMPLE="0")).launch_spec(
-        "J", 8).argv) == seed
-    over = list(Service(aievobox_config(tmp_path, lite_url, ROLLOUT_BUFFER_OVERSAMPLE="3")).launch_spec(
-        "J", 8).argv)
-    assert over == [("11" if i == seed.index("--rl-group-size") + 1 else a) for i, a in enumerate(seed)]
+    assert (
+        list(
+            Service(aievobox_config(tmp_path, lite_url, ROLLOUT_BUFFER_OVERSAMPLE="0"))
+            .launch_spec("J", 8)
+            .argv
+        )
+        == seed
+    )
+    over = list(
+        Service(aievobox_config(tmp_path, lite_url, ROLLOUT_BUFFER_OVERSAMPLE="3"))
+        .launch_spec("J", 8)
+        .argv
+    )
+    assert over == [
+        ("11" if i == seed.index("--rl-group-size") + 1 else a) for i, a in enumerate(seed)
+    ]
 
 
-def test_oversampling_serves_the_first_k_completed_and_clears_the_others_at_once(make, writer, proxy):
+def test_oversampling_serves_the_first_k_completed_and_clears_the_others_at_once(
+    make, writer, proxy
+):
     h = make(oversample=2)
     h.start(k=2)
     w = writer
-    w.step("g", "s1", 1)                              # s1 starts, never completes in time
-    w.session("g", "s0", 2, reward=0.1)               # s0 completes first
+    w.step("g", "s1", 1)  # s1 starts, never completes in time
+    w.session("g", "s0", 2, reward=0.1)  # s0 completes first
     w.step("g", "s3", 1)
-    w.session("g", "s2", 1, reward=0.9)               # s2 completes second: the group is ready (K=2)
+    w.session("g", "s2", 1, reward=0.9)  # s2 completes second: the group is ready (K=2)
     h.settle()
     s = h.stats()
     assert s["groups"]["ready"] == 1
@@ -324,11 +376,11 @@ def test_a_session_dropped_as_oversampled_stays_out_when_k_is_raised(make, write
     h.start(k=2)
     writer.step("g", "s2", 1)
     writer.session("g", "s0", 2, reward=0.1)
-    writer.session("g", "s1", 2, reward=0.9)   # ready: s2's first row is dropped as oversampled
+    writer.session("g", "s1", 2, reward=0.9)  # ready: s2's first row is dropped as oversampled
     h.settle()
-    h.start(k=3)                                # the same job, K raised: g needs a third session
+    h.start(k=3)  # the same job, K raised: g needs a third session
     writer.step("g", "s2", 2, completed=True, step_reward=0.4)
-    assert h.poll()["success"] is False         # s2 completing does not make it the third session
+    assert h.poll()["success"] is False  # s2 completing does not make it the third session
     writer.session("g", "s3", 2, reward=0.5)
     doc = h.poll()
     assert sessions_served(doc, "g") == {"s0": [1, 2], "s1": [1, 2], "s3": [1, 2]}
@@ -345,7 +397,7 @@ def test_a_session_first_seen_after_the_choice_stays_out_when_k_is_raised(make, 
     h.start(k=2)
     writer.session("g", "s0", 2, reward=0.1)
     writer.session("g", "s1", 2, reward=0.9)
-    writer.step("g", "s2", 1)                   # after the choice: oversampled
+    writer.step("g", "s2", 1)  # after the choice: oversampled
     h.settle()
     h.start(k=3)
     writer.step("g", "s2", 2, completed=True, step_reward=0.4)
@@ -362,7 +414,7 @@ def test_k_lowered_on_a_running_job_cuts_a_ready_group_to_its_first_k(make, writ
     h.start(k=3)
     writer.session("g", "s0", 2, reward=0.1)
     writer.session("g", "s1", 2, reward=0.9)
-    writer.session("g", "s2", 2, reward=0.5)    # ready with three
+    writer.session("g", "s2", 2, reward=0.5)  # ready with three
     h.settle()
     h.start(k=2)
     doc = h.poll()
@@ -397,21 +449,26 @@ def test_a_partial_group_reaching_k_while_it_waits_serves_k_sessions(make, write
 
 # -- partial groups at the TTL --------------------------------------------------------------------------------
 
+
 def test_partial_groups_off_drops_at_the_ttl(make, writer):
     h = make(ttl_s=0.3)
     h.start(k=4)
     writer.group("half", 4, complete=2)
-    wait_until(lambda: h.stats()["groups"]["dropped"].get("incomplete_group_ttl") == 1, 10, "TTL drop")
+    wait_until(
+        lambda: h.stats()["groups"]["dropped"].get("incomplete_group_ttl") == 1, 10, "TTL drop"
+    )
     assert h.poll()["success"] is False
 
 
 def test_partial_groups_at_the_ttl_bound_and_one_past(make, writer, proxy):
     h = make(ttl_s=0.3, min_group_size=2)
     h.start(k=4)
-    half = writer.group("half", 4, complete=2)   # 2 completed >= 2: served partial
-    writer.group("one", 4, complete=1)           # 1 completed < 2: dropped at the TTL
-    writer.group("whole", 4)                     # complete: served as usual
-    wait_until(lambda: h.stats()["groups"]["dropped"].get("incomplete_group_ttl") == 1, 10, "TTL decisions")
+    half = writer.group("half", 4, complete=2)  # 2 completed >= 2: served partial
+    writer.group("one", 4, complete=1)  # 1 completed < 2: dropped at the TTL
+    writer.group("whole", 4)  # complete: served as usual
+    wait_until(
+        lambda: h.stats()["groups"]["dropped"].get("incomplete_group_ttl") == 1, 10, "TTL decisions"
+    )
     wait_until(lambda: h.stats()["groups"]["ready"] == 2, 10, "the partial group ready")
     doc = h.poll()
     groups = groups_of(doc)
@@ -420,7 +477,9 @@ def test_partial_groups_at_the_ttl_bound_and_one_past(make, writer, proxy):
     assert all(i["extra_info"]["partial_group"] is True for i in groups["half"])
     assert all("partial_group" not in i["extra_info"] for i in groups["whole"])
     assert doc["data"]["meta_info"]["partial_groups"] == ["half"]
-    assert proxy.wait_for(lambda p: cleared(p, "incomplete_session_in_served_group") == set(half[2:]))
+    assert proxy.wait_for(
+        lambda p: cleared(p, "incomplete_session_in_served_group") == set(half[2:])
+    )
     assert_balanced(h.stats())
     upstream_accepts(doc)
 
@@ -429,16 +488,22 @@ def test_min_group_size_of_k_or_more_is_off(make, writer):
     h = make(ttl_s=0.3, min_group_size=4)
     h.start(k=4)
     writer.group("three", 4, complete=3)
-    wait_until(lambda: h.stats()["groups"]["dropped"].get("incomplete_group_ttl") == 1, 10, "TTL drop")
+    wait_until(
+        lambda: h.stats()["groups"]["dropped"].get("incomplete_group_ttl") == 1, 10, "TTL drop"
+    )
 
 
 # -- serve order ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("order, expected", [
-    ("ready", ["a5", "b1", "c3", "d1"]),
-    ("oldest_version", ["b1", "d1", "c3", "a5"]),   # ties (b1, d1) by readiness
-    ("newest_version", ["a5", "c3", "b1", "d1"]),
-])
+
+@pytest.mark.parametrize(
+    "order, expected",
+    [
+        ("ready", ["a5", "b1", "c3", "d1"]),
+        ("oldest_version", ["b1", "d1", "c3", "a5"]),  # ties (b1, d1) by readiness
+        ("newest_version", ["a5", "c3", "b1", "d1"]),
+    ],
+)
 def test_serve_order(make, writer, order, expected):
     h = make(serve_order=order)
     h.start(k=2)
@@ -453,7 +518,9 @@ def test_serve_order(make, writer, order, expected):
 
 
 def test_a_group_given_back_by_a_poll_keeps_its_place_in_the_version_order(make, writer):
-    h = make(serve_order="oldest_version", max_response_bytes=1024)  # one group per poll, the next given back
+    h = make(
+        serve_order="oldest_version", max_response_bytes=1024
+    )  # one group per poll, the next given back
     h.start(k=2)
     for gid in ("a5", "b1", "c3", "d1"):
         writer.group(gid, 2, env_state=wv(int(gid[1])))
@@ -465,6 +532,7 @@ def test_a_group_given_back_by_a_poll_keeps_its_place_in_the_version_order(make,
 
 
 # -- figures --------------------------------------------------------------------------------------------------
+
 
 def test_group_figures_in_meta_info_stats_and_metrics(make, writer):
     h = make(drop_zero_variance=True)
@@ -483,11 +551,20 @@ def test_group_figures_in_meta_info_stats_and_metrics(make, writer):
     assert st["wait_s"] >= 0 and st["age_s"] >= 0
     figures = h.stats()["figures"]
     assert figures["served"] == {"groups": 1, "steps_per_session": 3.0, "terminal_reward_mean": 0.5}
-    assert figures["dropped"]["zero_variance"] == {"groups": 1, "steps_per_session": 2.0,
-                                                   "terminal_reward_mean": 1.0}
+    assert figures["dropped"]["zero_variance"] == {
+        "groups": 1,
+        "steps_per_session": 2.0,
+        "terminal_reward_mean": 1.0,
+    }
     text = h.client.get("/metrics").get_data(as_text=True)
-    assert 'rollout_buffer_group_steps_per_session{job_session="job1",outcome="served",reason=""} 3.0' in text
-    assert 'rollout_buffer_group_terminal_reward_mean{job_session="job1",outcome="dropped",reason="zero_variance"} 1.0' in text
+    assert (
+        'rollout_buffer_group_steps_per_session{job_session="job1",outcome="served",reason=""} 3.0'
+        in text
+    )
+    assert (
+        'rollout_buffer_group_terminal_reward_mean{job_session="job1",outcome="dropped",reason="zero_variance"} 1.0'
+        in text
+    )
     assert 'rollout_buffer_weight_version{job_session="job1",kind="current"} 4' in text
 
 
@@ -506,8 +583,14 @@ def test_a_replayed_batch_carries_the_same_figures_and_partial_flags(make, write
 
 
 def test_every_policy_on_keeps_the_accounting_and_the_upstream_contract(make, writer, proxy):
-    h = make(max_off_policy=3, drop_zero_variance=True, oversample=1, ttl_s=0.4, min_group_size=2,
-             serve_order="oldest_version")
+    h = make(
+        max_off_policy=3,
+        drop_zero_variance=True,
+        oversample=1,
+        ttl_s=0.4,
+        min_group_size=2,
+        serve_order="oldest_version",
+    )
     h.start(k=3)
     writer.group("ok", 4, complete=3, env_state=wv(7))
     writer.group("stale", 4, complete=3, env_state=wv(2))
@@ -521,18 +604,33 @@ def test_every_policy_on_keeps_the_accounting_and_the_upstream_contract(make, wr
     s = h.stats()
     assert s["groups"]["dropped"] == {"stale": 1, "zero_variance": 1}
     assert_balanced(s)
-    assert proxy.wait_for(lambda p: cleared_groups(p, "stale") == {"stale"}
-                          and cleared_groups(p, "zero_variance") == {"flat"}
-                          and cleared_groups(p, "oversampled") == {"ok"})
+    assert proxy.wait_for(
+        lambda p: (
+            cleared_groups(p, "stale") == {"stale"}
+            and cleared_groups(p, "zero_variance") == {"flat"}
+            and cleared_groups(p, "oversampled") == {"ok"}
+        )
+    )
 
 
 def test_policy_settings_are_validated_at_startup(lite_url):
-    for name, value in (("MAX_OFF_POLICY", "-1"), ("OVERSAMPLE", "x"), ("MIN_GROUP_SIZE", "0"),
-                        ("SERVE_ORDER", "random"), ("ZERO_VARIANCE_EPSILON", "-1"), ("DROP_ZERO_VARIANCE", "maybe")):
+    for name, value in (
+        ("MAX_OFF_POLICY", "-1"),
+        ("OVERSAMPLE", "x"),
+        ("MIN_GROUP_SIZE", "0"),
+        ("SERVE_ORDER", "random"),
+        ("ZERO_VARIANCE_EPSILON", "-1"),
+        ("DROP_ZERO_VARIANCE", "maybe"),
+    ):
         with pytest.raises(Exception) as err:
             Config.from_env({"AIEVOBOX_DB_URL": lite_url, f"ROLLOUT_BUFFER_{name}": value})
         assert f"ROLLOUT_BUFFER_{name}" in str(err.value)
-    assert Config.from_env({"AIEVOBOX_DB_URL": lite_url, "ROLLOUT_BUFFER_MAX_OFF_POLICY": ""}).max_off_policy is None
+    assert (
+        Config.from_env(
+            {"AIEVOBOX_DB_URL": lite_url, "ROLLOUT_BUFFER_MAX_OFF_POLICY": ""}
+        ).max_off_policy
+        is None
+    )
 
 
 PART_LAUNCHER = """\
@@ -555,9 +653,14 @@ def test_partial_groups_when_the_launcher_exits(make, tmp_path):
     script.write_text(PART_LAUNCHER.format(repo=str(ROOT), tests=str(ROOT / "tests")))
     h = make(min_group_size=2, launcher_cmd=(sys.executable, str(script), "--db-path", "{db_url}"))
     h.start(k=3, job="jobP")
-    s = wait_until(lambda: (lambda s: s if s.get("groups", {}).get("dropped") else None)(h.stats()), 15,
-                   "the launcher_exited decision")
+    s = wait_until(
+        lambda: (lambda s: s if s.get("groups", {}).get("dropped") else None)(h.stats()),
+        15,
+        "the launcher_exited decision",
+    )
     assert s["groups"]["dropped"] == {"launcher_exited": 1} and s["groups"]["ready"] == 1
     doc = h.poll()
-    assert list(groups_of(doc)) == ["g-two"] and doc["data"]["meta_info"]["partial_groups"] == ["g-two"]
+    assert list(groups_of(doc)) == ["g-two"] and doc["data"]["meta_info"]["partial_groups"] == [
+        "g-two"
+    ]
     assert_balanced(h.stats())

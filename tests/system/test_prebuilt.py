@@ -1,14 +1,23 @@
 """Responses built before the poll (prebuilt.py): through the Flask test client on both backends and
 a real gunicorn killed -9. Each test waits until /stats shows the draft the background thread built,
 so what it checks is the claimed draft, not a poll that happened to build on its own path."""
+
 from __future__ import annotations
 
 import threading
 import uuid
 
-from rollout_buffer.storage.db import connect
-from servers import Server, Trainer, assert_exactly_once, assert_stats_balance, complete_groups, kill9
+from servers import (
+    Server,
+    Trainer,
+    assert_exactly_once,
+    assert_stats_balance,
+    complete_groups,
+    kill9,
+)
 from support import assert_balanced, groups_of, wait_until
+
+from rollout_buffer.storage.db import connect
 
 
 def draft_of(h) -> dict | None:
@@ -24,7 +33,11 @@ def with_a_draft(h, writer, groups: int, max_groups: int, **poll) -> None:
         writer.group(f"g{i}", 2, steps=2, **env)
     h.settle()
     assert len(groups_of(h.poll(max_groups=max_groups, **poll))) == max_groups
-    wait_until(lambda: (draft_of(h) or {}).get("groups") == max_groups, 10, f"a draft of {max_groups} groups")
+    wait_until(
+        lambda: (draft_of(h) or {}).get("groups") == max_groups,
+        10,
+        f"a draft of {max_groups} groups",
+    )
 
 
 def one_group_drafted(h, writer) -> tuple[dict[str, list[str]], str]:
@@ -46,14 +59,22 @@ def test_a_prebuilt_response_is_what_an_unbuilt_poll_would_serve(harness, writer
     for i in range(6):
         writer.group(f"g{i}", 2, steps=3)
     harness.settle()
-    assert sorted(groups_of(harness.poll(max_groups=2))) == ["g0", "g1"]  # the trainer's shape: 2 groups
-    wait_until(lambda: (draft_of(harness) or {}).get("groups") == 2, 10, "a draft of the next 2 groups")
+    assert sorted(groups_of(harness.poll(max_groups=2))) == [
+        "g0",
+        "g1",
+    ]  # the trainer's shape: 2 groups
+    wait_until(
+        lambda: (draft_of(harness) or {}).get("groups") == 2, 10, "a draft of the next 2 groups"
+    )
     before = harness.stats()["prebuilt"]
     rid = uuid.uuid4().hex
     doc = harness.poll(max_groups=2, request_id=rid)
     after = harness.stats()["prebuilt"]
     assert after["claims"] == before["claims"] + 1 and after["discards"] == before["discards"]
-    assert [s["group_id"] for s in doc["data"]["meta_info"]["group_stats"]] == ["g2", "g3"]  # the serve order
+    assert [s["group_id"] for s in doc["data"]["meta_info"]["group_stats"]] == [
+        "g2",
+        "g3",
+    ]  # the serve order
     # the replay rebuilds the batch from the rows with the recorded seed: byte for byte what a poll
     # that built it on its own path would have sent
     again = harness.poll(max_groups=2, request_id=rid)
@@ -80,7 +101,9 @@ def test_a_draft_of_another_shape_is_discarded_and_its_groups_served_once(harnes
     assert_balanced(harness.stats())
 
 
-def test_a_group_that_goes_stale_while_in_the_draft_is_dropped_not_served(db_url, harness_factory, writer):
+def test_a_group_that_goes_stale_while_in_the_draft_is_dropped_not_served(
+    db_url, harness_factory, writer
+):
     h = harness_factory(db_url, max_off_policy=2)
     with_a_draft(h, writer, 4, 1, current_weight_version=5, env_state=stale_env(5))
     # the trainer moved to version 9: every waiting group is now 4 versions old (> 2)
@@ -92,25 +115,35 @@ def test_a_group_that_goes_stale_while_in_the_draft_is_dropped_not_served(db_url
     assert_balanced(s)
 
 
-def test_a_group_tainted_while_in_the_draft_is_dropped_as_malformed_as_a_ready_one_would_be(harness, writer):
+def test_a_group_tainted_while_in_the_draft_is_dropped_as_malformed_as_a_ready_one_would_be(
+    harness, writer
+):
     sessions, drafted = one_group_drafted(harness, writer)
     writer.step(None, sessions[drafted][0], 3)  # a row of one of its sessions, without group_id
     harness.settle()
     doc = harness.poll(max_groups=1)
     assert drafted not in groups_of(doc)
     s = harness.stats()
-    assert s["groups"]["dropped"] == {"malformed_row": 1} and s["rows"]["rejected"] == {"missing_group_id": 1}
+    assert s["groups"]["dropped"] == {"malformed_row": 1} and s["rows"]["rejected"] == {
+        "missing_group_id": 1
+    }
     assert_balanced(s)
 
 
-def test_a_served_session_that_grew_while_in_the_draft_is_served_as_an_unbuilt_poll_would(harness, writer):
+def test_a_served_session_that_grew_while_in_the_draft_is_served_as_an_unbuilt_poll_would(
+    harness, writer
+):
     sessions, drafted = one_group_drafted(harness, writer)
     sid = sessions[drafted][0]
-    writer.step(drafted, sid, 3, completed=True, step_reward=0.9)  # its session goes on and ends again
+    writer.step(
+        drafted, sid, 3, completed=True, step_reward=0.9
+    )  # its session goes on and ends again
     harness.settle()
     items = groups_of(harness.poll(max_groups=1))[drafted]
     mine = [i for i in items if i["extra_info"]["session_id"] == sid]
-    assert [i["extra_info"]["steps"] for i in mine] == [1, 2, 3] and {i["reward"] for i in mine} == {0.9}
+    assert [i["extra_info"]["steps"] for i in mine] == [1, 2, 3] and {
+        i["reward"] for i in mine
+    } == {0.9}
     assert_balanced(harness.stats())
 
 
@@ -120,8 +153,12 @@ def test_a_new_job_drops_the_drafts_groups_as_job_ended_never_loses_them(harness
     assert draft_of(harness) is None
     db = connect(db_url)
     try:
-        decided = dict(db.rows("SELECT group_id, COALESCE(reason, status) FROM rollout_buffer_groups "
-                               "WHERE job_id = 'job1'"))
+        decided = dict(
+            db.rows(
+                "SELECT group_id, COALESCE(reason, status) FROM rollout_buffer_groups "
+                "WHERE job_id = 'job1'"
+            )
+        )
     finally:
         db.close()
     assert decided == {"g0": "served", "g1": "job_ended", "g2": "job_ended"}
@@ -137,7 +174,9 @@ def test_prebuild_off_builds_nothing_ahead(db_url, harness_factory, writer):
     assert h.service.sync() and h.service.sync()
     s = h.stats()["prebuilt"]
     assert s == {"enabled": False, "draft": None, "builds": 0, "claims": 0, "discards": 0}
-    assert s is not None and not [t for t in threading.enumerate() if t.name == "rollout-buffer-prebuild"]
+    assert s is not None and not [
+        t for t in threading.enumerate() if t.name == "rollout-buffer-prebuild"
+    ]
     assert h.stats()["groups"]["ready"] == 3
 
 
@@ -151,8 +190,11 @@ def test_kill_9_between_building_and_sending_loses_nothing(db_url, writer, tmp_p
         first = trainer.poll(max_groups=2, retry_for=30)
         while not first["success"]:
             first = trainer.poll(max_groups=2)
-        wait_until(lambda: (trainer.stats()["prebuilt"]["draft"] or {}).get("groups") == 2, 15,
-                   "a draft of the next 2 groups")
+        wait_until(
+            lambda: (trainer.stats()["prebuilt"]["draft"] or {}).get("groups") == 2,
+            15,
+            "a draft of the next 2 groups",
+        )
         kill9(srv)  # the draft was built, never claimed: nothing of it was recorded
         srv.start()
         trainer.drain(set(complete_groups(db_url, "job1", k=2)), max_groups=2)

@@ -5,6 +5,7 @@ a real HTTP server (up, down, hung) and start/stop leaks (issue 3, SPEC §3, §5
 Background behaviour is observed through ``GET /health`` and ``GET /stats``, which never run a
 tick: only the service's own loop thread (every 20 ms in tests) can have done the work.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
-
-from support import Harness, Writer, assert_balanced, groups_of, make_config, wait_until
 from fakes.fake_proxy import FakeProxy, closed_port
+from support import Harness, Writer, assert_balanced, groups_of, make_config, wait_until
+
 from rollout_buffer.core.config import Config
 from rollout_buffer.launcher import procfs
 from rollout_buffer.service import Service
@@ -84,7 +85,9 @@ def proxy():
 # -- 1. the launcher through /start_rollout and /stop_rollout -------------------------------------
 def test_hanging_launcher_start_again_conflict_stop(harness_factory, lite_url, tmp_path):
     marker = tmp_path / "starts"
-    h = harness_factory(lite_url, launcher_cmd=fake_cmd("hang", "--marker", str(marker)), stop_grace_s=2.0)
+    h = harness_factory(
+        lite_url, launcher_cmd=fake_cmd("hang", "--marker", str(marker)), stop_grace_s=2.0
+    )
     assert health(h)["aievobox_running"] is False
     assert launcher(h)["pid"] is None
 
@@ -110,7 +113,10 @@ def test_hanging_launcher_start_again_conflict_stop(harness_factory, lite_url, t
     # Its output goes to a log file in the run directory.
     log_path = Path(hl["launcher"]["log_path"])
     assert log_path.parent == tmp_path / "logs"
-    wait_until(lambda: f"fake launcher pid {pid} mode hang" in log_path.read_text(), what="launcher output logged")
+    wait_until(
+        lambda: f"fake launcher pid {pid} mode hang" in log_path.read_text(),
+        what="launcher output logged",
+    )
 
     # The real client calls again after it restarts: nothing changes.
     status, body = post(h, "/start_rollout", {"num_repeat_per_sample": 6})
@@ -147,12 +153,18 @@ def test_hanging_launcher_start_again_conflict_stop(harness_factory, lite_url, t
     assert health(h)["aievobox_running"] is False
 
 
-def test_launcher_exit0_is_reported_and_a_new_start_runs_a_new_one(harness_factory, lite_url, tmp_path):
+def test_launcher_exit0_is_reported_and_a_new_start_runs_a_new_one(
+    harness_factory, lite_url, tmp_path
+):
     marker = tmp_path / "starts"
-    h = harness_factory(lite_url, launcher_cmd=fake_cmd("exit0", "--marker", str(marker), "--sleep", "0.2"))
+    h = harness_factory(
+        lite_url, launcher_cmd=fake_cmd("exit0", "--marker", str(marker), "--sleep", "0.2")
+    )
     first = h.start(k=2, job="jobX")["pid"]
     assert launcher(h)["running"] is True
-    lc = wait_until(lambda: (lambda s: s if s["finished"] else None)(launcher(h)), what="launcher exit 0")
+    lc = wait_until(
+        lambda: (lambda s: s if s["finished"] else None)(launcher(h)), what="launcher exit 0"
+    )
     assert lc["running"] is False
     assert lc["pid"] == first
     assert lc["exit_code"] == 0
@@ -177,10 +189,16 @@ def test_launcher_exit0_is_reported_and_a_new_start_runs_a_new_one(harness_facto
 
 def test_launcher_exit1_with_policy_never_is_not_restarted(harness_factory, lite_url, tmp_path):
     marker = tmp_path / "starts"
-    h = harness_factory(lite_url, launcher_cmd=fake_cmd("exit1", "--marker", str(marker)),
-                        restart_policy="never", restart_backoff_s=0.05)
+    h = harness_factory(
+        lite_url,
+        launcher_cmd=fake_cmd("exit1", "--marker", str(marker)),
+        restart_policy="never",
+        restart_backoff_s=0.05,
+    )
     pid = h.start(k=2)["pid"]
-    lc = wait_until(lambda: (lambda s: s if s["finished"] else None)(launcher(h)), what="launcher exit 1")
+    lc = wait_until(
+        lambda: (lambda s: s if s["finished"] else None)(launcher(h)), what="launcher exit 1"
+    )
     assert lc["exit_code"] == 1
     assert lc["pid"] == pid
     assert lc["restarts"] == 0
@@ -191,14 +209,24 @@ def test_launcher_exit1_with_policy_never_is_not_restarted(harness_factory, lite
     assert health(h)["aievobox_running"] is False
 
 
-def test_launcher_exit1_on_failure_restarts_with_backoff_then_gives_up(harness_factory, lite_url, tmp_path):
+def test_launcher_exit1_on_failure_restarts_with_backoff_then_gives_up(
+    harness_factory, lite_url, tmp_path
+):
     marker = tmp_path / "starts"
-    h = harness_factory(lite_url, launcher_cmd=fake_cmd("exit1", "--marker", str(marker)),
-                        restart_policy="on-failure", restart_max=2, restart_backoff_s=0.05)
+    h = harness_factory(
+        lite_url,
+        launcher_cmd=fake_cmd("exit1", "--marker", str(marker)),
+        restart_policy="on-failure",
+        restart_max=2,
+        restart_backoff_s=0.05,
+    )
     started = time.monotonic()
     pid = h.start(k=2)["pid"]
-    lc = wait_until(lambda: (lambda s: s if s["finished"] else None)(launcher(h)), timeout=10,
-                    what="launcher gave up")
+    lc = wait_until(
+        lambda: (lambda s: s if s["finished"] else None)(launcher(h)),
+        timeout=10,
+        what="launcher gave up",
+    )
     elapsed = time.monotonic() - started
     assert lc["restarts"] == 2
     assert lc["exit_code"] == 1
@@ -219,9 +247,13 @@ def test_launcher_exit1_on_failure_restarts_with_backoff_then_gives_up(harness_f
 def test_launcher_ignoring_term_is_killed_with_its_group(harness_factory, lite_url, tmp_path):
     marker = tmp_path / "starts"
     child_file = tmp_path / "child.pid"
-    h = harness_factory(lite_url, launcher_cmd=fake_cmd("spawn-child", "--marker", str(marker),
-                                                        "--child-pid-file", str(child_file)),
-                        stop_grace_s=0.5)
+    h = harness_factory(
+        lite_url,
+        launcher_cmd=fake_cmd(
+            "spawn-child", "--marker", str(marker), "--child-pid-file", str(child_file)
+        ),
+        stop_grace_s=0.5,
+    )
     pid = h.start(k=2)["pid"]
     # The marker is written after SIGTERM is ignored; the child pid file once the grandchild runs.
     wait_until(lambda: lines(marker) and child_file.exists(), what="launcher and grandchild up")
@@ -245,8 +277,9 @@ def test_launcher_ignoring_term_is_killed_with_its_group(harness_factory, lite_u
 
 def test_plain_ignore_term_launcher_is_killed(harness_factory, lite_url, tmp_path):
     marker = tmp_path / "starts"
-    h = harness_factory(lite_url, launcher_cmd=fake_cmd("ignore-term", "--marker", str(marker)),
-                        stop_grace_s=0.5)
+    h = harness_factory(
+        lite_url, launcher_cmd=fake_cmd("ignore-term", "--marker", str(marker)), stop_grace_s=0.5
+    )
     pid = h.start(k=2)["pid"]
     wait_until(lambda: lines(marker), what="launcher up")
     status, body = post(h, "/stop_rollout")
@@ -255,7 +288,9 @@ def test_plain_ignore_term_launcher_is_killed(harness_factory, lite_url, tmp_pat
     assert group_members(pid) == [] and not alive(pid)
 
 
-def test_new_jobs_groups_are_not_dropped_for_the_previous_launchers_exit(harness_factory, lite_url, tmp_path):
+def test_new_jobs_groups_are_not_dropped_for_the_previous_launchers_exit(
+    harness_factory, lite_url, tmp_path
+):
     # Between selecting a job and spawning its launcher, the loop still sees the previous launcher
     # as finished. Ticks that land in that window must not drop the new job's incomplete groups as
     # launcher_exited once its own launcher is running.
@@ -285,7 +320,10 @@ def test_new_jobs_groups_are_not_dropped_for_the_previous_launchers_exit(harness
     assert s["groups"]["dropped_total"] == 0, s["groups"]
     assert s["groups"]["pending"] == 1
     # Once the new launcher has exited, its incomplete group is dropped.
-    wait_until(lambda: h.stats()["groups"]["dropped"].get("launcher_exited") == 1, what="drop after the exit")
+    wait_until(
+        lambda: h.stats()["groups"]["dropped"].get("launcher_exited") == 1,
+        what="drop after the exit",
+    )
 
 
 def test_launcher_that_cannot_start_is_a_500(harness_factory, lite_url, tmp_path):
@@ -310,7 +348,9 @@ def test_launcher_that_cannot_start_is_a_500(harness_factory, lite_url, tmp_path
 
 def test_service_stop_stops_the_launcher(harness_factory, lite_url, tmp_path):
     marker = tmp_path / "starts"
-    h = harness_factory(lite_url, launcher_cmd=fake_cmd("hang", "--marker", str(marker)), stop_grace_s=2.0)
+    h = harness_factory(
+        lite_url, launcher_cmd=fake_cmd("hang", "--marker", str(marker)), stop_grace_s=2.0
+    )
     pid = h.start(k=2)["pid"]
     wait_until(lambda: lines(marker), what="launcher up")
     h.stop()
@@ -332,14 +372,52 @@ time.sleep(600)
 """
 
 
-def expected_aievobox_argv(root: str, db_url: str, env_args: list[str], proxy: str, job: str, k: int,
-                           multiplier: str = "1.2") -> list[str]:
-    return ["python3", os.path.join(root, "launcher.py"), "--mode", "local", "--db-path", db_url,
-            "--storage-type", "sqlite", *env_args, "--llm-base-url", proxy, "--llm-model", "default",
-            "--llm-temperature", "1.0", "--max-steps", "10", "--message-cut", "0", "--pool-size", "16",
-            "--multiplier", multiplier, "--job-id", job, "--no-rebuild-table", "--rl-use-session-suffix-url",
-            "--rl-group-size", str(k), "--rl-epoch", "1", "--env-transport", "http",
-            "--env-http-timeout-s", "600"]
+def expected_aievobox_argv(
+    root: str,
+    db_url: str,
+    env_args: list[str],
+    proxy: str,
+    job: str,
+    k: int,
+    multiplier: str = "1.2",
+) -> list[str]:
+    return [
+        "python3",
+        os.path.join(root, "launcher.py"),
+        "--mode",
+        "local",
+        "--db-path",
+        db_url,
+        "--storage-type",
+        "sqlite",
+        *env_args,
+        "--llm-base-url",
+        proxy,
+        "--llm-model",
+        "default",
+        "--llm-temperature",
+        "1.0",
+        "--max-steps",
+        "10",
+        "--message-cut",
+        "0",
+        "--pool-size",
+        "16",
+        "--multiplier",
+        multiplier,
+        "--job-id",
+        job,
+        "--no-rebuild-table",
+        "--rl-use-session-suffix-url",
+        "--rl-group-size",
+        str(k),
+        "--rl-epoch",
+        "1",
+        "--env-transport",
+        "http",
+        "--env-http-timeout-s",
+        "600",
+    ]
 
 
 def test_default_aievobox_command(harness_factory, lite_url, tmp_path):
@@ -350,10 +428,19 @@ def test_default_aievobox_command(harness_factory, lite_url, tmp_path):
     root.mkdir()
     (root / "launcher.py").write_text(RECORDING_LAUNCHER)
     env_root = str(tmp_path / "envs")
-    h = harness_factory(lite_url, launcher="aievobox", aievobox_root=str(root), env_root=env_root,
-                        proxy_host="h", proxy_port=4321, stop_grace_s=2.0)
+    h = harness_factory(
+        lite_url,
+        launcher="aievobox",
+        aievobox_root=str(root),
+        env_root=env_root,
+        proxy_host="h",
+        proxy_port=4321,
+        stop_grace_s=2.0,
+    )
     pid = h.start(k=8, job="J")["pid"]
-    expected = expected_aievobox_argv(str(root), lite_url, ["--env-root", env_root], "http://h:4321/v1", "J", 8)
+    expected = expected_aievobox_argv(
+        str(root), lite_url, ["--env-root", env_root], "http://h:4321/v1", "J", 8
+    )
     assert h.service.supervisor.state()["argv"] == expected
     rec_path = root / "argv.json"
     wait_until(rec_path.exists, timeout=10, what="recording launcher wrote its argv")
@@ -369,13 +456,22 @@ def test_default_aievobox_command(harness_factory, lite_url, tmp_path):
 
 def test_aievobox_env_config_wins_over_env_root(tmp_path, lite_url):
     root = str(tmp_path)
-    cfg = Config.from_env({"AIEVOBOX_ROOT": root, "AIEVOBOX_DB_URL": lite_url, "AIEVOBOX_ENV_ROOT": "/e/root",
-                           "AIEVOBOX_ENV_CONFIG": "/e/cfg.yaml", "LLM_PROXY_HOST": "10.0.0.1",
-                           "LLM_PROXY_PORT": "8000", "AIEVOBOX_RUN_DIR": str(tmp_path / "logs")})
+    cfg = Config.from_env(
+        {
+            "AIEVOBOX_ROOT": root,
+            "AIEVOBOX_DB_URL": lite_url,
+            "AIEVOBOX_ENV_ROOT": "/e/root",
+            "AIEVOBOX_ENV_CONFIG": "/e/cfg.yaml",
+            "LLM_PROXY_HOST": "10.0.0.1",
+            "LLM_PROXY_PORT": "8000",
+            "AIEVOBOX_RUN_DIR": str(tmp_path / "logs"),
+        }
+    )
     assert cfg.launcher_kind == "aievobox"
     spec = Service(cfg).launch_spec("job-7", 16)
-    assert list(spec.argv) == expected_aievobox_argv(root, lite_url, ["--env-config", "/e/cfg.yaml"],
-                                                     "http://10.0.0.1:8000/v1", "job-7", 16)
+    assert list(spec.argv) == expected_aievobox_argv(
+        root, lite_url, ["--env-config", "/e/cfg.yaml"], "http://10.0.0.1:8000/v1", "job-7", 16
+    )
     assert spec.cwd == root
 
 
@@ -399,21 +495,34 @@ sys.exit(0)
 """
 
 
-def test_launcher_exit_drops_incomplete_groups_after_the_final_read(harness_factory, db_url, tmp_path, proxy):
+def test_launcher_exit_drops_incomplete_groups_after_the_final_read(
+    harness_factory, db_url, tmp_path, proxy
+):
     script = tmp_path / "writing_launcher.py"
     script.write_text(WRITING_LAUNCHER.format(repo=str(REPO), tests=str(TESTS)))
     out = tmp_path / "sessions.json"
-    h = harness_factory(db_url, launcher_cmd=(sys.executable, str(script), "--db-path", "{db_url}",
-                                              "--out", str(out)),
-                        proxy_host="127.0.0.1", proxy_port=proxy.port, proxy_read_timeout_s=2.0)
+    h = harness_factory(
+        db_url,
+        launcher_cmd=(sys.executable, str(script), "--db-path", "{db_url}", "--out", str(out)),
+        proxy_host="127.0.0.1",
+        proxy_port=proxy.port,
+        proxy_read_timeout_s=2.0,
+    )
     h.start(k=3, job="jobL")
     # No poll, no tick from here: the loop sees the exit, reads the last rows, then drops.
-    lc = wait_until(lambda: (lambda s: s if s["finished"] else None)(launcher(h)), timeout=15,
-                    what="writing launcher exit")
+    lc = wait_until(
+        lambda: (lambda s: s if s["finished"] else None)(launcher(h)),
+        timeout=15,
+        what="writing launcher exit",
+    )
     assert lc["exit_code"] == 0
     sessions = json.loads(out.read_text())
-    stats = wait_until(lambda: (lambda s: s if s.get("groups", {}).get("dropped", {}).get("launcher_exited")
-                                else None)(h.stats()), what="launcher_exited drop")
+    stats = wait_until(
+        lambda: (
+            lambda s: s if s.get("groups", {}).get("dropped", {}).get("launcher_exited") else None
+        )(h.stats()),
+        what="launcher_exited drop",
+    )
     assert stats["groups"]["dropped"] == {"launcher_exited": 1}
     assert stats["groups"]["ready"] == 1  # the complete group is kept for the trainer
     assert stats["groups"]["pending"] == 0
@@ -428,7 +537,9 @@ def test_launcher_exit_drops_incomplete_groups_after_the_final_read(harness_fact
     assert {i["extra_info"]["session_id"] for i in got["g-done"]} == set(sessions["done"])
     assert len(got["g-done"]) == 6
 
-    assert proxy.wait_for(lambda p: proxy_sessions(p, "launcher_exited", delivered=True) == set(sessions["part"]))
+    assert proxy.wait_for(
+        lambda p: proxy_sessions(p, "launcher_exited", delivered=True) == set(sessions["part"])
+    )
     calls = [c for c in proxy.calls if c["reason"] == "launcher_exited"]
     assert calls[0]["session_ids"] == sorted(sessions["part"])
     assert calls[0]["group_ids"] == ["g-part"]
@@ -440,8 +551,9 @@ def test_launcher_exit_drops_incomplete_groups_after_the_final_read(harness_fact
 
 # -- 4. TTL in the background ---------------------------------------------------------------------
 def test_ttl_drops_idle_groups_in_the_background(harness_factory, db_url, writer, proxy):
-    h = harness_factory(db_url, ttl_s=0.4, proxy_host="127.0.0.1", proxy_port=proxy.port,
-                        proxy_read_timeout_s=2.0)
+    h = harness_factory(
+        db_url, ttl_s=0.4, proxy_host="127.0.0.1", proxy_port=proxy.port, proxy_read_timeout_s=2.0
+    )
     h.start(k=3)
     idle = writer.group("g-idle", 3, steps=2, complete=1)
     live = "g-live-s0"
@@ -464,17 +576,27 @@ def test_ttl_drops_idle_groups_in_the_background(harness_factory, db_url, writer
     assert s["rows"]["dropped"] == {"incomplete_group_ttl": 6}
     assert_balanced(s)
 
-    assert proxy.wait_for(lambda p: proxy_sessions(p, "incomplete_group_ttl", delivered=True) == set(idle))
+    assert proxy.wait_for(
+        lambda p: proxy_sessions(p, "incomplete_group_ttl", delivered=True) == set(idle)
+    )
     assert proxy_groups(proxy, "incomplete_group_ttl") == {"g-idle"}
-    assert [c["session_ids"] for c in proxy.calls if c["reason"] == "incomplete_group_ttl"][0] == sorted(idle)
+    assert [c["session_ids"] for c in proxy.calls if c["reason"] == "incomplete_group_ttl"][
+        0
+    ] == sorted(idle)
 
     # A late row for the dropped group is discarded, counted and its session cleared.
     writer.step("g-idle", idle[0], 3)
-    s = wait_until(lambda: (lambda s: s if s["rows"]["dropped"].get("late_rows_from_dropped_groups") else None)(
-        h.stats()), what="late row counted")
+    s = wait_until(
+        lambda: (
+            lambda s: s if s["rows"]["dropped"].get("late_rows_from_dropped_groups") else None
+        )(h.stats()),
+        what="late row counted",
+    )
     assert s["rows"]["dropped"]["late_rows_from_dropped_groups"] == 1
     assert_balanced(s)
-    assert proxy.wait_for(lambda p: proxy_sessions(p, "late_rows_from_dropped_groups", delivered=True) == {idle[0]})
+    assert proxy.wait_for(
+        lambda p: proxy_sessions(p, "late_rows_from_dropped_groups", delivered=True) == {idle[0]}
+    )
     assert proxy_groups(proxy, "late_rows_from_dropped_groups") == {"g-idle"}
 
 
@@ -510,14 +632,21 @@ def test_closed_proxy_port_does_not_slow_polls_and_calls_arrive_later(harness_fa
     port = closed_port()
     writer = Writer(lite_url)
     try:
-        h = harness_factory(lite_url, proxy_host="127.0.0.1", proxy_port=port, proxy_connect_timeout_s=0.2,
-                            proxy_read_timeout_s=0.5)
+        h = harness_factory(
+            lite_url,
+            proxy_host="127.0.0.1",
+            proxy_port=port,
+            proxy_connect_timeout_s=0.2,
+            proxy_read_timeout_s=0.5,
+        )
         h.start(k=2)
         inc1 = _serve_with_incomplete_session(h, writer, "g1")
         doc, took = _timed_poll(h)
         assert list(groups_of(doc)) == ["g1"]
         assert took < 1.0
-        wait_until(lambda: health(h)["proxy_notifications"]["failures"] >= 1, what="a failed notification")
+        wait_until(
+            lambda: health(h)["proxy_notifications"]["failures"] >= 1, what="a failed notification"
+        )
         inc2 = _serve_with_incomplete_session(h, writer, "g2")
         doc, took = _timed_poll(h)
         assert list(groups_of(doc)) == ["g2"]
@@ -531,10 +660,17 @@ def test_closed_proxy_port_does_not_slow_polls_and_calls_arrive_later(harness_fa
 
         # The proxy comes up on that port: what was pending is delivered.
         with FakeProxy(port=port) as proxy:
-            assert proxy.wait_for(lambda p: proxy_sessions(
-                p, "incomplete_session_in_served_group", delivered=True) == {inc1, inc2}, timeout=15)
+            assert proxy.wait_for(
+                lambda p: (
+                    proxy_sessions(p, "incomplete_session_in_served_group", delivered=True)
+                    == {inc1, inc2}
+                ),
+                timeout=15,
+            )
             assert proxy_groups(proxy, "incomplete_session_in_served_group") == {"g1", "g2"}
-            wait_until(lambda: health(h)["proxy_notifications"]["sessions"] == 0, what="nothing pending")
+            wait_until(
+                lambda: health(h)["proxy_notifications"]["sessions"] == 0, what="nothing pending"
+            )
     finally:
         writer.close()
 
@@ -543,8 +679,13 @@ def test_hung_proxy_does_not_slow_polls_and_calls_arrive_later(harness_factory, 
     writer = Writer(lite_url)
     try:
         with FakeProxy(hold_s=30) as proxy:
-            h = harness_factory(lite_url, proxy_host="127.0.0.1", proxy_port=proxy.port,
-                                proxy_connect_timeout_s=0.2, proxy_read_timeout_s=1.0)
+            h = harness_factory(
+                lite_url,
+                proxy_host="127.0.0.1",
+                proxy_port=proxy.port,
+                proxy_connect_timeout_s=0.2,
+                proxy_read_timeout_s=1.0,
+            )
             h.start(k=2)
             inc1 = _serve_with_incomplete_session(h, writer, "g1")
             doc, took = _timed_poll(h)
@@ -563,17 +704,30 @@ def test_hung_proxy_does_not_slow_polls_and_calls_arrive_later(harness_factory, 
             doc, took = _timed_poll(h)
             assert doc["success"] is False and took < 1.0
             s = h.stats()
-            assert s["rows"]["dropped"] == {"incomplete_session_in_served_group": 4,
-                                            "late_rows_from_served_groups": 1}
+            assert s["rows"]["dropped"] == {
+                "incomplete_session_in_served_group": 4,
+                "late_rows_from_served_groups": 1,
+            }
             assert_balanced(s)
 
             # The proxy recovers: held requests time out on our side and are retried.
             proxy.hold_s = 0
-            assert proxy.wait_for(lambda p: proxy_sessions(
-                p, "incomplete_session_in_served_group", delivered=True) == {inc1, inc2}, timeout=15)
-            assert proxy.wait_for(lambda p: proxy_sessions(
-                p, "late_rows_from_served_groups", delivered=True) == {inc1}, timeout=15)
-            wait_until(lambda: health(h)["proxy_notifications"]["sessions"] == 0, what="nothing pending")
+            assert proxy.wait_for(
+                lambda p: (
+                    proxy_sessions(p, "incomplete_session_in_served_group", delivered=True)
+                    == {inc1, inc2}
+                ),
+                timeout=15,
+            )
+            assert proxy.wait_for(
+                lambda p: (
+                    proxy_sessions(p, "late_rows_from_served_groups", delivered=True) == {inc1}
+                ),
+                timeout=15,
+            )
+            wait_until(
+                lambda: health(h)["proxy_notifications"]["sessions"] == 0, what="nothing pending"
+            )
             h.stop()
     finally:
         writer.close()
@@ -597,9 +751,17 @@ def test_start_stop_twenty_times_leaks_no_threads_or_fds(db_url, tmp_path):
     # the close() of other connections' descriptors to that file (reusing them on the next
     # open), which would make the count below wobble by one.
     with FakeProxy() as proxy:
+
         def cycle(i: int) -> None:
-            h = Harness(make_config(db_url, tmp_path, proxy_host="127.0.0.1", proxy_port=proxy.port,
-                                    proxy_read_timeout_s=2.0))
+            h = Harness(
+                make_config(
+                    db_url,
+                    tmp_path,
+                    proxy_host="127.0.0.1",
+                    proxy_port=proxy.port,
+                    proxy_read_timeout_s=2.0,
+                )
+            )
             writer = Writer(db_url, job=f"leak{i}")
             try:
                 h.start(k=2, job=f"leak{i}")
@@ -607,13 +769,19 @@ def test_start_stop_twenty_times_leaks_no_threads_or_fds(db_url, tmp_path):
                 doc = h.poll()
                 assert list(groups_of(doc)) == [f"g{i}"]
                 # The notifier really talks to the proxy every cycle (a socket to close).
-                assert proxy.wait_for(lambda p: inc in proxy_sessions(p, "incomplete_session_in_served_group",
-                                                                      delivered=True))
+                assert proxy.wait_for(
+                    lambda p: (
+                        inc
+                        in proxy_sessions(p, "incomplete_session_in_served_group", delivered=True)
+                    )
+                )
             finally:
                 writer.close()
                 h.stop()
             assert not h.service.loop.alive
-            assert not any(t.name.startswith("rollout-buffer") and t.is_alive() for t in threading.enumerate())
+            assert not any(
+                t.name.startswith("rollout-buffer") and t.is_alive() for t in threading.enumerate()
+            )
 
         cycle(0)  # warm-up: lazy imports, pools, logging handlers
         time.sleep(0.1)
@@ -621,15 +789,25 @@ def test_start_stop_twenty_times_leaks_no_threads_or_fds(db_url, tmp_path):
         for i in range(1, 21):
             cycle(i)
         # The fake proxy's handler threads end once our side closed its connection.
-        wait_until(lambda: threading.active_count() <= base_threads, what=lambda: (
-            f"thread count back to {base_threads}: {[t.name for t in threading.enumerate()]}"))
-        wait_until(lambda: len(_fds()) <= len(base_fds), what=lambda: (
-            f"open fds back to {len(base_fds)}; new: "
-            f"{sorted(set(_fds().items()) - set(base_fds.items()))}"))
+        wait_until(
+            lambda: threading.active_count() <= base_threads,
+            what=lambda: (
+                f"thread count back to {base_threads}: {[t.name for t in threading.enumerate()]}"
+            ),
+        )
+        wait_until(
+            lambda: len(_fds()) <= len(base_fds),
+            what=lambda: (
+                f"open fds back to {len(base_fds)}; new: "
+                f"{sorted(set(_fds().items()) - set(base_fds.items()))}"
+            ),
+        )
         assert len(proxy_sessions(proxy, "incomplete_session_in_served_group")) == 21
 
 
-def test_a_launcher_that_cannot_start_leaves_the_active_job_and_its_groups_alone(harness_factory, lite_url):
+def test_a_launcher_that_cannot_start_leaves_the_active_job_and_its_groups_alone(
+    harness_factory, lite_url
+):
     w = Writer(lite_url)
     try:
         h = harness_factory(lite_url, launcher_cmd=("/nonexistent/launcher", "--job", "{job_id}"))
@@ -664,8 +842,11 @@ def full_dir(tmp_path):
 
     path = tmp_path / "full"
     path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)], capture_output=True,
-                          text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs to fill (needs root): {done.stderr.strip()}")
     try:
@@ -682,7 +863,9 @@ def full_dir(tmp_path):
         subprocess.run(["umount", "-l", str(path)], capture_output=True)
 
 
-def test_a_full_log_disk_refuses_the_start_clearly_before_the_job_is_switched(harness_factory, lite_url, full_dir):
+def test_a_full_log_disk_refuses_the_start_clearly_before_the_job_is_switched(
+    harness_factory, lite_url, full_dir
+):
     """The launcher's log directory is full: the start used to switch the job (dropping A's groups as
     job_ended) and then answer an opaque 'internal error' (the failed flush at close masked the cause)."""
     w = Writer(lite_url)
@@ -695,7 +878,9 @@ def test_a_full_log_disk_refuses_the_start_clearly_before_the_job_is_switched(ha
         h2 = harness_factory(lite_url, launcher_cmd=fake_cmd("hang"), run_dir=str(full_dir))
         r = h2.client.post("/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "B"})
         assert r.status_code == 500, r.get_json()
-        assert "disk is full" in r.get_json()["error"] and "unchanged" in r.get_json()["error"], r.get_json()
+        assert "disk is full" in r.get_json()["error"] and "unchanged" in r.get_json()["error"], (
+            r.get_json()
+        )
         assert h2.stats()["job_session"] == "A" and h2.stats()["groups"]["dropped_total"] == 0
         assert list(groups_of(h2.poll())) == ["ready"]
     finally:
@@ -710,31 +895,41 @@ def test_a_launcher_log_that_cannot_be_written_is_a_clear_500(harness_factory, l
     h = harness_factory(lite_url, launcher_cmd=fake_cmd("hang"), run_dir=str(logs))
     r = h.client.post("/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "B"})
     assert r.status_code == 500, r.get_json()
-    assert "cannot write the launcher log" in r.get_json()["error"] and "No space left" in r.get_json()["error"]
+    assert (
+        "cannot write the launcher log" in r.get_json()["error"]
+        and "No space left" in r.get_json()["error"]
+    )
     assert launcher(h)["running"] is False
 
 
-def test_a_blob_session_in_an_idle_group_is_recorded_and_cleared_and_serving_goes_on(harness_factory, lite_url,
-                                                                                     proxy):
+def test_a_blob_session_in_an_idle_group_is_recorded_and_cleared_and_serving_goes_on(
+    harness_factory, lite_url, proxy
+):
     """Issue 14, scenario 2: a BLOB session_id sorted with text ones made the TTL drop of its group
     fail after it was decided in memory, so the drop was neither recorded nor sent to the proxy."""
     import sqlite3
 
-    h = harness_factory(lite_url, ttl_s=0.4, proxy_host="127.0.0.1", proxy_port=proxy.port,
-                        proxy_read_timeout_s=2.0)
+    h = harness_factory(
+        lite_url, ttl_s=0.4, proxy_host="127.0.0.1", proxy_port=proxy.port, proxy_read_timeout_s=2.0
+    )
     h.start(k=3)
     w = Writer(lite_url)
     w.step("g-idle", "text-session", 1)
-    conn = sqlite3.connect(lite_url[len("sqlite://"):])
+    conn = sqlite3.connect(lite_url[len("sqlite://") :])
     with conn:
-        conn.execute("INSERT INTO session_steps (session_id, step_id, env_name, llm_model, group_id, job_id, "
-                     "messages, response, created_at) VALUES (?, 1, 'e', 'm', 'g-idle', 'job1', '[]', 'r', "
-                     "'2026-01-01 00:00:00')", (b"blob-session",))
+        conn.execute(
+            "INSERT INTO session_steps (session_id, step_id, env_name, llm_model, group_id, job_id, "
+            "messages, response, created_at) VALUES (?, 1, 'e', 'm', 'g-idle', 'job1', '[]', 'r', "
+            "'2026-01-01 00:00:00')",
+            (b"blob-session",),
+        )
     conn.close()
     wait_until(lambda: h.stats()["groups"]["dropped_total"] == 1, 10, "g-idle dropped")
     decided = connect_rows(lite_url, "SELECT group_id, status, reason FROM rollout_buffer_groups")
     assert decided == [("g-idle", "dropped", "malformed_row")]
-    assert proxy.wait_for(lambda p: "text-session" in proxy_sessions(p, "malformed_row", delivered=True))
+    assert proxy.wait_for(
+        lambda p: "text-session" in proxy_sessions(p, "malformed_row", delivered=True)
+    )
     w.group("ok", 3, steps=1)
     assert list(groups_of(h.poll())) == ["ok"]
     s = h.stats()

@@ -5,6 +5,7 @@ invariants the buffer relies on. Postgres (``postgresql://root@127.0.0.1:5432/te
 fresh schema per test, selected with ``?options=-csearch_path%3D<schema>`` and dropped after;
 when the server is unreachable the Postgres case is skipped, or fails when ``CI`` is set.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,19 +16,32 @@ import sys
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 from support import wait_until
+
 from rollout_buffer.storage import db as dbmod
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 PG_DSN = "postgresql://root@127.0.0.1:5432/test"
-UNKNOWN_LAUNCHER_FLAGS = ["--mode", "local", "--llm-base-url", "http://127.0.0.1:9/v1",
-                          "--no-rebuild-table", "--rl-use-session-suffix-url", "--llm-model", "default",
-                          "--env-root", "/nonexistent", "--message-cut", "0"]
+UNKNOWN_LAUNCHER_FLAGS = [
+    "--mode",
+    "local",
+    "--llm-base-url",
+    "http://127.0.0.1:9/v1",
+    "--no-rebuild-table",
+    "--rl-use-session-suffix-url",
+    "--llm-model",
+    "default",
+    "--env-root",
+    "/nonexistent",
+    "--message-cut",
+    "0",
+]
 
 _pg_reason: list[str | None] = []
 
@@ -37,6 +51,7 @@ def _pg_unavailable() -> str | None:
     if not _pg_reason:
         try:
             import psycopg
+
             psycopg.connect(PG_DSN, connect_timeout=2).close()
             _pg_reason.append(None)
         except Exception as exc:  # ImportError or a connection error
@@ -47,13 +62,27 @@ def _pg_unavailable() -> str | None:
 def run_sim(url: str, job: str, *extra: str, timeout: float = 60) -> tuple[dict[str, Any], str]:
     """Run the simulator to completion; return (SIMULATE summary, stdout)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "rollout_buffer.simulate", "--db-path", url, "--job-id", job,
-         "--pace", "0", *extra],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        [
+            sys.executable,
+            "-m",
+            "rollout_buffer.simulate",
+            "--db-path",
+            url,
+            "--job-id",
+            job,
+            "--pace",
+            "0",
+            *extra,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"simulate exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("SIMULATE "), proc.stdout
-    return json.loads(last[len("SIMULATE "):]), proc.stdout
+    return json.loads(last[len("SIMULATE ") :]), proc.stdout
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -86,7 +115,9 @@ def read_envs(url: str, job: str) -> list[dict[str, Any]]:
         return db.fetchall("SELECT * FROM job_environments WHERE job_id = ? ORDER BY id", (job,))
 
 
-def check_invariants(url: str, job: str, summary: dict[str, Any], k: int, max_steps: int) -> dict[str, Any]:
+def check_invariants(
+    url: str, job: str, summary: dict[str, Any], k: int, max_steps: int
+) -> dict[str, Any]:
     """Assert SPEC §2 on a job's rows; return per-session facts."""
     rows = read_rows(url, job)
     envs = read_envs(url, job)
@@ -113,10 +144,14 @@ def check_invariants(url: str, job: str, summary: dict[str, Any], k: int, max_st
         uuid.UUID(sid)
         assert sid in env_group, "a row for a session that was never scheduled"
         assert {r["group_id"] for r in srows} == {env_group[sid]}
-        assert [r["step_id"] for r in srows] == list(range(1, len(srows) + 1)), "step ids 1..n in id order"
+        assert [r["step_id"] for r in srows] == list(range(1, len(srows) + 1)), (
+            "step ids 1..n in id order"
+        )
         assert len(srows) <= max_steps
         flags = [int(r["is_session_completed"]) for r in srows]
-        assert sum(flags) <= 1 and flags[:-1] == [0] * (len(srows) - 1), "completed only on the last row"
+        assert sum(flags) <= 1 and flags[:-1] == [0] * (len(srows) - 1), (
+            "completed only on the last row"
+        )
         cum = 0.0
         prev_messages: list[Any] | None = None
         prev_response = None
@@ -169,8 +204,11 @@ def check_invariants(url: str, job: str, summary: dict[str, Any], k: int, max_st
         assert len(set(rewards)) == len(rewards)
     wv = [json.loads(r["env_state"])["weight_version"] for r in rows]
     assert wv == sorted(wv) or backend == "postgres"
-    return {"group_ids": set(sessions_per_group), "sessions_with_rows": len(by_session),
-            "max_weight_version": max(wv, default=0)}
+    return {
+        "group_ids": set(sessions_per_group),
+        "sessions_with_rows": len(by_session),
+        "max_weight_version": max(wv, default=0),
+    }
 
 
 def test_rows_satisfy_spec_invariants(db_url: str) -> None:
@@ -178,9 +216,22 @@ def test_rows_satisfy_spec_invariants(db_url: str) -> None:
     common = ["--rl-group-size", str(k), "--max-steps", str(steps), "--pool-size", "6", "--quiet"]
 
     # A launcher-like command line: unknown flags are accepted; tables are created on demand.
-    a, _ = run_sim(db_url, "job-a", "--storage-type", "postgres" if "postgres" in db_url else "sqlite",
-                   "--groups", "8", "--fail-rate", "0", "--truncate-rate", "0.3", "--seed", "1",
-                   *common, *UNKNOWN_LAUNCHER_FLAGS)
+    a, _ = run_sim(
+        db_url,
+        "job-a",
+        "--storage-type",
+        "postgres" if "postgres" in db_url else "sqlite",
+        "--groups",
+        "8",
+        "--fail-rate",
+        "0",
+        "--truncate-rate",
+        "0.3",
+        "--seed",
+        "1",
+        *common,
+        *UNKNOWN_LAUNCHER_FLAGS,
+    )
     fa = check_invariants(db_url, "job-a", a, k, steps)
     assert a["failed_sessions"] == 0 and a["complete_groups"] == 8
     assert a["truncated_sessions"] > 0
@@ -194,8 +245,9 @@ def test_rows_satisfy_spec_invariants(db_url: str) -> None:
     sessions_b = defaultdict(list)
     for r in rows_b:
         sessions_b[r["session_id"]].append(r)
-    assert any(not int(s[-1]["is_session_completed"]) for s in sessions_b.values()), \
+    assert any(not int(s[-1]["is_session_completed"]) for s in sessions_b.values()), (
         "with --fail-rate 0.5 some sessions must stop without a completed row"
+    )
 
     # Group ids are deterministic: the same across jobs of one epoch; --rl-epoch 2 shifts the
     # task index by --groups, so its groups are new.
@@ -207,35 +259,84 @@ def test_rows_satisfy_spec_invariants(db_url: str) -> None:
 
 def test_weight_version_rises_and_progress_is_printed(tmp_path: Path) -> None:
     url = "sqlite://" + str(tmp_path / "wv.db")
-    summary, out = run_sim(url, "job-wv", "--groups", "20", "--rl-group-size", "4", "--max-steps", "4",
-                           "--fail-rate", "0", "--seed", "3")
+    summary, out = run_sim(
+        url,
+        "job-wv",
+        "--groups",
+        "20",
+        "--rl-group-size",
+        "4",
+        "--max-steps",
+        "4",
+        "--fail-rate",
+        "0",
+        "--seed",
+        "3",
+    )
     assert "simulate: job job-wv" in out
     facts = check_invariants(url, "job-wv", summary, 4, 4)
     assert summary["rows"] > 100
-    assert facts["max_weight_version"] == summary["max_weight_version"] == (summary["rows"] - 1) // 50 >= 2
+    assert (
+        facts["max_weight_version"]
+        == summary["max_weight_version"]
+        == (summary["rows"] - 1) // 50
+        >= 2
+    )
 
 
 def test_bare_path_and_missing_required_flag(tmp_path: Path) -> None:
     path = tmp_path / "bare.db"
-    summary, _ = run_sim(str(path), "job-bare", "--storage-type", "sqlite", "--groups", "1",
-                         "--rl-group-size", "2", "--fail-rate", "0", "--quiet")
+    summary, _ = run_sim(
+        str(path),
+        "job-bare",
+        "--storage-type",
+        "sqlite",
+        "--groups",
+        "1",
+        "--rl-group-size",
+        "2",
+        "--fail-rate",
+        "0",
+        "--quiet",
+    )
     assert len(read_rows("sqlite://" + str(path), "job-bare")) == summary["rows"] > 0
-    proc = subprocess.run([sys.executable, "-m", "rollout_buffer.simulate", "--db-path", str(path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rollout_buffer.simulate", "--db-path", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode == 2 and "--job-id" in proc.stderr
 
 
 def test_sigterm_stops_a_slow_run_promptly(tmp_path: Path) -> None:
     url = "sqlite://" + str(tmp_path / "slow.db")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rollout_buffer.simulate", "--db-path", url, "--job-id", "job-slow",
-         "--pace", "0.5", "--groups", "50"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "rollout_buffer.simulate",
+            "--db-path",
+            url,
+            "--job-id",
+            "job-slow",
+            "--pace",
+            "0.5",
+            "--groups",
+            "50",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
+
         def writing() -> bool:
             try:
                 return bool(read_rows(url, "job-slow"))
-            except Exception:  # noqa: BLE001 - its tables may not exist yet
+            except Exception:
                 return False
 
         wait_until(writing, 15, "the simulator writing rows")
@@ -249,7 +350,7 @@ def test_sigterm_stops_a_slow_run_promptly(tmp_path: Path) -> None:
             proc.wait()
     assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, out, err)
     assert took < 1.5, f"took {took:.2f}s to stop after SIGTERM"
-    summary = json.loads(out.strip().splitlines()[-1][len("SIMULATE "):])
+    summary = json.loads(out.strip().splitlines()[-1][len("SIMULATE ") :])
     assert summary["interrupted"] is True and summary["exit_code"] == 143
     assert 0 < summary["rows"] < 50 * 8
     assert len(read_rows(url, "job-slow")) == summary["rows"]

@@ -1,5 +1,6 @@
 """Slow and stalled clients never take the service's threads (issue 14, scenario 3), through a real
 gunicorn: 100 connections that send part of a request head and stall, and slow uploads."""
+
 from __future__ import annotations
 
 import socket
@@ -7,9 +8,9 @@ import time
 
 import pytest
 import requests
+from servers import Server
 
 from rollout_buffer.web import gunicorn_worker
-from servers import Server
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ def closed_by_server(s: socket.socket, within: float) -> bool:
         return s.recv(1) == b""  # EOF: the server closed it
     except ConnectionResetError:
         return True
-    except socket.timeout:
+    except TimeoutError:
         return False
 
 
@@ -43,7 +44,11 @@ def assert_others_answered_at_once(srv: Server, what: str, rounds: int = 5) -> N
     for _ in range(rounds):
         took = timed(lambda: requests.get(srv.url + "/health", timeout=30).raise_for_status())
         assert took < 1.0, f"/health took {took:.2f} s with {what}"
-        took = timed(lambda: requests.post(srv.url + "/get_rollout_data", json={}, timeout=30).raise_for_status())
+        took = timed(
+            lambda: requests.post(
+                srv.url + "/get_rollout_data", json={}, timeout=30
+            ).raise_for_status()
+        )
         assert took < 1.0, f"a poll took {took:.2f} s with {what}"
 
 
@@ -52,8 +57,11 @@ def test_stalled_request_heads_do_not_starve_health_or_polls(lite_url, tmp_path)
     srv.start()
     socks: list[socket.socket] = []
     try:
-        r = requests.post(srv.url + "/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "j"},
-                          timeout=10)
+        r = requests.post(
+            srv.url + "/start_rollout",
+            json={"num_repeat_per_sample": 2, "job_session": "j"},
+            timeout=10,
+        )
         assert r.status_code == 200
         socks = stalled(srv.port, 100, b"POST /get_rollout_data HTTP/1.1\r\nHost: x\r\nContent-Le")
         socks += stalled(srv.port, 20, b"")  # connected, nothing sent
@@ -72,7 +80,12 @@ def test_a_request_sent_slowly_but_whole_is_still_served(lite_url, tmp_path):
     srv.start()
     try:
         s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
-        for part in (b"GET /health HTTP/1.1\r\n", b"Host: x\r\n", b"Connection: close\r\n", b"\r\n"):
+        for part in (
+            b"GET /health HTTP/1.1\r\n",
+            b"Host: x\r\n",
+            b"Connection: close\r\n",
+            b"\r\n",
+        ):
             s.sendall(part)
             time.sleep(0.3)  # a slow client: each piece is a separate read of the event loop
         answer = b""
@@ -99,10 +112,12 @@ def test_stalled_request_bodies_do_not_starve_health_or_polls(lite_url, tmp_path
     srv.start()
     socks: list[socket.socket] = []
     try:
-        head = (b"POST /get_rollout_data HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Content-Length: 100\r\n\r\n{")
+        head = (
+            b"POST /get_rollout_data HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n{"
+        )
         socks = stalled(srv.port, 100, head)
-        chunked = b"POST /start_rollout HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"num"
+        chunked = b'POST /start_rollout HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{"num'
         socks += stalled(srv.port, 20, chunked)
         time.sleep(0.3)  # the heads are read by now
         assert_others_answered_at_once(srv, "120 stalled bodies open")
@@ -121,7 +136,9 @@ def test_clients_that_never_close_their_end_do_not_stall_the_others(lite_url, tm
     srv.start()
     socks: list[socket.socket] = []
     try:
-        socks = stalled(srv.port, 20, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        socks = stalled(
+            srv.port, 20, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
         time.sleep(0.3)
         assert_others_answered_at_once(srv, "20 clients that never close their end", rounds=3)
         assert socks[0].recv(65536).startswith(b"HTTP/1.1 200")  # they were answered, whole
@@ -148,20 +165,31 @@ def test_bodies_sent_slowly_chunked_pipelined_or_after_100_continue_are_served(l
     srv.start()
     try:
         body = b'{"num_repeat_per_sample": 2, "job_session": "slow"}'
-        head = b"POST /start_rollout HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
+        head = (
+            b"POST /start_rollout HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
+            % len(body)
+        )
         # each piece is a separate read of the event loop
-        answer, _ = exchange(srv.port, head, *(body[i:i + 10] for i in range(0, len(body), 10)), pause=0.2)
+        answer, _ = exchange(
+            srv.port, head, *(body[i : i + 10] for i in range(0, len(body), 10)), pause=0.2
+        )
         assert answer.startswith(b"HTTP/1.1 200") and b'"job_session":"slow"' in answer
 
-        answer, _ = exchange(srv.port, b"POST /get_rollout_data HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                             b"Transfer-Encoding: chunked\r\n\r\n3\r\n{\"m\r\n", b'e\r\nax_groups": 1}\r\n0\r\n\r\n',
-                             pause=0.3)
+        answer, _ = exchange(
+            srv.port,
+            b"POST /get_rollout_data HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            b'Transfer-Encoding: chunked\r\n\r\n3\r\n{"m\r\n',
+            b'e\r\nax_groups": 1}\r\n0\r\n\r\n',
+            pause=0.3,
+        )
         assert answer.startswith(b"HTTP/1.1 200") and b"No data available" in answer, answer[:300]
 
         # curl sends Expect: 100-continue for larger bodies and waits for the interim answer
         with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
-            s.sendall(b"POST /get_rollout_data HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                      b"Expect: 100-continue\r\nContent-Length: 2\r\n\r\n")
+            s.sendall(
+                b"POST /get_rollout_data HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                b"Expect: 100-continue\r\nContent-Length: 2\r\n\r\n"
+            )
             s.settimeout(5)
             assert s.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
             s.sendall(b"{}")
@@ -169,13 +197,18 @@ def test_bodies_sent_slowly_chunked_pipelined_or_after_100_continue_are_served(l
         assert answer.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 100" not in answer, answer[:300]
 
         # two requests in one write on a kept-alive connection: both answered at once
-        answer, took = exchange(srv.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
-                                b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer, took = exchange(
+            srv.port,
+            b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+            b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
         assert answer.count(b"HTTP/1.1 200") == 2 and took < 2.0, (took, answer[:300])
 
         # a body over the cap is refused at once, without waiting for it, and the connection closed
-        answer, took = exchange(srv.port, b"POST /get_rollout_data HTTP/1.1\r\nHost: x\r\n"
-                                b"Content-Length: 1000000\r\n\r\n{")
+        answer, took = exchange(
+            srv.port,
+            b"POST /get_rollout_data HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n{",
+        )
         assert answer.startswith(b"HTTP/1.1 413") and took < 2.0, (took, answer[:300])
     finally:
         srv.stop()
@@ -187,9 +220,14 @@ def test_more_clients_than_open_files_never_kill_the_worker_nor_its_launcher(lit
     import resource
 
     from rollout_buffer.launcher import procfs
+
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    srv = Server(lite_url, tmp_path / "srv", launcher="simulate",
-                 env={"ROLLOUT_BUFFER_SIMULATE_ARGS": "--groups 100000 --pace 0.2 --quiet"})
+    srv = Server(
+        lite_url,
+        tmp_path / "srv",
+        launcher="simulate",
+        env={"ROLLOUT_BUFFER_SIMULATE_ARGS": "--groups 100000 --pace 0.2 --quiet"},
+    )
     resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))  # the server inherits it
     try:
         srv.start()
@@ -197,8 +235,11 @@ def test_more_clients_than_open_files_never_kill_the_worker_nor_its_launcher(lit
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     socks: list[socket.socket] = []
     try:
-        r = requests.post(srv.url + "/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "j"},
-                          timeout=10)
+        r = requests.post(
+            srv.url + "/start_rollout",
+            json={"num_repeat_per_sample": 2, "job_session": "j"},
+            timeout=10,
+        )
         assert r.status_code == 200, r.text
         launcher = r.json()["pid"]
         for _ in range(1100):
@@ -219,12 +260,17 @@ def test_more_clients_than_open_files_never_kill_the_worker_nor_its_launcher(lit
         socks += stalled(srv.port, 20, b"GET /health HTTP/1.1\r\n")
         time.sleep(0.5)
         took = timed(lambda: requests.get(srv.url + "/health", timeout=30).raise_for_status())
-        assert took < 2.0, f"/health took {took:.2f} s with the connection bound reached by idle clients"
+        assert took < 2.0, (
+            f"/health took {took:.2f} s with the connection bound reached by idle clients"
+        )
         health = requests.get(srv.url + "/health", timeout=30).json()
         stat = procfs.stat(launcher)
         assert stat is not None and stat.alive, "the launcher was stopped"
         assert health["launcher"]["pid"] == launcher and health["aievobox_running"] is True
-        assert "Exception in worker process" not in srv.log() and "Too many open files" not in srv.log()
+        assert (
+            "Exception in worker process" not in srv.log()
+            and "Too many open files" not in srv.log()
+        )
     finally:
         for s in socks:
             s.close()

@@ -8,16 +8,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
-
 from support import wait_until
+
 from rollout_buffer.launcher import procfs
 from rollout_buffer.launcher.supervisor import (
-    LaunchSpec,
     LauncherError,
+    LaunchSpec,
     Supervisor,
 )
 
@@ -61,8 +62,17 @@ def spec(tmp_path: Path) -> Callable[..., LaunchSpec]:
     def make(*args: str, cwd: Path | None = None) -> LaunchSpec:
         return LaunchSpec(
             # The real launcher's arguments, which the fake must ignore.
-            argv=(sys.executable, str(FAKE_LAUNCHER), "--job-id", "job-1",
-                  "--rl-group-size", "8", "--db-path", "sqlite:///x.db", *args),
+            argv=(
+                sys.executable,
+                str(FAKE_LAUNCHER),
+                "--job-id",
+                "job-1",
+                "--rl-group-size",
+                "8",
+                "--db-path",
+                "sqlite:///x.db",
+                *args,
+            ),
             cwd=str(cwd or tmp_path),
             env=None,
             log_path=str(tmp_path / "logs" / "launcher.log"),
@@ -91,8 +101,10 @@ def hanging_launcher(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     """A fake launcher that a test starts itself (outside any supervisor, in its own session), once it
     runs; killed with its group at teardown."""
     marker = tmp_path / "starts"
-    proc = subprocess.Popen([sys.executable, str(FAKE_LAUNCHER), "--mode", "hang", "--marker", str(marker)],
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(FAKE_LAUNCHER), "--mode", "hang", "--marker", str(marker)],
+        start_new_session=True,
+    )
     try:
         wait_until(marker.exists)
         yield proc
@@ -136,8 +148,7 @@ def test_exit1_with_never_policy_is_not_restarted(make_supervisor, spec):
 def test_on_failure_restarts_with_backoff_then_gives_up(make_supervisor, spec, tmp_path):
     clock = FakeClock()
     marker = tmp_path / "starts"
-    sup = make_supervisor(restart_policy="on-failure", max_restarts=2, backoff_s=0.1,
-                          clock=clock)
+    sup = make_supervisor(restart_policy="on-failure", max_restarts=2, backoff_s=0.1, clock=clock)
     sup.start(spec("--mode", "exit1", "--marker", str(marker)))
 
     events = poll_until(sup, "exited")
@@ -174,8 +185,7 @@ def test_failed_restart_is_reported(make_supervisor, spec, tmp_path):
     clock = FakeClock()
     workdir = tmp_path / "work"
     workdir.mkdir()
-    sup = make_supervisor(restart_policy="on-failure", max_restarts=1, backoff_s=0.1,
-                          clock=clock)
+    sup = make_supervisor(restart_policy="on-failure", max_restarts=1, backoff_s=0.1, clock=clock)
     sup.start(spec("--mode", "exit1", cwd=workdir))
     poll_until(sup, "exited")
     workdir.rmdir()
@@ -216,8 +226,13 @@ def test_stop_terminates_a_hanging_launcher(make_supervisor, spec, tmp_path):
     assert state["finished"] is True and state["will_restart"] is False
     assert not pid_alive(pid)
     assert sup.poll() == [
-        {"event": "exited", "pid": pid, "exit_code": -15, "will_restart": False,
-         "stopped_by": "requested"}
+        {
+            "event": "exited",
+            "pid": pid,
+            "exit_code": -15,
+            "will_restart": False,
+            "stopped_by": "requested",
+        }
     ]
 
 
@@ -249,8 +264,9 @@ def test_stop_kills_the_whole_process_group(make_supervisor, spec, tmp_path):
 def test_orphans_of_an_exited_launcher_are_killed(make_supervisor, spec, tmp_path):
     child_file = tmp_path / "child.pid"
     sup = make_supervisor()
-    pid = sup.start(spec("--mode", "spawn-child", "--sleep", "0.3",
-                         "--child-pid-file", str(child_file)))
+    pid = sup.start(
+        spec("--mode", "spawn-child", "--sleep", "0.3", "--child-pid-file", str(child_file))
+    )
     events = poll_until(sup, "exited")
     assert events[-1]["exit_code"] == 3
     grandchild = int(child_file.read_text())
@@ -274,8 +290,9 @@ def test_stop_is_idempotent(make_supervisor, spec):
 def test_start_of_missing_executable_raises(make_supervisor, tmp_path):
     sup = make_supervisor()
     missing = str(tmp_path / "no-such-launcher")
-    bad = LaunchSpec(argv=(missing, "--job-id", "x"), cwd=None, env=None,
-                     log_path=str(tmp_path / "launcher.log"))
+    bad = LaunchSpec(
+        argv=(missing, "--job-id", "x"), cwd=None, env=None, log_path=str(tmp_path / "launcher.log")
+    )
     with pytest.raises(LauncherError, match="no-such-launcher.*not found"):
         sup.start(bad)
     assert sup.state()["running"] is False
@@ -320,8 +337,13 @@ def test_adopt_watches_a_launcher_we_did_not_spawn(make_supervisor, hanging_laun
     proc.wait()
     events = poll_until(sup, "exited")
     assert events == [
-        {"event": "exited", "pid": proc.pid, "exit_code": None, "will_restart": False,
-         "stopped_by": None}
+        {
+            "event": "exited",
+            "pid": proc.pid,
+            "exit_code": None,
+            "will_restart": False,
+            "stopped_by": None,
+        }
     ]
     state = sup.state()
     assert state["running"] is False and state["finished"] is True
@@ -368,9 +390,16 @@ def test_a_launcher_log_is_rotated_while_the_launcher_appends_to_it(tmp_path):
 
     log = tmp_path / "launcher-j.log"
     with open(log, "ab") as out:  # the child keeps its own copy of the O_APPEND descriptor
-        writer = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                                   "for i in range(400):\n    print('x' * 99, flush=True); time.sleep(0.001)\n"],
-                                  stdout=out, stderr=subprocess.STDOUT)
+        writer = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys, time\n"
+                "for i in range(400):\n    print('x' * 99, flush=True); time.sleep(0.001)\n",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     rotations = 0
     try:
         while writer.poll() is None:
@@ -378,6 +407,14 @@ def test_a_launcher_log_is_rotated_while_the_launcher_appends_to_it(tmp_path):
     finally:
         writer.wait(30)
     assert rotations >= 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["launcher-j.log", "launcher-j.log.1", "launcher-j.log.2"]
-    assert log.stat().st_size <= 10_000 + 100 * 50  # truncated in place: the writer went on at the new end
-    assert (tmp_path / "launcher-j.log.1").read_bytes().startswith(b"x" * 99)  # whole lines, no hole of zeros
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "launcher-j.log",
+        "launcher-j.log.1",
+        "launcher-j.log.2",
+    ]
+    assert (
+        log.stat().st_size <= 10_000 + 100 * 50
+    )  # truncated in place: the writer went on at the new end
+    assert (
+        (tmp_path / "launcher-j.log.1").read_bytes().startswith(b"x" * 99)
+    )  # whole lines, no hole of zeros

@@ -1,5 +1,6 @@
 """The accumulator alone (unit tier): grouping, accounting, hostile rows, TTL order, the cost of a
 row and of a poll. No I/O: a fake clock, rows as tuples (step_pk, session_id, group_id, completed)."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -30,7 +31,13 @@ class CountingDict(OrderedDict):
 def test_accumulator_counts_balance_through_every_path():
     clock = [0.0]
     acc = Accumulator("j", 2, clock=lambda: clock[0])
-    rows = [(1, "a", "g1", 0), (2, "a", "g1", 1), (3, "b", "g1", 1), (4, "c", "g2", 0), (5, "x", None, 1)]
+    rows = [
+        (1, "a", "g1", 0),
+        (2, "a", "g1", 1),
+        (3, "b", "g1", 1),
+        (4, "c", "g2", 0),
+        (5, "x", None, 1),
+    ]
     dec = acc.ingest(rows)
     assert dec.newly_ready == 1 and [r.reason for r in dec.rows] == ["missing_group_id"]
     takes = acc.take_ready(None)
@@ -40,12 +47,24 @@ def test_accumulator_counts_balance_through_every_path():
     assert [(r.step_pk, r.reason) for r in late.rows] == [(6, "late_rows_from_served_groups")]
     clock[0] = 100.0
     expired = acc.expire(10.0)
-    assert [d.group_id for d in expired.drops] == ["g2"] and expired.drops[0].clear_sessions == ["c"]
+    assert [d.group_id for d in expired.drops] == ["g2"] and expired.drops[0].clear_sessions == [
+        "c"
+    ]
     acc.ingest([(7, "c", "g2", 1)])
     s = acc.stats()["rows"]
-    assert s == {"read": 7, "served": 3, "dropped": {"late_rows_from_served_groups": 1, "incomplete_group_ttl": 1,
-                                                      "late_rows_from_dropped_groups": 1},
-                 "dropped_total": 3, "rejected": {"missing_group_id": 1}, "rejected_total": 1, "pending": 0}
+    assert s == {
+        "read": 7,
+        "served": 3,
+        "dropped": {
+            "late_rows_from_served_groups": 1,
+            "incomplete_group_ttl": 1,
+            "late_rows_from_dropped_groups": 1,
+        },
+        "dropped_total": 3,
+        "rejected": {"missing_group_id": 1},
+        "rejected_total": 1,
+        "pending": 0,
+    }
 
 
 def test_ttl_is_measured_from_the_last_ingested_row():
@@ -62,9 +81,15 @@ def test_ttl_is_measured_from_the_last_ingested_row():
 
 def test_a_non_text_session_id_is_rejected_and_its_group_dropped():
     acc = Accumulator("j", 2)
-    plan = acc.ingest([(1, "a", "g1", 1), (2, b"blob-session", "g1", 1), (3, "c", "g2", 1), (4, "d", "g2", 1)])
-    assert [(r.step_pk, r.reason, r.session_id) for r in plan.rows] == [(2, "invalid_session_id", None)]
-    assert [(d.group_id, d.reason, d.clear_sessions) for d in plan.drops] == [("g1", "malformed_row", ["a"])]
+    plan = acc.ingest(
+        [(1, "a", "g1", 1), (2, b"blob-session", "g1", 1), (3, "c", "g2", 1), (4, "d", "g2", 1)]
+    )
+    assert [(r.step_pk, r.reason, r.session_id) for r in plan.rows] == [
+        (2, "invalid_session_id", None)
+    ]
+    assert [(d.group_id, d.reason, d.clear_sessions) for d in plan.drops] == [
+        ("g1", "malformed_row", ["a"])
+    ]
     assert plan.newly_ready == 1  # g2 is not blocked
     assert [t.group_id for t in acc.take_ready(None)] == ["g2"]
     # a later row of the tainted group is a late row of a dropped group, never a new group
@@ -113,8 +138,10 @@ def test_raising_k_keeps_the_ttl_whatever_the_queue_order():
 def test_a_poll_costs_what_it_serves_not_the_backlog():
     acc = Accumulator("j", 1)
     acc.ingest([(i + 1, f"s{i}", f"g{i}", 1) for i in range(50_000)])
+
     class CountingReady(CountingDict, ReadyQueue):
         pass
+
     ready = CountingReady()
     ready.update(acc.ready)
     acc.ready = ready
@@ -140,21 +167,32 @@ def test_ready_staleness_counts_the_served_sessions_versions_known_at_ingest():
     """A group keeps one version while every row has it, per session once they differ: a session
     it drops (over-sampling) or a row whose version is unknown at ingest (None) never counts."""
     acc = Accumulator("j", 2, policy=Policy(max_off_policy=1, oversample=1))
-    dec = acc.ingest([
-        Row(1, "c", "mixed", 0, 1, 0.0, 1),     # c: version 1, its group chooses a and b before it completes
-        Row(2, "a", "mixed", 0, 1, 0.0, 5),
-        Row(3, "a", "mixed", 1, 2, 0.2, 4),     # a's min: 4
-        Row(4, "b", "mixed", 0, 1, 0.0, None),  # unknown at ingest (a long env_state)
-        Row(5, "b", "mixed", 1, 2, 0.8, 5),
-        Row(6, "x", "uniform", 1, 1, 0.1, 5), Row(7, "y", "uniform", 1, 1, 0.9, 5),
-        Row(8, "p", "unknown", 1, 1, 0.1, None), Row(9, "q", "unknown", 1, 1, 0.9, None),
-        Row(10, "s", "old", 1, 1, 0.1, 3), Row(11, "t", "old", 1, 1, 0.9, 3),
-        Row(12, "m", "hidden", 0, 1, 0.0, 2),   # dropped as oversampled: the only version known
-        Row(13, "n", "hidden", 1, 1, 0.1, None), Row(14, "o", "hidden", 1, 1, 0.9, None),
-    ])
+    dec = acc.ingest(
+        [
+            Row(
+                1, "c", "mixed", 0, 1, 0.0, 1
+            ),  # c: version 1, its group chooses a and b before it completes
+            Row(2, "a", "mixed", 0, 1, 0.0, 5),
+            Row(3, "a", "mixed", 1, 2, 0.2, 4),  # a's min: 4
+            Row(4, "b", "mixed", 0, 1, 0.0, None),  # unknown at ingest (a long env_state)
+            Row(5, "b", "mixed", 1, 2, 0.8, 5),
+            Row(6, "x", "uniform", 1, 1, 0.1, 5),
+            Row(7, "y", "uniform", 1, 1, 0.9, 5),
+            Row(8, "p", "unknown", 1, 1, 0.1, None),
+            Row(9, "q", "unknown", 1, 1, 0.9, None),
+            Row(10, "s", "old", 1, 1, 0.1, 3),
+            Row(11, "t", "old", 1, 1, 0.9, 3),
+            Row(12, "m", "hidden", 0, 1, 0.0, 2),  # dropped as oversampled: the only version known
+            Row(13, "n", "hidden", 1, 1, 0.1, None),
+            Row(14, "o", "hidden", 1, 1, 0.9, None),
+        ]
+    )
     assert acc.current_version == 5
     assert [(d.group_id, d.reason) for d in dec.drops] == [("old", "stale")]  # 5 - 3 > 1
-    assert [r.step_pk for r in dec.rows] == [1, 12]  # dropped as oversampled: their versions do not count
+    assert [r.step_pk for r in dec.rows] == [
+        1,
+        12,
+    ]  # dropped as oversampled: their versions do not count
     assert [t.group_id for t in acc.take_ready(None)] == ["mixed", "uniform", "unknown", "hidden"]
     assert acc.stats()["groups"]["dropped"] == {"stale": 1}
 
@@ -163,14 +201,32 @@ def test_the_version_order_follows_each_groups_current_place_and_forgets_those_t
     """A group sent back to pending (K raised) and ready again takes its new place, never its old
     one; the entries of groups that left the queue (dropped while ready) do not pile up."""
     acc = Accumulator("j", 2, policy=Policy(serve_order="newest_version"))
-    acc.ingest([Row(1, "a1", "A", 1, 1, 0.1, 5), Row(2, "a2", "A", 1, 1, 0.9, 5),
-                Row(3, "b1", "B", 1, 1, 0.1, 3), Row(4, "b2", "B", 1, 1, 0.9, 3)])
+    acc.ingest(
+        [
+            Row(1, "a1", "A", 1, 1, 0.1, 5),
+            Row(2, "a2", "A", 1, 1, 0.9, 5),
+            Row(3, "b1", "B", 1, 1, 0.1, 3),
+            Row(4, "b2", "B", 1, 1, 0.9, 3),
+        ]
+    )
     acc.set_k(3)
-    acc.ingest([Row(5, "a3", "A", 1, 1, 0.5, 1), Row(6, "b3", "B", 1, 1, 0.5, 3)])  # A's min is now 1
+    acc.ingest(
+        [Row(5, "a3", "A", 1, 1, 0.5, 1), Row(6, "b3", "B", 1, 1, 0.5, 3)]
+    )  # A's min is now 1
     assert [t.group_id for t in acc.take_ready(None)] == ["B", "A"]
-    acc.ingest([Row(10 + 2 * i + j, f"t{i}-{j}", f"T{i}", 1, 1, 0.1 * j, 1) for i in range(1000) for j in range(3)])
-    acc.ingest([Row(10_000 + i, f"t{i}-0", None, 0, 2, 0.0, 1) for i in range(990)])  # their groups: malformed
-    acc.ingest([Row(20_000 + j, f"u-{j}", "U", 1, 1, 0.1 * j, 0) for j in range(3)])  # the next ready group
+    acc.ingest(
+        [
+            Row(10 + 2 * i + j, f"t{i}-{j}", f"T{i}", 1, 1, 0.1 * j, 1)
+            for i in range(1000)
+            for j in range(3)
+        ]
+    )
+    acc.ingest(
+        [Row(10_000 + i, f"t{i}-0", None, 0, 2, 0.0, 1) for i in range(990)]
+    )  # their groups: malformed
+    acc.ingest(
+        [Row(20_000 + j, f"u-{j}", "U", 1, 1, 0.1 * j, 0) for j in range(3)]
+    )  # the next ready group
     assert len(acc.ready) == 11 and len(acc.ready._heap) <= 2 * 11 + 65
     assert [t.group_id for t in acc.take_ready(None)] == [f"T{i}" for i in range(990, 1000)] + ["U"]
 
@@ -188,7 +244,12 @@ def test_a_group_given_back_by_a_poll_is_cut_to_its_first_k_sessions():
     late = acc.ingest([Row(12 + i, f"s{i}", "g", 1, 2, 0.1 * i, 0) for i in (2, 3, 4)])
     assert not late.rows  # taken: its rows wait for the poll's outcome
     given_back = acc.release(takes)
-    assert sorted((r.session_id, r.step_pk) for r in given_back.rows) == [("s3", 4), ("s3", 15), ("s4", 5), ("s4", 16)]
+    assert sorted((r.session_id, r.step_pk) for r in given_back.rows) == [
+        ("s3", 4),
+        ("s3", 15),
+        ("s4", 5),
+        ("s4", 16),
+    ]
     [t] = acc.take_ready(None)
     assert sorted(t.completed) == ["s0", "s1", "s2"] and not t.incomplete and not t.partial
     s = acc.stats()["rows"]
@@ -200,15 +261,27 @@ def test_with_over_sampling_a_served_groups_late_rows_are_oversampled_whenever_t
     poll builds the group or after it was served: one reason for one kind of row."""
     clock = [0.0]
     acc = Accumulator("j", 3, clock=lambda: clock[0], policy=Policy(oversample=1, min_group_size=2))
-    acc.ingest([Row(1, "a", "g", 1, 1, 0.1, 0), Row(2, "b", "g", 1, 1, 0.9, 0), Row(3, "c", "g", 0, 1, 0.0, 0)])
+    acc.ingest(
+        [
+            Row(1, "a", "g", 1, 1, 0.1, 0),
+            Row(2, "b", "g", 1, 1, 0.9, 0),
+            Row(3, "c", "g", 0, 1, 0.0, 0),
+        ]
+    )
     clock[0] = 100.0
     acc.expire(10.0)
     takes = acc.take_ready(None)
     acc.ingest([Row(4, "c", "g", 0, 2, 0.0, 0)])  # while the poll builds it
     late = acc.commit(Decisions(served=[Served(t, "b1") for t in takes]))
     after = acc.ingest([Row(5, "c", "g", 1, 3, 0.5, 0)])
-    assert [(r.step_pk, r.reason) for r in late.rows + after.rows] == [(4, "oversampled"), (5, "oversampled")]
-    assert acc.stats()["rows"]["dropped"] == {"incomplete_session_in_served_group": 1, "oversampled": 2}
+    assert [(r.step_pk, r.reason) for r in late.rows + after.rows] == [
+        (4, "oversampled"),
+        (5, "oversampled"),
+    ]
+    assert acc.stats()["rows"]["dropped"] == {
+        "incomplete_session_in_served_group": 1,
+        "oversampled": 2,
+    }
 
 
 def _random_run(seed: int) -> None:
@@ -216,15 +289,20 @@ def _random_run(seed: int) -> None:
     changed) against per-row invariants: every row accounted once, the identity after every step,
     no session served twice or half or after it was dropped as oversampled, no more than K."""
     import random
+
     rng = random.Random(seed)
     k = rng.randint(1, 4)
-    pol = Policy(max_off_policy=rng.choice([None, 1, 3]), drop_zero_variance=rng.random() < 0.3,
-                 oversample=rng.choice([0, 1, 2]), min_group_size=rng.choice([None, 1, 2]),
-                 serve_order=rng.choice(["ready", "oldest_version", "newest_version"]))
+    pol = Policy(
+        max_off_policy=rng.choice([None, 1, 3]),
+        drop_zero_variance=rng.random() < 0.3,
+        oversample=rng.choice([0, 1, 2]),
+        min_group_size=rng.choice([None, 1, 2]),
+        serve_order=rng.choice(["ready", "oldest_version", "newest_version"]),
+    )
     clock = [0.0]
     acc = Accumulator("j", k, clock=lambda: clock[0], policy=pol)
     groups = [f"g{i}" for i in range(rng.randint(1, 6))]
-    sessions: dict[str, list] = {}    # sid -> [group, steps written, completed]
+    sessions: dict[str, list] = {}  # sid -> [group, steps written, completed]
     session_pks: dict[str, list[int]] = {}
     accounted: dict[int, str] = {}
     served: dict[str, list[int]] = {}
@@ -248,13 +326,27 @@ def _random_run(seed: int) -> None:
         if op < 0.6:
             rows = []
             for _ in range(rng.randint(1, 5)):
-                sid = rng.choice(list(sessions)) if sessions and rng.random() < 0.7 else f"s{len(sessions)}"
+                sid = (
+                    rng.choice(list(sessions))
+                    if sessions and rng.random() < 0.7
+                    else f"s{len(sessions)}"
+                )
                 gid, n, done = sessions.setdefault(sid, [rng.choice(groups), 0, False])
                 if done and rng.random() < 0.8:
                     continue
                 pk, comp = pk + 1, rng.random() < 0.35
                 sessions[sid] = [gid, n + 1, done or comp]
-                rows.append(Row(pk, sid, gid, int(comp), n + 1, rng.choice([0.0, 0.5, 1.0]), rng.choice([0, 1, 3, None])))
+                rows.append(
+                    Row(
+                        pk,
+                        sid,
+                        gid,
+                        int(comp),
+                        n + 1,
+                        rng.choice([0.0, 0.5, 1.0]),
+                        rng.choice([0, 1, 3, None]),
+                    )
+                )
                 session_pks.setdefault(sid, []).append(pk)
             account(acc.ingest(rows))
         elif op < 0.7:
@@ -282,14 +374,21 @@ def _random_run(seed: int) -> None:
             k = rng.randint(1, 4)
             account(acc.set_k(k)[1])
         s = acc.stats()["rows"]
-        assert s["read"] == s["served"] + s["dropped_total"] + s["rejected_total"] + s["pending"], (seed, s)
+        assert s["read"] == s["served"] + s["dropped_total"] + s["rejected_total"] + s["pending"], (
+            seed,
+            s,
+        )
         undecided = [g for d in (acc.pending, acc.ready, acc.taken) for g in d.values()]
         low = min((g.min_pk for g in undecided if g.min_pk is not None), default=None)
         assert acc.low_water(pk) == (pk + 1 if low is None else low), (seed, "low water")
         first = min((g.first_seen for g in undecided), default=None)
         assert (acc.undecided.oldest().first_seen if undecided else None) == first, (seed, "oldest")
     for sid, pks in served.items():
-        assert sorted(pks) == [p for p in session_pks[sid] if p <= max(pks)], (seed, "half session", sid)
+        assert sorted(pks) == [p for p in session_pks[sid] if p <= max(pks)], (
+            seed,
+            "half session",
+            sid,
+        )
 
 
 def test_randomized_runs_of_every_policy_keep_the_per_row_invariants():

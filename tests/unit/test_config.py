@@ -1,4 +1,5 @@
 """Configuration: typed, strict, read once; the README's settings table is generated from it."""
+
 from __future__ import annotations
 
 import logging
@@ -21,27 +22,38 @@ def test_defaults_without_aievobox_root(tmp_path, monkeypatch):
 
 
 def test_defaults_with_aievobox_root(tmp_path):
-    c = Config.from_env({"AIEVOBOX_ROOT": str(tmp_path), "LLM_PROXY_HOST": "h", "LLM_PROXY_PORT": "9"})
+    c = Config.from_env(
+        {"AIEVOBOX_ROOT": str(tmp_path), "LLM_PROXY_HOST": "h", "LLM_PROXY_PORT": "9"}
+    )
     assert c.db_url == f"sqlite://{tmp_path}/rl/rl.db" and c.run_dir == f"{tmp_path}/logs"
     assert c.launcher_kind == "aievobox" and c.proxy_url == "http://h:9"
 
 
-@pytest.mark.parametrize("env,needle", [
-    ({"BUFFER_SERVER_PORT": "abc"}, "BUFFER_SERVER_PORT='abc' is invalid: expected an integer"),
-    ({"BUFFER_SERVER_PORT": "70000"}, "expected an integer from 1 to 65535"),
-    ({"AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS": "nan"}, "AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS"),
-    ({"STORAGE_TYPE": "mysql"}, "expected one of sqlite, postgres"),
-    ({"STORAGE_TYPE": "postgres"}, "does not match AIEVOBOX_DB_URL"),
-    ({"AIEVOBOX_DB_URL": "mysql://x"}, "AIEVOBOX_DB_URL='mysql://x' is invalid"),
-    ({"ROLLOUT_BUFFER_RESTART_POLICY": "always"}, "expected one of never, on-failure"),
-    ({"ROLLOUT_BUFFER_TTL": "5"}, "unknown setting ROLLOUT_BUFFER_TTL;"),
-    ({"LLM_PROXY_HOST": "h"}, "LLM_PROXY_PORT is not"),
-    ({"ROLLOUT_BUFFER_LAUNCHER_CMD": "a 'b"}, "ROLLOUT_BUFFER_LAUNCHER_CMD"),
-    ({"ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "100"}, "must exceed"),
-    ({"ROLLOUT_BUFFER_LAUNCHER_CMD": "run --x {"}, "is not a valid template"),
-    ({"ROLLOUT_BUFFER_LAUNCHER_CMD": "run --job {jobid}"}, "expected only {job_id}, {k}, {db_url}, {storage_type}"),
-    ({"ROLLOUT_BUFFER_TOKN": "secret-token"}, "unknown setting ROLLOUT_BUFFER_TOKN;"),
-])
+@pytest.mark.parametrize(
+    "env,needle",
+    [
+        ({"BUFFER_SERVER_PORT": "abc"}, "BUFFER_SERVER_PORT='abc' is invalid: expected an integer"),
+        ({"BUFFER_SERVER_PORT": "70000"}, "expected an integer from 1 to 65535"),
+        (
+            {"AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS": "nan"},
+            "AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS",
+        ),
+        ({"STORAGE_TYPE": "mysql"}, "expected one of sqlite, postgres"),
+        ({"STORAGE_TYPE": "postgres"}, "does not match AIEVOBOX_DB_URL"),
+        ({"AIEVOBOX_DB_URL": "mysql://x"}, "AIEVOBOX_DB_URL='mysql://x' is invalid"),
+        ({"ROLLOUT_BUFFER_RESTART_POLICY": "always"}, "expected one of never, on-failure"),
+        ({"ROLLOUT_BUFFER_TTL": "5"}, "unknown setting ROLLOUT_BUFFER_TTL;"),
+        ({"LLM_PROXY_HOST": "h"}, "LLM_PROXY_PORT is not"),
+        ({"ROLLOUT_BUFFER_LAUNCHER_CMD": "a 'b"}, "ROLLOUT_BUFFER_LAUNCHER_CMD"),
+        ({"ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "100"}, "must exceed"),
+        ({"ROLLOUT_BUFFER_LAUNCHER_CMD": "run --x {"}, "is not a valid template"),
+        (
+            {"ROLLOUT_BUFFER_LAUNCHER_CMD": "run --job {jobid}"},
+            "expected only {job_id}, {k}, {db_url}, {storage_type}",
+        ),
+        ({"ROLLOUT_BUFFER_TOKN": "secret-token"}, "unknown setting ROLLOUT_BUFFER_TOKN;"),
+    ],
+)
 def test_bad_values_name_the_variable(env, needle):
     with pytest.raises(ConfigError) as exc:
         Config.from_env(env)
@@ -50,8 +62,14 @@ def test_bad_values_name_the_variable(env, needle):
 
 def test_misspelled_multiplier_is_read_with_a_warning(tmp_path, lite_url, caplog):
     caplog.set_level(logging.WARNING, logger="rollout_buffer.core.config")
-    cfg = Config.from_env({"AIEVOBOC_MULTIPLIER": "2.5", "AIEVOBOX_ROOT": str(tmp_path),
-                           "AIEVOBOX_DB_URL": lite_url, "AIEVOBOX_ENV_ROOT": "/envs"})
+    cfg = Config.from_env(
+        {
+            "AIEVOBOC_MULTIPLIER": "2.5",
+            "AIEVOBOX_ROOT": str(tmp_path),
+            "AIEVOBOX_DB_URL": lite_url,
+            "AIEVOBOX_ENV_ROOT": "/envs",
+        }
+    )
     assert cfg.multiplier == 2.5
     warnings = [r for r in caplog.records if "AIEVOBOC_MULTIPLIER" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].levelno == logging.WARNING
@@ -61,7 +79,9 @@ def test_misspelled_multiplier_is_read_with_a_warning(tmp_path, lite_url, caplog
 
     # Both set: the right name wins, no warning.
     caplog.clear()
-    cfg = Config.from_env({"AIEVOBOC_MULTIPLIER": "2.5", "AIEVOBOX_MULTIPLIER": "3.0", "AIEVOBOX_DB_URL": lite_url})
+    cfg = Config.from_env(
+        {"AIEVOBOC_MULTIPLIER": "2.5", "AIEVOBOX_MULTIPLIER": "3.0", "AIEVOBOX_DB_URL": lite_url}
+    )
     assert cfg.multiplier == 3.0
     assert not [r for r in caplog.records if "AIEVOBOC_MULTIPLIER" in r.getMessage()]
     assert Config.from_env({"AIEVOBOX_DB_URL": lite_url}).multiplier == 1.2
@@ -74,11 +94,16 @@ def test_postgres_url_sets_storage_type_and_overrides_win():
 
 def test_launcher_cmd_is_split_like_a_shell():
     c = Config.from_env({"ROLLOUT_BUFFER_LAUNCHER_CMD": "python3 'my launcher.py' --x {k}"})
-    assert c.launcher_cmd == ("python3", "my launcher.py", "--x", "{k}") and c.launcher_kind == "command"
+    assert (
+        c.launcher_cmd == ("python3", "my launcher.py", "--x", "{k}")
+        and c.launcher_kind == "command"
+    )
 
 
 def test_readme_settings_table_is_current():
-    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md"), encoding="utf-8") as fh:
+    with open(
+        os.path.join(os.path.dirname(__file__), "..", "..", "README.md"), encoding="utf-8"
+    ) as fh:
         readme = fh.read()
     assert settings_table() in readme, "regenerate the README table with `rollout-buffer settings`"
 
@@ -94,11 +119,18 @@ def test_a_valid_launcher_template_and_literal_braces_pass():
     assert c.launcher_cmd == ("run", "--job", "{job_id}", "--json", "{{}}")
 
 
-def test_a_relative_sqlite_url_is_resolved_once_where_the_launcher_resolves_it(tmp_path, monkeypatch):
+def test_a_relative_sqlite_url_is_resolved_once_where_the_launcher_resolves_it(
+    tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     root = tmp_path / "aievobox"
     c = Config.from_env({"AIEVOBOX_DB_URL": "sqlite://rl/rl.db", "AIEVOBOX_ROOT": str(root)})
     assert c.db_url == f"sqlite://{root}/rl/rl.db"  # the launcher runs in AIEVOBOX_ROOT
-    c = Config.from_env({"AIEVOBOX_DB_URL": "sqlite://data/x.db", "ROLLOUT_BUFFER_STATE_DB_URL": "sqlite://st.db"})
-    assert c.db_url == f"sqlite://{tmp_path}/data/x.db" and c.state_db_url == f"sqlite://{tmp_path}/st.db"
+    c = Config.from_env(
+        {"AIEVOBOX_DB_URL": "sqlite://data/x.db", "ROLLOUT_BUFFER_STATE_DB_URL": "sqlite://st.db"}
+    )
+    assert (
+        c.db_url == f"sqlite://{tmp_path}/data/x.db"
+        and c.state_db_url == f"sqlite://{tmp_path}/st.db"
+    )
     assert Config.from_env({"AIEVOBOX_DB_URL": "sqlite:///abs/x.db"}).db_url == "sqlite:///abs/x.db"

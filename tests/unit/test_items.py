@@ -1,4 +1,5 @@
 """The splice of stored histories is sound: property check of the incremental validator against json.loads."""
+
 from __future__ import annotations
 
 import json
@@ -8,14 +9,39 @@ import pytest
 
 from rollout_buffer.core.items import Malformed, _History, uid
 
-NOISE = [b" ", b"\t", b"\n", b"\r", b"\x0c", b"\x0b", b",", b"]", b"[", b"}", b"{", b'"', b"NaN", b"Infinity",
-         b"1", b"-", b"e5", b"null", b"\xff", b"\xc3", "é".encode(), b"\\", b"x"]
+NOISE = [
+    b" ",
+    b"\t",
+    b"\n",
+    b"\r",
+    b"\x0c",
+    b"\x0b",
+    b",",
+    b"]",
+    b"[",
+    b"}",
+    b"{",
+    b'"',
+    b"NaN",
+    b"Infinity",
+    b"1",
+    b"-",
+    b"e5",
+    b"null",
+    b"\xff",
+    b"\xc3",
+    "é".encode(),
+    b"\\",
+    b"x",
+]
 
 
 def reference(text: bytes):
     """What json.loads says: the list, or None when the text is not a JSON list (NaN refused)."""
+
     def no_constants(name):
         raise ValueError(name)
+
     try:
         value = json.loads(text.decode("utf-8"), parse_constant=no_constants)
     except ValueError:
@@ -29,14 +55,17 @@ def mutate(rng: random.Random, text: bytes, start: int = 0) -> bytes:
     for _ in range(rng.choice([1, 1, 2])):
         i = rng.randrange(min(start, len(text)), len(text) + 1)
         if rng.random() < 0.3 and len(text) > 1:
-            text = text[:i] + text[i + 1:]
+            text = text[:i] + text[i + 1 :]
         else:
             text = text[:i] + rng.choice(NOISE) + text[i:]
     return text
 
 
 def element(rng: random.Random, n: int) -> dict:
-    return {"role": rng.choice(["user", "assistant"]), "content": f"turn {n} " + rng.choice(["é", "\"q\"", "\n", "x" * 20])}
+    return {
+        "role": rng.choice(["user", "assistant"]),
+        "content": f"turn {n} " + rng.choice(["é", '"q"', "\n", "x" * 20]),
+    }
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -49,11 +78,18 @@ def test_incremental_validation_agrees_with_json_loads(seed):
         for step in range(rng.randint(1, 8)):
             for _ in range(rng.choice([0, 1, 2])):
                 items.append(element(rng, len(items)))
-            text = ("[" + rng.choice(["", " ", "\n"]) + sep.join(json.dumps(i, ensure_ascii=rng.random() < 0.5)
-                                                                 for i in items)
-                    + rng.choice(["", " ", "\n"]) + "]" + rng.choice(["", " ", "\r\n"])).encode()
+            text = (
+                "["
+                + rng.choice(["", " ", "\n"])
+                + sep.join(json.dumps(i, ensure_ascii=rng.random() < 0.5) for i in items)
+                + rng.choice(["", " ", "\n"])
+                + "]"
+                + rng.choice(["", " ", "\r\n"])
+            ).encode()
             if rng.random() < 0.4:
-                start = len(history.prefix) if history.prefix is not None and rng.random() < 0.8 else 0
+                start = (
+                    len(history.prefix) if history.prefix is not None and rng.random() < 0.8 else 0
+                )
                 text = mutate(rng, text, start)
             expected = reference(text)
             try:
@@ -65,7 +101,9 @@ def test_incremental_validation_agrees_with_json_loads(seed):
             assert expected is not None, text
             assert empty == (not expected)
             spliced = text[:end] + (b"" if empty else b",") + b'{"role":"assistant","content":"r"}]'
-            assert json.loads(spliced) == expected + [{"role": "assistant", "content": "r"}], spliced
+            assert json.loads(spliced) == expected + [{"role": "assistant", "content": "r"}], (
+                spliced
+            )
 
 
 def test_uids_are_uuid4_shaped_and_depend_on_seed_and_pk():
