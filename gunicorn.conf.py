@@ -1,3 +1,4 @@
-"""gunicorn loads ./gunicorn.conf.py by default: plain `gunicorn wsgi:app` gets the safe settings."""
+"""gunicorn loads ./gunicorn.conf.py by default: plain `gunicorn wsgi:app` gets the safe
+settings."""
 
 from rollout_buffer.web.gunicorn_conf import *  # noqa: F403

@@ -1,4 +1,5 @@
-"""A trainer-side client for rollout-buffer (and for the original buffer server where features overlap).
+"""A trainer-side client for rollout-buffer (and for the original buffer server where features
+overlap).
 
 Typical use in a trainer::
 
@@ -179,7 +180,8 @@ class BufferClient:
         if base in self.urls:
             self._next = (self.urls.index(base) + 1) % len(self.urls)
 
-    # -- plumbing -------------------------------------------------------------------------------------
+    # -- plumbing
+    # -------------------------------------------------------------------------------------
     def _once(
         self, method: str, path: str, body: dict[str, Any] | None, read_timeout: float
     ) -> Any:
@@ -396,15 +398,15 @@ class BufferClient:
         """Yield complete groups as ``(group_id, items)`` in the order served.
 
         Items of a response are grouped by ``instance_id`` (order preserved). Each poll long-polls
-        up to ``wait_s`` (0 for the original server, which does not know it); after an empty
-        answer without long-poll it sleeps ``poll_interval``. Stops after ``n`` groups (never when None); raises
-        TimeoutError when ``timeout`` seconds pass first. Each poll asks for at most the groups
-        still wanted, so no group is taken from the server and not yielded; groups of a response
-        the caller stops consuming midway are, however, marked served on the server.
-        A group id is never yielded twice (a duplicate is logged and skipped).
-        ``current_weight_version`` (a number, or a callable asked before every poll, as the trainer's
-        version moves while it iterates) and ``max_off_policy`` are sent with every poll.
-        """
+        up to ``wait_s`` (0 for the original server, which does not know it); after an empty answer
+        without long-poll it sleeps ``poll_interval``. Stops after ``n`` groups (never when None);
+        raises TimeoutError when ``timeout`` seconds pass first. Each poll asks for at most the
+        groups still wanted, so no group is taken from the server and not yielded; groups of a
+        response the caller stops consuming midway are, however, marked served on the server. A
+        group id is never yielded twice (a duplicate is logged and skipped).
+        ``current_weight_version`` (a number, or a callable asked before every poll, as the
+        trainer's version moves while it iterates) and ``max_off_policy`` are sent with every
+        poll."""
         deadline = None if timeout is None else time.monotonic() + timeout
         seen: set[str] = set()
         yielded = 0
@@ -465,7 +467,8 @@ class BufferClient:
 
 
 def groups_of(doc: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
-    """The items of a /get_rollout_data answer grouped by instance_id, in order of first appearance."""
+    """The items of a /get_rollout_data answer grouped by instance_id, in order of first
+    appearance."""
     data = doc.get("data") or {}
     items = data.get("data") if isinstance(data, dict) else None
     out: dict[str, list[dict[str, Any]]] = {}

@@ -1,9 +1,9 @@
 """The service: a facade that builds the parts, runs their lifecycle and answers the API's calls.
 
-The parts, each in its own module: the background loop (``loop``), serving (``serving``), the
-active job (``jobs``), the durable state (``store``), recording and notifying (``notifications``),
-the launcher (``launcher``), ownership of the job (``lease``; a standby's answer is app.py's).
-Only what is left here is the wiring, ``/start_rollout``, ``/stop_rollout``, ``/health``, ``/stats``.
+The parts, each in its own module: the background loop (``loop``), serving (``serving``), the active
+job (``jobs``), the durable state (``store``), recording and notifying (``notifications``), the
+launcher (``launcher``), ownership of the job (``lease``; a standby's answer is app.py's). Only what
+is left here is the wiring, ``/start_rollout``, ``/stop_rollout``, ``/health``, ``/stats``.
 
 Lock order, outermost first; a thread never takes an earlier lock while holding a later one:
 1. ``start_lock``: one /start_rollout at a time (the loop, to relaunch, only ``blocking=False``);
@@ -120,7 +120,8 @@ class Service:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the background thread and the notifier; idempotent. Touches the DB in the thread."""
+        """Start the background thread and the notifier; idempotent. Touches the DB in the
+        thread."""
         if self._closed:
             raise ClosedError("service was stopped; build a new one")
         if self._started:
@@ -134,7 +135,8 @@ class Service:
 
     def stop(self, timeout: float = 10.0, *, keep_launcher: bool = False) -> None:
         """Stop the loop, the launcher (TERM, grace, KILL) and the notifier; idempotent. With
-        ``keep_launcher`` (the worker crashed) the launcher runs on, for the next worker to adopt."""
+        ``keep_launcher`` (the worker crashed) the launcher runs on, for the next worker to
+        adopt."""
         if self._closed:
             return
         self._closed = True
@@ -178,7 +180,8 @@ class Service:
 
     # -- the API's calls -----------------------------------------------------------------------
     def get_rollout_data(self, conns: LazyPair, poll: PollRequest) -> Body:
-        """Serve ready groups (or replay the batch bound to request_id), long-polling up to wait_s."""
+        """Serve ready groups (or replay the batch bound to request_id), long-polling up to
+        wait_s."""
         return self.serving.get_rollout_data(conns, poll)
 
     def start_rollout(
@@ -190,10 +193,12 @@ class Service:
         job_session: str | None,
         skip: list[str] | None = None,
     ) -> tuple[int, dict[str, Any]]:
-        """Select the job, start its launcher (or redeliver: see _redeliver). Returns (status, body)."""
+        """Select the job, start its launcher (or redeliver: see _redeliver). Returns (status,
+        body)."""
         self.lease.check(10.0)  # LeaseLost on a standby: answered with 307 (app.standby_answer)
         if not self.loop.bootstrapped.is_set():
-            # Before the active job is resumed and its launcher adopted, "not running" would be a lie.
+            # Before the active job is resumed and its launcher adopted, "not running" would be a
+            # lie.
             self.nudge()
             if not self.loop.bootstrapped.wait(10.0):
                 raise ApiError(
@@ -279,7 +284,8 @@ class Service:
         }
 
     def _redeliver(self, conns: LazyPair, js: Any, skip: list[str]) -> dict[str, Any]:
-        """A call that began no new job, with a checkpoint's skip list: queue served groups again."""
+        """A call that began no new job, with a checkpoint's skip list: queue served groups
+        again."""
         if js is None or not skip:
             return {}
         return redeliver(
@@ -294,8 +300,9 @@ class Service:
     def stop_rollout(self) -> dict[str, Any]:
         """Stop the launcher (idempotent); the job stays selected and ready groups stay servable.
 
-        Takes no service lock and no database (the supervisor's lock makes it safe): a stuck database or
-        a /start_rollout in progress must not keep the launcher running past its grace."""
+        Takes no service lock and no database (the supervisor's lock makes it safe): a stuck
+        database or a /start_rollout in progress must not keep the launcher running past its
+        grace."""
         self.lease.check(2.0, sure=False)
         before = self.supervisor.state()
         self.loop.ready_signal.interrupt()  # waiting polls answer now, with whatever is ready
@@ -320,7 +327,8 @@ class Service:
         problem = self.health_state.problem() or (self.loop.stuck() if self._started else None)
         return {
             "status": "healthy" if problem is None and self.lease.problem is None else "degraded",
-            **self.lease.describe(),  # role, instance, owner (its URL, never a secret), lease_problem
+            # role, instance, owner (its URL, never a secret), lease_problem
+            **self.lease.describe(),
             "last_tick_age_s": round(self.loop.tick_age(), 3),
             "aievobox_running": bool(self.supervisor.state()["running"]),
             "data_manager_initialized": js is not None,

@@ -1,5 +1,6 @@
-"""Fixtures: a scrubbed environment, a database per test on both backends, a writer of launcher-style
-rows, a started service with its Flask test client. The helpers they use live in support.py."""
+"""Fixtures: a scrubbed environment, a database per test on both backends, a writer of
+launcher-style rows, a started service with its Flask test client. The helpers they use live in
+support.py."""
 
 from __future__ import annotations
 

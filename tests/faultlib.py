@@ -1,4 +1,5 @@
-"""The fault-injection scenario engine (issue 14), shared by tests/test_faults.py and tests/bench/fault_soak.py.
+"""The fault-injection scenario engine (issue 14), shared by tests/test_faults.py and
+tests/bench/fault_soak.py.
 
 One seeded run: a real ``rollout-buffer serve`` (gunicorn, :class:`servers.Server`) on a real
 SQLite file or Postgres schema; several writer processes (``tests/fakes/fault_writer.py``)
@@ -100,7 +101,8 @@ def rerun_hint(s: Settings) -> str:
     )
 
 
-# -- the plan: rows and transactions of each writer --------------------------------------------------------
+# -- the plan: rows and transactions of each writer
+# --------------------------------------------------------
 
 
 def _hex_id(rng: random.Random) -> str:
@@ -233,7 +235,8 @@ def _merge(rng: random.Random, sessions: list[list[dict[str, Any]]]) -> list[dic
 def make_plan(
     s: Settings, rng: random.Random, writer: int, url: str, log_path: str
 ) -> dict[str, Any]:
-    """One writer's transactions; groups are written two at a time, so a group's rows are close in time."""
+    """One writer's transactions; groups are written two at a time, so a group's rows are close in
+    time."""
     stream: list[dict[str, Any]] = []
     kinds: dict[str, str] = {}
     gids = [f"g{writer}-{i:02d}-{rng.getrandbits(24):06x}" for i in range(s.groups_per_writer)]
@@ -288,7 +291,8 @@ def plan_duration(plan: dict[str, Any]) -> float:
     return sum(t["delay_s"] + (0 if t["detach"] else t["hold_s"]) for t in plan["txns"])
 
 
-# -- the truth, read back from session_steps ---------------------------------------------------------------
+# -- the truth, read back from session_steps
+# ---------------------------------------------------------------
 
 
 @dataclass
@@ -306,7 +310,8 @@ class Row:
     created_at: str
 
     def problem(self) -> str | None:
-        """Why this row cannot become an item (an independent re-implementation of SPEC §3), or None."""
+        """Why this row cannot become an item (an independent re-implementation of SPEC §3), or
+        None."""
         if not isinstance(self.session_id, str):
             return "BLOB session_id"
         if self.group_id is None:
@@ -423,7 +428,8 @@ class Group:
 
 
 def groups_of(rows: list[Row]) -> dict[str, Group]:
-    """Groups by group_id; a row with NULL group_id belongs to the group its session's other rows name."""
+    """Groups by group_id; a row with NULL group_id belongs to the group its session's other rows
+    name."""
     groups: dict[str, Group] = {}
     session_group: dict[Any, str] = {}
     for r in rows:
@@ -437,7 +443,8 @@ def groups_of(rows: list[Row]) -> dict[str, Group]:
 
 
 def expected_items(g: Group) -> list[dict[str, Any]]:
-    """What the trainer must get for a complete, well-formed group: every row of its completed sessions."""
+    """What the trainer must get for a complete, well-formed group: every row of its completed
+    sessions."""
     done = g.completed_sessions()
     terminal = {}
     for sid in done:
@@ -502,11 +509,13 @@ def compare_items(gid: str, got: list[dict[str, Any]], want: list[dict[str, Any]
     return out
 
 
-# -- the buffer's own tables -------------------------------------------------------------------------------
+# -- the buffer's own tables
+# -------------------------------------------------------------------------------
 
 
 class StateReader:
-    """Reads rollout_buffer_groups and rollout_buffer_batches with the raw driver (a fresh connection each time)."""
+    """Reads rollout_buffer_groups and rollout_buffer_batches with the raw driver (a fresh
+    connection each time)."""
 
     def __init__(self, url: str, backend: str) -> None:
         self.url, self.backend = url, backend
@@ -552,11 +561,13 @@ class StateReader:
         )
 
 
-# -- the trainer -------------------------------------------------------------------------------------------
+# -- the trainer
+# -------------------------------------------------------------------------------------------
 
 
 class Trainer:
-    """Polls with a fresh request_id per logical poll and retries that id on any error until it gets a 200."""
+    """Polls with a fresh request_id per logical poll and retries that id on any error until it gets
+    a 200."""
 
     def __init__(self, base_url: str, rng: random.Random) -> None:
         self.url = base_url
@@ -687,7 +698,8 @@ class Trainer:
         raise FaultSuiteFailure(f"/start_rollout never succeeded: {last}")
 
 
-# -- one run -----------------------------------------------------------------------------------------------
+# -- one run
+# -----------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -842,7 +854,8 @@ class Run:
             raise FaultSuiteFailure(self.report()) from None
 
     def _kill(self, mode: str) -> None:
-        """kill -9 the whole process group at a point of the given kind, then restart on the same port."""
+        """kill -9 the whole process group at a point of the given kind, then restart on the same
+        port."""
         assert self.srv is not None and self.srv.proc is not None
         trainer = self.trainer
         pgid = self.srv.proc.pid
@@ -867,7 +880,8 @@ class Run:
             note += "(a transaction held 2.5 s)" if held else "(no long hold seen)"
             self._kill9(pgid)
         else:
-            # a batch is recorded only when a group is ready, and a poll with data takes longest: wait for one
+            # a batch is recorded only when a group is ready, and a poll with data takes longest:
+            # wait for one
             end = time.monotonic() + 5
             while time.monotonic() < end and not ((trainer.stats() or {}).get("groups") or {}).get(
                 "ready"
@@ -1052,7 +1066,8 @@ class Run:
             )
 
     def _timing(self, gid: str) -> str:
-        """When the writers committed the group's rows (to tell a writing gap from a reading fault)."""
+        """When the writers committed the group's rows (to tell a writing gap from a reading
+        fault)."""
         pks = {
             r.pk for r in groups_of(read_rows(self.url, self.s.backend)).get(gid, Group(gid)).rows
         }

@@ -1,4 +1,5 @@
-"""Real rollout-buffer servers for tests: ``python -m rollout_buffer serve`` (gunicorn) as a subprocess.
+"""Real rollout-buffer servers for tests: ``python -m rollout_buffer serve`` (gunicorn) as a
+subprocess.
 
 :func:`serve` is a context manager: it picks a free port (or takes one, to restart a server on the
 same port), starts the server in its own session with a scrubbed environment, polls ``/health``
@@ -61,7 +62,8 @@ def server_env(
     launcher: str = "none",
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """os.environ without any service setting, plus the database, log dir, launcher and ``extra``."""
+    """os.environ without any service setting, plus the database, log dir, launcher and
+    ``extra``."""
     env = clean_env(
         {
             "AIEVOBOX_DB_URL": db_url,
@@ -78,7 +80,8 @@ def server_env(
 
 
 class Server:
-    """One ``rollout-buffer serve`` subprocess (gunicorn master + worker) in its own process group."""
+    """One ``rollout-buffer serve`` subprocess (gunicorn master + worker) in its own process
+    group."""
 
     def __init__(
         self,
@@ -170,7 +173,8 @@ def kill9(srv: Server) -> None:
     wait_until(lambda: not procfs.group_members(pgid), 5, "every server process gone")
 
 
-# -- a trainer over HTTP, and what it must have received -----------------------------------------------------
+# -- a trainer over HTTP, and what it must have received
+# -----------------------------------------------------
 
 
 def complete_groups(url: str, job: str, k: int = 4) -> dict[str, int]:
@@ -281,7 +285,8 @@ class Trainer:
                 time.sleep(0.05)
             elif pause:
                 time.sleep(pause)
-        # every row written has been read (so nothing else can become ready), then nothing more comes
+        # every row written has been read (so nothing else can become ready), then nothing more
+        # comes
         wait_until(
             lambda: self.stats().get("lag_rows") == 0, 10, "the service caught up with the rows"
         )

@@ -1,4 +1,5 @@
-"""Helpers shared by the tests (imported as ``from support import ...``; fixtures are in conftest.py).
+"""Helpers shared by the tests (imported as ``from support import ...``; fixtures are in
+conftest.py).
 
 Postgres (``postgresql://root@127.0.0.1:5432/test`` unless ``ROLLOUT_BUFFER_TEST_PG`` names
 another) is probed once with a 2 s timeout. When no server answers, Postgres tests skip with a
@@ -57,7 +58,8 @@ def require_pg() -> None:
 
 @contextlib.contextmanager
 def fresh_pg_schema() -> Iterator[str]:
-    """A new schema on the Postgres server (dropped on exit), as a URL whose search_path selects it."""
+    """A new schema on the Postgres server (dropped on exit), as a URL whose search_path selects
+    it."""
     import psycopg
 
     schema = "rbt_" + uuid.uuid4().hex[:16]
@@ -268,8 +270,8 @@ def wait_until(
 def run_on_a_terminal(
     argv: list[str], cwd: Any, stream: str = "stdout", timeout: float = 60.0
 ) -> tuple[int, str, str]:
-    """Run ``argv`` with its ``stream`` ("stdout" or "stderr") on a pseudo-terminal and the other one
-    on a pipe: (exit status, what the terminal got, what the pipe got)."""
+    """Run ``argv`` with its ``stream`` ("stdout" or "stderr") on a pseudo-terminal and the other
+    one on a pipe: (exit status, what the terminal got, what the pipe got)."""
     other = "stderr" if stream == "stdout" else "stdout"
     master, slave = pty.openpty()
     try:

@@ -97,7 +97,8 @@ class Accumulator:
         return self.rows_version if t is None else max(t, self.rows_version)
 
     def set_versions(self, trainer: int | None = None, rows: int | None = None) -> None:
-        """A poll's current_weight_version (the last one wins), or the stored ones after a restart."""
+        """A poll's current_weight_version (the last one wins), or the stored ones after a
+        restart."""
         with self.lock:
             if trainer is not None:
                 self.trainer_version = trainer
@@ -124,7 +125,8 @@ class Accumulator:
                     self._reject_session(pk, gid, out)
                     continue
                 if gid is None or gid == "" or not isinstance(gid, str) or isinstance(gid, BadText):
-                    # no group, or one that is not text (undecodable, a BLOB): never served under a garbled id
+                    # no group, or one that is not text (undecodable, a BLOB): never served under a
+                    # garbled id
                     reason = MISSING_GROUP if gid is None or gid == "" else INVALID_GROUP
                     self.counts.rejected[reason] += 1
                     out.rows.append(RowEvent(pk, REJECTED, reason, None, sid))
@@ -243,7 +245,8 @@ class Accumulator:
             self._drop(g, MALFORMED, out)
 
     def _drop(self, g: Group, reason: str, out: Decisions) -> None:
-        """Decide an undecided group as dropped (lock held). Never a taken group: its poll decides it."""
+        """Decide an undecided group as dropped (lock held). Never a taken group: its poll decides
+        it."""
         gid = g.group_id
         assert g.taken is None, gid
         drop = Drop(
@@ -259,7 +262,8 @@ class Accumulator:
         out.drops.append(drop)
 
     def _forget(self, g: Group) -> None:
-        """A group was decided: drop it from the session index (O(its sessions)) and the undecided."""
+        """A group was decided: drop it from the session index (O(its sessions)) and the
+        undecided."""
         self.undecided.remove(g)
         for sid in g.sessions:
             if self.session_group.get(sid) == g.group_id:
@@ -285,8 +289,9 @@ class Accumulator:
         return out
 
     def drop_all(self, reason: str, *, include_ready: bool, partial: bool = False) -> Decisions:
-        """Drop every incomplete group (and the ready ones when include_ready); with ``partial`` (the
-        launcher exited: they can never complete) those with the minimum group size are served short."""
+        """Drop every incomplete group (and the ready ones when include_ready); with ``partial``
+        (the launcher exited: they can never complete) those with the minimum group size are served
+        short."""
         out = Decisions()
         with self.lock:
             for g in list(self.pending.values()):
@@ -297,8 +302,8 @@ class Accumulator:
         return out
 
     def _give_up(self, g: Group, reason: str, out: Decisions) -> None:
-        """(Lock held.) An incomplete group that cannot wait any longer: ready short of K when it has
-        the minimum group size (ROLLOUT_BUFFER_MIN_GROUP_SIZE), else dropped with ``reason``."""
+        """(Lock held.) An incomplete group that cannot wait any longer: ready short of K when it
+        has the minimum group size (ROLLOUT_BUFFER_MIN_GROUP_SIZE), else dropped with ``reason``."""
         least = self.policy.min_group_size
         if least is not None and least < self.k and len(g.completed) >= least:
             del self.pending[g.group_id]
@@ -309,7 +314,8 @@ class Accumulator:
 
     # -- serving ----------------------------------------------------------------------------------
     def take_ready(self, max_groups: int | None) -> list[Take]:
-        """Hand ready groups to a poll, first ready first; they stay undecided until commit/release."""
+        """Hand ready groups to a poll, first ready first; they stay undecided until
+        commit/release."""
         takes: list[Take] = []
         with self.lock:
             self.changes += 1
@@ -335,8 +341,9 @@ class Accumulator:
         return takes
 
     def retake(self, takes: list[Take]) -> list[Take]:
-        """Hand back exactly these earlier takes (released after a COMMIT that did happen after all),
-        so commit() settles them with their original snapshot. Returns those still undecided."""
+        """Hand back exactly these earlier takes (released after a COMMIT that did happen after
+        all), so commit() settles them with their original snapshot. Returns those still
+        undecided."""
         found = []
         with self.lock:
             self.changes += 1
@@ -353,7 +360,8 @@ class Accumulator:
         return found
 
     def release(self, takes: list[Take]) -> Decisions:
-        """Give taken groups back, at the front and in their order (the poll failed or ran out of budget).
+        """Give taken groups back, at the front and in their order (the poll failed or ran out of
+        budget).
 
         A group one of whose sessions wrote a row without group_id meanwhile is dropped instead."""
         out = Decisions()
@@ -413,10 +421,11 @@ class Accumulator:
         return out
 
     def recheck(self, t: Take) -> Take | None:
-        """A taken group about to be served from a draft built earlier: None when an unbuilt poll would
-        serve it otherwise (its served sessions grew or another completed) or drop it (a session wrote
-        a row without group_id); else its take with the sessions that appeared or grew since as
-        incomplete (cleared as incomplete in a served group, as at any poll, not as late rows)."""
+        """A taken group about to be served from a draft built earlier: None when an unbuilt poll
+        would serve it otherwise (its served sessions grew or another completed) or drop it (a
+        session wrote a row without group_id); else its take with the sessions that appeared or grew
+        since as incomplete (cleared as incomplete in a served group, as at any poll, not as late
+        rows)."""
         with self.lock:
             g = self.taken.get(t.group_id)
             if (
@@ -466,7 +475,8 @@ class Accumulator:
         return out
 
     def _settle(self, g: Group, out: Decisions, late_reason: str) -> None:
-        """Remove a taken group from pending state; rows that arrived while taken become late rows."""
+        """Remove a taken group from pending state; rows that arrived while taken become late
+        rows."""
         assert g.taken is not None
         self.counts.pending_rows -= g.n_rows
         self._forget(g)

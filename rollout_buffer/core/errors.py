@@ -34,7 +34,8 @@ class StorageError(RolloutBufferError):
 
 
 class DataError(StorageError):
-    """A statement failed on a value it read (SQLSTATE class 22, or a value the driver cannot load)."""
+    """A statement failed on a value it read (SQLSTATE class 22, or a value the driver cannot
+    load)."""
 
     about_data = True
 
@@ -44,7 +45,8 @@ class IntegrityError(StorageError):
 
 
 class LeaseLost(StorageError):
-    """This instance does not own the job (any more): the transaction was rolled back, nothing recorded."""
+    """This instance does not own the job (any more): the transaction was rolled back, nothing
+    recorded."""
 
 
 class ClosedError(RolloutBufferError):
@@ -63,7 +65,8 @@ class ApiError(RolloutBufferError):
 
 @contextlib.contextmanager
 def bounded(lock: threading.Lock, holder: str, wait_s: float) -> Iterator[None]:
-    """Hold ``lock``, waiting at most ``wait_s``: a request behind a stuck one answers 503, never hangs."""
+    """Hold ``lock``, waiting at most ``wait_s``: a request behind a stuck one answers 503, never
+    hangs."""
     if not lock.acquire(timeout=wait_s):
         raise ApiError(
             503,

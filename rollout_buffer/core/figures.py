@@ -1,11 +1,10 @@
 """Group figures: what the served and the dropped groups looked like (issue 10, drop bias).
 
-Owns: the running sums per outcome (served, or dropped with its reason) of groups, sessions,
-steps and terminal rewards, from which /stats and /metrics show the mean steps per session and
-the mean terminal reward (so an operator sees when a policy or the TTL keeps removing long or
-hard episodes), and the per-group ``meta_info.group_stats`` of a served batch. Pure values: no
-I/O, no lock (the accumulator's lock guards a job's :class:`Figures`); it must not decide or drop anything.
-"""
+Owns: the running sums per outcome (served, or dropped with its reason) of groups, sessions, steps
+and terminal rewards, from which /stats and /metrics show the mean steps per session and the mean
+terminal reward (so an operator sees when a policy or the TTL keeps removing long or hard episodes),
+and the per-group ``meta_info.group_stats`` of a served batch. Pure values: no I/O, no lock (the
+accumulator's lock guards a job's :class:`Figures`); it must not decide or drop anything."""
 
 from __future__ import annotations
 
@@ -19,7 +18,8 @@ _FLOAT_MAX = 1.7976931348623157e308
 
 
 def finite_sum(values: Iterable[float]) -> tuple[float, int]:
-    """The sum of the finite values (clamped to the float range, never inf) and how many there were."""
+    """The sum of the finite values (clamped to the float range, never inf) and how many there
+    were."""
     finite = [v for v in values if math.isfinite(v)]
     try:
         total = math.fsum(finite)

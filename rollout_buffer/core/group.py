@@ -1,10 +1,9 @@
 """One prompt group that is not decided yet, and the policies' verdict on it once it is ready.
 
-Owns: the metadata a group holds while undecided (its sessions' row pks, which sessions
-completed and with what terminal reward, the weight versions the policies need) and the verdict
-of the training-data policies on a ready group. No I/O and no lock: the accumulator's lock
-guards every group; it decides nothing about other groups, and it must not record or act on its verdict.
-"""
+Owns: the metadata a group holds while undecided (its sessions' row pks, which sessions completed
+and with what terminal reward, the weight versions the policies need) and the verdict of the
+training-data policies on a ready group. No I/O and no lock: the accumulator's lock guards every
+group; it decides nothing about other groups, and it must not record or act on its verdict."""
 
 from __future__ import annotations
 
@@ -39,20 +38,23 @@ class Group:
     def __init__(self, group_id: str, now: float) -> None:
         self.group_id = group_id
         self.sessions: dict[str, list[int]] = {}  # session -> its rows' pks (metadata only)
-        # sessions that wrote their completed row -> (first completing pk, terminal (step_id, pk), reward)
+        # sessions that wrote their completed row -> (first completing pk, terminal (step_id, pk),
+        # reward)
         self.completed: dict[str, tuple[int, tuple[int, int], float | None]] = {}
         self.n_rows = 0
         self.last_seen = now
         self.first_seen = now
         self.min_pk: int | None = None
         self.taken: dict[str, int] | None = None  # session -> rows handed to the server
-        # the weight versions known at ingest, only when a policy needs them: one int while every row
+        # the weight versions known at ingest, only when a policy needs them: one int while every
+        # row
         # read has that version (the common case, and small), else session -> its rows' min version
         self.wv: int | dict[str, int] | None = None
         self.chosen: frozenset[str] | None = (
             None  # over-sampling: the K sessions it will serve, once ready
         )
-        # over-sampling: sessions dropped as oversampled, for good (a change of K, a restart, a partial
+        # over-sampling: sessions dropped as oversampled, for good (a change of K, a restart, a
+        # partial
         # group reaching K never lets one back in: its rows already read are accounted as dropped)
         self.excluded: set[str] | None = None
         self.partial = False  # made ready at the TTL short of K (min group size)
@@ -94,7 +96,8 @@ class Group:
             w[sid] = wv  # type: ignore[index]
 
     def min_version(self, sessions: Iterable[str]) -> int | None:
-        """The min weight_version known at ingest of these sessions' rows; None when none is known."""
+        """The min weight_version known at ingest of these sessions' rows; None when none is
+        known."""
         w = self.wv
         if w is None or isinstance(w, int):
             return w
@@ -122,9 +125,9 @@ class Group:
         return None
 
     def choose(self, k: int) -> dict[str, list[int]]:
-        """Over-sampling: keep the first k completed sessions (in the order of their completing rows'
-        ids) and forget the others for good (``excluded``); returns the sessions removed, with their
-        rows' pks."""
+        """Over-sampling: keep the first k completed sessions (in the order of their completing
+        rows' ids) and forget the others for good (``excluded``); returns the sessions removed, with
+        their rows' pks."""
         self.chosen = frozenset(sorted(self.completed, key=lambda s: self.completed[s][0])[:k])
         removed = {
             sid: self.sessions.pop(sid)

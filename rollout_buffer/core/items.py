@@ -179,7 +179,8 @@ _JSON_WS = b" \t\n\r"
 
 
 class _History:
-    """Validates a session's growing histories: each step's list usually extends the previous one."""
+    """Validates a session's growing histories: each step's list usually extends the previous
+    one."""
 
     __slots__ = ("empty", "prefix")
 

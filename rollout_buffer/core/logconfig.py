@@ -1,4 +1,5 @@
-"""Logging handlers, configured only at entry points (gunicorn hooks, the CLI), before the app is built.
+"""Logging handlers, configured only at entry points (gunicorn hooks, the CLI), before the app is
+built.
 
 Owns: the handlers, the log file's rotation and the rate limit of lines per kind of event. It must
 not configure anything on import: only entry points call it.

@@ -55,7 +55,8 @@ class Row(NamedTuple):
     """The metadata of one ingested row (bodies stay in the database until served).
 
     ``step_id``, ``reward`` (step_reward) and ``wv`` (weight_version, 0 when absent) feed the
-    policies and the group figures; None where the row's value is unusable (its build rejects it)."""
+    policies and the group figures; None where the row's value is unusable (its build rejects
+    it)."""
 
     step_pk: int
     session_id: str
@@ -78,7 +79,8 @@ class Policy:
     serve_order: str = "ready"  # ready | oldest_version | newest_version
 
     def stale(self, current: int, min_wv: int, max_off_policy: int | None = None) -> bool:
-        """The upstream client's rule: current - min(weight_version of the items) > max_off_policy."""
+        """The upstream client's rule: current - min(weight_version of the items) >
+        max_off_policy."""
         bound = self.max_off_policy if max_off_policy is None else max_off_policy
         return bound is not None and current - min_wv > bound
 
@@ -99,11 +101,13 @@ class LauncherState(str, enum.Enum):
     EXITED = "exited"
     STOPPED_REQUESTED = "stopped:requested"
     STOPPED_SHUTDOWN = "stopped:shutdown"
-    HANDED_OVER = "stopped:handover"  # stopped at shutdown for a standby on another host: it starts a fresh one
+    # stopped at shutdown for a standby on another host: it starts a fresh one
+    HANDED_OVER = "stopped:handover"
 
     @classmethod
     def parse(cls, text: str | None) -> LauncherState | None:
-        """The stored text as a state; unknown or legacy texts that start with 'exited' are EXITED."""
+        """The stored text as a state; unknown or legacy texts that start with 'exited' are
+        EXITED."""
         if text is None:
             return None
         try:
@@ -227,7 +231,8 @@ class Batch:
 
 @dataclass
 class Decisions:
-    """One plan: what a step decided, for the store to record and then memory and the notifier to apply."""
+    """One plan: what a step decided, for the store to record and then memory and the notifier to
+    apply."""
 
     drops: list[Drop] = field(default_factory=list)
     rows: list[RowEvent] = field(default_factory=list)

@@ -60,7 +60,8 @@ class ReadyQueue(OrderedDict):
                 return g
 
     def _sweep(self) -> None:
-        """Drop the entries of groups that left the queue (dropped, taken again, back to pending)."""
+        """Drop the entries of groups that left the queue (dropped, taken again, back to
+        pending)."""
         if len(self._heap) > 2 * len(self) + 64:
             self._heap = [g.order_key for g in self.values() if g.order_key is not None]
             heapq.heapify(self._heap)

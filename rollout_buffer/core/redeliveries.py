@@ -45,7 +45,8 @@ class Redeliveries:
             return out
 
     def put_front(self, group_ids: list[str]) -> None:
-        """Give popped groups back, first again and in their order (a poll failed or ran out of budget)."""
+        """Give popped groups back, first again and in their order (a poll failed or ran out of
+        budget)."""
         with self._lock:
             self._queue.extendleft(reversed([g for g in group_ids if g not in self._queue]))
             self.taken.difference_update(group_ids)

@@ -1,14 +1,13 @@
 """The launcher of the active job: its argv from configuration, and its identity in the store.
 
-Owns: building the command (SPEC §5: an argv list from configuration plus the validated job id
-and K, never a shell string), starting, adopting and stopping it through the
-:class:`~rollout_buffer.launcher.supervisor.Supervisor`, and recording each change of its state, with its
-host, with the job. Across owners (issue 12): a launcher is adopted only on its own host; one on
-another host is watched through what an instance there reports (``elsewhere``); a new owner
+Owns: building the command (SPEC §5: an argv list from configuration plus the validated job id and
+K, never a shell string), starting, adopting and stopping it through the
+:class:`~rollout_buffer.launcher.supervisor.Supervisor`, and recording each change of its state,
+with its host, with the job. Across owners (issue 12): a launcher is adopted only on its own host;
+one on another host is watched through what an instance there reports (``elsewhere``); a new owner
 relaunches one that is gone (``relaunch_for``); a standby stops a launcher on its host that the
 owner, elsewhere, cannot supervise, and reports it. It must not touch groups: what a finished
-launcher means for them (``launcher_exited`` drops) is the loop's decision.
-"""
+launcher means for them (``launcher_exited`` drops) is the loop's decision."""
 
 from __future__ import annotations
 
@@ -182,7 +181,8 @@ class Launcher:
         return self.supervisor.state()
 
     def summary(self) -> dict[str, Any]:
-        """What /health and /stats show of it (``elsewhere``: one on another host, not supervised here)."""
+        """What /health and /stats show of it (``elsewhere``: one on another host, not supervised
+        here)."""
         state = self.supervisor.state()
         out = {k: state.get(k) for k in SUMMARY_KEYS}
         out["host"] = self.host_id if state.get("pid") else None
@@ -212,7 +212,8 @@ class Launcher:
         )  # type: ignore[union-attr]
 
     def runs_elsewhere(self) -> bool:
-        """A launcher of the job may still run on another host (so /start_rollout must not start one)."""
+        """A launcher of the job may still run on another host (so /start_rollout must not start
+        one)."""
         return self.elsewhere is not None and not self.ended_elsewhere
 
     def record(self, store: Store, job_id: str, state: LauncherState) -> None:
@@ -225,8 +226,8 @@ class Launcher:
         )
 
     def preflight(self, job_id: str, k: int) -> None:
-        """A 500 now, before the job is switched, for a launcher that surely cannot start: the active
-        job and its pending and ready groups must not be given up for it."""
+        """A 500 now, before the job is switched, for a launcher that surely cannot start: the
+        active job and its pending and ready groups must not be given up for it."""
         spec = launch_spec(self.config, job_id, k)
         try:
             self.supervisor.preflight(spec)
@@ -269,8 +270,8 @@ class Launcher:
         return pid
 
     def start_for(self, store: Store, js: Any) -> int | None:
-        """/start_rollout and a relaunch: start the job's launcher (none with LAUNCHER=none); the loop's
-        view of the previous one's end (``js``: the JobState) starts over with it."""
+        """/start_rollout and a relaunch: start the job's launcher (none with LAUNCHER=none); the
+        loop's view of the previous one's end (``js``: the JobState) starts over with it."""
         if not self.managed:
             return None
         pid = self.start(store, js.job_id, js.k)
@@ -368,8 +369,8 @@ class Launcher:
         return adopted
 
     def check_elsewhere(self, store: Store, job_id: str, reports: list[str | None]) -> None:
-        """(Owner) The launcher on another host is gone once an instance there reports it so: recorded
-        as exited, and a fresh one is due here (``relaunch_for``)."""
+        """(Owner) The launcher on another host is gone once an instance there reports it so:
+        recorded as exited, and a fresh one is due here (``relaunch_for``)."""
         e = self.elsewhere
         if e is None or self.ended_elsewhere or f"{e.pid}:{e.start_ticks}:gone" not in reports:
             return
@@ -387,17 +388,19 @@ class Launcher:
         )
 
     def stop_elsewhere(self) -> bool:
-        """(Owner, /stop_rollout) A launcher on another host cannot be signalled from here: it counts as
-        stopped now, the loop records it so (``check``), and an instance on its host stops it
-        (``watch_here``). True if there was one. No database here: a stuck one must not hold it up."""
+        """(Owner, /stop_rollout) A launcher on another host cannot be signalled from here: it
+        counts as stopped now, the loop records it so (``check``), and an instance on its host stops
+        it (``watch_here``). True if there was one. No database here: a stuck one must not hold it
+        up."""
         if not self.runs_elsewhere():
             return False
         self.ended_elsewhere, self.relaunch_for, self._stop_due = True, None, True
         return True
 
     def let_go(self) -> None:
-        """This instance lost the job: forget the launcher without signalling it (a new owner on this host
-        adopts it; for one elsewhere, ``watch_here`` stops it) and whatever was due for it."""
+        """This instance lost the job: forget the launcher without signalling it (a new owner on
+        this host adopts it; for one elsewhere, ``watch_here`` stops it) and whatever was due for
+        it."""
         proc = self.supervisor.release()
         if proc is not None:
             self._released.append(proc)
@@ -409,9 +412,9 @@ class Launcher:
         )
 
     def watch_here(self, row: dict[str, Any] | None, owner_host: str | None) -> str | None:
-        """(Not the owner) The job's launcher, if it is recorded on this host: stopped when nobody can
-        supervise it (the owner is on another host, or it is recorded as not running yet runs), and
-        reported as ``pid:start_ticks:alive|gone`` for the owner."""
+        """(Not the owner) The job's launcher, if it is recorded on this host: stopped when nobody
+        can supervise it (the owner is on another host, or it is recorded as not running yet runs),
+        and reported as ``pid:start_ticks:alive|gone`` for the owner."""
         self._released = [p for p in self._released if p.poll() is None]  # reap what has ended
         if row is None or not row.get("launcher_pid") or row.get("launcher_host") != self.host_id:
             return None
@@ -440,7 +443,8 @@ class Launcher:
         return f"{pid}:{ticks}:{'alive' if alive else 'gone'}"
 
     def owned_elsewhere(self, store: Store, job_id: str) -> bool:
-        """True when another instance has adopted this job's launcher since we started or adopted it."""
+        """True when another instance has adopted this job's launcher since we started or adopted
+        it."""
         owner = store.launcher_owner(job_id)
         return owner is not None and owner != self.instance_id
 
@@ -491,11 +495,11 @@ class Launcher:
         standbys: Callable[[Any], set[str]],
         keep: bool = False,
     ) -> None:
-        """The service shuts down: stop the launcher (TERM, grace, KILL) and record it, unless the worker
-        is going down unasked (``keep``: the next worker adopts it), another instance has adopted it
-        meanwhile, or a standby on this host will (a rolling update): then it is not ours to kill.
-        Stopped for a standby on another host (``standbys(conns)``: their hosts), it is recorded as
-        handed over: that one starts a fresh launcher."""
+        """The service shuts down: stop the launcher (TERM, grace, KILL) and record it, unless the
+        worker is going down unasked (``keep``: the next worker adopts it), another instance has
+        adopted it meanwhile, or a standby on this host will (a rolling update): then it is not ours
+        to kill. Stopped for a standby on another host (``standbys(conns)``: their hosts), it is
+        recorded as handed over: that one starts a fresh launcher."""
         pid = self.supervisor.state()["pid"]
         if keep:
             logger.warning(
@@ -529,8 +533,8 @@ class Launcher:
                 )
 
     def finished(self) -> bool:
-        """The launcher has ended and will not be restarted (a shutdown of ours does not count), here
-        or on another host."""
+        """The launcher has ended and will not be restarted (a shutdown of ours does not count),
+        here or on another host."""
         state = self.supervisor.state()
         return bool(
             self.managed

@@ -272,7 +272,8 @@ class Supervisor:
         self.stop("shutdown")
 
     def release(self) -> subprocess.Popen[bytes] | None:
-        """Forget the launcher unsignalled (another instance takes it over); our child's Popen, to reap."""
+        """Forget the launcher unsignalled (another instance takes it over); our child's Popen, to
+        reap."""
         with self._lock:
             proc, self._proc = self._proc, None
             self._running, self._ever_started, self._restart_at = False, False, None
@@ -463,7 +464,8 @@ class Supervisor:
     def _terminate(
         self, proc: subprocess.Popen[bytes] | None, pid: int, pgid: int, start_ticks: int | None
     ) -> int | None:
-        """TERM, grace, KILL the launcher's group (without the lock); its exit code, None if unknown."""
+        """TERM, grace, KILL the launcher's group (without the lock); its exit code, None if
+        unknown."""
         return processes.terminate_group(proc, pid, pgid, start_ticks, self.stop_grace_s)
 
     def _state_locked(self) -> dict[str, Any]:

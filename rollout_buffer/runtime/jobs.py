@@ -66,9 +66,9 @@ class JobState:
         return bool(self.acc.taken or self.redeliveries.taken)
 
     def stats(self, src: Database | None, prebuilt: int | None = 0) -> dict:
-        """The job's accounting and gauges for /stats; ``src`` (if given) for the lag (rows not read yet).
-        ``prebuilt`` groups (taken into the draft built before the poll; None: every taken group, a
-        draft is being built) count as ready, not in flight."""
+        """The job's accounting and gauges for /stats; ``src`` (if given) for the lag (rows not read
+        yet). ``prebuilt`` groups (taken into the draft built before the poll; None: every taken
+        group, a draft is being built) count as ready, not in flight."""
         s = self.acc.stats()
         g = s["groups"]
         moved = g["in_flight"] if prebuilt is None else min(prebuilt, g["in_flight"])
@@ -109,7 +109,8 @@ class Jobs:
         self._tables_warned = False
 
     def launcher_tables_exist(self, src: Database) -> bool:
-        """True once session_steps exists (a fresh database has it only after the launcher starts)."""
+        """True once session_steps exists (a fresh database has it only after the launcher
+        starts)."""
         if self._tables_seen:
             return True
         if int(src.scalar(q.HAS_STEPS_TABLE[src.backend]) or 0):

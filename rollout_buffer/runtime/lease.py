@@ -161,8 +161,8 @@ class Lease:
             self._thread.start()
 
     def stop(self, timeout: float = 10.0, release: bool = True) -> None:
-        """Stop the thread; an owner gives the lease up (a standby takes it at once) unless ``release`` is
-        False; leave the instances."""
+        """Stop the thread; an owner gives the lease up (a standby takes it at once) unless
+        ``release`` is False; leave the instances."""
         if not self.enabled:
             return
         self._stop.set()
@@ -194,9 +194,9 @@ class Lease:
         self._wake.set()
 
     def leaving(self) -> None:
-        """The service is stopping: a standby no longer takes the job and stops counting as one (an owner
-        that stops at the same moment must not hand its launcher to it); an owner keeps the lease
-        until stop() gives it up."""
+        """The service is stopping: a standby no longer takes the job and stops counting as one (an
+        owner that stops at the same moment must not hand its launcher to it); an owner keeps the
+        lease until stop() gives it up."""
         self._leaving = True
         self.nudge()
 
@@ -208,9 +208,10 @@ class Lease:
         )
 
     def check(self, wait_s: float, sure: bool = True) -> None:
-        """Raise LeaseLost unless this instance owns the job (waiting ``wait_s`` for its first look at
-        the lease); a 503 when it owns it but cannot be sure it still does (renewals failing), unless
-        ``sure`` is False (/stop_rollout: stopping the launcher is always safe, and must not wait)."""
+        """Raise LeaseLost unless this instance owns the job (waiting ``wait_s`` for its first look
+        at the lease); a 503 when it owns it but cannot be sure it still does (renewals failing),
+        unless ``sure`` is False (/stop_rollout: stopping the launcher is always safe, and must not
+        wait)."""
         if self.role == STARTING:
             self.decided.wait(wait_s)
         if self.role != OWNER:
@@ -281,8 +282,9 @@ class Lease:
         }
 
     def refuse_unfenced(self, db: Database) -> None:
-        """(No lease) Never decide next to an instance that owns the job under a lease: unfenced, this
-        one's decisions would conflict with its. A ConfigError (the loop retries) until it is gone."""
+        """(No lease) Never decide next to an instance that owns the job under a lease: unfenced,
+        this one's decisions would conflict with its. A ConfigError (the loop retries) until it is
+        gone."""
         h = (
             None
             if self.enabled
@@ -301,8 +303,8 @@ class Lease:
         return db.fetchall(sql.INSTANCES_LIVE[db.backend], (within_s,))
 
     def standby_hosts(self, conns: Any) -> set[str]:
-        """The hosts of the other live instances that wait as standbys (a graceful stop hands the launcher
-        over to one on this host); none when it cannot be known."""
+        """The hosts of the other live instances that wait as standbys (a graceful stop hands the
+        launcher over to one on this host); none when it cannot be known."""
         if not self.enabled:
             return set()
         with contextlib.suppress(StorageError):
@@ -354,7 +356,8 @@ class Lease:
 
     def _connect(self) -> Database:
         if self._db is None:
-            # a renewal must never wait longer than a third of the lease, whatever the other timeouts
+            # a renewal must never wait longer than a third of the lease, whatever the other
+            # timeouts
             db = service_connect(
                 self.config, self.config.effective_state_db_url, bound_s=self.seconds / 3
             )
@@ -515,8 +518,8 @@ class Lease:
             db.execute(sql.INSTANCES_PRUNE[db.backend], (INSTANCE_KEEP_S, ""))
 
     def _flock(self, db: Database) -> bool:
-        """SQLite: the lease is an exclusive flock next to the state database (released by the kernel
-        when this process dies)."""
+        """SQLite: the lease is an exclusive flock next to the state database (released by the
+        kernel when this process dies)."""
         if self._lock_fd is None:
             fd = os.open(sqlite_path(db.url) + ".owner.lock", os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -528,10 +531,10 @@ class Lease:
         return True
 
     def _check_advertised(self) -> None:
-        """Once: ROLLOUT_BUFFER_ADVERTISE_URL must answer as this instance, or standbys would redirect
-        clients elsewhere. One that answers as another instance is reported (/health degraded), and
-        a correctly configured standby takes an ended lease first; it still may own the job (a job
-        served under a wrong URL beats no job served)."""
+        """Once: ROLLOUT_BUFFER_ADVERTISE_URL must answer as this instance, or standbys would
+        redirect clients elsewhere. One that answers as another instance is reported (/health
+        degraded), and a correctly configured standby takes an ended lease first; it still may own
+        the job (a job served under a wrong URL beats no job served)."""
         try:
             r = requests.get(self.url + "/health", timeout=(1.0, 2.0))
             seen = r.json().get("instance") if r.status_code == 200 else f"HTTP {r.status_code}"

@@ -89,7 +89,8 @@ class Health:
 
 
 class ReadySignal:
-    """Wakes long-polls: the loop notifies it when groups become ready; stop and shutdown interrupt it.
+    """Wakes long-polls: the loop notifies it when groups become ready; stop and shutdown interrupt
+    it.
 
     A waiting poll holds no lock of the service and burns no CPU: it sleeps on this condition
     (in short slices, so a gunicorn shutdown seen through ``should_stop`` ends it promptly)."""
@@ -115,7 +116,8 @@ class ReadySignal:
     def wait(
         self, ready: Callable[[], bool], timeout: float, should_stop: Callable[[], bool]
     ) -> None:
-        """Return once ``ready()``, after ``timeout``, on an interrupt, or when ``should_stop()``."""
+        """Return once ``ready()``, after ``timeout``, on an interrupt, or when
+        ``should_stop()``."""
         deadline = time.monotonic() + timeout
         with self._cond:
             seen = self._interrupts
@@ -257,7 +259,8 @@ class Loop:
 
     # -- one tick ------------------------------------------------------------------------------
     def tick(self) -> None:
-        """One round (loop thread only): bootstrap, record the outbox, ingest, TTL, launcher, cursor."""
+        """One round (loop thread only): bootstrap, record the outbox, ingest, TTL, launcher,
+        cursor."""
         with self.tick_lock:
             self._tick_no += 1
             try:
@@ -284,8 +287,9 @@ class Loop:
 
     # -- the lease --------------------------------------------------------------------------------
     def _owned(self) -> bool:
-        """Whether this tick runs as the owner. The job's state goes when the lease was lost, or taken
-        again under another epoch (others decided meanwhile); a standby watches a launcher here instead."""
+        """Whether this tick runs as the owner. The job's state goes when the lease was lost, or
+        taken again under another epoch (others decided meanwhile); a standby watches a launcher
+        here instead."""
         lease = self.lease
         if (
             lease is None
@@ -304,7 +308,8 @@ class Loop:
         return True
 
     def _drop_state(self) -> bool:
-        """Forget the job (the owner has it, in the database); False when a poll holds the serve lock."""
+        """Forget the job (the owner has it, in the database); False when a poll holds the serve
+        lock."""
         assert self.lease is not None
         if not self.serve_lock.acquire(timeout=8.0):
             return False
@@ -327,7 +332,8 @@ class Loop:
         return True
 
     def _standby_tick(self) -> None:
-        """Once a second: report (and stop, if the owner cannot supervise it) a launcher on this host."""
+        """Once a second: report (and stop, if the owner cannot supervise it) a launcher on this
+        host."""
         assert self.lease is not None
         now = self.clock()
         if now - self._watched_at < 1.0:
@@ -371,7 +377,8 @@ class Loop:
                 break  # one job a pass: small steps, never a long transaction
 
     def _bootstrap(self, src: Database, store: Store) -> None:
-        """First tick: create tables, resume the active job, adopt its launcher, queue notifications."""
+        """First tick: create tables, resume the active job, adopt its launcher, queue
+        notifications."""
         store.ensure_schema()
         check_sequence(src)
         if self.lease is not None:
@@ -433,7 +440,8 @@ class Loop:
     def _check_launcher(self, store: Store, js: JobState) -> None:
         lease = self.lease
         if lease is not None and not lease.holds():
-            return  # the lease may be ending: nothing the database cannot fence (no restart, no spawn)
+            # the lease may be ending: nothing the database cannot fence (no restart, no spawn)
+            return
         self.launcher.check(store, js.job_id)
         e = self.launcher.elsewhere
         if (
@@ -471,8 +479,8 @@ class Loop:
             self._relaunch(store, js)
 
     def _relaunch(self, store: Store, js: JobState) -> None:
-        """After a takeover: the job's launcher was lost with its owner (and its incomplete groups are
-        dropped): a fresh one, as /start_rollout would start, so the job goes on. Not while a
+        """After a takeover: the job's launcher was lost with its owner (and its incomplete groups
+        are dropped): a fresh one, as /start_rollout would start, so the job goes on. Not while a
         /start_rollout is in progress (it starts one itself): never waits for its lock."""
         if not self.start_lock.acquire(blocking=False):
             return
@@ -491,7 +499,8 @@ class Loop:
         )
 
     def _save_cursor(self, store: Store, js: JobState) -> None:
-        """Persist the cursor and the low-water mark (at most once a second, only when they can have moved).
+        """Persist the cursor and the low-water mark (at most once a second, only when they can have
+        moved).
 
         Never while a decision is unrecorded: the low-water mark would pass rows whose group's
         decision exists only in memory."""

@@ -46,7 +46,8 @@ class Outbox:
         self.events = EventLog(logger)  # per kind of event: the first line, then a summary a minute
 
     def act(self, store: Store, job_id: str, plan: Decisions) -> None:
-        """Record the plan, then notify. On a storage error the plan is queued and the error raised."""
+        """Record the plan, then notify. On a storage error the plan is queued and the error
+        raised."""
         if not plan:
             return
         try:

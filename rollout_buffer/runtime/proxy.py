@@ -1,9 +1,9 @@
 """ProxyNotifier: tells the LLM proxy to free the sessions of dropped groups, in the background.
 
-``POST {base_url}/admin/clear_sessions`` with ``{"session_ids": [...], "reason": ..., "group_ids": [...]}``
-(SPEC §3). Callers only ever touch an in-memory pending map under a small lock; one named daemon
-thread owns the ``requests.Session`` and does all network I/O, so a dead or hung proxy can never
-slow down a poll (the original called it synchronously inside the poll, SPEC §7.6).
+``POST {base_url}/admin/clear_sessions`` with ``{"session_ids": [...], "reason": ..., "group_ids":
+[...]}`` (SPEC §3). Callers only ever touch an in-memory pending map under a small lock; one named
+daemon thread owns the ``requests.Session`` and does all network I/O, so a dead or hung proxy can
+never slow down a poll (the original called it synchronously inside the poll, SPEC §7.6).
 
 Owns: the pending map of sessions to clear, coalescing and retries, and the one thread that calls
 the proxy. It must not block a caller on the network, nor know about groups beyond their ids and
@@ -312,10 +312,12 @@ class ProxyNotifier:
     def _post(
         self, session: requests.Session, reason: str, session_ids: list[str], group_ids: list[str]
     ) -> bool:
-        """One POST; True on any 2xx (3xx included among the failures). Records and logs (rate-limited) failures."""
+        """One POST; True on any 2xx (3xx included among the failures). Records and logs
+        (rate-limited) failures."""
         body = {"session_ids": session_ids, "reason": reason, "group_ids": group_ids}
         try:
-            # a redirect is not the proxy clearing anything (an auth gateway's login page would answer
+            # a redirect is not the proxy clearing anything (an auth gateway's login page would
+            # answer
             # 200 to the GET it turns into): never followed, it counts as a failure and is retried
             resp = session.post(
                 self.url,

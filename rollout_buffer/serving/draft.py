@@ -46,7 +46,8 @@ class Shape:
 
 
 def json_len(value: str) -> int:
-    """Bytes of a string as meta_info encodes it (ASCII-escaped JSON), not its length in characters."""
+    """Bytes of a string as meta_info encodes it (ASCII-escaped JSON), not its length in
+    characters."""
     return len(json.dumps(value))
 
 
@@ -91,16 +92,18 @@ class Draft:
         )
 
     def give_back(self) -> list[Take]:
-        """The takes that must go back to their queues now (leftover and retry); the draft drops them."""
+        """The takes that must go back to their queues now (leftover and retry); the draft drops
+        them."""
         back, self.leftover, self.retry = self.leftover + self.retry, [], []
         gone = {t.group_id for t in back}
         self.taken = [t for t in self.taken if t.group_id not in gone]
         return back
 
     def still_holds(self, acc: Any, policy: Policy) -> bool:
-        """At the claim: its verdicts still hold at the job's version now (a version that moved since
-        the draft was built can make a built group stale, or a refused one fresh), and no built group
-        was tainted meanwhile; its takes are refreshed (acc.recheck). False: discard it."""
+        """At the claim: its verdicts still hold at the job's version now (a version that moved
+        since the draft was built can make a built group stale, or a refused one fresh), and no
+        built group was tainted meanwhile; its takes are refreshed (acc.recheck). False: discard
+        it."""
         bound, current = self.shape.max_off_policy, acc.current_version
         built = []
         for t, g in self.built:
@@ -122,7 +125,8 @@ class Draft:
         )
 
     def fit_request_id(self, request_id: str | None) -> None:
-        """A poll's request_id is written twice in meta_info: groups that no longer fit come off the end."""
+        """A poll's request_id is written twice in meta_info: groups that no longer fit come off the
+        end."""
         self.meta_size += 2 * json_len(request_id or "")
         while len(self.built) > 1 and self.spent + len(self.buf) + self.meta_size > self.budget:
             t, g = self.built.pop()
@@ -140,9 +144,9 @@ class Draft:
         cap: int,
         failed: Callable[[Take, Exception], bool],
     ) -> None:
-        """Take and build groups until the draft is full or nothing is left to take. ``failed`` counts
-        an unexpected build failure of a group (True: drop it). Raises what the database raised; the
-        caller then releases ``taken``."""
+        """Take and build groups until the draft is full or nothing is left to take. ``failed``
+        counts an unexpected build failure of a group (True: drop it). Raises what the database
+        raised; the caller then releases ``taken``."""
         started = time.perf_counter()
         current = js.acc.current_version
         while self.room():
@@ -192,7 +196,8 @@ class Draft:
         current: int,
         failed: Callable[[Take, Exception], bool],
     ) -> int:
-        """Build one group into the buffer, or refuse it, or set it aside; returns the current version."""
+        """Build one group into the buffer, or refuse it, or set it aside; returns the current
+        version."""
         if t.group_id in too_large:
             self.refused.append((t, GROUP_TOO_LARGE, {}))
             return current

@@ -1,13 +1,12 @@
 """Serving a poll: plan, record, apply, send; replay a request_id; reconcile an uncertain COMMIT.
 
-Owns: ``POST /get_rollout_data`` from the draft to the bytes of the answer. A poll claims the
-draft built before it (prebuilt.py) or builds one (draft.py: groups taken a few at a time, so it
-costs what it serves, never the size of the backlog), and makes ONE plan of it (served groups,
-redelivered ones, malformed drops and their rejected rows, the batch). The store records the plan in one
+Owns: ``POST /get_rollout_data`` from the draft to the bytes of the answer. A poll claims the draft
+built before it (prebuilt.py) or builds one (draft.py: groups taken a few at a time, so it costs
+what it serves, never the size of the backlog), and makes ONE plan of it (served groups, redelivered
+ones, malformed drops and their rejected rows, the batch). The store records the plan in one
 transaction before the first byte is sent; then the same plan is applied to the accumulator and
-handed to the outbox. A replay rebuilds a recorded batch from the immutable rows with the same
-seed, outside the serve lock and bounded in number. It must not ingest or decide anything else.
-"""
+handed to the outbox. A replay rebuilds a recorded batch from the immutable rows with the same seed,
+outside the serve lock and bounded in number. It must not ingest or decide anything else."""
 
 from __future__ import annotations
 
@@ -106,8 +105,9 @@ class Serving:
         )
 
     def _may_prebuild(self) -> bool:
-        """This instance owns the job, has loaded it, its database answers, and no COMMIT is uncertain
-        (the next poll settles it first: its groups must not be built into a draft meanwhile)."""
+        """This instance owns the job, has loaded it, its database answers, and no COMMIT is
+        uncertain (the next poll settles it first: its groups must not be built into a draft
+        meanwhile)."""
         if (
             not self.loop.bootstrapped.is_set()
             or self.health.problem()
@@ -182,7 +182,8 @@ class Serving:
                 self._waiting -= 1
 
     def available(self, js: JobState) -> int:
-        """Groups a poll would be given now: queued redeliveries, ready groups and the prebuilt draft's."""
+        """Groups a poll would be given now: queued redeliveries, ready groups and the prebuilt
+        draft's."""
         return js.ready_count() + self.prebuilt.groups(js)
 
     @property
@@ -190,7 +191,8 @@ class Serving:
         return self._waiting
 
     def forget(self) -> None:
-        """This instance lost the job: what it remembered of its polls may be stale once it owns it again."""
+        """This instance lost the job: what it remembered of its polls may be stale once it owns it
+        again."""
         self._uncertain = None
         self.prebuilt.draft = None  # its groups go with the job's state
         self._failures.clear()
@@ -200,7 +202,8 @@ class Serving:
         self.guard()
         if not self.loop.bootstrapped.is_set():
             # Until the active job is resumed from the database, "no data" would be a lie: a trainer
-            # would drop its request_id and the batch bound to it (already marked served) would be lost.
+            # would drop its request_id and the batch bound to it (already marked served) would be
+            # lost.
             self.loop.nudge()
             if not self.loop.bootstrapped.wait(2.0):
                 raise ApiError(
@@ -332,7 +335,8 @@ class Serving:
         refused: list[tuple[Take, str, dict[int, str]]],
         stats: dict[str, dict],
     ) -> Decisions:
-        """The one decision of a poll: its batch, served groups, refused groups and their bad rows."""
+        """The one decision of a poll: its batch, served groups, refused groups and their bad
+        rows."""
         plan, job_id = Decisions(), js.job_id
         for t, reason, bad in refused:
             if t.redelivered:  # it stays served: only its redelivery fails
@@ -386,7 +390,8 @@ class Serving:
         return plan
 
     def _failed(self, js: JobState, t: Take, exc: Exception) -> bool:
-        """Count an unexpected build failure of a group; True once it has failed MAX_BUILD_FAILURES times."""
+        """Count an unexpected build failure of a group; True once it has failed MAX_BUILD_FAILURES
+        times."""
         key = (js.job_id, t.group_id)
         n = self._failures[key] = self._failures.get(key, 0) + 1
         logger.error(
@@ -431,7 +436,8 @@ class Serving:
         self.outbox.notify(js.job_id, plan)
 
     def _release(self, pair: Pair, js: JobState, takes: list[Take]) -> None:
-        """Give taken groups back to the ready queue (and record any that had to be dropped instead)."""
+        """Give taken groups back to the ready queue (and record any that had to be dropped
+        instead)."""
         if takes:
             self.outbox.act_quietly(pair.store, js.job_id, redelivery.release(js, takes))
 
@@ -456,8 +462,9 @@ class Serving:
         )
 
     def settle(self, pair: Pair, js: JobState | None) -> None:
-        """(Serve lock held.) Before a decision outside a poll (another job or K, a redelivery): settle
-        a poll whose COMMIT's outcome is unknown, and give the prebuilt draft's groups back."""
+        """(Serve lock held.) Before a decision outside a poll (another job or K, a redelivery):
+        settle a poll whose COMMIT's outcome is unknown, and give the prebuilt draft's groups
+        back."""
         if self._uncertain is not None and js is not None:
             self._reconcile(pair, js)
         d = self.prebuilt.discard()

@@ -1,12 +1,13 @@
 """Responses built before the poll: one draft, built while ready groups wait and no poll runs.
 
-The trainer polls, trains for seconds, and polls again; building a 256 MiB response costs about
-a second of CPU on the poll's path. While ready groups wait and the serve lock is free, this
-thread builds the next response (a :class:`~rollout_buffer.serving.draft.Draft`) for the shape the
-trainer last asked for (before its first poll, ``{}``: what the upstream client sends). A poll of
-that shape claims it and records it exactly as a draft built on its own path: the same checks (staleness is checked again at the poll's versions), the same
-durable record before the first byte, the same replay (the draft's seed is the batch's). A draft
-is not a decision: it is not recorded, and a kill -9 loses nothing (its groups are read again).
+The trainer polls, trains for seconds, and polls again; building a 256 MiB response costs about a
+second of CPU on the poll's path. While ready groups wait and the serve lock is free, this thread
+builds the next response (a :class:`~rollout_buffer.serving.draft.Draft`) for the shape the trainer
+last asked for (before its first poll, ``{}``: what the upstream client sends). A poll of that shape
+claims it and records it exactly as a draft built on its own path: the same checks (staleness is
+checked again at the poll's versions), the same durable record before the first byte, the same
+replay (the draft's seed is the batch's). A draft is not a decision: it is not recorded, and a kill
+-9 loses nothing (its groups are read again).
 
 Owns: the one draft (at most one, bounded by the response budget, shown in /stats), the last
 shape, and the thread that builds and extends it. A new ready group extends the draft while it
@@ -70,9 +71,9 @@ class Prebuilder:
 
     # -- under the serve lock (serving) ----------------------------------------------------------
     def claim(self, js: Any, shape: Shape, policy: Any) -> tuple[Draft | None, list[Take]]:
-        """A poll takes the draft when it was built for this job and shape and the policies' verdicts
-        hold at the job's version now; else the draft is discarded. Returns (the draft or None, the
-        takes the caller must give back)."""
+        """A poll takes the draft when it was built for this job and shape and the policies'
+        verdicts hold at the job's version now; else the draft is discarded. Returns (the draft or
+        None, the takes the caller must give back)."""
         self.shape = shape
         d, self.draft = self.draft, None
         if d is None:
@@ -109,8 +110,9 @@ class Prebuilder:
                 self.polls_waiting -= 1
 
     def groups(self, js: Any) -> int:
-        """Groups the draft holds for this job, built or refused (a poll must come for them: they count
-        as ready), and at least 1 while a build runs (its groups are neither ready nor in a draft yet)."""
+        """Groups the draft holds for this job, built or refused (a poll must come for them: they
+        count as ready), and at least 1 while a build runs (its groups are neither ready nor in a
+        draft yet)."""
         held = self.held(js)
         return 1 if held is None else held  # (while building: at least one, so a poll waits for it)
 

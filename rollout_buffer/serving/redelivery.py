@@ -35,7 +35,8 @@ LOCK_WAIT_S = 8.0
 
 
 def take(pair: Pair, js: Any, want: int) -> list[Take]:
-    """A poll's next groups: queued redeliveries first (rebuilt from their rows), then ready ones."""
+    """A poll's next groups: queued redeliveries first (rebuilt from their rows), then ready
+    ones."""
     out: list[Take] = []
     popped = js.redeliveries.pop(want) if len(js.redeliveries) else []
     try:
@@ -73,7 +74,8 @@ def _take_again(pair: Pair, js: Any, gid: str) -> Take | None:
 
 
 def release(js: Any, takes: list[Take]) -> Decisions:
-    """Give a poll's takes back: redeliveries to the front of their queue, the others to the accumulator."""
+    """Give a poll's takes back: redeliveries to the front of their queue, the others to the
+    accumulator."""
     js.redeliveries.put_front([t.group_id for t in takes if t.redelivered])
     return js.acc.release([t for t in takes if not t.redelivered])
 

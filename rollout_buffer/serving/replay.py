@@ -50,7 +50,8 @@ class RequestIds:
     def __init__(self, config: Config) -> None:
         self.config = config
         self._job: str | None = None
-        # request_id -> when this process recorded its batch (monotonic), None if loaded from the store
+        # request_id -> when this process recorded its batch (monotonic), None if loaded from the
+        # store
         self._ids: dict[str, float | None] = {}
 
     def loaded(self, job_id: str) -> bool:
@@ -159,7 +160,8 @@ class Replayer:
                 del self._replaying[batch_id]
 
     def _rebuild(self, pair: Pair, js: JobState, batch: Batch) -> list[Any]:
-        """The body of a recorded batch, from the immutable rows with the batch's seed (same uids)."""
+        """The body of a recorded batch, from the immutable rows with the batch's seed (same
+        uids)."""
         groups: list[GroupItems] = []
         buf = bytearray()
         meta = batch.meta or {}
@@ -181,7 +183,8 @@ class Replayer:
                 )
             except Malformed as exc:  # pragma: no cover - rows are immutable
                 raise ApiError(500, f"batch {batch.batch_id} cannot be rebuilt: {exc}") from exc
-        # the figures, filtered and partial groups are sent as recorded (the rows cannot give them again)
+        # the figures, filtered and partial groups are sent as recorded (the rows cannot give them
+        # again)
         return response_chunks(
             groups,
             buf,

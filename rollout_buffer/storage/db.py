@@ -45,7 +45,8 @@ PG_CONNECT_TIMEOUT_S = 5
 
 
 def sqlite_path(url: str) -> str:
-    """'sqlite:///abs/path' -> '/abs/path'; 'sqlite://rel/path' -> 'rel/path' (the launcher's rule)."""
+    """'sqlite:///abs/path' -> '/abs/path'; 'sqlite://rel/path' -> 'rel/path' (the launcher's
+    rule)."""
     if not url.startswith("sqlite://"):
         raise ConfigError(f"not a sqlite URL: {url!r}")
     return url[len("sqlite://") :]
@@ -139,7 +140,8 @@ class Database:
             self._run(sql, seq, many=True)
 
     def _fetch(self, cur: Any, how: str, sql: str) -> Any:
-        """cur.fetchall()/fetchone(): values are decoded here, so driver errors can happen here too."""
+        """cur.fetchall()/fetchone(): values are decoded here, so driver errors can happen here
+        too."""
         try:
             return cur.fetchall() if how == "all" else cur.fetchone()
         except self._driver_errors as exc:
@@ -217,8 +219,8 @@ class Database:
         raise NotImplementedError
 
     def table_writers(self) -> frozenset[str] | None:
-        """Where writers can commit out of id order: the transactions writing session_steps now, else
-        None (SQLite serialises writers)."""
+        """Where writers can commit out of id order: the transactions writing session_steps now,
+        else None (SQLite serialises writers)."""
         return None
 
     def answers(self) -> bool:
@@ -247,7 +249,8 @@ class SqliteDatabase(Database):
         self.path = sqlite_path(url)
         try:
             if readonly:
-                # a URI of the absolute path, quoted: '?', '#', '%' or a leading '//' in it stay a path
+                # a URI of the absolute path, quoted: '?', '#', '%' or a leading '//' in it stay a
+                # path
                 uri = f"file:{urllib.parse.quote(os.path.realpath(self.path))}?mode=ro"
                 self.conn = sqlite3.connect(
                     uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S, isolation_level=None
@@ -262,7 +265,8 @@ class SqliteDatabase(Database):
                 mode = self.conn.execute("PRAGMA journal_mode").fetchone()[0]
                 if mode != "wal":
                     self.conn.execute("PRAGMA journal_mode=WAL")
-            # NORMAL in WAL mode survives a crash of the process but not of the machine; the service's
+            # NORMAL in WAL mode survives a crash of the process but not of the machine; the
+            # service's
             # decisions must survive both (a batch the trainer has must stay recorded as served)
             self.conn.execute("PRAGMA synchronous=FULL" if durable else "PRAGMA synchronous=NORMAL")
         except sqlite3.Error as exc:
@@ -374,7 +378,8 @@ class PostgresDatabase(Database):
             if extra:
                 params["options"] = " ".join(filter(None, [params.get("options"), *extra]))
             # prepare_threshold=None: no server-side prepared statements, which break behind a
-            # transaction-pooling PgBouncer (the next transaction may land on another server connection)
+            # transaction-pooling PgBouncer (the next transaction may land on another server
+            # connection)
             self.conn = psycopg.connect(
                 autocommit=True,
                 connect_timeout=PG_CONNECT_TIMEOUT_S,

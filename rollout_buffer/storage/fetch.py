@@ -22,8 +22,8 @@ FETCH_CHUNK = 900  # pks per body query (SQLite's default variable limit is far 
 def fetch_rows(
     src: Database, pks: list[int], query: Callable[[int, str], str] = q.fetch_bodies
 ) -> dict[int, tuple]:
-    """The body columns (queries.BODY_COLUMNS) of the given rows, by pk (``query``: the statement for
-    n pks, ``fetch_bodies`` or one that selects more columns after those, as the export's)."""
+    """The body columns (queries.BODY_COLUMNS) of the given rows, by pk (``query``: the statement
+    for n pks, ``fetch_bodies`` or one that selects more columns after those, as the export's)."""
     out: dict[int, tuple] = {}
     for i in range(0, len(pks), FETCH_CHUNK):
         chunk = pks[i : i + FETCH_CHUNK]
@@ -63,7 +63,8 @@ def fetch_takes(src: Database, takes: list[Take], cap: int) -> tuple[dict[int, t
 
 
 def take_from_rows(group_id: str, pks: list[int], rows: dict[int, tuple]) -> Take:
-    """Rebuild a served group's Take from its recorded pks: sessions with a completed row are complete."""
+    """Rebuild a served group's Take from its recorded pks: sessions with a completed row are
+    complete."""
     done = {r[SID] for r in rows.values() if r[COMPLETED]}
     completed: dict[str, list[int]] = {}
     incomplete: dict[str, list[int]] = {}

@@ -20,10 +20,12 @@ def _by_backend(sql: str, postgres_tail: str = "") -> dict[str, str]:
     }
 
 
-# The lease as it is, with the database's time (LOCK: for a takeover, it waits for every fenced transaction).
+# The lease as it is, with the database's time (LOCK: for a takeover, it waits for every fenced
+# transaction).
 LEASE_GET = _by_backend("SELECT *, {now} AS db_now FROM rollout_buffer_lease WHERE scope = ?")
 LEASE_LOCK = {b: sql + (" FOR UPDATE" if b == "postgres" else "") for b, sql in LEASE_GET.items()}
-# The first owner of a fresh database (two racing instances: one INSERT wins); columns in table order.
+# The first owner of a fresh database (two racing instances: one INSERT wins); columns in table
+# order.
 LEASE_INSERT = _by_backend(
     "INSERT INTO rollout_buffer_lease VALUES (?, ?, ?, ?, ?, ?, 1, {now} + ?, {now}, {now}) "
     "ON CONFLICT (scope) DO NOTHING"
@@ -38,12 +40,14 @@ LEASE_RENEW = _by_backend(
     "UPDATE rollout_buffer_lease SET lease_until = {now} + ?, renewed_at = {now} "
     "WHERE scope = ? AND owner = ? AND epoch = ?"
 )
-# The fence, first in every transaction that records a decision: a row only while this owner's epoch holds.
+# The fence, first in every transaction that records a decision: a row only while this owner's epoch
+# holds.
 LEASE_FENCE = _by_backend(
     "SELECT 1 FROM rollout_buffer_lease WHERE scope = ? AND owner = ? AND epoch = ?",
     " FOR KEY SHARE",
 )
-# This instance is alive (its role, URL and what it saw of a launcher on its host); columns in table order.
+# This instance is alive (its role, URL and what it saw of a launcher on its host); columns in table
+# order.
 INSTANCE_SEEN = _by_backend(
     "INSERT INTO rollout_buffer_instances VALUES (?, ?, ?, ?, {now}, ?) ON CONFLICT "
     "(instance_id) DO UPDATE SET url = excluded.url, role = excluded.role, "

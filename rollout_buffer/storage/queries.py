@@ -212,20 +212,24 @@ MIGRATIONS = {
         # Training-data policies (issue 10): the job's versions come back after a restart.
         "ALTER TABLE rollout_buffer_jobs ADD COLUMN trainer_version BIGINT",
         "ALTER TABLE rollout_buffer_jobs ADD COLUMN rows_version BIGINT",
-        # A decided group's figures: its sessions and their terminal rewards (NULL before version 3).
+        # A decided group's figures: its sessions and their terminal rewards (NULL before version
+        # 3).
         "ALTER TABLE rollout_buffer_groups ADD COLUMN n_sessions INTEGER",
         "ALTER TABLE rollout_buffer_groups ADD COLUMN reward_sum DOUBLE PRECISION",
         "ALTER TABLE rollout_buffer_groups ADD COLUMN n_rewarded INTEGER",
-        # A batch's meta_info keys that the rows cannot give again (group figures, filtered, partial).
+        # A batch's meta_info keys that the rows cannot give again (group figures, filtered,
+        # partial).
         "ALTER TABLE rollout_buffer_batches ADD COLUMN meta TEXT",
     ),
     3: (
-        "ALTER TABLE rollout_buffer_jobs ADD COLUMN launcher_host TEXT",  # adopted only there (issue 12)
+        # adopted only there (issue 12)
+        "ALTER TABLE rollout_buffer_jobs ADD COLUMN launcher_host TEXT",
     ),
     4: (redelivery_sql.DDL,),  # served groups to deliver again after a trainer crash (issue 11)
 }
 
-# The buffer's tables and indexes that exist (CREATE INDEX IF NOT EXISTS waits for every open write).
+# The buffer's tables and indexes that exist (CREATE INDEX IF NOT EXISTS waits for every open
+# write).
 STATE_OBJECTS = {
     "postgres": "SELECT relname FROM pg_catalog.pg_class WHERE starts_with(relname, 'rollout_buffer_') "
     "AND pg_catalog.pg_table_is_visible(oid)",
@@ -256,7 +260,8 @@ UPSERT_JOB = (
 )
 # Change a job's K (num_repeat_per_sample).
 SET_K = "UPDATE rollout_buffer_jobs SET k = ?, updated_at = ? WHERE job_id = ?"
-# Persist the ingest cursor, the low-water mark below which every row is accounted, and the versions.
+# Persist the ingest cursor, the low-water mark below which every row is accounted, and the
+# versions.
 SAVE_CURSOR = (
     "UPDATE rollout_buffer_jobs SET cursor_pk = ?, low_water_pk = ?, trainer_version = ?, "
     "rows_version = ?, updated_at = ? WHERE job_id = ?"
@@ -295,7 +300,8 @@ PURGE_BATCHES = (
     "DELETE FROM rollout_buffer_batches WHERE batch_id IN (SELECT batch_id FROM rollout_buffer_batches "
     "WHERE job_id = ? LIMIT ?)"
 )
-# A purged job reads after everything it had read: selected again, it never re-reads old rows as new groups.
+# A purged job reads after everything it had read: selected again, it never re-reads old rows as new
+# groups.
 MARK_PURGED = (
     "UPDATE rollout_buffer_jobs SET purged_at = ?, floor_pk = ?, cursor_pk = ?, low_water_pk = ? "
     "WHERE job_id = ? AND active = 0"
@@ -310,7 +316,8 @@ INSERT_GROUP = (
 )
 # Record a drop; a decision already recorded (a retried COMMIT) is kept as it is.
 INSERT_GROUP_IF_ABSENT = INSERT_GROUP + " ON CONFLICT (job_id, group_id) DO NOTHING"
-# A group's stored decision (after a COMMIT whose outcome is unknown, or a conflict with another instance).
+# A group's stored decision (after a COMMIT whose outcome is unknown, or a conflict with another
+# instance).
 GROUP_STATUS = "SELECT status, reason FROM rollout_buffer_groups WHERE job_id = ? AND group_id = ?"
 # Every decided group of a job (tombstones to load on start).
 JOB_GROUP_STATUS = "SELECT group_id, status FROM rollout_buffer_groups WHERE job_id = ?"
@@ -361,7 +368,8 @@ TAINTED_GROUPS = (
     "SELECT DISTINCT group_id FROM rollout_buffer_rows WHERE job_id = ? "
     "AND reason = 'invalid_session_id' AND group_id IS NOT NULL"
 )
-# Sessions of undecided groups dropped as oversampled (after a restart they stay out of their group).
+# Sessions of undecided groups dropped as oversampled (after a restart they stay out of their
+# group).
 OVERSAMPLED_SESSIONS = (
     "SELECT DISTINCT r.group_id, r.session_id FROM rollout_buffer_rows r WHERE r.job_id = ? "
     "AND r.reason = 'oversampled' AND r.group_id IS NOT NULL AND r.session_id IS NOT NULL "
@@ -434,7 +442,8 @@ ROWS_AT_OR_BELOW = (
 )
 # Stats: trainable rows written but not read yet.
 COUNT_AFTER = "SELECT COUNT(*) FROM session_steps WHERE job_id = ? AND is_trainable = 1 AND id > ?"
-# Postgres: the transactions writing session_steps now (ingest's safe cursor waits for them). A writer
+# Postgres: the transactions writing session_steps now (ingest's safe cursor waits for them). A
+# writer
 # holds the table's RowExclusiveLock from before it takes an id until it ends; only this database's.
 TABLE_WRITERS = (
     "SELECT DISTINCT virtualtransaction FROM pg_catalog.pg_locks WHERE locktype = 'relation' "
@@ -492,7 +501,8 @@ def fetch_bodies_params(pks: list[int], backend: str) -> list:
     return [pks] if backend == "postgres" else pks
 
 
-# -- export (rollout-buffer export): a job's decisions, streamed a page at a time -------------------
+# -- export (rollout-buffer export): a job's decisions, streamed a page at a time
+# -------------------
 # Keyset pages in byte order of group_id on both backends ("C" collation on Postgres), so the
 # groups and the rows accounted one by one can be merged by group_id in constant memory.
 EXPORT_GROUPS = {
@@ -505,7 +515,8 @@ EXPORT_GROUPS = {
         'WHERE job_id = ? AND group_id COLLATE "C" > ? ORDER BY group_id COLLATE "C" LIMIT ?'
     ),
 }
-# Export: the rows accounted one by one that belong to a group (rejected and late rows), by (group_id, step_pk).
+# Export: the rows accounted one by one that belong to a group (rejected and late rows), by
+# (group_id, step_pk).
 EXPORT_GROUP_ROWS = {
     "sqlite": (
         "SELECT group_id, step_pk, outcome, reason FROM rollout_buffer_rows WHERE job_id = ? "

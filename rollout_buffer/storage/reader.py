@@ -22,9 +22,9 @@ MIN_ID = -(2**63)  # the smallest id a BIGINT (or a SQLite INTEGER) holds
 
 
 def first_read_after(start_after: int) -> int:
-    """The id reading starts after. 0 (no floor, nothing read yet) means before the smallest id there
-    can be: a row written with an id of 0 or below (by hand, into an identity column) is read and
-    accounted like any other, never skipped for good."""
+    """The id reading starts after. 0 (no floor, nothing read yet) means before the smallest id
+    there can be: a row written with an id of 0 or below (by hand, into an identity column) is read
+    and accounted like any other, never skipped for good."""
     return MIN_ID if start_after == 0 else start_after
 
 
@@ -145,8 +145,8 @@ class Accounted:
     def filter(
         self, group_pks: Callable[[str], list[int]], decided: dict[str, str], rows: list[tuple]
     ) -> list[tuple]:
-        """The rows not accounted before the restart; ``group_pks(group_id)`` gives the pks a decided
-        group's record accounted (asked once per group)."""
+        """The rows not accounted before the restart; ``group_pks(group_id)`` gives the pks a
+        decided group's record accounted (asked once per group)."""
         if not rows or (rows[0][0] > self.upto_pk and not self.row_pks):
             return rows
         out = []

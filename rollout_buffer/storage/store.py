@@ -1,14 +1,13 @@
 """The buffer's durable state: the ``rollout_buffer_*`` tables.
 
 Owns: their schema and version, loading a job's decisions and counters, recording a plan
-(:class:`~rollout_buffer.core.model.Decisions`) in ONE transaction, the cursor and low-water mark, the
-launcher identity, delivered batches, the notified flags, and retention. Every record is built
+(:class:`~rollout_buffer.core.model.Decisions`) in ONE transaction, the cursor and low-water mark,
+the launcher identity, delivered batches, the notified flags, and retention. Every record is built
 here and only here, and every write of a decision (a plan, the job's activation and K, the cursor,
 the launcher, retention) runs the lease's fence first in its transaction (``fence``, see lease.py):
-an instance that lost the job rolls back with LeaseLost. It must not touch the launcher's tables
-(it is handed only the state connection) and holds no in-memory state of its own: a
-:class:`Store` is a thin wrapper around one connection, cheap to build per thread or per request.
-"""
+an instance that lost the job rolls back with LeaseLost. It must not touch the launcher's tables (it
+is handed only the state connection) and holds no in-memory state of its own: a :class:`Store` is a
+thin wrapper around one connection, cheap to build per thread or per request."""
 
 from __future__ import annotations
 
@@ -44,10 +43,10 @@ _WALL0, _MONO0 = time.time(), time.monotonic()
 
 
 def steady_wall() -> float:
-    """Epoch seconds for ageing what was recorded (batches, ended jobs), never ahead of this process's
-    monotonic clock: a wall clock stepped forward (NTP, a resumed VM) would otherwise age everything at
-    once, and housekeeping would delete the batch of a poll answered a second ago (its retry would then
-    get new groups, and the first batch's groups would be lost)."""
+    """Epoch seconds for ageing what was recorded (batches, ended jobs), never ahead of this
+    process's monotonic clock: a wall clock stepped forward (NTP, a resumed VM) would otherwise age
+    everything at once, and housekeeping would delete the batch of a poll answered a second ago (its
+    retry would then get new groups, and the first batch's groups would be lost)."""
     return min(time.time(), _WALL0 + time.monotonic() - _MONO0)
 
 
@@ -64,7 +63,8 @@ class JobTotals:
     rejected: Counter = field(default_factory=Counter)
     groups_served: int = 0
     groups_dropped: Counter = field(default_factory=Counter)
-    # (outcome: "served" or a drop reason, groups, sessions, steps, reward_sum, sessions with a reward)
+    # (outcome: "served" or a drop reason, groups, sessions, steps, reward_sum, sessions with a
+    # reward)
     figures: list[tuple[str, int, int, int, float, int]] = field(default_factory=list)
     filtered: dict[str, int] = field(
         default_factory=dict
@@ -145,8 +145,8 @@ class Store:
 
     @contextlib.contextmanager
     def decision(self) -> Iterator[Database]:
-        """A transaction that records a decision: the lease's fence first (it raises LeaseLost, and the
-        transaction rolls back, once this instance does not own the job)."""
+        """A transaction that records a decision: the lease's fence first (it raises LeaseLost, and
+        the transaction rolls back, once this instance does not own the job)."""
         with self.db.transaction():
             if self.fence is not None:
                 self.fence(self.db)
@@ -314,9 +314,8 @@ class Store:
     def record(self, job_id: str, plan: Decisions) -> None:
         """Write a plan in one transaction: its batch, served groups, drops, accounted rows.
 
-        Drops and rows are idempotent (a COMMIT that reported an error after it happened is
-        retried harmlessly); a served group is strict: a second decision for it is an IntegrityError.
-        """
+        Drops and rows are idempotent (a COMMIT that reported an error after it happened is retried
+        harmlessly); a served group is strict: a second decision for it is an IntegrityError."""
         now = time.time()
         st = self.db
         with self.decision():
@@ -373,9 +372,9 @@ class Store:
 
     # -- redelivery (issue 11) -------------------------------------------------------------------
     def queue_redeliveries(self, job_id: str, skip: set[str]) -> tuple[list[str], int]:
-        """In one fenced transaction: queue again every served group of the job not in ``skip`` (in the
-        order they were served), and cancel queued ones that ``skip`` names. Returns (the queue, how
-        many queued groups were cancelled)."""
+        """In one fenced transaction: queue again every served group of the job not in ``skip`` (in
+        the order they were served), and cancel queued ones that ``skip`` names. Returns (the queue,
+        how many queued groups were cancelled)."""
         now = time.time()
         with self.decision():
             served = [r[0] for r in self.db.rows(rq.SERVED_GROUPS, (job_id,))]
@@ -439,7 +438,8 @@ class Store:
             return n + self.db.execute(q.PURGE_BATCHES, (job_id, limit))
 
     def mark_purged(self, job_id: str, read_upto: int) -> None:
-        """The job's decisions are gone: should it be selected again, it reads only after read_upto."""
+        """The job's decisions are gone: should it be selected again, it reads only after
+        read_upto."""
         with self.decision():
             self.db.execute(
                 q.MARK_PURGED, (time.time(), read_upto, read_upto, read_upto + 1, job_id)

@@ -1,4 +1,5 @@
-"""``rollout-buffer export``: every group the buffer decided for a job, as JSONL (gzipped for ``.gz``).
+"""``rollout-buffer export``: every group the buffer decided for a job, as JSONL (gzipped for
+``.gz``).
 
 Owns: the export format (README "Export format", one record per line) and streaming it. One
 record per decided group (served or dropped), plus one per rejected row that has no usable group;
@@ -105,7 +106,8 @@ def _text(v: Any) -> str | None:
 
 
 def _messages(raw: Any) -> dict[str, Any]:
-    """{"messages": list} when the stored history is a JSON list, else {"messages": None, "messages_text": raw}."""
+    """{"messages": list} when the stored history is a JSON list, else {"messages": None,
+    "messages_text": raw}."""
     text = _text(raw)
     try:
         value = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
@@ -156,7 +158,8 @@ def sessions_of(
     rows: dict[int, tuple], outcomes: dict[int, tuple[str, str | None]]
 ) -> list[dict[str, Any]]:
     """The sessions of some rows, sorted by session_id, their steps by (step_id, step_pk), each with
-    its terminal reward: the step_reward of its last completed row (None when it never completed)."""
+    its terminal reward: the step_reward of its last completed row (None when it never
+    completed)."""
     by_session: dict[str, list[tuple]] = collections.defaultdict(list)
     for pk, r in rows.items():
         by_session[_text(r[SID]) or ""].append(r)
@@ -414,8 +417,8 @@ def export(
 
 def read_export(path: str) -> Iterator[dict[str, Any]]:
     """The records of an export file, one at a time (plain or gzip, told by its first bytes). A file
-    that is not an export (a line that is no JSON object, a truncated or corrupt gzip, bytes that are
-    not UTF-8) raises ExportError naming the line."""
+    that is not an export (a line that is no JSON object, a truncated or corrupt gzip, bytes that
+    are not UTF-8) raises ExportError naming the line."""
     with open(path, "rb") as probe:
         gz = probe.read(2) == b"\x1f\x8b"
     opener = gzip.open if gz else open
@@ -443,9 +446,10 @@ def read_export(path: str) -> Iterator[dict[str, Any]]:
 
 
 def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, what: str) -> int:
-    """``rollout-buffer export``: the exit status (0 written, 1 database or file trouble, 2 bad arguments).
-    The databases are opened read-only (SQLite: a mistyped path is an error, never a new empty
-    file). The progress bar is shown on a terminal only; the last line says what was written."""
+    """``rollout-buffer export``: the exit status (0 written, 1 database or file trouble, 2 bad
+    arguments). The databases are opened read-only (SQLite: a mistyped path is an error, never a new
+    empty file). The progress bar is shown on a terminal only; the last line says what was
+    written."""
     if what not in WHAT:
         print(
             f"rollout-buffer export: --what {what!r}: expected one of {', '.join(WHAT)}",

@@ -34,10 +34,11 @@ LATE = "late_rows_"
 
 
 def _number(v: Any, backend: str) -> Any:
-    """A reward of the export, as the database can hold it. 'nan', 'inf', '-inf' stand for non-finite
-    numbers; absent is 0. A value that is no number (text the launcher stored) or NaN on SQLite
-    (which would store NULL) is written as its text: the row is rejected again
-    (non_finite_step_reward), as it was, instead of stopping the replay. Postgres gets NaN for it."""
+    """A reward of the export, as the database can hold it. 'nan', 'inf', '-inf' stand for
+    non-finite numbers; absent is 0. A value that is no number (text the launcher stored) or NaN on
+    SQLite (which would store NULL) is written as its text: the row is rejected again
+    (non_finite_step_reward), as it was, instead of stopping the replay. Postgres gets NaN for
+    it."""
     if v is None:
         return 0.0
     try:

@@ -28,7 +28,8 @@ class Progress:
         self.shown = ""
 
     def show(self, text: str, force: bool = False) -> None:
-        """Show ``text`` (on a terminal at once; otherwise at most every PROGRESS_EVERY_S unless forced)."""
+        """Show ``text`` (on a terminal at once; otherwise at most every PROGRESS_EVERY_S unless
+        forced)."""
         now = time.monotonic()
         if force and text == self.shown:
             return

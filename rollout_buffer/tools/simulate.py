@@ -1,4 +1,5 @@
-"""A simulated AIEvoBox launcher: writes ``session_steps`` / ``job_environments`` rows as the real one does.
+"""A simulated AIEvoBox launcher: writes ``session_steps`` / ``job_environments`` rows as the real
+one does.
 
 Run it as ``python -m rollout_buffer.simulate --db-path URL --job-id JOB [options]``. The buffer
 service starts it in place of the real launcher when no ``AIEVOBOX_ROOT`` is configured, so it

@@ -1,9 +1,10 @@
 """gunicorn settings for rollout-buffer: exactly one worker (in-process state), gthread, no preload.
 
 The top-level gunicorn.conf.py imports this module, so plain ``gunicorn wsgi:app`` from the
-repository root uses it; ``rollout-buffer serve`` passes it with ``-c python:rollout_buffer.web.gunicorn_conf``.
-A worker count other than 1 (from WEB_CONCURRENCY, GUNICORN_CMD_ARGS or -w) is refused at startup:
-N workers would mean N accumulators, N cursors and N launchers, i.e. split or duplicated groups.
+repository root uses it; ``rollout-buffer serve`` passes it with ``-c
+python:rollout_buffer.web.gunicorn_conf``. A worker count other than 1 (from WEB_CONCURRENCY,
+GUNICORN_CMD_ARGS or -w) is refused at startup: N workers would mean N accumulators, N cursors and N
+launchers, i.e. split or duplicated groups.
 
 Owns: gunicorn's settings and hooks (logging, starting and stopping the service in the worker). It
 must not build the app before the worker forks (no preload, no threads in the master).
@@ -101,14 +102,16 @@ def post_worker_init(worker) -> None:
 
 
 def worker_abort(worker) -> None:
-    """gunicorn aborts a worker that stopped answering it (its timeout): that is a crash, not a stop."""
+    """gunicorn aborts a worker that stopped answering it (its timeout): that is a crash, not a
+    stop."""
     worker.rb_crashed = True
 
 
 def worker_exit(server, worker) -> None:
-    """Stop the service when the worker exits; also runs after a failed boot. The launcher is stopped
-    only when the worker was asked to stop (SIGTERM, SIGINT): a worker that crashed (an exception out
-    of its loop, an abort) leaves it running, as a kill -9 would, and the next worker adopts it."""
+    """Stop the service when the worker exits; also runs after a failed boot. The launcher is
+    stopped only when the worker was asked to stop (SIGTERM, SIGINT): a worker that crashed (an
+    exception out of its loop, an abort) leaves it running, as a kill -9 would, and the next worker
+    adopts it."""
     app = getattr(worker, "wsgi", None)
     service = getattr(app, "extensions", {}).get("rollout_buffer") if app is not None else None
     if service is not None:

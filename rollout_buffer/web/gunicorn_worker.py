@@ -66,7 +66,8 @@ def connection_budget(threads: int, wanted: int) -> int:
 
 
 def _recv(sock: socket.socket) -> bytes | None:
-    """What a non-blocking socket has: None when nothing yet, b"" when the client closed or failed."""
+    """What a non-blocking socket has: None when nothing yet, b"" when the client closed or
+    failed."""
     try:
         return sock.recv(65536)
     except (BlockingIOError, InterruptedError):
@@ -132,9 +133,11 @@ class HeadFirstWorker(ThreadWorker):
             enabled = False
         super().set_accept_enabled(enabled)
 
-    # -- reading a request in the event loop ----------------------------------------------------------
+    # -- reading a request in the event loop
+    # ----------------------------------------------------------
     def enqueue_req(self, conn: Any) -> None:
-        """Instead of a thread: read the request in the event loop (a complete one goes to a thread)."""
+        """Instead of a thread: read the request in the event loop (a complete one goes to a
+        thread)."""
         if getattr(conn, "request_ready", False):
             conn.request_ready = False
             super().enqueue_req(conn)
@@ -203,7 +206,8 @@ class HeadFirstWorker(ThreadWorker):
             req.need = req.head_end + length
         else:
             if length and length > self.max_body:
-                # the app answers 413 without reading it; the connection must then close, or gunicorn
+                # the app answers 413 without reading it; the connection must then close, or
+                # gunicorn
                 # would hold the thread draining a body the client may never send
                 self._rewrite_head(req, lines, b"connection", b"Connection: close")
             return False
@@ -286,7 +290,8 @@ class HeadFirstWorker(ThreadWorker):
         self.nr_conns -= 1
         conn.close()
 
-    # -- closing without waiting --------------------------------------------------------------------
+    # -- closing without waiting
+    # --------------------------------------------------------------------
     def finish_request(self, conn: Any, fs: Any) -> None:
         """As gunicorn's, except that a connection that is not kept alive is closed from the event
         loop without blocking it (see _linger)."""

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The export's memory does not grow with the job: ``rollout-buffer export`` of N and 10 N groups.
 
-    python tests/bench/export_rss.py [--groups 2000,20000] [--backend sqlite|postgres] [--prompt-bytes 1024]
+python tests/bench/export_rss.py [--groups 2000,20000] [--backend sqlite|postgres] [--prompt-bytes
+1024]
 
 For each size: writes N groups (K=2 sessions of 2 steps, a history of about --prompt-bytes) into a
 fresh database (a SQLite file, or a fresh schema of ``postgresql://root@127.0.0.1:5432/test`` or
@@ -109,8 +110,9 @@ def _hwm_mb(pid: int) -> float | None:
 
 
 def export_peak(url: str, out: str) -> tuple[int, float, float]:
-    """(records, seconds, peak RSS MB) of one export subprocess. The peak is read from /proc while it
-    runs (ru_maxrss would count the memory of this process, which Linux carries across the exec)."""
+    """(records, seconds, peak RSS MB) of one export subprocess. The peak is read from /proc while
+    it runs (ru_maxrss would count the memory of this process, which Linux carries across the
+    exec)."""
     started = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollout_buffer", "export", "--db", url, "--job", JOB, "--out", out],

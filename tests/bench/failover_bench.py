@@ -14,11 +14,10 @@ instances different ROLLOUT_BUFFER_HOST_IDs, so the standby must wait for the le
 cluster); ``same`` lets it see the dead pid at once. At the end every group written must have
 reached the client exactly once. Prints p50/p99 and the target (p99 <= lease + 2 s).
 
-``fencing``: the small drain (../shared/bench gen_rows 256 groups x K=8 x 4 steps x 2 KB, drained
-by ../shared/bench/drain.py through tests/bench/peer.py) with the lease (ROLLOUT_BUFFER_LEASE_SECONDS
+``fencing``: the small drain (../shared/bench gen_rows 256 groups x K=8 x 4 steps x 2 KB, drained by
+../shared/bench/drain.py through tests/bench/peer.py) with the lease (ROLLOUT_BUFFER_LEASE_SECONDS
 =10: every decision's transaction runs the fence) and without it (0), alternating in one run, on
-SQLite and on Postgres. Prints medians and the ratio (target: fencing costs <= 5%).
-"""
+SQLite and on Postgres. Prints medians and the ratio (target: fencing costs <= 5%)."""
 
 from __future__ import annotations
 
@@ -64,7 +63,8 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(p / 100 * len(xs) + 0.5) - 1))]
 
 
-# -- takeover -----------------------------------------------------------------------------------------
+# -- takeover
+# -----------------------------------------------------------------------------------------
 class Instance:
     def __init__(self, name: str, url: str, work: str, lease: float, host: str | None) -> None:
         self.name, self.port = name, free_port()
@@ -126,7 +126,8 @@ def fresh_database(args: argparse.Namespace, prefix: str) -> tuple[str, str]:
 
 
 def keep_writing(url: str, written: list[str], stop: threading.Event, pace_s: float) -> None:
-    """An external writer (a launcher elsewhere): a complete group of two one-step sessions every pace_s."""
+    """An external writer (a launcher elsewhere): a complete group of two one-step sessions every
+    pace_s."""
     w = connect(url)
     i = 0
     while not stop.is_set():
@@ -213,7 +214,8 @@ def takeover(args: argparse.Namespace) -> int:
                 f"round {n}: a group served after it",
             )
             serve_s.append(next(r for r in received if r > killed + owner_s[-1]) - killed)
-            # (the first group after the takeover: one received between the kill and the takeover was
+            # (the first group after the takeover: one received between the kill and the takeover
+            # was
             # recorded by the old owner before it died, and only its answer was late)
             print(
                 f"  kill {n:2d}: standby owns the job after {owner_s[-1]:.2f} s, serves after {serve_s[-1]:.2f} s",
@@ -255,7 +257,8 @@ def takeover(args: argparse.Namespace) -> int:
     return 1 if missing or twice else 0
 
 
-# -- fencing --------------------------------------------------------------------------------------------
+# -- fencing
+# --------------------------------------------------------------------------------------------
 def drain_trial(
     backend: str,
     lease: str,
@@ -329,8 +332,9 @@ def drain_trial(
 
 
 def record_cost(url: str, backend: str, n: int) -> None:
-    """The fence alone: Store.record of a poll-sized plan (a batch, 8 served groups of 8 sessions) with
-    the lease's fence and without, alternating blocks of 50, on one connection. Prints µs per record."""
+    """The fence alone: Store.record of a poll-sized plan (a batch, 8 served groups of 8 sessions)
+    with the lease's fence and without, alternating blocks of 50, on one connection. Prints µs per
+    record."""
     config = Config.from_env(
         {}, db_url=url, run_dir=tempfile.mkdtemp(prefix="rb-fence-"), lease_s=10.0
     )

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""A seeded failover soak: three instances on one database, attacked at random while a trainer drains.
+"""A seeded failover soak: three instances on one database, attacked at random while a trainer
+drains.
 
-    python tests/bench/failover_soak.py [--seed 7] [--seconds 90] [--backend postgres|sqlite] [--lease 3]
+python tests/bench/failover_soak.py [--seed 7] [--seconds 90] [--backend postgres|sqlite] [--lease
+3]
 
 Three ``rollout-buffer serve`` (gunicorn, LAUNCHER=none, each its own ROLLOUT_BUFFER_HOST_ID, so
 on Postgres a standby waits for the lease to end), an external writer adding a complete group

@@ -57,7 +57,8 @@ BATCH_GROUPS = 64
 
 # -- the writer (a subprocess) -------------------------------------------------------------------
 def write(args: argparse.Namespace) -> int:
-    """Insert rows at the rate until --duration has passed; print one JSON line per completed group."""
+    """Insert rows at the rate until --duration has passed; print one JSON line per completed
+    group."""
     rng = random.Random(args.seed)
     db = sqlite3.connect(args.db, isolation_level=None, timeout=30)
     for p in schema.PRAGMAS:
@@ -123,7 +124,8 @@ def write(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- one run: a peer, a client mode ------------------------------------------------------------------
+# -- one run: a peer, a client mode
+# ------------------------------------------------------------------
 def post(url: str, body: dict, timeout: float = 120.0) -> dict:
     req = urllib.request.Request(
         url + "/get_rollout_data",

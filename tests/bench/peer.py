@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""rollout-buffer as a benchmark peer for ../shared/bench/bench.py (the interface of peer_original.py).
+"""rollout-buffer as a benchmark peer for ../shared/bench/bench.py (the interface of
+peer_original.py).
 
     tests/bench/peer.py start --port P --db DB --job JOB --k K --workdir DIR
     tests/bench/peer.py stop PID
@@ -119,7 +120,8 @@ def cmd_start(args: argparse.Namespace) -> int:
             + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""),
         }
     )
-    # RB_PEER_ENV="KEY=VALUE ..." in the peer's own environment: per-peer settings in one bench.py run
+    # RB_PEER_ENV="KEY=VALUE ..." in the peer's own environment: per-peer settings in one bench.py
+    # run
     # (--peer "on=env RB_PEER_ENV='ROLLOUT_BUFFER_OVERSAMPLE=1' python3 tests/bench/peer.py"), which
     # --peer-arg (the same for every peer) cannot give
     for kv in shlex.split(os.environ.get("RB_PEER_ENV", "")) + args.env:

@@ -1,14 +1,14 @@
 """FakeProxy: a real HTTP server on 127.0.0.1 that records POST /admin/clear_sessions bodies.
 
-Runs ``http.server.ThreadingHTTPServer`` in a daemon thread on port 0 (or a port you
-reserved with :func:`closed_port`, to bring a "down" proxy up later). Knobs: ``status``
-(what to answer), ``script`` (statuses answered first, one per request, e.g. ``[503, 503]``),
-``hold_s`` (hold each request that long before answering, to simulate a hung proxy; ``close()``
-releases held requests at once), ``location`` (sent with a 3xx status: a redirect, as an auth
-gateway in front of the proxy answers; every GET is answered 200, like its login page). :meth:`FakeProxy.set_mode` switches a running proxy between
-``"up"``, ``"down"`` (the socket is closed: connection refused) and ``"hung"`` (requests are read
-and recorded, then held without an answer until the mode changes, when they are dropped).
-"""
+Runs ``http.server.ThreadingHTTPServer`` in a daemon thread on port 0 (or a port you reserved with
+:func:`closed_port`, to bring a "down" proxy up later). Knobs: ``status`` (what to answer),
+``script`` (statuses answered first, one per request, e.g. ``[503, 503]``), ``hold_s`` (hold each
+request that long before answering, to simulate a hung proxy; ``close()`` releases held requests at
+once), ``location`` (sent with a 3xx status: a redirect, as an auth gateway in front of the proxy
+answers; every GET is answered 200, like its login page). :meth:`FakeProxy.set_mode` switches a
+running proxy between ``"up"``, ``"down"`` (the socket is closed: connection refused) and ``"hung"``
+(requests are read and recorded, then held without an answer until the mode changes, when they are
+dropped)."""
 
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ class FakeProxy:
         self._thread.join(5)
 
     def set_mode(self, mode: str) -> None:
-        """Switch to ``"up"``, ``"down"`` (not listening) or ``"hung"`` (never answers); see the module doc."""
+        """Switch to ``"up"``, ``"down"`` (not listening) or ``"hung"`` (never answers); see the
+        module doc."""
         assert mode in ("up", "down", "hung"), mode
         if mode == self.mode or self._closed:
             return

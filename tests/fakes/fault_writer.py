@@ -39,7 +39,8 @@ COLUMNS = (
     "is_trainable",
     "created_at",
 )
-# Columns a row may give as {"bytes_hex": ...}: bound as bytes, stored as BLOB or (cast) invalid TEXT.
+# Columns a row may give as {"bytes_hex": ...}: bound as bytes, stored as BLOB or (cast) invalid
+# TEXT.
 BLOB_KINDS = {"blob", "text_bytes"}
 
 

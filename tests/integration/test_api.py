@@ -392,8 +392,8 @@ def test_row_without_group_id_is_rejected_and_taints_its_group(harness, writer):
 
 
 def test_a_blob_group_id_is_rejected_and_a_numeric_one_names_its_group(lite_url, harness_factory):
-    """A BLOB group_id was served under the instance_id "b'g-blob'" (its Python repr); a number in an
-    untyped column names its group as its text does (SQLite's TEXT affinity stores it so)."""
+    """A BLOB group_id was served under the instance_id "b'g-blob'" (its Python repr); a number in
+    an untyped column names its group as its text does (SQLite's TEXT affinity stores it so)."""
     import sqlite3
 
     h = harness_factory(lite_url)
@@ -458,14 +458,17 @@ def test_stats_identity_and_lag(harness, writer):
 @pytest.mark.parametrize(
     "second",
     [
-        '[{"role": "user", "content": "q"}\x0c, {"role": "assistant", "content": "a1"}]',  # form feed: not JSON
+        # form feed: not JSON
+        '[{"role": "user", "content": "q"}\x0c, {"role": "assistant", "content": "a1"}]',
         '[{"role": "user", "content": "q"}, ]',  # trailing comma
-        '[{"role": "user", "content": "q"}, {"role": "assistant", "content": NaN}]',  # NaN in the new tail
+        # NaN in the new tail
+        '[{"role": "user", "content": "q"}, {"role": "assistant", "content": NaN}]',
         '[{"role": "user", "content": "q"}]x',  # garbage after the list
     ],
 )
 def test_growing_history_is_validated_even_when_only_its_tail_is_new(harness, writer, second):
-    """The second step's history extends the first's byte for byte; a bad tail still drops the group."""
+    """The second step's history extends the first's byte for byte; a bad tail still drops the
+    group."""
     harness.start(k=1)
     writer.step("g", "s", 1, messages='[{"role": "user", "content": "q"}]')
     writer.step("g", "s", 2, completed=True, step_reward=1.0, messages=second)
@@ -499,7 +502,8 @@ def test_growing_history_with_valid_tails_is_served_exactly(harness, writer):
 
 
 def test_invalid_utf8_text_drops_its_group_instead_of_failing_every_poll(lite_url, harness_factory):
-    """SQLite stores any bytes as TEXT; a strict decode would make every read touching the row fail."""
+    """SQLite stores any bytes as TEXT; a strict decode would make every read touching the row
+    fail."""
     import sqlite3
 
     h = harness_factory(lite_url)
@@ -533,8 +537,9 @@ def test_invalid_utf8_text_drops_its_group_instead_of_failing_every_poll(lite_ur
 def test_a_commit_that_failed_after_it_happened_is_settled_not_served_again(
     harness, writer, monkeypatch
 ):
-    """The serving COMMIT reaches the server but reports an error: the groups are recorded as decided.
-    The next polls must neither re-serve them nor 503 forever; the batch replays to its request_id."""
+    """The serving COMMIT reaches the server but reports an error: the groups are recorded as
+    decided. The next polls must neither re-serve them nor 503 forever; the batch replays to its
+    request_id."""
     import contextlib
 
     from rollout_buffer.storage import db as db_mod

@@ -75,9 +75,10 @@ def test_sqlite_service_connections_are_durable(lite_url, tmp_path):
 
 
 def test_service_connections_never_prepare_statements_for_a_transaction_pooler(pg_url, tmp_path):
-    """Also suspected in issue 14: psycopg prepares a statement run 5 times on a connection, and behind
-    a transaction-pooling PgBouncer the next run lands on another server connection where it does not
-    exist ("prepared statement ... does not exist"). The store records plans with executemany."""
+    """Also suspected in issue 14: psycopg prepares a statement run 5 times on a connection, and
+    behind a transaction-pooling PgBouncer the next run lands on another server connection where it
+    does not exist ("prepared statement ... does not exist"). The store records plans with
+    executemany."""
     make_launcher_db(pg_url)
     config = Config.from_env({}, db_url=pg_url, run_dir=str(tmp_path))
     db = service_connect(config, pg_url)

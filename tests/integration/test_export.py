@@ -195,7 +195,8 @@ def test_export_of_served_dropped_and_rejected_rows(harness, writer, db_url, tmp
 
 
 def test_export_pages_merge_at_every_page_boundary(harness, writer, db_url, tmp_path, monkeypatch):
-    # pages of 2 make every keyset page boundary and the groups/rows merge run (the memory this keeps
+    # pages of 2 make every keyset page boundary and the groups/rows merge run (the memory this
+    # keeps
     # constant is measured by tests/bench/export_rss.py, not here)
     trainer = _job(harness, writer)
     monkeypatch.setattr(export_mod, "PAGE", 2)
@@ -296,7 +297,8 @@ def test_round_trip_export_replay_drain(harness, writer, db_url, tmp_path):
     assert s["groups"]["dropped"].get("malformed_row") == 1, s
 
 
-# -- hostile rows, hostile arguments ---------------------------------------------------------------------
+# -- hostile rows, hostile arguments
+# ---------------------------------------------------------------------
 
 DEEP = 2000
 STEP_COLUMNS = (

@@ -69,7 +69,8 @@ def lease_row(url: str) -> dict[str, Any]:
 
 
 def owned(lease: Lease) -> Lease:
-    """Wait until ``lease`` owns the job and mark the job's state as loaded under its epoch (as the loop does)."""
+    """Wait until ``lease`` owns the job and mark the job's state as loaded under its epoch (as the
+    loop does)."""
     wait_until(lambda: lease.role == OWNER, 10, f"{lease.instance_id} owns the job")
     lease.state_epoch = lease.epoch
     return lease
@@ -254,7 +255,8 @@ def test_an_advertised_url_that_answers_as_another_instance_is_reported_and_come
     th = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     th.start()
     try:
-        # (a longer lease: the wrong one's extra wait, a third of it, must outlast a busy machine's delays)
+        # (a longer lease: the wrong one's extra wait, a third of it, must outlast a busy machine's
+        # delays)
         right = owned(leases("right", host_id="host-r", lease_s=6.0))
         wrong = leases(
             "wrong",

@@ -14,7 +14,8 @@ SAMPLE = re.compile(
 
 
 def parse_prometheus(text: str) -> dict[str, dict]:
-    """A strict reader of the text exposition format 0.0.4 (what we emit): families, types, samples."""
+    """A strict reader of the text exposition format 0.0.4 (what we emit): families, types,
+    samples."""
     assert text.endswith("\n")
     families: dict[str, dict] = {}
     current = None
@@ -153,9 +154,9 @@ def test_no_token_means_open(harness):
 
 
 def test_the_status_page_loads_without_the_token_and_holds_no_data_and_no_markup_from_data(authed):
-    """GET / is the page's static HTML (it asks for the token); its data is /status, behind the token.
-    The page builds everything it shows with textContent and DOM nodes, so a job id, a reason or an
-    error text can never become markup, and it names no address but its own."""
+    """GET / is the page's static HTML (it asks for the token); its data is /status, behind the
+    token. The page builds everything it shows with textContent and DOM nodes, so a job id, a reason
+    or an error text can never become markup, and it names no address but its own."""
     r = authed.client.get("/")
     assert r.status_code == 200 and r.mimetype == "text/html"
     assert "default-src 'none'" in r.headers["Content-Security-Policy"]

@@ -1,5 +1,6 @@
-"""The reader (unit tier): the ingest cursor on both backends (ids at or below 0 too), and Postgres commit order (a smaller id
-committed after a larger one is read once, after it commits, never skipped)."""
+"""The reader (unit tier): the ingest cursor on both backends (ids at or below 0 too), and Postgres
+commit order (a smaller id committed after a larger one is read once, after it commits, never
+skipped)."""
 
 from __future__ import annotations
 
@@ -182,9 +183,10 @@ def test_rows_with_ids_at_or_below_zero_are_read_and_survive_a_restart(db_url, h
 
 
 def test_a_transaction_left_open_elsewhere_on_the_server_does_not_hold_the_cursor_back(pg_url):
-    """The safe cursor waited for the snapshot's xmin, which any transaction on the server holds back
-    (another database, pg_dump, an idle session): while one stayed open the cursor never moved, every
-    tick re-read a window that kept growing, and launcher_exited drops waited (never caught up)."""
+    """The safe cursor waited for the snapshot's xmin, which any transaction on the server holds
+    back (another database, pg_dump, an idle session): while one stayed open the cursor never moved,
+    every tick re-read a window that kept growing, and launcher_exited drops waited (never caught
+    up)."""
     make_launcher_db(pg_url)
     db = connect(pg_url)
     w = Writer(pg_url, job="J")

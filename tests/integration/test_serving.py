@@ -1,5 +1,5 @@
-"""Serving a poll (through the Flask test client, on both backends): what a poll costs (structure, not
-timing: an empty poll touches neither the database nor any pending group, a data poll's queries
+"""Serving a poll (through the Flask test client, on both backends): what a poll costs (structure,
+not timing: an empty poll touches neither the database nor any pending group, a data poll's queries
 scale with the rows served, not with what is pending), many pollers while rows are written, and a
 drain of 8,192 rows checked item by item against what was written."""
 
@@ -102,7 +102,8 @@ def test_many_concurrent_pollers_while_rows_are_written(db_url, harness_factory)
         try:
             for g in range(n_groups):
                 w.group(f"g{g:03d}", 3, steps=2)
-            h.settle()  # every row is ingested before the pollers may count empty answers as the end
+            # every row is ingested before the pollers may count empty answers as the end
+            h.settle()
         finally:
             w.close()
             done.set()

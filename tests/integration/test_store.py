@@ -1,5 +1,6 @@
-"""The state store alone (unit tier), on SQLite and Postgres: the ``rollout_buffer_*`` tables through
-:class:`rollout_buffer.storage.store.Store`, with plans built by hand (no accumulator, no service)."""
+"""The state store alone (unit tier), on SQLite and Postgres: the ``rollout_buffer_*`` tables
+through :class:`rollout_buffer.storage.store.Store`, with plans built by hand (no accumulator, no
+service)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""rollout_buffer.client.BufferClient against a real gunicorn server (and a tiny scripted HTTP server).
+"""rollout_buffer.client.BufferClient against a real gunicorn server (and a tiny scripted HTTP
+server).
 
 The real server runs with ``ROLLOUT_BUFFER_LAUNCHER=none`` on a SQLite file that the simulated
 launcher filled beforehand (every group complete), so the set of groups to expect is known.
@@ -33,7 +34,8 @@ K = 4
 
 
 def simulate(db_url: str, groups: int, k: int = K, job: str = JOB) -> dict[str, Any]:
-    """Fill the database with ``groups`` complete groups of ``k`` sessions (the simulated launcher)."""
+    """Fill the database with ``groups`` complete groups of ``k`` sessions (the simulated
+    launcher)."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -89,7 +91,8 @@ def check_group(gid: str, items: list[dict[str, Any]], k: int = K) -> None:
         assert {"uid", "instance_id", "messages", "reward", "extra_info"} <= it.keys()
 
 
-# -- against a real gunicorn --------------------------------------------------------------------------
+# -- against a real gunicorn
+# --------------------------------------------------------------------------
 def test_iter_groups_returns_every_group_exactly_once(db_url: str, tmp_path: Path) -> None:
     simulate(db_url, 10)
     expected = group_ids(db_url)
@@ -272,9 +275,11 @@ def test_auth_with_a_token(db_url: str, tmp_path: Path) -> None:
             assert good.stats()["groups"]["served"] == 2
 
 
-# -- against a scripted server ---------------------------------------------------------------------------
+# -- against a scripted server
+# ---------------------------------------------------------------------------
 class Scripted:
-    """A stdlib HTTP server: answers POSTs from a script of (status, body, headers), records request bodies."""
+    """A stdlib HTTP server: answers POSTs from a script of (status, body, headers), records request
+    bodies."""
 
     def __init__(
         self,
@@ -486,7 +491,8 @@ def test_start_rollout_500_is_not_retried_and_unsent_failures_are() -> None:
         assert len(srv.bodies) == 3
 
 
-# -- failover (issue 12): a standby's 307 and a list of URLs ----------------------------------------------
+# -- failover (issue 12): a standby's 307 and a list of URLs
+# ----------------------------------------------
 def to_owner(owner: Scripted) -> tuple[int, Any, dict[str, str]]:
     """What a standby answers: 307 to the owner's URL, the path kept."""
     return (

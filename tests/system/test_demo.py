@@ -1,4 +1,5 @@
-"""``rollout-buffer demo`` end to end: real gunicorn, SQLite, the simulated launcher, a polling trainer."""
+"""``rollout-buffer demo`` end to end: real gunicorn, SQLite, the simulated launcher, a polling
+trainer."""
 
 from __future__ import annotations
 

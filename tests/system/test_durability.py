@@ -40,7 +40,8 @@ pytestmark = pytest.mark.slow
 K = 4
 
 
-# -- helpers ------------------------------------------------------------------------------------------------
+# -- helpers
+# ------------------------------------------------------------------------------------------------
 
 
 def workers_of(master: int) -> list[int]:
@@ -48,7 +49,8 @@ def workers_of(master: int) -> list[int]:
 
 
 def kill9_and_restart(srv: Server) -> None:
-    """kill -9 the whole process group (gunicorn master and worker), then start again on the same DB."""
+    """kill -9 the whole process group (gunicorn master and worker), then start again on the same
+    DB."""
     assert srv.proc is not None
     assert len(procfs.group_members(srv.proc.pid)) >= 2, "expected a master and a worker"
     kill9(srv)
@@ -56,7 +58,8 @@ def kill9_and_restart(srv: Server) -> None:
 
 
 def kill9_worker(srv: Server) -> None:
-    """kill -9 only the gunicorn worker; the master forks a new one, which starts with empty memory."""
+    """kill -9 only the gunicorn worker; the master forks a new one, which starts with empty
+    memory."""
     assert srv.proc is not None
     [old] = workers_of(srv.proc.pid)
     os.kill(old, signal.SIGKILL)
@@ -69,7 +72,8 @@ def new_server(db_url: str, tmp_path: Path, **env: str) -> Server:
     return Server(db_url, tmp_path / "srv", env=env)
 
 
-# -- crash windows --------------------------------------------------------------------------------------------
+# -- crash windows
+# --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -208,7 +212,8 @@ def test_restart_keeps_drops_and_serves_nothing_twice_and_a_new_job_starts_clean
         srv.stop()
 
 
-# -- request_id ------------------------------------------------------------------------------------------------
+# -- request_id
+# ------------------------------------------------------------------------------------------------
 
 
 def test_request_id_replays_binds_only_data_serialises_and_survives_kill9(tmp_path):
@@ -327,7 +332,8 @@ def test_request_id_past_the_retention_window_is_410_never_a_new_batch(tmp_path)
         srv.stop()
 
 
-# -- database faults -----------------------------------------------------------------------------------------
+# -- database faults
+# -----------------------------------------------------------------------------------------
 
 
 def test_postgres_backends_terminated_mid_drain_lose_and_duplicate_nothing(tmp_path, pg_url):
@@ -338,7 +344,8 @@ def test_postgres_backends_terminated_mid_drain_lose_and_duplicate_nothing(tmp_p
     for i in range(30):
         w.group(f"c{i:02d}", K, steps=2)
     w.group("inc", K, steps=2, complete=1)
-    # libpq tags every server connection with this name: the killer touches nothing else on the server
+    # libpq tags every server connection with this name: the killer touches nothing else on the
+    # server
     app_name = "rbsrv-" + uuid.uuid4().hex[:12]
     srv = new_server(pg_url, tmp_path, PGAPPNAME=app_name)
     srv.start()
@@ -396,7 +403,8 @@ def test_sqlite_locked_past_the_busy_timeout_gives_503_then_recovers(tmp_path):
     errors: list[BaseException] = []
 
     def hold_lock() -> None:
-        # a writer that keeps the write lock for ~7 s (the busy timeout is 5 s), writing 3 groups in it
+        # a writer that keeps the write lock for ~7 s (the busy timeout is 5 s), writing 3 groups in
+        # it
         try:
             wl = Writer(db_url)
             try:
@@ -468,7 +476,8 @@ def test_a_poll_before_the_restarted_service_has_loaded_its_state_is_503_not_emp
         wait_until(lambda: t.stats()["groups"]["ready"] == 3, 15, "3 groups ready")
         lost = t.post({"request_id": "Z", "max_groups": 2}).json()
         assert lost["success"] is True
-        # kill -9, then keep the database unreadable while the server restarts (WAL + exclusive locking mode)
+        # kill -9, then keep the database unreadable while the server restarts (WAL + exclusive
+        # locking mode)
         assert srv.proc is not None
         pgid = srv.proc.pid
         srv.stop(signal.SIGKILL)
@@ -497,8 +506,8 @@ def test_a_poll_before_the_restarted_service_has_loaded_its_state_is_503_not_emp
 
 
 def test_an_on_failure_restart_pending_at_a_kill9_is_carried_out_after_it(tmp_path):
-    """Also suspected in issue 14 (seen once): the launcher exits 3, will_restart is true, the service
-    is killed during the backoff, and after the restart nobody relaunches it."""
+    """Also suspected in issue 14 (seen once): the launcher exits 3, will_restart is true, the
+    service is killed during the backoff, and after the restart nobody relaunches it."""
     import shlex
     import sys
 

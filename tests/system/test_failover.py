@@ -122,7 +122,8 @@ def served_groups(url: str, job: str = "job1") -> dict[str, str]:
 
 
 class Drain:
-    """A trainer: a BufferClient holding every URL, polling in a thread, counting each group it gets."""
+    """A trainer: a BufferClient holding every URL, polling in a thread, counting each group it
+    gets."""
 
     def __init__(self, urls: list[str]) -> None:
         self.client = BufferClient(urls, retries=60, backoff_s=0.1, backoff_max_s=1.0, timeout=30)
@@ -166,7 +167,8 @@ class Drain:
 
 
 def write_groups(url: str, names: list[str], pace_s: float, job: str = "job1") -> threading.Thread:
-    """An external writer (as a launcher elsewhere): complete groups of K one-step sessions, paced."""
+    """An external writer (as a launcher elsewhere): complete groups of K one-step sessions,
+    paced."""
 
     def run() -> None:
         w = Writer(url, job=job)
@@ -213,7 +215,8 @@ def owner_and_standby(a: Server, b: Server) -> None:
     wait_until(lambda: role(b) == "standby", 15, "the second instance waits as a standby")
 
 
-# -- kill -9 mid-drain ---------------------------------------------------------------------------------
+# -- kill -9 mid-drain
+# ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("hosts", ["same_host", "other_host"])
 def test_kill9_of_the_owner_mid_drain_serves_every_group_once(tmp_path, pg_url, hosts):
     other = hosts == "other_host"  # the lease must end before the standby may take over
@@ -253,7 +256,8 @@ def test_kill9_of_the_owner_mid_drain_serves_every_group_once(tmp_path, pg_url, 
         )
 
 
-# -- SIGSTOP longer than the lease ------------------------------------------------------------------------
+# -- SIGSTOP longer than the lease
+# ------------------------------------------------------------------------
 AUDIT = (
     "CREATE TABLE audit (tbl TEXT, op TEXT, app TEXT, at DOUBLE PRECISION)",
     "CREATE FUNCTION audit_write() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
@@ -372,7 +376,8 @@ def test_an_owner_paused_past_its_lease_records_nothing_when_it_wakes_and_turns_
         assert served_groups(pg_url) == dict.fromkeys(want + ["pre"], "served")
 
 
-# -- a rolling update ----------------------------------------------------------------------------------
+# -- a rolling update
+# ----------------------------------------------------------------------------------
 def test_a_rolling_update_serves_everything_exactly_once(tmp_path, pg_url):
     want = [f"r{i:03d}" for i in range(50)]
     with instances(pg_url, tmp_path, "old", "new") as (old, new):
@@ -401,7 +406,8 @@ def test_a_rolling_update_serves_everything_exactly_once(tmp_path, pg_url):
         assert "gave the lease up" in old.log()
 
 
-# -- LAUNCHER=none: a failover drops nothing ------------------------------------------------------------
+# -- LAUNCHER=none: a failover drops nothing
+# ------------------------------------------------------------
 def test_with_an_external_writer_a_failover_drops_nothing(tmp_path, pg_url):
     with instances(pg_url, tmp_path, "a", "b", hosts=True) as (a, b):
         w = Writer(pg_url)
@@ -435,7 +441,8 @@ def test_with_an_external_writer_a_failover_drops_nothing(tmp_path, pg_url):
         assert "launcher_exited" not in b.log()
 
 
-# -- SQLite: two instances on one file ----------------------------------------------------------------
+# -- SQLite: two instances on one file
+# ----------------------------------------------------------------
 def test_sqlite_two_instances_on_one_file(tmp_path):
     url = "sqlite://" + str(tmp_path / "launcher.db")
     want = [f"s{i:02d}" for i in range(30)]
@@ -461,7 +468,8 @@ def test_sqlite_two_instances_on_one_file(tmp_path):
         assert health(a)["owner"]["url"] == b.url
 
 
-# -- the launcher across owners ------------------------------------------------------------------------
+# -- the launcher across owners
+# ------------------------------------------------------------------------
 def launcher_env(marker: Path) -> dict[str, str]:
     cmd = shlex.join(
         [sys.executable, str(FAKE_LAUNCHER), "--mode", "hang", "--marker", str(marker)]

@@ -1,4 +1,5 @@
-"""The fault-injection suite (issue 14): the class of crash, ordering, poison and dependency faults, not instances.
+"""The fault-injection suite (issue 14): the class of crash, ordering, poison and dependency faults,
+not instances.
 
 One seeded scenario per backend (see tests/faultlib.py for what it does and checks): writers
 committing out of order, a retrying trainer, kill -9 of the real gunicorn service at random

@@ -38,7 +38,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 FAKE_LAUNCHER = ROOT / "tests" / "fakes" / "fake_launcher.py"
 
 
-# -- helpers ------------------------------------------------------------------------------------------------
+# -- helpers
+# ------------------------------------------------------------------------------------------------
 
 
 def saved_job(url: str, job: str) -> dict[str, Any]:
@@ -66,7 +67,8 @@ def max_id(url: str) -> int:
 
 
 def ids_of(url: str, session: str) -> list[int]:
-    """The ids of one session's rows (``Writer.step`` returns MAX(id), which is not the row's own id here)."""
+    """The ids of one session's rows (``Writer.step`` returns MAX(id), which is not the row's own id
+    here)."""
     db = connect(url)
     try:
         return [
@@ -103,12 +105,14 @@ def open_transaction(w: Writer) -> None:
     w.db.execute("BEGIN")
 
 
-# -- scenario 1: a row in flight below the low-water mark -----------------------------------------------------
+# -- scenario 1: a row in flight below the low-water mark
+# -----------------------------------------------------
 
 
 def test_a_row_committed_late_below_the_low_water_mark_is_served_after_kill9(tmp_path, pg_url):
     make_launcher_db(pg_url)
-    # A short TTL: a resume that skipped the late row would drop G2 as incomplete instead of waiting.
+    # A short TTL: a resume that skipped the late row would drop G2 as incomplete instead of
+    # waiting.
     srv = Server(
         pg_url, tmp_path / "srv", env={"AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS": "8"}
     )
@@ -217,7 +221,8 @@ def test_a_job_selected_again_reads_every_row_written_while_it_was_not(tmp_path,
         srv.stop()
 
 
-# -- scenario 14: a sequence that caches ids --------------------------------------------------------------------
+# -- scenario 14: a sequence that caches ids
+# --------------------------------------------------------------------
 
 
 def test_a_caching_sequence_is_refused_clearly_and_no_row_is_skipped(tmp_path, pg_url):
@@ -231,7 +236,8 @@ def test_a_caching_sequence_is_refused_clearly_and_no_row_is_skipped(tmp_path, p
         srv.stop()
         alter_cache(pg_url, 20)
         srv.start()
-        # Two connections, each with its own block of 20 ids: X writes 1, Y writes 21-25 (G2, complete).
+        # Two connections, each with its own block of 20 ids: X writes 1, Y writes 21-25 (G2,
+        # complete).
         s1, s2 = "G1-s0-" + uuid.uuid4().hex[:8], "G1-s1-" + uuid.uuid4().hex[:8]
         x.step("G1", s1, 1, completed=True, step_reward=0.1)
         pks = y.session("G2", "G2-s0-" + uuid.uuid4().hex[:8], 3) + y.session(
@@ -269,7 +275,8 @@ def test_a_caching_sequence_is_refused_clearly_and_no_row_is_skipped(tmp_path, p
         srv.stop()
 
 
-# -- scenario 4: Postgres stuck on a lock ------------------------------------------------------------------------
+# -- scenario 4: Postgres stuck on a lock
+# ------------------------------------------------------------------------
 
 
 def timed_post(
@@ -395,10 +402,10 @@ def while_locked(srv: Server, pid: int, grace: float) -> None:
 def test_a_statement_that_never_gets_an_answer_shows_in_health_and_the_service_recovers(
     tmp_path, pg_url
 ):
-    """A hung PgBouncer or a network path that stops carrying packets: the server-side timeouts cannot
-    answer a statement whose answer never arrives, the loop hangs in it without failing, and only the
-    age of its last tick tells. /health must say so, polls must answer 503 in bounded time, and the
-    service must carry on by itself once packets flow again."""
+    """A hung PgBouncer or a network path that stops carrying packets: the server-side timeouts
+    cannot answer a statement whose answer never arrives, the loop hangs in it without failing, and
+    only the age of its last tick tells. /health must say so, polls must answer 503 in bounded time,
+    and the service must carry on by itself once packets flow again."""
     make_launcher_db(pg_url)
     dsn = urlsplit(PG_DSN)
     relay = TcpForwarder(dsn.port or 5432, dsn.hostname or "127.0.0.1")
@@ -442,7 +449,8 @@ def test_a_statement_that_never_gets_an_answer_shows_in_health_and_the_service_r
         relay.close()
 
 
-# -- scenario 12: two instances on one database --------------------------------------------------------------------
+# -- scenario 12: two instances on one database
+# --------------------------------------------------------------------
 
 
 def test_two_instances_on_one_schema_serve_each_group_once(tmp_path, pg_url):

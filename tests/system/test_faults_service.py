@@ -50,7 +50,8 @@ BACKGROUND = "rollout-buffer-"  # the loop and lease threads: their statements a
 
 # -- helpers ---------------------------------------------------------------------------------------
 class DbTouches:
-    """Connections opened and statements run by request threads (the loop and lease threads are not counted)."""
+    """Connections opened and statements run by request threads (the loop and lease threads are not
+    counted)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.connects = 0
@@ -150,7 +151,8 @@ def poll_until_data(url: str, request_id: str, groups: int) -> bytes:
 
 
 def slow_reader(port: int, request_id: str) -> socket.socket:
-    """Send a replay request and never read the answer (a tiny receive buffer, so the server blocks)."""
+    """Send a replay request and never read the answer (a tiny receive buffer, so the server
+    blocks)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
     s.connect(("127.0.0.1", port))
@@ -220,7 +222,8 @@ def two_instances(url: str, tmp_path: Path) -> Iterator[TwoInstances]:
         two.close()
 
 
-# -- 7: an empty poll with a fresh request_id ---------------------------------------------------------------
+# -- 7: an empty poll with a fresh request_id
+# ---------------------------------------------------------------
 def test_empty_polls_with_fresh_request_ids_touch_no_database_and_bound_ids_still_replay(
     db_url, writer, harness_factory, monkeypatch
 ):
@@ -263,7 +266,8 @@ def test_empty_polls_with_fresh_request_ids_touch_no_database_and_bound_ids_stil
     )
 
 
-# -- 8: the byte budget with non-ASCII group ids --------------------------------------------------------------
+# -- 8: the byte budget with non-ASCII group ids
+# --------------------------------------------------------------
 @pytest.mark.parametrize("char,n", [("\u4e2d", 1500), ("\U0001f600", 500)], ids=["cjk", "emoji"])
 def test_response_byte_budget_holds_with_non_ascii_group_ids(lite_url, harness_factory, char, n):
     budget = 64 * 1024
@@ -293,7 +297,8 @@ def test_response_byte_budget_holds_with_non_ascii_group_ids(lite_url, harness_f
     assert served == set(gids)
 
 
-# -- 16: a backlog drain without max_groups ---------------------------------------------------------------
+# -- 16: a backlog drain without max_groups
+# ---------------------------------------------------------------
 def test_backlog_drain_without_max_groups_takes_what_it_serves(
     lite_url, harness_factory, monkeypatch
 ):
@@ -339,7 +344,8 @@ def test_backlog_drain_without_max_groups_takes_what_it_serves(
     assert h.stats()["groups"]["ready"] == left
 
 
-# -- 13: retention and indexes ------------------------------------------------------------------------------
+# -- 13: retention and indexes
+# ------------------------------------------------------------------------------
 def _fast_housekeeping(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run the retention pass every 0.2 s instead of every 30 s (when the tree has that loop)."""
     try:
@@ -391,9 +397,9 @@ def first_served_second_written(
 def test_a_wall_clock_step_forward_neither_expires_nor_deletes_a_fresh_batch(
     lite_url, harness_factory, monkeypatch
 ):
-    """Also suspected in issue 14: a forward step of the wall clock turned a retry into a 410. And with
-    housekeeping, the step deleted the batch of a poll answered a second ago: its retry then got new
-    groups under the same request_id, and the first batch's groups were lost."""
+    """Also suspected in issue 14: a forward step of the wall clock turned a retry into a 410. And
+    with housekeeping, the step deleted the batch of a poll answered a second ago: its retry then
+    got new groups under the same request_id, and the first batch's groups were lost."""
     monkeypatch.setattr(
         importlib.import_module("rollout_buffer.runtime.loop"), "HOUSEKEEPING_S", 0.0
     )  # every tick
@@ -496,7 +502,8 @@ def test_indexes_for_the_startup_scans_exist(db_url, harness):
     assert any(t == "rollout_buffer_batches" and "created_at" in sql for t, sql in rows), rows
 
 
-# -- 15: replays are bounded ------------------------------------------------------------------------------
+# -- 15: replays are bounded
+# ------------------------------------------------------------------------------
 def test_replays_share_one_copy_and_are_bounded_in_number(tmp_path):
     url = "sqlite://" + str(tmp_path / "launcher.db")
     make_launcher_db(url)
@@ -548,10 +555,12 @@ def test_replays_share_one_copy_and_are_bounded_in_number(tmp_path):
         srv.stop()
 
 
-# -- 17: two instances on one host ----------------------------------------------------------------------------
+# -- 17: two instances on one host
+# ----------------------------------------------------------------------------
 def test_an_instance_that_stops_leaves_the_launcher_another_instance_adopted(tmp_path):
-    """With the lease (issue 12) the second instance waits as a standby; the first, stopped, hands the
-    launcher over to it (a standby on its own host) instead of killing it, and the second adopts it."""
+    """With the lease (issue 12) the second instance waits as a standby; the first, stopped, hands
+    the launcher over to it (a standby on its own host) instead of killing it, and the second adopts
+    it."""
     url = "sqlite://" + str(tmp_path / "launcher.db")
     with two_instances(url, tmp_path) as two:
         first, second = two.first, two.second
@@ -596,7 +605,8 @@ def test_an_instance_that_stops_leaves_the_launcher_another_instance_adopted(tmp
 
 
 def served_after(srv: Server, w: Writer) -> None:
-    """Two more groups written and served: the server has ticked (and checked its launcher) since."""
+    """Two more groups written and served: the server has ticked (and checked its launcher)
+    since."""
     for name in ("after1", "after2"):
         w.group(name, 2)
         wait_until(
@@ -611,7 +621,8 @@ def served_after(srv: Server, w: Writer) -> None:
         )
 
 
-# -- 18: /start_rollout just after a restart -------------------------------------------------------------------
+# -- 18: /start_rollout just after a restart
+# -------------------------------------------------------------------
 def test_start_rollout_right_after_a_restart_waits_for_the_resume(tmp_path):
     path = tmp_path / "launcher.db"
     url = "sqlite://" + str(path)
@@ -624,7 +635,8 @@ def test_start_rollout_right_after_a_restart_waits_for_the_resume(tmp_path):
             )  # a crash: the launcher (its own process group) keeps running
             assert procfs.alive(pid)
 
-            # Another connection holds SQLite's lock (exclusive: in WAL mode a plain write lock would
+            # Another connection holds SQLite's lock (exclusive: in WAL mode a plain write lock
+            # would
             # not block the resume's reads): the restarted service cannot resume the job yet.
             lock = sqlite3.connect(str(path), isolation_level=None, timeout=10)
             lock.execute("PRAGMA locking_mode=EXCLUSIVE")
@@ -667,7 +679,8 @@ def test_start_rollout_right_after_a_restart_waits_for_the_resume(tmp_path):
 
 def test_a_bootstrap_retried_after_the_adoption_keeps_the_adopted_launcher(pg_url, tmp_path):
     """The first bootstrap adopts the launcher, then fails recording it (its backend is killed while
-    it waits on a row lock); the retried bootstrap must not take its own adoption for a dead launcher."""
+    it waits on a row lock); the retried bootstrap must not take its own adoption for a dead
+    launcher."""
     import psycopg
 
     with (
@@ -713,8 +726,8 @@ def test_a_bootstrap_retried_after_the_adoption_keeps_the_adopted_launcher(pg_ur
 
 def test_a_replay_being_rebuilt_never_holds_up_fresh_polls(lite_url, harness_factory, monkeypatch):
     """Also suspected in issue 14: a client replaying one request_id in a loop rebuilt up to 256 MiB
-    each time under the serving lock. A rebuild is held in the middle here: a fresh poll must not wait
-    for it, and the replay is the same batch once it is let go."""
+    each time under the serving lock. A rebuild is held in the middle here: a fresh poll must not
+    wait for it, and the replay is the same batch once it is let go."""
     replay_mod = importlib.import_module("rollout_buffer.serving.replay")
     h, w, first = first_served_second_written(lite_url, harness_factory)
     h.settle()

@@ -1,4 +1,5 @@
-"""The real gunicorn deployment (STYLE.md §10): one worker enforced, hooks fire, SIGTERM stops the launcher.
+"""The real gunicorn deployment (STYLE.md §10): one worker enforced, hooks fire, SIGTERM stops the
+launcher.
 
 Every test runs a real ``gunicorn`` (or ``python -m rollout_buffer serve``) subprocess in its own
 session on a free port, against a real SQLite file, and talks to it over HTTP.
@@ -32,7 +33,8 @@ FAKE_LAUNCHER = ROOT / "tests" / "fakes" / "fake_launcher.py"
 
 
 def gunicorn_argv(*args: str) -> list[str]:
-    """The ``gunicorn`` console script of this interpreter (``python -m gunicorn`` if there is none)."""
+    """The ``gunicorn`` console script of this interpreter (``python -m gunicorn`` if there is
+    none)."""
     script = Path(sys.executable).with_name("gunicorn")
     if script.exists():
         return [str(script), *args]
@@ -54,8 +56,8 @@ children_of = procfs.children
 
 
 class Proc:
-    """A server subprocess in its own session (rollout_buffer.tools.runner, as every real-server test and the
-    demo use), with pytest's failure on a server that does not come up."""
+    """A server subprocess in its own session (rollout_buffer.tools.runner, as every real-server
+    test and the demo use), with pytest's failure on a server that does not come up."""
 
     def __init__(
         self, argv: Sequence[str], cwd: Path, env: dict[str, str], port: int, log: Path
@@ -105,7 +107,8 @@ def start_rollout(url: str, k: int, job: str) -> dict:
 
 
 def poll_groups(url: str, want: set[str], timeout: float = 20.0, **body) -> dict[str, list[dict]]:
-    """Poll until every group of ``want`` was served; return all items by group (each group once)."""
+    """Poll until every group of ``want`` was served; return all items by group (each group
+    once)."""
     got: dict[str, list[dict]] = {}
     deadline = time.monotonic() + timeout
     while not want <= set(got):
@@ -138,7 +141,8 @@ def assert_serves_a_poll(url: str, db_url: str) -> None:
     )
 
 
-# -- how operators start it --------------------------------------------------------------------------------
+# -- how operators start it
+# --------------------------------------------------------------------------------
 
 
 def test_plain_gunicorn_from_the_repository_root_serves(tmp_path):
@@ -179,7 +183,8 @@ def test_rollout_buffer_serve_runs_gunicorn_with_our_settings(tmp_path):
     )
 
 
-# -- refusing settings that would split the state -----------------------------------------------------------
+# -- refusing settings that would split the state
+# -----------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -224,7 +229,8 @@ def test_more_than_one_worker_or_preload_is_refused(tmp_path, how, extra_env, ar
         requests.get(f"http://127.0.0.1:{port}/health", timeout=2)
 
 
-# -- shutdown -------------------------------------------------------------------------------------------------
+# -- shutdown
+# -------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", ["hang", "ignore-term", "spawn-child"])
@@ -293,8 +299,8 @@ def test_sigterm_to_the_master_stops_the_launcher_group_and_exits_0(tmp_path, mo
 
 
 def test_a_worker_that_crashes_leaves_the_launcher_to_the_next_worker(tmp_path):
-    """gunicorn aborts a worker that stops answering it (its timeout); the worker's exit used to stop
-    the launcher as a shutdown would, while a kill -9 of the worker left it running."""
+    """gunicorn aborts a worker that stops answering it (its timeout); the worker's exit used to
+    stop the launcher as a shutdown would, while a kill -9 of the worker left it running."""
     db_url = "sqlite://" + str(tmp_path / "launcher.db")
     make_launcher_db(db_url)
     port = free_port()
@@ -325,7 +331,8 @@ def test_a_worker_that_crashes_leaves_the_launcher_to_the_next_worker(tmp_path):
     wait_until(lambda: not group_members(pid), 10, "the launcher stopped at shutdown")
 
 
-# -- serving over real HTTP while an external writer adds rows ------------------------------------------------
+# -- serving over real HTTP while an external writer adds rows
+# ------------------------------------------------
 
 
 def test_serves_groups_across_http_while_an_external_writer_writes(tmp_path):

@@ -1,5 +1,5 @@
-"""The status page in a real headless browser (Debian's chromium, driven by selenium and chromedriver)
-against a real server (gunicorn), with and without ROLLOUT_BUFFER_TOKEN.
+"""The status page in a real headless browser (Debian's chromium, driven by selenium and
+chromedriver) against a real server (gunicorn), with and without ROLLOUT_BUFFER_TOKEN.
 
 The browser is started with the flags that keep it off the network (this machine's network is
 closed: without them Chromium's own background connections are refused and slow it down). When
@@ -263,7 +263,8 @@ def test_page_with_token_asks_for_it_and_keeps_it_out_of_urls(browser, lite_url,
         assert (
             browser.execute_script("return sessionStorage.getItem('rollout_buffer_token')") is None
         )
-        # a character no HTTP header can carry (a pasted en dash) is refused as such, never stored, and
+        # a character no HTTP header can carry (a pasted en dash) is refused as such, never stored,
+        # and
         # the service is not reported unreachable (every fetch used to throw and retry forever)
         browser.find_element("id", "token-input").send_keys(TOKEN[:4] + "\u2013" + TOKEN[5:])
         browser.find_element("id", "token-submit").click()

@@ -67,7 +67,8 @@ def served_groups(h: Harness, **body: Any) -> list[str]:
     return [s["group_id"] for s in doc["data"]["meta_info"]["group_stats"]]
 
 
-# -- staleness ------------------------------------------------------------------------------------------------
+# -- staleness
+# ------------------------------------------------------------------------------------------------
 
 
 def test_staleness_off_serves_every_version(make, writer):
@@ -135,7 +136,8 @@ def test_a_poll_overrides_max_off_policy_and_the_trainer_version_is_the_last_sen
     doc = h.poll(current_weight_version=10, max_off_policy=1)
     assert list(groups_of(doc)) == ["v9"]  # 10 - 9 = 1 kept, 10 - 8 = 2 > 1 stale
     assert doc["data"]["meta_info"]["filtered"] == {"stale": 1}
-    # the last version a poll sent wins, even when it goes back (a trainer restored an older checkpoint)
+    # the last version a poll sent wins, even when it goes back (a trainer restored an older
+    # checkpoint)
     h.poll(current_weight_version=4)
     assert h.stats()["versions"]["trainer"] == 4
     assert h.stats()["versions"]["current"] == 9  # the rows' largest version still counts
@@ -143,8 +145,9 @@ def test_a_poll_overrides_max_off_policy_and_the_trainer_version_is_the_last_sen
 
 
 def test_a_long_env_state_is_not_read_at_ingest_and_its_version_counts_once_built(make, writer):
-    """Ingest reads env_state only up to 4,096 characters (a batch of long ones would take gigabytes):
-    a longer one's version is unknown until its group is built, never taken as 0 (stale) at ready."""
+    """Ingest reads env_state only up to 4,096 characters (a batch of long ones would take
+    gigabytes): a longer one's version is unknown until its group is built, never taken as 0 (stale)
+    at ready."""
     h = make(max_off_policy=1)
     h.start(k=2)
     pad = "x" * 5000
@@ -252,7 +255,8 @@ def test_bad_policy_fields_in_a_poll_are_400(make, body):
     assert doc["success"] is False and list(body)[0] in doc["error"]
 
 
-# -- zero variance --------------------------------------------------------------------------------------------
+# -- zero variance
+# --------------------------------------------------------------------------------------------
 
 
 def test_zero_variance_off_serves_equal_rewards(make, writer):
@@ -286,7 +290,8 @@ def test_zero_variance_bound_is_over_sessions_not_items(make, writer, proxy):
     upstream_accepts(doc)
 
 
-# -- over-sampling --------------------------------------------------------------------------------------------
+# -- over-sampling
+# --------------------------------------------------------------------------------------------
 
 
 def aievobox_config(tmp_path, url: str, **env: str) -> Config:
@@ -371,7 +376,8 @@ def sessions_served(doc: dict, gid: str) -> dict[str, list[int]]:
 
 def test_a_session_dropped_as_oversampled_stays_out_when_k_is_raised(make, writer, proxy):
     """K raised on a running job sends a chosen group back to pending: the session it dropped as
-    oversampled (its first rows accounted and cleared) must never come back, half, as a new session."""
+    oversampled (its first rows accounted and cleared) must never come back, half, as a new
+    session."""
     h = make(oversample=1)
     h.start(k=2)
     writer.step("g", "s2", 1)
@@ -447,7 +453,8 @@ def test_a_partial_group_reaching_k_while_it_waits_serves_k_sessions(make, write
     assert proxy.wait_for(lambda p: cleared(p, "oversampled") == {"s3", "s4"})
 
 
-# -- partial groups at the TTL --------------------------------------------------------------------------------
+# -- partial groups at the TTL
+# --------------------------------------------------------------------------------
 
 
 def test_partial_groups_off_drops_at_the_ttl(make, writer):
@@ -493,7 +500,8 @@ def test_min_group_size_of_k_or_more_is_off(make, writer):
     )
 
 
-# -- serve order ----------------------------------------------------------------------------------------------
+# -- serve order
+# ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -531,7 +539,8 @@ def test_a_group_given_back_by_a_poll_keeps_its_place_in_the_version_order(make,
     assert got == ["b1", "d1", "c3", "a5"]
 
 
-# -- figures --------------------------------------------------------------------------------------------------
+# -- figures
+# --------------------------------------------------------------------------------------------------
 
 
 def test_group_figures_in_meta_info_stats_and_metrics(make, writer):
@@ -648,7 +657,8 @@ w.close()
 
 
 def test_partial_groups_when_the_launcher_exits(make, tmp_path):
-    """Once the launcher has exited its incomplete groups can never complete: the same rule as at the TTL."""
+    """Once the launcher has exited its incomplete groups can never complete: the same rule as at
+    the TTL."""
     script = tmp_path / "part_launcher.py"
     script.write_text(PART_LAUNCHER.format(repo=str(ROOT), tests=str(ROOT / "tests")))
     h = make(min_group_size=2, launcher_cmd=(sys.executable, str(script), "--db-path", "{db_url}"))

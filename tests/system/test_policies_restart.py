@@ -136,7 +136,8 @@ def test_policies_hold_after_kill_9_and_restart(db_url, tmp_path):
 
 def test_a_session_dropped_as_oversampled_stays_out_after_kill_9(db_url, tmp_path):
     """The sessions a group dropped as oversampled are stored (their rows): after a kill -9 the
-    rebuilt group, sent back to pending by a raised K, never takes one back with only its later rows."""
+    rebuilt group, sent back to pending by a raised K, never takes one back with only its later
+    rows."""
     with FakeProxy() as proxy:
         env = {
             "ROLLOUT_BUFFER_OVERSAMPLE": "1",

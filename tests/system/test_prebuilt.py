@@ -25,8 +25,8 @@ def draft_of(h) -> dict | None:
 
 
 def with_a_draft(h, writer, groups: int, max_groups: int, **poll) -> None:
-    """``groups`` ready groups, one poll of ``max_groups`` (the trainer's shape), then wait until the
-    background thread has built the next ``max_groups`` into a draft."""
+    """``groups`` ready groups, one poll of ``max_groups`` (the trainer's shape), then wait until
+    the background thread has built the next ``max_groups`` into a draft."""
     h.start(k=2)
     env = {"env_state": poll.pop("env_state")} if "env_state" in poll else {}
     for i in range(groups):
@@ -41,7 +41,8 @@ def with_a_draft(h, writer, groups: int, max_groups: int, **poll) -> None:
 
 
 def one_group_drafted(h, writer) -> tuple[dict[str, list[str]], str]:
-    """Three groups, one served (max_groups=1), one built into the draft: (their sessions, the drafted one)."""
+    """Three groups, one served (max_groups=1), one built into the draft: (their sessions, the
+    drafted one)."""
     h.start(k=2)
     sessions = {f"g{i}": writer.group(f"g{i}", 2, steps=2) for i in range(3)}
     h.settle()

@@ -23,7 +23,8 @@ def finished(doc: dict) -> list[str]:
 
 
 def by_step(doc: dict, redelivered: bool = False) -> dict[int, dict]:
-    """A response's items by step_pk, without what differs between two deliveries (uid, the flag)."""
+    """A response's items by step_pk, without what differs between two deliveries (uid, the
+    flag)."""
     out = {}
     for item in doc["data"]["data"]:
         extra = dict(item["extra_info"])
@@ -192,7 +193,8 @@ def test_the_upstream_clients_exact_payload_to_an_already_running_launcher(
         "0": finished(docs[0]) + finished(docs[1]),
         "1": finished(docs[2]),
     }  # data_buffer.get_metadata()
-    payload = {  # what slime's generate_rollout sends, field for field (restart_training defaults to True)
+    # what slime's generate_rollout sends, field for field (restart_training defaults to True)
+    payload = {
         "num_process": "100",
         "num_epoch": "3",
         "remote_engine_url": "http://10.0.0.1:30000",

@@ -361,7 +361,8 @@ def test_service_stop_stops_the_launcher(harness_factory, lite_url, tmp_path):
     assert state["running"] is False
 
 
-# -- 2. the default AIEvoBox command (SPEC §5) ------------------------------------------------------
+# -- 2. the default AIEvoBox command (SPEC §5)
+# ------------------------------------------------------
 RECORDING_LAUNCHER = """\
 import json, os, sys, time
 with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "argv.json.tmp"), "w") as f:
@@ -866,8 +867,9 @@ def full_dir(tmp_path):
 def test_a_full_log_disk_refuses_the_start_clearly_before_the_job_is_switched(
     harness_factory, lite_url, full_dir
 ):
-    """The launcher's log directory is full: the start used to switch the job (dropping A's groups as
-    job_ended) and then answer an opaque 'internal error' (the failed flush at close masked the cause)."""
+    """The launcher's log directory is full: the start used to switch the job (dropping A's groups
+    as job_ended) and then answer an opaque 'internal error' (the failed flush at close masked the
+    cause)."""
     w = Writer(lite_url)
     try:
         h = harness_factory(lite_url, launcher="none")
@@ -888,7 +890,8 @@ def test_a_full_log_disk_refuses_the_start_clearly_before_the_job_is_switched(
 
 
 def test_a_launcher_log_that_cannot_be_written_is_a_clear_500(harness_factory, lite_url, tmp_path):
-    """Space left, but the log file itself refuses writes (a quota, /dev/full): the error says so."""
+    """Space left, but the log file itself refuses writes (a quota, /dev/full): the error says
+    so."""
     logs = tmp_path / "devfull-logs"
     logs.mkdir()
     (logs / "launcher-B.log").symlink_to("/dev/full")

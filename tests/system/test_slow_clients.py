@@ -130,8 +130,9 @@ def test_stalled_request_bodies_do_not_starve_health_or_polls(lite_url, tmp_path
 
 
 def test_clients_that_never_close_their_end_do_not_stall_the_others(lite_url, tmp_path):
-    """gunicorn's graceful close lingered up to 2 s per connection in the event loop: 20 clients that
-    send 'Connection: close' and then neither read nor close stalled every other client for 40 s."""
+    """gunicorn's graceful close lingered up to 2 s per connection in the event loop: 20 clients
+    that send 'Connection: close' and then neither read nor close stalled every other client for 40
+    s."""
     srv = Server(lite_url, tmp_path / "srv")
     srv.start()
     socks: list[socket.socket] = []
@@ -150,7 +151,8 @@ def test_clients_that_never_close_their_end_do_not_stall_the_others(lite_url, tm
 
 
 def exchange(port: int, *parts: bytes, pause: float = 0.0) -> tuple[bytes, float]:
-    """Send the parts (pausing between them), read the answer until the server closes; (answer, seconds)."""
+    """Send the parts (pausing between them), read the answer until the server closes; (answer,
+    seconds)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         t0 = time.monotonic()
         for i, part in enumerate(parts):
@@ -216,7 +218,8 @@ def test_bodies_sent_slowly_chunked_pipelined_or_after_100_continue_are_served(l
 
 def test_more_clients_than_open_files_never_kill_the_worker_nor_its_launcher(lite_url, tmp_path):
     """With a low open-files limit, 1,100 idle connections made accept() fail with EMFILE: the error
-    killed the worker, and the worker's exit stopped the launcher (then every new worker died too)."""
+    killed the worker, and the worker's exit stopped the launcher (then every new worker died
+    too)."""
     import resource
 
     from rollout_buffer.launcher import procfs

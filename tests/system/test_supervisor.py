@@ -98,8 +98,8 @@ def make_supervisor() -> Iterator[Callable[..., Supervisor]]:
 
 @pytest.fixture
 def hanging_launcher(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """A fake launcher that a test starts itself (outside any supervisor, in its own session), once it
-    runs; killed with its group at teardown."""
+    """A fake launcher that a test starts itself (outside any supervisor, in its own session), once
+    it runs; killed with its group at teardown."""
     marker = tmp_path / "starts"
     proc = subprocess.Popen(
         [sys.executable, str(FAKE_LAUNCHER), "--mode", "hang", "--marker", str(marker)],

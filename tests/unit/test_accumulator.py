@@ -1,5 +1,6 @@
 """The accumulator alone (unit tier): grouping, accounting, hostile rows, TTL order, the cost of a
-row and of a poll. No I/O: a fake clock, rows as tuples (step_pk, session_id, group_id, completed)."""
+row and of a poll. No I/O: a fake clock, rows as tuples (step_pk, session_id, group_id,
+completed)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from rollout_buffer.core.ready import ReadyQueue
 
 
 class CountingDict(OrderedDict):
-    """A dict that counts how often it is iterated (a scan of all undecided groups shows up here)."""
+    """A dict that counts how often it is iterated (a scan of all undecided groups shows up
+    here)."""
 
     scans = 0
 
@@ -113,7 +115,8 @@ def test_rows_without_group_id_cost_no_scan_of_the_undecided_groups():
     acc.ready = CountingDict(acc.ready)
     acc.taken = CountingDict(acc.taken)
     CountingDict.scans = 0
-    # 10,000 rows without a group: 5,000 of sessions that have a group (which is dropped), 5,000 unknown
+    # 10,000 rows without a group: 5,000 of sessions that have a group (which is dropped), 5,000
+    # unknown
     rows = [(20_000 + i, f"s{i}" if i % 2 else f"x{i}", None, 1) for i in range(10_000)]
     plan = acc.ingest(rows)
     assert CountingDict.scans == 0

@@ -1,4 +1,5 @@
-"""The splice of stored histories is sound: property check of the incremental validator against json.loads."""
+"""The splice of stored histories is sound: property check of the incremental validator against
+json.loads."""
 
 from __future__ import annotations
 
