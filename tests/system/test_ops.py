@@ -51,7 +51,7 @@ def _running_job(srv_url: str, db_url: str) -> None:
 
 def _dashboard() -> dict:
     # read as package data: it ships with the package, where the README tells operators to find it
-    return json.loads((resources.files("rollout_buffer") / "dashboard.json").read_text())
+    return json.loads((resources.files("rollout_buffer.web") / "dashboard.json").read_text())
 
 
 def _queries(dash: dict) -> list[str]:
