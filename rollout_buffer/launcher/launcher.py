@@ -70,49 +70,49 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
             argv += ["--rl-group-size", str(k)]
         return LaunchSpec(tuple(argv), c.aievobox_root or None, env, log_path)
     if kind == "simulate":
+        # the same argv as the real launcher's (SPEC §5), so the simulator sees what it would
         argv = [
             sys.executable,
             "-m",
             "rollout_buffer.simulate",
-            "--db-path",
-            c.db_url,
-            "--storage-type",
-            c.storage_type,
-            "--job-id",
-            job_id,
-            "--rl-group-size",
-            str(k),
-            "--pool-size",
-            str(c.pool_size),
-            "--rl-epoch",
-            str(c.rl_epoch),
+            *_launcher_flags(c, job_id, k, env_args=_env_args(c)),
+            *(c.simulate_args or ()),
         ]
-        argv += list(c.simulate_args or ())
         env["PYTHONPATH"] = os.pathsep.join(
             p
             for p in (
-                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                 env.get("PYTHONPATH"),
             )
             if p
         )
         return LaunchSpec(tuple(argv), None, env, log_path)
     root = c.aievobox_root or "."
-    if c.env_config:
-        env_args = ["--env-config", c.env_config]
-    elif c.env_root:
-        env_args = ["--env-root", c.env_root]
-    else:
+    env_args = _env_args(c)
+    if not env_args:
         raise ApiError(
             500,
             "the AIEvoBox launcher needs AIEVOBOX_ENV_CONFIG or AIEVOBOX_ENV_ROOT; neither is set",
         )
+    argv = ["python3", os.path.join(root, "launcher.py"), *_launcher_flags(c, job_id, k, env_args)]
+    return LaunchSpec(tuple(argv), root, env, log_path)
+
+
+def _env_args(c: Config) -> list[str]:
+    """The launcher's environment flags: --env-config wins over --env-root; none when unset."""
+    if c.env_config:
+        return ["--env-config", c.env_config]
+    if c.env_root:
+        return ["--env-root", c.env_root]
+    return []
+
+
+def _launcher_flags(c: Config, job_id: str, k: int, env_args: list[str]) -> list[str]:
+    """Every flag of the original command after ``launcher.py`` (SPEC §5), in its order."""
     proxy = (
         f"http://{c.proxy_host}:{c.proxy_port}/v1" if c.proxy_host else "http://127.0.0.1:8000/v1"
     )
-    argv = [
-        "python3",
-        os.path.join(root, "launcher.py"),
+    return [
         "--mode",
         c.aievobox_mode,
         "--db-path",
@@ -147,7 +147,6 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
         "--env-http-timeout-s",
         "600",
     ]
-    return LaunchSpec(tuple(argv), root, env, log_path)
 
 
 class Launcher:

@@ -140,7 +140,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = sub.add_parser(
         "demo", help="one-command demo: SQLite, server, simulated launcher, a polling trainer"
     )
-    s.add_argument("--dir", help="work directory (default: a new temporary directory)")
+    s.add_argument(
+        "--workdir",
+        "--dir",
+        dest="workdir",
+        help="work directory, kept afterwards (default: a temporary directory, removed at the end)",
+    )
+    s.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave the server up after the summary, until Ctrl-C (to look at the status page)",
+    )
     s.add_argument("--groups", type=int, default=24, help="prompt groups the simulator runs")
     s.add_argument("--k", type=int, default=4, help="sessions per group")
     s.add_argument("--port", type=int, default=0, help="port (default: a free one)")

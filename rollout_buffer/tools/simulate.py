@@ -6,33 +6,44 @@ service starts it in place of the real launcher when no ``AIEVOBOX_ROOT`` is con
 accepts the original launcher's command line: the flags that matter here are read, every other
 one (``--mode``, ``--llm-base-url``, ``--no-rebuild-table``, ...) is accepted and ignored.
 
-What it writes (SPEC §1-§2), INSERT only, never UPDATE or DELETE:
+What it writes (SPEC §2, what the real launcher writes step by step), INSERT only:
 
 * ``--groups`` prompt groups of ``--rl-group-size`` (K) sessions each. ``group_id`` is
-  ``uuid5(NAMESPACE_OID, f"{env_name}:{task_idx}")`` with ``task_idx = g + (rl_epoch - 1) * groups``:
-  unique within a job, the same across jobs of one epoch, as the launcher derives it.
+  ``uuid5(NAMESPACE_OID, f"{env_name}:{task_idx}")`` with ``task_idx = g + (rl_epoch - 1) *
+  groups``: unique within a job, the same across jobs of one epoch, as the launcher derives it.
 * One ``job_environments`` row per scheduled session (``env_id`` = ``session_id``, a uuid4),
-  all written at start.
-* A pool of ``--pool-size`` running sessions takes sessions in group order; each row goes to a
+  all written at start; ``finished`` is never set.
+* A pool of ``--pool-size`` running sessions takes sessions in group order; each step goes to a
   randomly chosen running session, so rows of different sessions and groups interleave.
-* One ``session_steps`` row per step, each its own (autocommitted) transaction: ``messages`` is
-  the prompt history without this step's answer ([system, user(task)], then alternating
-  assistant/user turns), ``response`` this step's answer, ``reward`` the running sum of
-  ``step_reward`` (0 or a small shaping reward, and the session's terminal reward on its last
-  row), ``env_state`` ``{"weight_version": rows_written // 50}``.
-* A session that completes writes ``is_terminal = is_session_completed = 1`` on its last row
-  only. ``--truncate-rate`` of the sessions run to the ``--max-steps`` cap and end truncated
-  (``is_truncated = 1`` on that last row); ``--fail-rate`` of them crash after 0..n-1 rows and
-  never write a completed row (they are not retried, as with the real launcher).
-* ``created_at`` is tz-aware: ISO text ``2026-12-02 13:35:10.889937+00:00`` on SQLite, a
-  ``datetime`` with UTC tzinfo on Postgres (TIMESTAMPTZ).
+* One ``session_steps`` row per step. ``messages`` is the prompt the model saw: the whole
+  history with ``--message-cut`` N <= 0 (the default, as the original's), else the system message
+  and the last 2N-1 messages. ``response`` is this step's answer; ``reward`` the running sum of
+  ``step_reward``.
+* With N <= 0 only a session's terminal row is trainable (a complete session gives the trainer
+  ONE item); with N > 0 every row is.
+* How sessions end: most are ended by their environment (a terminal, completed row with the
+  session's reward); ``--truncate-rate`` of them get an answer cut by the length limit (that row
+  is terminal and truncated, reward 0); ``--cap-rate`` reach ``--max-steps`` without their
+  environment ending them and write no terminal row; ``--fail-rate`` fail for good after 0..n-1
+  rows and write no terminal row. Under N <= 0 the last two kinds leave no trainable row at all.
+* ``env_state`` is ``{"weight_version": v}`` with v advancing every
+  ``--weight-version-interval`` seconds (the simulator plays the LLM proxy's part), or NULL when
+  that is 0 (the default: a proxy that reports no version).
+* Rows are flushed in batches, as the real launcher does: ``--flush-rows`` rows (100) or every
+  ``--flush-interval`` seconds (5), in one transaction each; ``created_at`` is the flush time,
+  tz-aware (ISO text ``2026-12-02 13:35:10.889937+00:00`` on SQLite, TIMESTAMPTZ on Postgres).
+
+Not modelled: the environments themselves (text is random words), model calls (none are made),
+token ids and log-probs, the ``cloud`` storage gateway, Ray and the http environment transport,
+retries of a failed model call, and a launcher crash mid-batch (a stop flushes what it holds).
 
 The launcher's tables are created if missing (the real launcher runs with ``--no-rebuild-table``,
 but a default setup starts from an empty database); a concurrent creator is tolerated.
 
 Output: progress lines on stdout unless ``--quiet``, then always a last line
 ``SIMULATE {json}`` (groups, k, sessions, rows, completed_sessions, failed_sessions,
-truncated_sessions, complete_groups = groups whose K sessions all completed, interrupted, ...).
+truncated_sessions, capped_sessions, trainable_rows, complete_groups = groups whose K sessions all
+completed, interrupted, ...).
 
 Exit status: 0 when every session ran; 143 after SIGTERM (130 after SIGINT): the simulator
 finishes the row it is writing (never a half-written session row), stops at once (a ``--pace``
@@ -104,8 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--max-steps",
         type=_pos_int,
-        default=6,
-        help="step cap: sessions have 1..max-steps steps (random per session)",
+        default=10,
+        help="step cap: a session reaching it without its environment ending it writes no "
+        "terminal row",
+    )
+    g.add_argument(
+        "--message-cut",
+        type=int,
+        default=0,
+        help="<= 0: messages hold the whole history and only terminal rows are trainable; "
+        "N > 0: the system message and the last 2N-1 messages, every row trainable",
     )
     g.add_argument("--pool-size", type=_pos_int, default=16, help="concurrently running sessions")
     g.add_argument(
@@ -120,7 +139,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--fail-rate",
         type=_rate,
         default=0.05,
-        help="fraction of sessions that crash after 0..n-1 rows, never completing",
+        help="fraction of sessions that fail for good after 0..n-1 rows (no terminal row)",
+    )
+    s.add_argument(
+        "--cap-rate",
+        type=_rate,
+        default=0.05,
+        help="fraction of sessions that reach --max-steps without their environment ending them "
+        "(no terminal row)",
+    )
+    s.add_argument(
+        "--truncate-rate",
+        type=_rate,
+        default=0.05,
+        help="fraction of sessions whose answer is cut by the length limit (terminal, truncated, "
+        "reward 0)",
     )
     s.add_argument(
         "--flat-rate",
@@ -129,10 +162,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="fraction of groups whose sessions all end with the same reward (zero variance)",
     )
     s.add_argument(
-        "--truncate-rate",
-        type=_rate,
-        default=0.1,
-        help="fraction of sessions that hit the step cap and end truncated",
+        "--weight-version-interval",
+        type=_nonneg_float,
+        default=0.0,
+        help="seconds between weight versions, as a trainer's steps would move them "
+        "(0 = no version: env_state is NULL)",
+    )
+    s.add_argument(
+        "--flush-rows", type=_pos_int, default=100, help="rows per flush (one transaction)"
+    )
+    s.add_argument(
+        "--flush-interval",
+        type=_nonneg_float,
+        default=5.0,
+        help="seconds after which held rows are flushed even when fewer than --flush-rows",
     )
     s.add_argument(
         "--pace",
@@ -157,8 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--from-export",
         metavar="FILE",
         default=None,
-        help="write the records of a `rollout-buffer export` file (JSONL, .gz or plain) back as this "
-        "job's rows, at --pace, instead of simulating (see rollout_buffer.tools.from_export)",
+        help="write the records of a `rollout-buffer export` file (JSONL, .gz or plain) back as "
+        "this job's rows, at --pace, instead of simulating (see rollout_buffer.tools.from_export)",
     )
     return p
 
@@ -186,6 +229,14 @@ def normalise_url(db_path: str, storage_type: str | None) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    if args.fail_rate + args.cap_rate + args.truncate_rate > 1.0:
+        print(
+            "simulate: --fail-rate + --cap-rate + --truncate-rate must be at most 1, got "
+            f"{args.fail_rate + args.cap_rate + args.truncate_rate:g}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 2
     try:
         url = normalise_url(args.db_path, args.storage_type)
     except SystemExit as exc:

@@ -1,8 +1,9 @@
 """The simulated launcher's engine: plans the groups and sessions of a job and writes their rows
 the way the real launcher does (see simulate.py for the command line and what is written).
 
-It only INSERTs into the launcher's tables, retrying a write that fails on a locked or lost
-database, and stops cleanly on SIGTERM/SIGINT between two rows.
+It only INSERTs into the launcher's tables, in batches as the real launcher flushes them,
+retrying a write that fails on a locked or lost database, and stops cleanly on SIGTERM/SIGINT
+between two rows (flushing what it holds first).
 
 Owns: planning a job's groups and sessions, pacing and retrying writes, and the run's summary. It
 must not UPDATE or DELETE a row, nor read the buffer's tables.
@@ -23,9 +24,18 @@ from typing import Any
 from rollout_buffer.core.errors import IntegrityError, StorageError
 from rollout_buffer.storage import db as dbmod
 from rollout_buffer.storage.queries import INSERT_ENV, INSERT_STEP, LAUNCHER_DDL
-from rollout_buffer.tools.workload import LLM_MODEL, SYSTEM_PROMPTS, Group, Session, Text
+from rollout_buffer.tools.workload import (
+    CAPPED,
+    DONE,
+    FAILED,
+    LENGTH,
+    LLM_MODEL,
+    SYSTEM_PROMPTS,
+    Group,
+    Session,
+    Text,
+)
 
-WEIGHT_VERSION_EVERY = 50  # weight_version = rows written // this
 WRITE_ATTEMPTS = 6  # tries per write on StorageError (database locked, connection lost)
 SLEEP_SLICE_S = 0.05  # granularity of the --pace sleep, so SIGTERM is seen promptly
 
@@ -43,10 +53,16 @@ class Simulator:
         self.db: dbmod.Database | None = None
         self.stop_signal: int | None = None
         self.rows = 0
+        self.trainable_rows = 0
         self.completed_sessions = 0
         self.failed_sessions = 0
         self.truncated_sessions = 0
+        self.capped_sessions = 0
         self.sessions_started = 0
+        self.batch: list[tuple[Any, ...]] = []  # rows written but not flushed yet
+        self.flushes = 0
+        self.last_flush = time.monotonic()
+        self.max_weight_version: int | None = None
         self.groups: list[Group] = []
         self.t0 = time.monotonic()
         self.last_progress = self.t0
@@ -152,17 +168,26 @@ class Simulator:
             for k in range(a.rl_group_size):
                 s = Session(gr, str(uuid.uuid4()))
                 s.terminal_reward = reward_list[k % len(reward_list)]
-                natural = rng.randint(1, a.max_steps)
-                if rng.random() < a.fail_rate:
-                    s.completes = False
-                    s.rows_planned = rng.randint(0, natural - 1)
-                elif rng.random() < a.truncate_rate:
-                    s.truncated = True
-                    s.rows_planned = a.max_steps
-                else:
-                    s.rows_planned = natural
+                self.plan_ending(s)
                 gr.sessions.append(s)
             self.groups.append(gr)
+
+    def plan_ending(self, s: Session) -> None:
+        """How the session ends and after how many rows (SPEC §2)."""
+        a, rng = self.args, self.rng
+        draw = rng.random()
+        if draw < a.fail_rate:
+            s.ending = FAILED  # aborted after 0..max_steps-1 rows
+            s.rows_planned = rng.randint(0, a.max_steps - 1)
+        elif draw < a.fail_rate + a.cap_rate:
+            s.ending = CAPPED  # every step runs, the environment never ends it
+            s.rows_planned = a.max_steps
+        elif draw < a.fail_rate + a.cap_rate + a.truncate_rate:
+            s.ending = LENGTH  # an answer cut by the length limit ends it at any step
+            s.rows_planned = rng.randint(1, a.max_steps)
+        else:
+            s.ending = DONE
+            s.rows_planned = rng.randint(1, a.max_steps)
 
     def write_environments(self) -> None:
         a = self.args
@@ -212,59 +237,100 @@ class Simulator:
         if s.completes:
             self.completed_sessions += 1
             s.group.completed += 1
-            if s.truncated:
+            if s.ending == LENGTH:
                 self.truncated_sessions += 1
+        elif s.ending == CAPPED:
+            self.capped_sessions += 1
         else:
             self.failed_sessions += 1
         s.history = []
 
+    def weight_version(self) -> int | None:
+        """The version the LLM proxy would stamp on an answer now: it advances every
+        ``--weight-version-interval`` seconds, as a trainer's would; None when that is 0 (a proxy
+        that reports no version: env_state is NULL)."""
+        every = self.args.weight_version_interval
+        if every <= 0:
+            return None
+        return int((time.monotonic() - self.t0) / every)
+
+    def prompt(self, s: Session) -> list[dict[str, str]]:
+        """The prompt the model saw: the whole history, or with ``--message-cut N`` > 0 the system
+        message and the last 2N-1 messages."""
+        cut = self.args.message_cut
+        if cut <= 0:
+            return list(s.history)
+        return [s.history[0], *s.history[1:][-(2 * cut - 1) :]]
+
     def write_step(self, s: Session) -> None:
         a, rng, gr = self.args, self.rng, s.group
         s.step += 1
-        last = s.step == s.rows_planned and s.completes
+        last = s.step == s.rows_planned
+        terminal = last and s.completes
+        truncated = terminal and s.ending == LENGTH
         response = (
             f"Thought: step {s.step}. "
             + self.text.words(rng.uniform(40, 160))
-            + f"\nAction: act_{s.step}"
+            + ("" if truncated else f"\nAction: act_{s.step}")
         )
-        if last:
-            step_reward = s.terminal_reward
+        if terminal:
+            step_reward = 0.0 if truncated else s.terminal_reward
         else:
             step_reward = 0.0 if rng.random() < 0.85 else round(rng.uniform(0.0, 0.05), 4)
         cum = s.cum_reward + step_reward
-        env_state = json.dumps({"weight_version": self.rows // WEIGHT_VERSION_EVERY})
-        messages = json.dumps(s.history, ensure_ascii=False)
-        flag = 1 if last else 0
-
-        def insert(db: dbmod.Database) -> None:
-            # a fresh timestamp per attempt: (session_id, step_id, created_at) is unique
-            row = (
+        version = self.weight_version()
+        if version is not None:
+            self.max_weight_version = version
+        trainable = terminal or a.message_cut > 0
+        flag = 1 if terminal else 0
+        self.batch.append(
+            (
                 s.session_id,
                 s.step,
                 gr.env_name,
                 LLM_MODEL,
                 gr.group_id,
                 a.job_id,
-                messages,
+                json.dumps(self.prompt(s), ensure_ascii=False),
                 response,
                 step_reward,
                 cum,
-                env_state,
+                None if version is None else json.dumps({"weight_version": version}),
                 flag,
-                1 if (last and s.truncated) else 0,
+                1 if truncated else 0,
                 flag,
-                1,
-                self.now(),
+                1 if trainable else 0,
             )
-            db.execute(INSERT_STEP, row)
-
-        self.write(insert, f"inserting step {s.step} of session {s.session_id}")
+        )
         s.cum_reward = cum
         self.rows += 1
+        self.trainable_rows += 1 if trainable else 0
         s.history.append({"role": "assistant", "content": response})
         s.history.append(
             {"role": "user", "content": "Observation: " + self.text.words(rng.uniform(40, 200))}
         )
+        if (
+            len(self.batch) >= a.flush_rows
+            or time.monotonic() - self.last_flush >= a.flush_interval
+        ):
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the rows held so far in one transaction, stamped with the flush time (the real
+        launcher flushes up to 100 rows, or every 5 s)."""
+        self.last_flush = time.monotonic()
+        if not self.batch:
+            return
+        batch, self.batch = self.batch, []
+
+        def insert(db: dbmod.Database) -> None:
+            # a fresh timestamp per attempt: (session_id, step_id, created_at) is unique
+            created = self.now()
+            with db.transaction():
+                db.executemany(INSERT_STEP, [(*row, created) for row in batch])
+
+        self.write(insert, f"flushing {len(batch)} rows")
+        self.flushes += 1
 
     def progress(self, force: bool = False) -> None:
         if self.args.quiet:
@@ -278,11 +344,12 @@ class Simulator:
     def progress_line(self, rate: float) -> str:
         """The text of a progress line (``rate`` in rows/s)."""
         total = len(self.groups) * self.args.rl_group_size
-        done = self.completed_sessions + self.failed_sessions
+        done = self.completed_sessions + self.capped_sessions + self.failed_sessions
         return (
             f"simulate: job {self.args.job_id}: {self.rows} rows, sessions {done}/{total} done "
-            f"({self.completed_sessions} completed, {self.failed_sessions} failed), "
-            f"{rate:.0f} rows/s, weight_version {self.rows // WEIGHT_VERSION_EVERY}"
+            f"({self.completed_sessions} completed, {self.capped_sessions} at the step cap, "
+            f"{self.failed_sessions} failed), {rate:.0f} rows/s, "
+            f"weight_version {self.max_weight_version}"
         )
 
     def run(self) -> None:
@@ -294,8 +361,9 @@ class Simulator:
         self.write_environments()
         if not a.quiet:
             print(
-                f"simulate: job {a.job_id}: {a.groups} groups x K={a.rl_group_size}, max {a.max_steps} "
-                f"steps, pool {a.pool_size}, pace {a.pace}s -> {self.connect().safe_url}",
+                f"simulate: job {a.job_id}: {a.groups} groups x K={a.rl_group_size}, max "
+                f"{a.max_steps} steps, message-cut {a.message_cut}, pool {a.pool_size}, pace "
+                f"{a.pace}s -> {self.connect().safe_url}",
                 flush=True,
             )
         queue = deque(s for gr in self.groups for s in gr.sessions)
@@ -305,27 +373,31 @@ class Simulator:
             while queue and len(active) < a.pool_size:
                 s = queue.popleft()
                 self.start(s)
-                if s.rows_planned == 0:  # crashed before its first step
+                if s.rows_planned == 0:  # failed before its first step
                     self.finish(s)
                 else:
                     active.append(s)
 
         fill()
         first = True
-        while active:
-            self.check_stop()
-            if a.pace > 0 and not first:
-                self.pause(a.pace)
-            first = False
-            j = rng.randrange(len(active))
-            s = active[j]
-            self.write_step(s)
-            if s.step >= s.rows_planned:
-                active[j] = active[-1]
-                active.pop()
-                self.finish(s)
-                fill()
-            self.progress()
+        try:
+            while active:
+                self.check_stop()
+                if a.pace > 0 and not first:
+                    self.pause(a.pace)
+                first = False
+                j = rng.randrange(len(active))
+                s = active[j]
+                self.write_step(s)
+                if s.step >= s.rows_planned:
+                    active[j] = active[-1]
+                    active.pop()
+                    self.finish(s)
+                    fill()
+                self.progress()
+        finally:
+            # a stop between two rows still writes what was held: never a row lost in memory
+            self.flush()
 
     def summary(self, interrupted: bool) -> dict[str, Any]:
         a = self.args
@@ -340,8 +412,13 @@ class Simulator:
             "completed_sessions": self.completed_sessions,
             "failed_sessions": self.failed_sessions,
             "truncated_sessions": self.truncated_sessions,
+            "capped_sessions": self.capped_sessions,
+            "trainable_rows": self.trainable_rows,
+            "flushes": self.flushes,
+            "message_cut": a.message_cut,
+            "max_steps": a.max_steps,
             "complete_groups": sum(1 for gr in self.groups if gr.completed == a.rl_group_size),
-            "max_weight_version": max(self.rows - 1, 0) // WEIGHT_VERSION_EVERY,
+            "max_weight_version": self.max_weight_version,
             "rl_epoch": a.rl_epoch,
             "seed": a.seed,
             "interrupted": interrupted,
