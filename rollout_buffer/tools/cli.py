@@ -147,6 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="work directory, kept afterwards (default: a temporary directory, removed at the end)",
     )
     s.add_argument(
+        "--seed", type=int, default=None, help="the simulator's seed (the same shape every run)"
+    )
+    s.add_argument(
         "--keep",
         action="store_true",
         help="leave the server up after the summary, until Ctrl-C (to look at the status page)",

@@ -55,13 +55,21 @@ POLICY_REASONS = ("stale", "zero_variance", "oversampled")
 
 
 def server_env(
-    db_url: str, run_dir: str, *, groups: int, pace: float, policies: bool = False
+    db_url: str,
+    run_dir: str,
+    *,
+    groups: int,
+    pace: float,
+    policies: bool = False,
+    seed: int | None = None,
 ) -> dict[str, str]:
     """The server's environment: ours without any rollout-buffer setting, plus the demo's."""
     # the original's launcher defaults (message-cut 0, max-steps 10) come with the argv
     sim = f"--groups {groups} --pace {pace} --flush-interval 0.5" + (
         " --flat-rate 0.2 --weight-version-interval 0.2" if policies else ""
     )
+    if seed is not None:
+        sim += f" --seed {seed}"
     return clean_env(
         {
             "AIEVOBOX_DB_URL": db_url,
@@ -237,7 +245,14 @@ def _run(
         )
     server = ServerProcess(
         port,
-        server_env(db_url, logs, groups=groups, pace=pace, policies=policies),
+        server_env(
+            db_url,
+            logs,
+            groups=groups,
+            pace=pace,
+            policies=policies,
+            seed=getattr(args, "seed", None),
+        ),
         server_log,
         cwd=workdir,
     )
