@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from rollout_buffer.core.accounting import Counts
+from rollout_buffer.core.census import SESSION_WITHOUT_RESULT, Census, StepFact
 from rollout_buffer.core.group import Group, Undecided
 from rollout_buffer.core.model import (
     DROPPED,
@@ -59,6 +60,7 @@ class Accumulator:
         *,
         clock: Callable[[], float] = time.monotonic,
         policy: Policy | None = None,
+        max_steps: int | None = None,
     ) -> None:
         self.job_id = job_id
         self.k = k
@@ -88,6 +90,8 @@ class Accumulator:
             Undecided()
         )  # every undecided group: the oldest and the low-water mark in O(log n)
         self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
+        # every session of the job, those without a trainable row too (max_steps: the launcher's)
+        self.census = Census(max_steps)
 
     # -- versions ---------------------------------------------------------------------------------
     @property
@@ -109,6 +113,7 @@ class Accumulator:
     def ingest(self, rows: Iterable[Row]) -> Decisions:
         """Add new rows (distinct step_pks, each seen once)."""
         out = Decisions()
+        rows = rows if isinstance(rows, list) else list(rows)
         with self.lock:
             self.changes += 1
             now = self.clock()
@@ -193,7 +198,43 @@ class Accumulator:
                         self._choose(
                             g, out
                         )  # ready short of K at the TTL, it reached K while it waited
+            facts = (StepFact(r[1], r[2], r[4] if len(r) > 4 else None, bool(r[3])) for r in rows)
+            self._doom(self.census.observe(facts, trainable=True), out)
         return out
+
+    # -- the census -----------------------------------------------------------------------------
+    def observe(self, scheduled: list[tuple[str, str]], facts: list[StepFact]) -> Decisions:
+        """The launcher's list of sessions (``job_environments``: session, group) and its rows
+        that are not trainable: a group one of whose sessions ended without a result (at the step
+        cap) can never reach K, and is dropped now instead of after the TTL."""
+        out = Decisions()
+        with self.lock:
+            self.census.schedule(scheduled)
+            doomed = self.census.observe(facts, trainable=False)
+            if doomed:
+                self.changes += 1
+                self._doom(doomed, out)
+        return out
+
+    def _doom(self, group_ids: set[str], out: Decisions) -> None:
+        """(Lock held.) Drop the groups that can no longer reach K (never a ready or taken one)."""
+        for gid in sorted(group_ids):
+            if gid in self.decided or not self.census.cannot_complete(gid, self.k):
+                continue
+            g = self._undecided(gid)
+            if g is None:
+                self._tombstone(gid, SESSION_WITHOUT_RESULT, out)
+            elif g.taken is None and gid in self.pending:
+                self._drop(g, SESSION_WITHOUT_RESULT, out)
+
+    def _tombstone(self, gid: str, reason: str, out: Decisions) -> None:
+        """(Lock held.) Drop a group that no trainable row has shown yet: its later rows are late
+        rows, and every session the census knows for it is cleared."""
+        sessions = sorted(self.census.sessions_of(gid))
+        self.changes += 1
+        self.decided[gid] = DROPPED
+        self.counts.group_dropped(reason, 0, len(sessions), ())
+        out.drops.append(Drop(gid, reason, [], sessions, ()))
 
     def _became_ready(self, g: Group, out: Decisions) -> None:
         """(Lock held.) A group has K completed sessions, or is served short at the TTL: choose its
@@ -249,8 +290,10 @@ class Accumulator:
         it."""
         gid = g.group_id
         assert g.taken is None, gid
+        # every session of the group, those without a trainable row too (the census knows them)
+        sessions = sorted(set(g.session_ids()) | self.census.sessions_of(gid))
         drop = Drop(
-            gid, reason, g.all_pks(), g.session_ids(), g.rewards()
+            gid, reason, g.all_pks(), sessions, g.rewards()
         )  # first: nothing is mutated if this fails
         self.changes += 1
         self.pending.pop(gid, None)
@@ -299,6 +342,10 @@ class Accumulator:
             if include_ready:
                 for g in list(self.ready.values()):
                     self._drop(g, reason, out)
+            # groups whose sessions all ended before any trainable row: only the census knew them
+            for gid in list(self.census.group_sessions):
+                if gid not in self.decided and self._undecided(gid) is None:
+                    self._tombstone(gid, reason, out)
         return out
 
     def _give_up(self, g: Group, reason: str, out: Decisions) -> None:
@@ -536,6 +583,7 @@ class Accumulator:
                     **counts["groups"],
                 },
                 "oldest_pending_group_age_s": None if oldest is None else round(now - oldest, 3),
+                "sessions": self.census.stats(),
                 "figures": counts["figures"],
                 "versions": {
                     "current": self.current_version,

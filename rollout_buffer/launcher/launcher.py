@@ -98,6 +98,26 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
     return LaunchSpec(tuple(argv), root, env, log_path)
 
 
+def step_cap(config: Config) -> int | None:
+    """The launcher's ``--max-steps`` (the last one of its argv): a session that reaches it without
+    a terminal row has ended without a result. None when the launcher gets no such flag (none, or
+    a command without it), so that no session is ever taken for capped by a guess."""
+    if config.launcher_kind == "none":
+        return None
+    try:
+        argv = launch_spec(config, "job", 1).argv
+    except Exception:  # a launcher that cannot be built has no cap to learn (start says why)
+        return None
+    value = None
+    for flag, following in zip(argv, argv[1:]):
+        if flag == "--max-steps":
+            value = following
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
 def _env_args(c: Config) -> list[str]:
     """The launcher's environment flags: --env-config wins over --env-root; none when unset."""
     if c.env_config:

@@ -19,8 +19,10 @@ from rollout_buffer.core.errors import StorageError
 from rollout_buffer.core.model import JOB_ENDED, RESTART_TRAINING, Decisions, Drop
 from rollout_buffer.core.redact import redact
 from rollout_buffer.core.redeliveries import Redeliveries
+from rollout_buffer.launcher.launcher import step_cap
 from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.storage import queries as q
+from rollout_buffer.storage.census import CensusReader
 from rollout_buffer.storage.db import Database
 from rollout_buffer.storage.reader import MIN_ID, Accounted, Reader, first_read_after
 from rollout_buffer.storage.store import Store
@@ -56,6 +58,7 @@ class JobState:
         )
         self.saved_marker: tuple | None = None
         self.redeliveries = Redeliveries()  # served groups to deliver again, ahead of ready ones
+        self.census = CensusReader(job_id)  # every session, those without a trainable row too
 
     def ready_count(self) -> int:
         """Groups a poll could be given now: queued redeliveries and ready groups."""
@@ -130,7 +133,13 @@ class Jobs:
     ) -> JobState:
         """Build a JobState from the durable records of a job (fresh or resumed)."""
         totals = store.load_totals(job_id)
-        acc = Accumulator(job_id, k, clock=self.clock, policy=self.config.policy)
+        acc = Accumulator(
+            job_id,
+            k,
+            clock=self.clock,
+            policy=self.config.policy,
+            max_steps=step_cap(self.config),
+        )
         acc.decided.update(totals.decided)  # before the accumulator is shared: no lock needed
         acc.counts.load(totals)
         row = store.get_job(job_id)

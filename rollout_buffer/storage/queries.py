@@ -552,3 +552,18 @@ def fetch_export_rows(n: int, backend: str) -> str:
     """Export: fetch_bodies' columns (items are built from them) plus EXPORT_EXTRA_COLUMNS."""
     head, sep, tail = fetch_bodies(n, backend).partition(" FROM session_steps ")
     return f"{head}, {', '.join(EXPORT_EXTRA_COLUMNS)}{sep}{tail}"
+
+
+# -- the census (issue 22): every session, those without a trainable row too -------------------
+# The sessions the launcher scheduled for a job, after an id (job_environments; env_id = session).
+CENSUS_SCHEDULED = (
+    "SELECT id, env_id, group_id FROM job_environments "
+    "WHERE job_id = ? AND is_deleted = 0 AND id > ? ORDER BY id LIMIT ?"
+)
+# Whether job_environments exists (a writer that is not the launcher may not have it).
+HAS_SCHEDULE = "SELECT 1 FROM job_environments WHERE 1 = 0"
+# The metadata of a job's rows that are not trainable, after an id (never their messages).
+CENSUS_STEPS = (
+    "SELECT id, session_id, group_id, step_id, is_terminal FROM session_steps "
+    "WHERE job_id = ? AND is_trainable = 0 AND id > ? ORDER BY id LIMIT ?"
+)
