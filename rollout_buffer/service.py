@@ -43,6 +43,7 @@ from rollout_buffer.runtime.jobs import Jobs
 from rollout_buffer.runtime.lease import Lease
 from rollout_buffer.runtime.loop import Health, Loop
 from rollout_buffer.runtime.notifications import Outbox
+from rollout_buffer.runtime.pacing import Pacing
 from rollout_buffer.runtime.proxy import ProxyNotifier
 from rollout_buffer.serving.poll import Serving
 from rollout_buffer.serving.redelivery import redeliver
@@ -113,6 +114,7 @@ class Service:
             connection=self.connection,
         )
         self.serving.guard = lambda: self.lease.check(2.0)
+        self.pacing = Pacing(config, self.jobs)  # the admission budget, and the gate when on
         self._started = False
         self._closed = False
 
@@ -131,6 +133,7 @@ class Service:
         self.lease.start()
         self.loop.start()
         self.serving.prebuilt.start()
+        self.pacing.start()
         logger.info("rollout-buffer service started (db %s)", redact(self.config.db_url))
 
     def stop(self, timeout: float = 10.0, *, keep_launcher: bool = False) -> None:
@@ -143,6 +146,7 @@ class Service:
         self.lease.leaving()  # a standby that stops takes nothing over, and is no longer one
         self.loop.ready_signal.interrupt(close=True)
         self.serving.prebuilt.stop()
+        self.pacing.close()
         self.loop.stop(timeout)
         js = self.jobs.current
         if self.supervisor.state()["running"]:
@@ -182,7 +186,13 @@ class Service:
     def get_rollout_data(self, conns: LazyPair, poll: PollRequest) -> Body:
         """Serve ready groups (or replay the batch bound to request_id), long-polling up to
         wait_s."""
-        return self.serving.get_rollout_data(conns, poll)
+        body = self.serving.get_rollout_data(conns, poll)
+        self.pacing.took(body.groups)
+        return body
+
+    def admission(self) -> dict[str, Any]:
+        """``GET /admission``: how many more groups may start now, and why."""
+        return self.pacing.report()
 
     def start_rollout(
         self,

@@ -199,7 +199,7 @@ class Accumulator:
                             g, out
                         )  # ready short of K at the TTL, it reached K while it waited
             facts = (StepFact(r[1], r[2], r[4] if len(r) > 4 else None, bool(r[3])) for r in rows)
-            self._doom(self.census.observe(facts, trainable=True), out)
+            self._doom(self.census.observe(facts, trainable=True, now=now), out)
         return out
 
     # -- the census -----------------------------------------------------------------------------
@@ -210,7 +210,7 @@ class Accumulator:
         out = Decisions()
         with self.lock:
             self.census.schedule(scheduled)
-            doomed = self.census.observe(facts, trainable=False)
+            doomed = self.census.observe(facts, trainable=False, now=self.clock())
             if doomed:
                 self.changes += 1
                 self._doom(doomed, out)
@@ -227,6 +227,25 @@ class Accumulator:
             elif g.taken is None and gid in self.pending:
                 self._drop(g, SESSION_WITHOUT_RESULT, out)
 
+    def progress(self, admitted: set[str]) -> dict[str, int]:
+        """The groups in progress, for the admission budget: running (started, or admitted by
+        the gate, with no trainable row yet), pending, ready, and built (taken by a poll or the
+        prebuilt draft)."""
+        with self.lock:
+            undecided = self.pending.keys() | self.ready.keys() | self.taken.keys()
+            running = (self.census.started | admitted) - undecided - self.decided.keys()
+            return {
+                "running": len(running),
+                "pending": len(self.pending),
+                "ready": len(self.ready),
+                "built": len(self.taken),
+            }
+
+    def first_call(self, session_id: str) -> str | None:
+        """A session's first model call through the pacing gate; its group, when known."""
+        with self.lock:
+            return self.census.first_call(session_id, self.clock())
+
     def _tombstone(self, gid: str, reason: str, out: Decisions) -> None:
         """(Lock held.) Drop a group that no trainable row has shown yet: its later rows are late
         rows, and every session the census knows for it is cleared."""
@@ -234,6 +253,7 @@ class Accumulator:
         self.changes += 1
         self.decided[gid] = DROPPED
         self.counts.group_dropped(reason, 0, len(sessions), ())
+        self.census.settle(gid, reason)
         out.drops.append(Drop(gid, reason, [], sessions, ()))
 
     def _became_ready(self, g: Group, out: Decisions) -> None:
@@ -301,6 +321,7 @@ class Accumulator:
         self.decided[gid] = DROPPED
         self.counts.pending_rows -= g.n_rows
         self.counts.group_dropped(reason, g.n_rows, len(g.sessions), drop.rewards)
+        self.census.settle(gid, reason)
         self._forget(g)
         out.drops.append(drop)
 
@@ -446,6 +467,7 @@ class Accumulator:
                 settled.add(s.group_id)
                 self._settle(g, out, self._late_served)
                 self.decided[s.group_id] = SERVED
+                self.census.settle(s.group_id, SERVED)
                 self.counts.group_served(
                     len(s.take.served_pks),
                     len(s.take.incomplete_pks),
@@ -459,6 +481,7 @@ class Accumulator:
                 settled.add(d.group_id)
                 self._settle(g, out, LATE_DROPPED)
                 self.decided[d.group_id] = DROPPED
+                self.census.settle(d.group_id, d.reason)
                 self.counts.group_dropped(d.reason, len(d.pks), len(d.clear_sessions), d.rewards)
             for r in plan.rows:
                 if r.outcome == REJECTED and r.group_id in settled:
@@ -584,6 +607,7 @@ class Accumulator:
                 },
                 "oldest_pending_group_age_s": None if oldest is None else round(now - oldest, 3),
                 "sessions": self.census.stats(),
+                "waste": self.census.waste(),
                 "figures": counts["figures"],
                 "versions": {
                     "current": self.current_version,

@@ -8,15 +8,21 @@ group in ``job_environments`` when it starts, and writes every step, trainable o
 learns the sessions from both (never reading a message) and says which groups can no longer
 reach K.
 
-Owns: the job's sessions by group, the sessions seen with a trainable row, and the sessions that
-ended without a result. It must not do I/O nor decide: the accumulator drops the groups it names,
-under the accumulator's lock (the census has no lock of its own).
+It also measures what generating each group cost (issue 23): a session's generation seconds run
+from its first sign (its first model call through the pacing gate when pacing is on, else its
+first row of any kind) to its last row, on the buffer's monotonic clock; when the group is decided
+its sessions' seconds and rows go to ``served`` or to ``discarded`` under the decision's reason.
+
+Owns: the job's sessions by group, the sessions seen with a trainable row, the sessions that ended
+without a result, and the generation figures. It must not do I/O nor decide: the accumulator
+drops the groups it names, under the accumulator's lock (the census has no lock of its own).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 # A group one of whose sessions ended without a result, so that it can never reach K.
@@ -32,11 +38,40 @@ class StepFact(NamedTuple):
     terminal: bool
 
 
+@dataclass
+class Generated:
+    """What generating some groups cost: groups, sessions, rows and generation seconds."""
+
+    groups: int = 0
+    sessions: int = 0
+    rows: int = 0
+    generation_s: float = 0.0
+
+    def add(self, sessions: int, rows: int, seconds: float) -> None:
+        self.groups += 1
+        self.sessions += sessions
+        self.rows += rows
+        self.generation_s += seconds
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "groups": self.groups,
+            "sessions": self.sessions,
+            "rows": self.rows,
+            "generation_s": round(self.generation_s, 3),
+        }
+
+
 class Census:
     """The sessions of one job and how they ended (see the module docstring)."""
 
     def __init__(self, max_steps: int | None) -> None:
         self.max_steps = max_steps
+        self.started: set[str] = set()  # groups with a sign of life (a row, or a gate call)
+        # session -> [first sign, last row, rows] on the monotonic clock, until its group is decided
+        self.timing: dict[str, list[float]] = {}
+        self.served = Generated()
+        self.discarded: defaultdict[str, Generated] = defaultdict(Generated)
         self.group_sessions: defaultdict[str, set[str]] = defaultdict(set)
         self.session_group: dict[str, str] = {}
         self.scheduled: set[str] = set()  # listed in job_environments
@@ -50,7 +85,7 @@ class Census:
                 self.scheduled.add(session_id)
                 self._know(session_id, group_id)
 
-    def observe(self, facts: Iterable[StepFact], *, trainable: bool) -> set[str]:
+    def observe(self, facts: Iterable[StepFact], *, trainable: bool, now: float) -> set[str]:
         """Rows of the job (trainable or not); the groups that just got a session without a
         result."""
         doomed: set[str] = set()
@@ -58,12 +93,63 @@ class Census:
             if not (_text(fact.session_id) and _text(fact.group_id)):
                 continue  # the accumulator rejects such rows; the census cannot place them
             self._know(fact.session_id, fact.group_id)
+            self.started.add(fact.group_id)
+            timing = self.timing.get(fact.session_id)
+            if timing is None:
+                self.timing[fact.session_id] = [now, now, 1.0]
+            else:
+                timing[1] = now
+                timing[2] += 1
             if trainable:
                 self.trainable.add(fact.session_id)
             if self._capped(fact) and fact.session_id not in self.without_result:
                 self.without_result.add(fact.session_id)
                 doomed.add(fact.group_id)
         return doomed
+
+    def first_call(self, session_id: str, now: float) -> str | None:
+        """A session's first model call through the pacing gate: its first sign. Returns its
+        group (None when job_environments has not listed it)."""
+        group_id = self.session_group.get(session_id)
+        if group_id is not None:
+            self.started.add(group_id)
+        self.timing.setdefault(session_id, [now, now, 0.0])
+        return group_id
+
+    def settle(self, group_id: str, outcome: str) -> None:
+        """The group was decided (``served``, or dropped with reason ``outcome``): its sessions'
+        generation figures go to that outcome and are forgotten."""
+        seconds = 0.0
+        rows = 0
+        sessions = self.group_sessions.get(group_id, set())
+        for session_id in sessions:
+            timing = self.timing.pop(session_id, None)
+            if timing is not None:
+                seconds += timing[1] - timing[0]
+                rows += int(timing[2])
+        self.started.discard(group_id)
+        target = self.served if outcome == "served" else self.discarded[outcome]
+        target.add(len(sessions), rows, seconds)
+
+    def waste(self) -> dict[str, object]:
+        """Served against discarded groups, by reason, with the share discarded."""
+        discarded = Generated()
+        for g in self.discarded.values():
+            discarded.groups += g.groups
+            discarded.sessions += g.sessions
+            discarded.rows += g.rows
+            discarded.generation_s += g.generation_s
+        total_groups = self.served.groups + discarded.groups
+        total_s = self.served.generation_s + discarded.generation_s
+        return {
+            "served": self.served.as_dict(),
+            "discarded": discarded.as_dict(),
+            "discarded_by_reason": {r: g.as_dict() for r, g in sorted(self.discarded.items())},
+            "discarded_share": {
+                "groups": round(discarded.groups / total_groups, 4) if total_groups else 0.0,
+                "generation_s": round(discarded.generation_s / total_s, 4) if total_s else 0.0,
+            },
+        }
 
     def sessions_of(self, group_id: str) -> set[str]:
         """Every session the census knows for the group."""

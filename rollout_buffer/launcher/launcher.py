@@ -57,6 +57,10 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
     # the service's own secrets stay with the service: the launcher needs none of them
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV_DROP}
     env["PYTHONUNBUFFERED"] = "1"
+    if c.pacing == "gate":
+        # the launcher's LLM semaphore would let held first calls keep their slots and deadlock
+        # the running sessions (SPEC §5): no limit, the gate paces by group instead
+        env["AIEVOBOX_LLM_MAX_CONCURRENCY"] = "0"
     log_path = os.path.join(c.run_dir, f"launcher-{job_id}.log")
     kind = c.launcher_kind
     if kind == "command":
@@ -132,6 +136,8 @@ def _launcher_flags(c: Config, job_id: str, k: int, env_args: list[str]) -> list
     proxy = (
         f"http://{c.proxy_host}:{c.proxy_port}/v1" if c.proxy_host else "http://127.0.0.1:8000/v1"
     )
+    if c.pacing == "gate":
+        proxy = c.gate_url  # the gate forwards every call to the proxy (issue 23)
     return [
         "--mode",
         c.aievobox_mode,

@@ -1,0 +1,113 @@
+"""Pacing the producers (issue 23): the admission budget of the active job, and the gate that
+enforces it on the launcher when ``ROLLOUT_BUFFER_PACING=gate``.
+
+The budget is always computed and published (``GET /admission``), pacing on or off. With the gate
+on, the service hands the launcher the gate's URL as ``--llm-base-url`` and
+``AIEVOBOX_LLM_MAX_CONCURRENCY=0`` (see :mod:`rollout_buffer.launcher.launcher`), and the gate
+asks :meth:`Pacing.may_start` at each session's first model call.
+
+What the operator gives up with the gate on: sessions of groups not admitted wait at their first
+model call (their environment was reset 0.1-5 s before, and stays so); a launcher configured with
+its own LLM concurrency limit loses it; model calls take one more local hop.
+
+Owns: the :class:`~rollout_buffer.core.admission.Admission` of the active job (a new one for each
+job) and the gate's lifecycle. It must not decide groups: it reads the accumulator's figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from rollout_buffer.core.admission import Admission
+from rollout_buffer.core.config import Config
+from rollout_buffer.runtime.gate import Gate
+from rollout_buffer.runtime.jobs import Jobs
+
+logger = logging.getLogger(__name__)
+
+
+class Pacing:
+    """The admission budget, and the gate when pacing is on."""
+
+    def __init__(self, config: Config, jobs: Jobs) -> None:
+        self.config = config
+        self.jobs = jobs
+        self._lock = threading.Lock()
+        self._job: str | None = None
+        self._admission = self._new_admission()
+        self.gate: Gate | None = None
+        if config.pacing == "gate":
+            assert config.proxy_url is not None  # Config refuses gate pacing without a proxy
+            self.gate = Gate(
+                host="127.0.0.1",
+                port=config.gate_port or config.port + 1,
+                upstream=config.proxy_url,
+                may_start=self.may_start,
+                on_hold=lambda delta: self.admission.holding(delta),
+            )
+
+    def _new_admission(self) -> Admission:
+        c = self.config
+        return Admission(
+            staleness=c.pacing_staleness,
+            batch_groups=c.pacing_batch_groups,
+            policy_staleness=c.policy.max_off_policy,
+            idle_gap_s=c.pacing_idle_gap_s,
+        )
+
+    @property
+    def admission(self) -> Admission:
+        """The active job's admission (a new job starts a new one)."""
+        js = self.jobs.current
+        job = None if js is None else js.job_id
+        with self._lock:
+            if job != self._job:
+                self._job = job
+                self._admission = self._new_admission()
+            return self._admission
+
+    def start(self) -> None:
+        if self.gate is not None:
+            self.gate.start()
+            logger.info("pacing gate on 127.0.0.1:%d, forwarding to the LLM proxy", self.gate.port)
+
+    def close(self) -> None:
+        if self.gate is not None:
+            self.gate.close()
+
+    def took(self, groups: int) -> None:
+        """A poll served ``groups`` groups: the trainer's demand (B is learned from it), and held
+        first calls ask again."""
+        self.admission.took(groups)
+        if self.gate is not None:
+            self.gate.poke()
+
+    def may_start(self, session_id: str) -> bool:
+        """The gate asks at a session's first model call. No active job: never held."""
+        js = self.jobs.current
+        if js is None:
+            return True
+        admission = self.admission
+        group = js.acc.first_call(session_id)
+        in_progress = sum(js.acc.progress(admission.admitted).values())
+        return admission.ask(group, in_progress)
+
+    def report(self) -> dict[str, Any]:
+        """``GET /admission``."""
+        js = self.jobs.current
+        admission = self.admission
+        if js is None:
+            progress = {"running": 0, "pending": 0, "ready": 0, "built": 0}
+            version = None
+        else:
+            progress = js.acc.progress(admission.admitted)
+            version = js.acc.current_version
+        doc = admission.report(progress, version)
+        doc["pacing"] = self.config.pacing
+        doc["job_session"] = None if js is None else js.job_id
+        gate = doc["gate"]
+        if self.gate is not None and isinstance(gate, dict):
+            gate.update(self.gate.stats())
+        return doc
