@@ -118,6 +118,9 @@ class Accumulator:
             self.changes += 1
             now = self.clock()
             track_wv, k = self._track_wv, self.k
+            # the census first: a group decided in this batch is settled with these rows' figures
+            facts = (StepFact(r[1], r[2], r[4] if len(r) > 4 else None, bool(r[3])) for r in rows)
+            doomed = self.census.observe(facts, trainable=True, now=now)
             for r in rows:
                 pk, sid, gid, completed = r[0], r[1], r[2], r[3]
                 step_id, reward, wv = (r[4], r[5], r[6]) if len(r) > 4 else (None, None, 0)
@@ -198,8 +201,7 @@ class Accumulator:
                         self._choose(
                             g, out
                         )  # ready short of K at the TTL, it reached K while it waited
-            facts = (StepFact(r[1], r[2], r[4] if len(r) > 4 else None, bool(r[3])) for r in rows)
-            self._doom(self.census.observe(facts, trainable=True, now=now), out)
+            self._doom(doomed, out)
         return out
 
     # -- the census -----------------------------------------------------------------------------
@@ -241,10 +243,20 @@ class Accumulator:
                 "built": len(self.taken),
             }
 
-    def first_call(self, session_id: str) -> str | None:
-        """A session's first model call through the pacing gate; its group, when known."""
+    def group_of(self, session_id: str) -> tuple[str | None, bool]:
+        """A session's group, when known, and whether that group has started (a row, or another
+        session's call through the gate)."""
         with self.lock:
-            return self.census.first_call(session_id, self.clock())
+            group = self.census.session_group.get(session_id)
+            started = group is not None and (
+                group in self.census.started or self._undecided(group) is not None
+            )
+            return group, started
+
+    def first_call(self, session_id: str) -> None:
+        """A session's first model call went through the pacing gate: its first sign."""
+        with self.lock:
+            self.census.first_call(session_id, self.clock())
 
     def _tombstone(self, gid: str, reason: str, out: Decisions) -> None:
         """(Lock held.) Drop a group that no trainable row has shown yet: its later rows are late

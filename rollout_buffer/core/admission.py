@@ -150,12 +150,17 @@ class Admission:
         }
 
     # -- the gate --------------------------------------------------------------------------------
-    def ask(self, group_id: str | None, in_progress: int) -> bool:
+    def ask(self, group_id: str | None, in_progress: int, *, started: bool = False) -> bool:
         """A session of ``group_id`` makes its first model call: may it go now? An admitted
-        group always may; another is admitted while the budget lasts. A session whose group is
-        not known (not in job_environments) is never held: it cannot be paced by group."""
+        group always may, and so does one that had started already (another session of it wrote
+        a row: holding this one would keep the group from completing); another is admitted while
+        the budget lasts. A session whose group is not known (not in job_environments) is never
+        held: it cannot be paced by group."""
         with self._lock:
             if group_id is None or group_id in self.admitted:
+                return True
+            if started:
+                self.admitted.add(group_id)
                 return True
             if self.capacity_locked() - in_progress > 0:
                 self.admitted.add(group_id)

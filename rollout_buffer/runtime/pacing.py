@@ -90,9 +90,13 @@ class Pacing:
         if js is None:
             return True
         admission = self.admission
-        group = js.acc.first_call(session_id)
+        # counted before this call marks its group started: a group never waits for itself
         in_progress = sum(js.acc.progress(admission.admitted).values())
-        return admission.ask(group, in_progress)
+        group, started = js.acc.group_of(session_id)
+        if not admission.ask(group, in_progress, started=started):
+            return False
+        js.acc.first_call(session_id)  # through the gate: the session's first sign
+        return True
 
     def report(self) -> dict[str, Any]:
         """``GET /admission``."""
