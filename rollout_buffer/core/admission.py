@@ -168,6 +168,12 @@ class Admission:
                 return True
             return False
 
+    def admit(self, group_id: str | None) -> None:
+        """Admit a group whatever the budget (one of its sessions is running already)."""
+        if group_id is not None:
+            with self._lock:
+                self.admitted.add(group_id)
+
     def capacity_locked(self) -> int:
         """(S + 1) x B, with the lock held (B is computed without taking it again)."""
         if self._batch_setting is not None:

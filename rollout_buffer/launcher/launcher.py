@@ -80,6 +80,8 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
             "-m",
             "rollout_buffer.simulate",
             *_launcher_flags(c, job_id, k, env_args=_env_args(c)),
+            # with pacing, its model calls go through the gate, as the real launcher's do
+            *(["--llm-calls"] if c.pacing == "gate" else []),
             *(c.simulate_args or ()),
         ]
         env["PYTHONPATH"] = os.pathsep.join(

@@ -51,8 +51,10 @@ HOP_BY_HOP = {
 class Gate:
     """An HTTP/1.1 forwarder that holds first calls of sessions of groups not admitted yet.
 
-    ``may_start(session_id)`` answers True (forward now) or False (hold, ask again later); it is
-    called on the gate's thread and must be quick. ``upstream`` is the real proxy's base URL
+    ``may_start(session_id)`` answers True (forward now) or False (hold, ask again later);
+    ``running(session_id)`` says a session is seen mid-way (its call carries a model answer: the
+    gate restarted under it), so its group is admitted. Both are called on the gate's thread and
+    must be quick. ``upstream`` is the real proxy's base URL
     (``http://host:port``): a call to ``/v1/<session>/chat/completions`` here goes to the same
     path there.
     """
@@ -66,6 +68,7 @@ class Gate:
         port: int,
         upstream: str,
         may_start: Callable[[str], bool],
+        running: Callable[[str], None] = lambda session: None,
         on_hold: Callable[[int], None] = lambda delta: None,
     ) -> None:
         parts = urlsplit(upstream)
@@ -76,6 +79,7 @@ class Gate:
         self.host = host
         self.port = port
         self.may_start = may_start
+        self.running = running
         self.on_hold = on_hold
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -189,7 +193,13 @@ class Gate:
         body = await reader.readexactly(length) if length else b""
         session = _session_of(target.decode("latin-1"))
         if session is not None and session not in self.started_sessions:
-            await self._admit(session)
+            if _continues(body):
+                # a call that carries an answer of the model: the session runs already (the gate
+                # restarted under it); holding it could keep an admitted group from completing
+                self.started_sessions.add(session)
+                self.running(session)
+            else:
+                await self._admit(session)
         self.in_flight += 1
         try:
             await self._relay(method, target, headers, body, writer)
@@ -243,6 +253,18 @@ class Gate:
             up_writer.close()
             with contextlib.suppress(Exception):
                 await up_writer.wait_closed()
+
+
+def _continues(body: bytes) -> bool:
+    """The request's messages hold an assistant turn: not a session's first call."""
+    try:
+        doc = json.loads(body or b"{}")
+    except ValueError:
+        return False
+    messages = doc.get("messages") if isinstance(doc, dict) else None
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and m.get("role") == "assistant" for m in messages
+    )
 
 
 def _session_of(target: str) -> str | None:

@@ -45,6 +45,7 @@ class Pacing:
                 port=config.gate_port or config.port + 1,
                 upstream=config.proxy_url,
                 may_start=self.may_start,
+                running=self.running,
                 on_hold=lambda delta: self.admission.holding(delta),
             )
 
@@ -97,6 +98,15 @@ class Pacing:
             return False
         js.acc.first_call(session_id)  # through the gate: the session's first sign
         return True
+
+    def running(self, session_id: str) -> None:
+        """A session seen mid-way (the service restarted under it): its group is admitted."""
+        js = self.jobs.current
+        if js is None:
+            return
+        group, _started = js.acc.group_of(session_id)
+        self.admission.admit(group)
+        js.acc.first_call(session_id)
 
     def report(self) -> dict[str, Any]:
         """``GET /admission``."""

@@ -33,8 +33,13 @@ What it writes (SPEC §2, what the real launcher writes step by step), INSERT on
   ``--flush-interval`` seconds (5), in one transaction each; ``created_at`` is the flush time,
   tz-aware (ISO text ``2026-12-02 13:35:10.889937+00:00`` on SQLite, TIMESTAMPTZ on Postgres).
 
-Not modelled: the environments themselves (text is random words), model calls (none are made),
-token ids and log-probs, the ``cloud`` storage gateway, Ray and the http environment transport,
+* With ``--llm-calls`` (the service passes it with ``ROLLOUT_BUFFER_PACING=gate``) each step is
+  first a model call to ``<--llm-base-url>/<session_id>/chat/completions``, retried as the real
+  launcher retries; a session's first call runs on a thread of its own (a pacing gate may hold
+  it) and holds a place in the ``--pool-size`` pool meanwhile, as a real launcher's worker does.
+
+Not modelled: the environments themselves (text is random words), the model's answer (the text
+is random words whatever the model says), token ids and log-probs, the ``cloud`` storage gateway, Ray and the http environment transport,
 retries of a failed model call, and a launcher crash mid-batch (a stop flushes what it holds).
 
 The launcher's tables are created if missing (the real launcher runs with ``--no-rebuild-table``,
@@ -111,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="backend; must agree with --db-path (the URL decides)",
     )
     g.add_argument("--job-id", required=True, help="job_id of every row")
+    g.add_argument(
+        "--llm-base-url",
+        default=None,
+        help="the LLM proxy (or the pacing gate): with --llm-calls, each step is a model call "
+        "to <this>/<session_id>/chat/completions first",
+    )
+    g.add_argument("--llm-model", default="default", help="the model named in model calls")
     g.add_argument("--rl-group-size", type=_pos_int, default=8, help="sessions per group (K)")
     g.add_argument(
         "--max-steps",
@@ -167,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds between weight versions, as a trainer's steps would move them "
         "(0 = no version: env_state is NULL)",
+    )
+    s.add_argument(
+        "--llm-calls",
+        action="store_true",
+        help="make a model call before each step, as the real launcher does (retried on 429, 5xx "
+        "and connection errors with a backoff up to 30 s; another 4xx fails the session); the "
+        "version the answer carries is the row's. The service passes it with pacing on",
     )
     s.add_argument(
         "--flush-rows", type=_pos_int, default=100, help="rows per flush (one transaction)"

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import random
 import sys
+import threading
 import time
 import uuid
 from collections import deque
@@ -24,6 +26,7 @@ from typing import Any
 from rollout_buffer.core.errors import IntegrityError, StorageError
 from rollout_buffer.storage import db as dbmod
 from rollout_buffer.storage.queries import INSERT_ENV, INSERT_STEP, LAUNCHER_DDL
+from rollout_buffer.tools.llm_calls import ModelCalls, SessionFailed
 from rollout_buffer.tools.workload import (
     CAPPED,
     DONE,
@@ -63,6 +66,12 @@ class Simulator:
         self.flushes = 0
         self.last_flush = time.monotonic()
         self.max_weight_version: int | None = None
+        self.model: ModelCalls | None = None  # --llm-calls: a model call before each step
+        self.model_failed = 0
+        self.todo: deque[Session] = deque()  # sessions not started yet, in group order
+        self.active: list[Session] = []  # running sessions
+        self.starting: set[Session] = set()  # first model call under way (maybe held by a gate)
+        self.started: queue.Queue[tuple[Session, Exception | None]] = queue.Queue()
         self.groups: list[Group] = []
         self.t0 = time.monotonic()
         self.last_progress = self.t0
@@ -254,6 +263,31 @@ class Simulator:
             return None
         return int((time.monotonic() - self.t0) / every)
 
+    def step_version(self, s: Session) -> int | None:
+        """The version this step's answer carries: with model calls, what the proxy stamped (the
+        first step's call was made when the session started), else the simulated one."""
+        if self.model is None:
+            return self.weight_version()
+        first = s.answer_version
+        if first is not False:
+            s.answer_version = False
+            return first if isinstance(first, int) and not isinstance(first, bool) else None
+        return self.model.call(s.session_id, s.history)
+
+    def first_call(
+        self, s: Session, started: queue.Queue[tuple[Session, Exception | None]]
+    ) -> None:
+        """On a thread of its own: the session's first model call, which a pacing gate may hold
+        for as long as its group is not admitted; then the session joins the running pool."""
+        assert self.model is not None
+        try:
+            s.answer_version = self.model.call(s.session_id, s.history)
+            started.put((s, None))
+        except SessionFailed as exc:
+            started.put((s, exc))
+        except Stop:
+            pass  # the main loop stops too
+
     def prompt(self, s: Session) -> list[dict[str, str]]:
         """The prompt the model saw: the whole history, or with ``--message-cut N`` > 0 the system
         message and the last 2N-1 messages."""
@@ -278,7 +312,7 @@ class Simulator:
         else:
             step_reward = 0.0 if rng.random() < 0.85 else round(rng.uniform(0.0, 0.05), 4)
         cum = s.cum_reward + step_reward
-        version = self.weight_version()
+        version = self.step_version(s)
         if version is not None:
             self.max_weight_version = version
         trainable = terminal or a.message_cut > 0
@@ -366,38 +400,82 @@ class Simulator:
                 f"{a.pace}s -> {self.connect().safe_url}",
                 flush=True,
             )
-        queue = deque(s for gr in self.groups for s in gr.sessions)
-        active: list[Session] = []
-
-        def fill() -> None:
-            while queue and len(active) < a.pool_size:
-                s = queue.popleft()
-                self.start(s)
-                if s.rows_planned == 0:  # failed before its first step
-                    self.finish(s)
-                else:
-                    active.append(s)
-
-        fill()
+        if a.llm_calls and a.llm_base_url:
+            self.model = ModelCalls(a.llm_base_url, a.llm_model, self.pause)
+        self.todo = deque(s for gr in self.groups for s in gr.sessions)
+        self.fill()
         first = True
         try:
-            while active:
+            while self.active or self.starting:
                 self.check_stop()
+                self.take_started(block=not self.active)
+                if not self.active:
+                    continue
                 if a.pace > 0 and not first:
                     self.pause(a.pace)
                 first = False
-                j = rng.randrange(len(active))
-                s = active[j]
-                self.write_step(s)
-                if s.step >= s.rows_planned:
-                    active[j] = active[-1]
-                    active.pop()
-                    self.finish(s)
-                    fill()
+                self.step_one(rng.randrange(len(self.active)))
                 self.progress()
         finally:
             # a stop between two rows still writes what was held: never a row lost in memory
             self.flush()
+
+    def fill(self) -> None:
+        """Start sessions while the pool has room; with model calls a session runs once its
+        first call is answered (a pacing gate may hold it meanwhile, and it keeps its place)."""
+        while self.todo and len(self.active) + len(self.starting) < self.args.pool_size:
+            s = self.todo.popleft()
+            self.start(s)
+            if s.rows_planned == 0:  # failed before its first step
+                self.finish(s)
+            elif self.model is not None:
+                self.starting.add(s)
+                threading.Thread(
+                    target=self.first_call, args=(s, self.started), name="simulate-start"
+                ).start()
+            else:
+                self.active.append(s)
+
+    def take_started(self, block: bool) -> None:
+        """Sessions whose first call was answered join the running pool."""
+        try:
+            item = self.started.get(timeout=SLEEP_SLICE_S) if block else self.started.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            s, failed = item
+            self.starting.discard(s)
+            if failed is None:
+                self.active.append(s)
+            else:
+                self.fail(s)
+                self.fill()
+            try:
+                item = self.started.get_nowait()
+            except queue.Empty:
+                return
+
+    def step_one(self, j: int) -> None:
+        """One step of the j-th running session; a session done leaves the pool."""
+        s = self.active[j]
+        try:
+            self.write_step(s)
+            done = s.step >= s.rows_planned
+            if done:
+                self.finish(s)
+        except SessionFailed:
+            self.fail(s)
+            done = True
+        if done:
+            self.active[j] = self.active[-1]
+            self.active.pop()
+            self.fill()
+
+    def fail(self, s: Session) -> None:
+        """A model call answered a 4xx: the session fails for good (no terminal row)."""
+        self.model_failed += 1
+        s.ending = FAILED
+        self.finish(s)
 
     def summary(self, interrupted: bool) -> dict[str, Any]:
         a = self.args
@@ -415,6 +493,8 @@ class Simulator:
             "capped_sessions": self.capped_sessions,
             "trainable_rows": self.trainable_rows,
             "flushes": self.flushes,
+            "model_calls_failed": self.model_failed,
+            "model_call_retries": 0 if self.model is None else self.model.retries,
             "message_cut": a.message_cut,
             "max_steps": a.max_steps,
             "complete_groups": sum(1 for gr in self.groups if gr.completed == a.rl_group_size),
