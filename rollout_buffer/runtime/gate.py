@@ -150,10 +150,11 @@ class Gate:
             logger.exception("the pacing gate stopped")
         finally:
             self._ready.set()
-            for task in asyncio.all_tasks(loop):
-                task.cancel()
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()  # held and in-flight calls: their clients retry (SPEC §5)
             with contextlib.suppress(Exception):
-                loop.run_until_complete(asyncio.sleep(0))
+                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             loop.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

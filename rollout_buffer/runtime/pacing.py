@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from rollout_buffer.core.admission import Admission
@@ -26,6 +27,11 @@ from rollout_buffer.runtime.gate import Gate
 from rollout_buffer.runtime.jobs import Jobs
 
 logger = logging.getLogger(__name__)
+
+# A first call of a session that job_environments has not shown yet waits this long for the
+# census to read it (the launcher lists its sessions when it starts, before any call); after
+# that the session is let through unpaced rather than held for good.
+UNKNOWN_SESSION_WAIT_S = 10.0
 
 
 class Pacing:
@@ -37,6 +43,7 @@ class Pacing:
         self._lock = threading.Lock()
         self._job: str | None = None
         self._admission = self._new_admission()
+        self._unknown_since: dict[str, float] = {}
         self.gate: Gate | None = None
         if config.pacing == "gate":
             assert config.proxy_url is not None  # Config refuses gate pacing without a proxy
@@ -94,6 +101,14 @@ class Pacing:
         # counted before this call marks its group started: a group never waits for itself
         in_progress = sum(js.acc.progress(admission.admitted).values())
         group, started = js.acc.group_of(session_id)
+        if group is None:
+            since = self._unknown_since.setdefault(session_id, time.monotonic())
+            if time.monotonic() - since < UNKNOWN_SESSION_WAIT_S:
+                return False  # the census reads job_environments at the next tick
+            logger.warning(
+                "session %r is not in job_environments: its calls are not paced", session_id
+            )
+        self._unknown_since.pop(session_id, None)
         if not admission.ask(group, in_progress, started=started):
             return False
         js.acc.first_call(session_id)  # through the gate: the session's first sign

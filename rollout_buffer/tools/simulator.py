@@ -343,6 +343,12 @@ class Simulator:
         s.history.append(
             {"role": "user", "content": "Observation: " + self.text.words(rng.uniform(40, 200))}
         )
+        self.maybe_flush()
+
+    def maybe_flush(self) -> None:
+        """Flush when --flush-rows rows are held or --flush-interval has passed (on a timer, as
+        the real launcher: rows are written while every running session waits for the model)."""
+        a = self.args
         if (
             len(self.batch) >= a.flush_rows
             or time.monotonic() - self.last_flush >= a.flush_interval
@@ -410,6 +416,7 @@ class Simulator:
                 self.check_stop()
                 self.take_started(block=not self.active)
                 if not self.active:
+                    self.maybe_flush()
                     continue
                 if a.pace > 0 and not first:
                     self.pause(a.pace)
