@@ -148,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("simulator knobs")
     s.add_argument("--groups", type=_pos_int, default=32, help="prompt groups G")
     s.add_argument(
+        "--min-steps",
+        type=_pos_int,
+        default=1,
+        help="the fewest steps of a session its environment ends (the most is --max-steps)",
+    )
+    s.add_argument(
         "--fail-rate",
         type=_rate,
         default=0.05,

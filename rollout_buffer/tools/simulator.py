@@ -196,7 +196,7 @@ class Simulator:
             s.rows_planned = rng.randint(1, a.max_steps)
         else:
             s.ending = DONE
-            s.rows_planned = rng.randint(1, a.max_steps)
+            s.rows_planned = rng.randint(min(a.min_steps, a.max_steps), a.max_steps)
 
     def write_environments(self) -> None:
         a = self.args
