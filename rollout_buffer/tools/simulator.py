@@ -70,8 +70,7 @@ class Simulator:
         self.model_failed = 0
         self.todo: deque[Session] = deque()  # sessions not started yet, in group order
         self.active: list[Session] = []  # running sessions
-        self.starting: set[Session] = set()  # first model call under way (maybe held by a gate)
-        self.started: queue.Queue[tuple[Session, Exception | None]] = queue.Queue()
+        self.lock = threading.Lock()  # the rows held and the counters, shared with session threads
         self.groups: list[Group] = []
         self.t0 = time.monotonic()
         self.last_progress = self.t0
@@ -263,31 +262,6 @@ class Simulator:
             return None
         return int((time.monotonic() - self.t0) / every)
 
-    def step_version(self, s: Session) -> int | None:
-        """The version this step's answer carries: with model calls, what the proxy stamped (the
-        first step's call was made when the session started), else the simulated one."""
-        if self.model is None:
-            return self.weight_version()
-        first = s.answer_version
-        if first is not False:
-            s.answer_version = False
-            return first if isinstance(first, int) and not isinstance(first, bool) else None
-        return self.model.call(s.session_id, s.history)
-
-    def first_call(
-        self, s: Session, started: queue.Queue[tuple[Session, Exception | None]]
-    ) -> None:
-        """On a thread of its own: the session's first model call, which a pacing gate may hold
-        for as long as its group is not admitted; then the session joins the running pool."""
-        assert self.model is not None
-        try:
-            s.answer_version = self.model.call(s.session_id, s.history)
-            started.put((s, None))
-        except SessionFailed as exc:
-            started.put((s, exc))
-        except Stop:
-            pass  # the main loop stops too
-
     def prompt(self, s: Session) -> list[dict[str, str]]:
         """The prompt the model saw: the whole history, or with ``--message-cut N`` > 0 the system
         message and the last 2N-1 messages."""
@@ -296,7 +270,9 @@ class Simulator:
             return list(s.history)
         return [s.history[0], *s.history[1:][-(2 * cut - 1) :]]
 
-    def write_step(self, s: Session) -> None:
+    def write_step(self, s: Session, answered: int | bool | None = False) -> None:
+        """Hold the session's next row for the next flush. ``answered``: the version the model's
+        answer carried (with model calls), else the simulated one is used."""
         a, rng, gr = self.args, self.rng, s.group
         s.step += 1
         last = s.step == s.rows_planned
@@ -312,7 +288,9 @@ class Simulator:
         else:
             step_reward = 0.0 if rng.random() < 0.85 else round(rng.uniform(0.0, 0.05), 4)
         cum = s.cum_reward + step_reward
-        version = self.step_version(s)
+        version = self.weight_version() if answered is False else answered
+        if isinstance(version, bool):
+            version = None
         if version is not None:
             self.max_weight_version = version
         trainable = terminal or a.message_cut > 0
@@ -343,7 +321,6 @@ class Simulator:
         s.history.append(
             {"role": "user", "content": "Observation: " + self.text.words(rng.uniform(40, 200))}
         )
-        self.maybe_flush()
 
     def maybe_flush(self) -> None:
         """Flush when --flush-rows rows are held or --flush-interval has passed (on a timer, as
@@ -358,10 +335,11 @@ class Simulator:
     def flush(self) -> None:
         """Write the rows held so far in one transaction, stamped with the flush time (the real
         launcher flushes up to 100 rows, or every 5 s)."""
-        self.last_flush = time.monotonic()
-        if not self.batch:
+        with self.lock:  # workers add rows while the main thread flushes
+            self.last_flush = time.monotonic()
+            batch, self.batch = self.batch, []
+        if not batch:
             return
-        batch, self.batch = self.batch, []
 
         def insert(db: dbmod.Database) -> None:
             # a fresh timestamp per attempt: (session_id, step_id, created_at) is unique
@@ -393,7 +371,7 @@ class Simulator:
         )
 
     def run(self) -> None:
-        a, rng = self.args, self.rng
+        a = self.args
         self.check_stop()
         self.ensure_tables()
         self.check_stop()
@@ -409,74 +387,96 @@ class Simulator:
         if a.llm_calls and a.llm_base_url:
             self.model = ModelCalls(a.llm_base_url, a.llm_model, self.pause)
         self.todo = deque(s for gr in self.groups for s in gr.sessions)
-        self.fill()
-        first = True
         try:
-            while self.active or self.starting:
-                self.check_stop()
-                self.take_started(block=not self.active)
-                if not self.active:
-                    self.maybe_flush()
-                    continue
-                if a.pace > 0 and not first:
-                    self.pause(a.pace)
-                first = False
-                self.step_one(rng.randrange(len(self.active)))
-                self.progress()
+            if self.model is None:
+                self.run_serial()
+            else:
+                self.run_workers()
         finally:
             # a stop between two rows still writes what was held: never a row lost in memory
             self.flush()
 
+    def run_serial(self) -> None:
+        """No model calls: one thread writes a row of a random running session every --pace."""
+        self.fill()
+        first = True
+        while self.active:
+            self.check_stop()
+            if self.args.pace > 0 and not first:
+                self.pause(self.args.pace)
+            first = False
+            self.step_one(self.rng.randrange(len(self.active)))
+            self.maybe_flush()
+            self.progress()
+
     def fill(self) -> None:
-        """Start sessions while the pool has room; with model calls a session runs once its
-        first call is answered (a pacing gate may hold it meanwhile, and it keeps its place)."""
-        while self.todo and len(self.active) + len(self.starting) < self.args.pool_size:
+        """Start sessions while the pool has room."""
+        while self.todo and len(self.active) < self.args.pool_size:
             s = self.todo.popleft()
             self.start(s)
             if s.rows_planned == 0:  # failed before its first step
                 self.finish(s)
-            elif self.model is not None:
-                self.starting.add(s)
-                threading.Thread(
-                    target=self.first_call, args=(s, self.started), name="simulate-start"
-                ).start()
             else:
                 self.active.append(s)
-
-    def take_started(self, block: bool) -> None:
-        """Sessions whose first call was answered join the running pool."""
-        try:
-            item = self.started.get(timeout=SLEEP_SLICE_S) if block else self.started.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            s, failed = item
-            self.starting.discard(s)
-            if failed is None:
-                self.active.append(s)
-            else:
-                self.fail(s)
-                self.fill()
-            try:
-                item = self.started.get_nowait()
-            except queue.Empty:
-                return
 
     def step_one(self, j: int) -> None:
         """One step of the j-th running session; a session done leaves the pool."""
         s = self.active[j]
-        try:
-            self.write_step(s)
-            done = s.step >= s.rows_planned
-            if done:
-                self.finish(s)
-        except SessionFailed:
-            self.fail(s)
-            done = True
-        if done:
+        self.write_step(s)
+        if s.step >= s.rows_planned:
+            self.finish(s)
             self.active[j] = self.active[-1]
             self.active.pop()
             self.fill()
+
+    def run_workers(self) -> None:
+        """With model calls: each running session on a thread of its own, as the launcher's pool
+        workers (a pacing gate may hold a session's first call; the others go on). The main
+        thread starts sessions, flushes on the timer and watches for a stop."""
+        running = 0
+        done: queue.Queue[Session] = queue.Queue()
+        while True:
+            while self.todo and running < self.args.pool_size:
+                s = self.todo.popleft()
+                with self.lock:
+                    self.start(s)
+                    if s.rows_planned == 0:  # failed before its first step
+                        self.finish(s)
+                        continue
+                running += 1
+                threading.Thread(
+                    target=self.session_worker, args=(s, done), name="simulate-session", daemon=True
+                ).start()
+            if not running and not self.todo:
+                return
+            self.check_stop()
+            try:
+                done.get(timeout=SLEEP_SLICE_S)
+                running -= 1
+            except queue.Empty:
+                pass
+            self.maybe_flush()
+            self.progress()
+
+    def session_worker(self, s: Session, done: queue.Queue[Session]) -> None:
+        """One session: for each step, a model call (retried; maybe held), then its row."""
+        assert self.model is not None
+        try:
+            while s.step < s.rows_planned:
+                answered = self.model.call(s.session_id, s.history)
+                with self.lock:
+                    self.write_step(s, answered)
+                if self.args.pace > 0:
+                    self.pause(self.args.pace)
+            with self.lock:
+                self.finish(s)
+        except SessionFailed:
+            with self.lock:
+                self.fail(s)
+        except Stop:
+            pass  # the main thread stops too, and flushes what is held
+        finally:
+            done.put(s)
 
     def fail(self, s: Session) -> None:
         """A model call answered a 4xx: the session fails for good (no terminal row)."""

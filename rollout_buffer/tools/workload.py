@@ -100,7 +100,6 @@ ENDINGS = (DONE, LENGTH, CAPPED, FAILED)
 
 class Session:
     __slots__ = (
-        "answer_version",
         "cum_reward",
         "ending",
         "group",
@@ -120,7 +119,6 @@ class Session:
         self.ending = DONE
         self.terminal_reward = 0.0
         self.cum_reward = 0.0
-        self.answer_version: int | bool | None = False  # the first call's answer: not yet
 
     @property
     def completes(self) -> bool:
