@@ -232,15 +232,21 @@ class Accumulator:
     def progress(self, admitted: set[str]) -> dict[str, int]:
         """The groups in progress, for the admission budget: running (started, or admitted by
         the gate, with no trainable row yet), pending, ready, and built (taken by a poll or the
-        prebuilt draft)."""
+        prebuilt draft). A pending group idle for much longer than groups take to complete has
+        a session that failed for good: it is counted as ``stalled``, not in progress (it would
+        hold the budget until the TTL)."""
         with self.lock:
+            now = self.clock()
+            stall_s = self.census.stall_after()
             undecided = self.pending.keys() | self.ready.keys() | self.taken.keys()
             running = (self.census.started | admitted) - undecided - self.decided.keys()
+            stalled = sum(1 for g in self.pending.values() if now - g.last_seen > stall_s)
             return {
                 "running": len(running),
-                "pending": len(self.pending),
+                "pending": len(self.pending) - stalled,
                 "ready": len(self.ready),
                 "built": len(self.taken),
+                "stalled": stalled,
             }
 
     def group_of(self, session_id: str) -> tuple[str | None, bool]:
@@ -277,6 +283,7 @@ class Accumulator:
             self._drop(g, reason, out)
             return
         g.ready_at = self.clock()
+        self.census.completed_in(g.ready_at - g.first_seen)
         self.ready.push(g)
         out.newly_ready += 1
 

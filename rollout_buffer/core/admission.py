@@ -5,7 +5,14 @@ AReaL's rule is the starting point: the trainer takes B groups a step and accept
 weight version is at most S behind its own, so at most (S + 1) x B groups may be in progress
 (running, pending, ready or built) without producing a group the trainer will throw away:
 
-    budget = (S + 1) x B - groups in progress
+    budget = (S + 1) x B - groups in progress - the trainer's surplus
+
+The trainer's surplus is what it has taken beyond what its steps consumed: the upstream client's
+``{}`` polls take every ready group, and keeps the ones it did not train on, and those go stale
+in its hands. Each step consumes B groups; the steps are counted both as the weight versions the
+job advanced and as the trainer's bursts of polls (a gap longer than the idle gap ends one), and
+the larger count is taken (the versions of the rows lag behind the trainer's). The surplus is the
+groups served minus B x (steps + 1).
 
 S and B are settings; where one is not set it is learned from what the buffer observes (S from the
 staleness policy, B from the groups the trainer takes between its idle gaps) and, until then, a
@@ -67,9 +74,12 @@ class Admission:
             self.staleness = Input(DEFAULT_STALENESS, "default")
         self._batch_setting = batch_groups
         self._bursts: deque[int] = deque(maxlen=BURSTS_KEPT)
+        self._bursts_ended = 0
         self._burst = 0  # groups taken in the burst under way
         self._last_take: float | None = None
         self.admitted: set[str] = set()  # groups the gate let start
+        self.served = 0  # groups the trainer took (polls)
+        self.first_version: int | None = None  # the job's current version when first seen
         self.held = 0  # first calls the gate holds now
         self.admitted_total = 0
         self.held_total = 0
@@ -82,10 +92,12 @@ class Admission:
             if self._last_take is not None and now - self._last_take > self.idle_gap_s:
                 if self._burst:
                     self._bursts.append(self._burst)
+                    self._bursts_ended += 1
                 self._burst = 0
             if groups:
                 self._burst += groups
                 self._last_take = now
+                self.served += groups
 
     @property
     def batch_groups(self) -> Input:
@@ -106,13 +118,23 @@ class Admission:
         """(S + 1) x B: the groups that may be in progress at once."""
         return (self.staleness.value + 1) * self.batch_groups.value
 
-    def budget(self, in_progress: int) -> int:
-        """How many more groups may start now."""
-        return max(0, self.capacity() - in_progress)
+    def surplus(self, current_version: int | None) -> int:
+        """Groups the trainer holds beyond what its steps consumed (estimated from versions)."""
+        with self._lock:
+            return self._surplus_locked(current_version)
+
+    def _surplus_locked(self, current_version: int | None) -> int:
+        steps = self._bursts_ended
+        if current_version is not None:
+            if self.first_version is None or current_version < self.first_version:
+                self.first_version = current_version
+            steps = max(steps, current_version - self.first_version)
+        return max(0, self.served - self._batch_locked() * (steps + 1))
 
     def report(self, in_progress: dict[str, int], current_version: int | None) -> dict[str, object]:
         """``GET /admission``: the budget, its inputs with where each came from, and why."""
-        total = sum(in_progress.values())
+        surplus = self.surplus(current_version)
+        total = sum(v for k, v in in_progress.items() if k != "stalled") + surplus
         staleness, batch = self.staleness, self.batch_groups
         capacity = (staleness.value + 1) * batch.value
         budget = max(0, capacity - total)
@@ -137,7 +159,12 @@ class Admission:
             "inputs": {
                 "staleness": staleness.as_dict(),
                 "batch_groups": batch.as_dict(),
-                "in_progress": {"value": total, "source": "observed", **in_progress},
+                "in_progress": {"value": total - surplus, "source": "observed", **in_progress},
+                "trainer_surplus": {
+                    "value": surplus,
+                    "source": "estimated: groups served minus B per step (weight versions "
+                    "advanced, or the trainer's bursts of polls)",
+                },
             },
             "current_weight_version": current_version,
             "why": why,
@@ -150,7 +177,14 @@ class Admission:
         }
 
     # -- the gate --------------------------------------------------------------------------------
-    def ask(self, group_id: str | None, in_progress: int, *, started: bool = False) -> bool:
+    def ask(
+        self,
+        group_id: str | None,
+        in_progress: int,
+        *,
+        started: bool = False,
+        current_version: int | None = None,
+    ) -> bool:
         """A session of ``group_id`` makes its first model call: may it go now? An admitted
         group always may, and so does one that had started already (another session of it wrote
         a row: holding this one would keep the group from completing); another is admitted while
@@ -162,7 +196,8 @@ class Admission:
             if started:
                 self.admitted.add(group_id)
                 return True
-            if self.capacity_locked() - in_progress > 0:
+            surplus = self._surplus_locked(current_version)
+            if self.capacity_locked() - in_progress - surplus > 0:
                 self.admitted.add(group_id)
                 self.admitted_total += 1
                 return True
@@ -175,14 +210,16 @@ class Admission:
                 self.admitted.add(group_id)
 
     def capacity_locked(self) -> int:
-        """(S + 1) x B, with the lock held (B is computed without taking it again)."""
+        """(S + 1) x B, with the lock held."""
+        return (self.staleness.value + 1) * self._batch_locked()
+
+    def _batch_locked(self) -> int:
+        """B, with the lock held (without taking it again)."""
         if self._batch_setting is not None:
-            batch = self._batch_setting
-        elif self._bursts:
-            batch = max(1, int(statistics.median(self._bursts)))
-        else:
-            batch = DEFAULT_BATCH_GROUPS
-        return (self.staleness.value + 1) * batch
+            return self._batch_setting
+        if self._bursts:
+            return max(1, int(statistics.median(self._bursts)))
+        return DEFAULT_BATCH_GROUPS
 
     def holding(self, delta: int) -> None:
         """The gate holds one more (+1) or one fewer (-1) first call."""

@@ -20,13 +20,16 @@ drops the groups it names, under the accumulator's lock (the census has no lock 
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 # A group one of whose sessions ended without a result, so that it can never reach K.
 SESSION_WITHOUT_RESULT = "session_without_result"
+SPANS_KEPT = 200
+STALL_FACTOR = 3.0  # idle this many times the 90th percentile of the spans: stalled
+STALL_MIN_S = 2.0
 
 
 class StepFact(NamedTuple):
@@ -72,6 +75,8 @@ class Census:
         self.timing: dict[str, list[float]] = {}
         self.served = Generated()
         self.discarded: defaultdict[str, Generated] = defaultdict(Generated)
+        # how long groups took from their first trainable row to ready (the last completions)
+        self.spans: deque[float] = deque(maxlen=SPANS_KEPT)
         self.group_sessions: defaultdict[str, set[str]] = defaultdict(set)
         self.session_group: dict[str, str] = {}
         self.scheduled: set[str] = set()  # listed in job_environments
@@ -150,6 +155,19 @@ class Census:
                 "generation_s": round(discarded.generation_s / total_s, 4) if total_s else 0.0,
             },
         }
+
+    def completed_in(self, seconds: float) -> None:
+        """A group became ready ``seconds`` after its first trainable row."""
+        self.spans.append(max(0.0, seconds))
+
+    def stall_after(self) -> float:
+        """Idle seconds after which a pending group is taken for stalled (one of its sessions
+        failed for good); infinite until groups have completed."""
+        if len(self.spans) < 5:
+            return float("inf")
+        ordered = sorted(self.spans)
+        p90 = ordered[int(0.9 * (len(ordered) - 1))]
+        return max(STALL_MIN_S, STALL_FACTOR * p90)
 
     def sessions_of(self, group_id: str) -> set[str]:
         """Every session the census knows for the group."""

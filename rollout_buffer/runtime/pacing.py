@@ -99,7 +99,8 @@ class Pacing:
             return True
         admission = self.admission
         # counted before this call marks its group started: a group never waits for itself
-        in_progress = sum(js.acc.progress(admission.admitted).values())
+        progress = js.acc.progress(admission.admitted)
+        in_progress = sum(v for k, v in progress.items() if k != "stalled")
         group, started = js.acc.group_of(session_id)
         if group is None:
             since = self._unknown_since.setdefault(session_id, time.monotonic())
@@ -109,7 +110,8 @@ class Pacing:
                 "session %r is not in job_environments: its calls are not paced", session_id
             )
         self._unknown_since.pop(session_id, None)
-        if not admission.ask(group, in_progress, started=started):
+        version = js.acc.current_version
+        if not admission.ask(group, in_progress, started=started, current_version=version):
             return False
         js.acc.first_call(session_id)  # through the gate: the session's first sign
         return True
@@ -128,7 +130,7 @@ class Pacing:
         js = self.jobs.current
         admission = self.admission
         if js is None:
-            progress = {"running": 0, "pending": 0, "ready": 0, "built": 0}
+            progress = {"running": 0, "pending": 0, "ready": 0, "built": 0, "stalled": 0}
             version = None
         else:
             progress = js.acc.progress(admission.admitted)

@@ -15,7 +15,8 @@ Fixed parameters (printed with the results):
 
 Per run and as medians (with min-max): the share of generated groups and of generation seconds
 that were discarded (dropped by the buffer's policies, or thrown away by the trainer as stale),
-and the groups trained per minute. A group's generation seconds are its sessions' seconds from
+and the groups trained per minute. Groups left incomplete by a crashed session are counted apart:
+no pacing can save them. A group's generation seconds are its sessions' seconds from
 their first model call to their last answer, as the stand-in proxy saw them. Groups still in
 progress, or fresh and not yet taken, when the last step ends are left out of both.
 
@@ -49,6 +50,7 @@ from rollout_buffer.tools.runner import ServerProcess, clean_env, free_port  # n
 K = 4
 B = 8
 S = 1
+POLICY_REASONS = ("stale", "zero_variance", "oversampled")
 
 
 def http(url: str, body: dict[str, Any] | None = None, timeout: float = 120) -> dict[str, Any]:
@@ -89,6 +91,8 @@ def one_run(args: argparse.Namespace, pacing: bool, index: int) -> dict[str, Any
                 "ROLLOUT_BUFFER_GATE_PORT": str(free_port()),
                 "ROLLOUT_BUFFER_PACING_STALENESS": str(S),
                 "ROLLOUT_BUFFER_PACING_BATCH_GROUPS": str(B),
+                # the trainer polls every --poll-s while it collects, and not while it trains
+                "ROLLOUT_BUFFER_PACING_IDLE_GAP_SECONDS": str((args.poll_s + args.train_s) / 2),
             },
             package_parent=ROOT,
         )
@@ -162,20 +166,23 @@ def account(
     for sid, t0 in first.items():
         per_group[sessions.get(sid, sid)] += last[sid] - t0
     trained = set(result["trained"])
-    dropped_by_buffer = sum((stats.get("groups") or {}).get("dropped", {}).values())
-    discarded_groups = set(result["stale"])
-    # the buffer's drops: the waste figures of /stats (generation seconds on its clock)
-    buffer_waste = (stats.get("waste") or {}).get("discarded") or {}
+    stale = set(result["stale"])
+    waste = (stats.get("waste") or {}).get("discarded_by_reason") or {}
+    # the buffer's policies (none is set here, so normally 0); incomplete groups (a session
+    # crashed) are counted apart: no pacing can save them
+    policy = [waste[r] for r in POLICY_REASONS if r in waste]
+    policy_groups = sum(int(w["groups"]) for w in policy)
+    policy_s = sum(float(w["generation_s"]) for w in policy)
+    incomplete = sum(int(w["groups"]) for r, w in waste.items() if r not in POLICY_REASONS)
     gen_trained = sum(per_group[g] for g in trained)
-    gen_discarded = sum(per_group[g] for g in discarded_groups) + float(
-        buffer_waste.get("generation_s") or 0.0
-    )
-    n_discarded = len(discarded_groups) + dropped_by_buffer
+    gen_discarded = sum(per_group[g] for g in stale) + policy_s
+    n_discarded = len(stale) + policy_groups
     n_total = len(trained) + n_discarded
     return {
         "pacing": "on" if pacing else "off",
         "trained": len(trained),
         "discarded_groups": n_discarded,
+        "incomplete_groups": incomplete,
         "discarded_share_groups": n_discarded / n_total if n_total else 0.0,
         "discarded_share_s": gen_discarded / (gen_trained + gen_discarded)
         if gen_trained + gen_discarded
@@ -189,9 +196,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--runs", type=int, default=3, help="runs with pacing off and with it on")
     p.add_argument("--steps", type=int, default=10, help="trainer steps per run")
-    p.add_argument("--train-s", type=float, default=4.0, help="T: seconds a training step takes")
+    p.add_argument("--train-s", type=float, default=8.0, help="T: seconds a training step takes")
     p.add_argument("--poll-s", type=float, default=5.0, help="the trainer's poll cadence")
-    p.add_argument("--call-s", type=float, default=0.15, help="seconds a model call takes")
+    p.add_argument("--call-s", type=float, default=0.5, help="seconds a model call takes")
     p.add_argument("--pool", type=int, default=16, help="the launcher's concurrent sessions")
     args = p.parse_args()
     print(
@@ -209,7 +216,8 @@ def main() -> int:
                 f"run {i + 1} pacing {r['pacing']:3}: trained {r['trained']:3d} groups, "
                 f"{r['trained_per_min']:6.1f}/min; discarded {r['discarded_groups']:3d} groups "
                 f"({r['discarded_share_groups']:.1%} of groups, "
-                f"{r['discarded_share_s']:.1%} of generation seconds)",
+                f"{r['discarded_share_s']:.1%} of generation seconds); "
+                f"{r['incomplete_groups']} incomplete (a session crashed)",
                 flush=True,
             )
     for mode, rs in results.items():
