@@ -12,7 +12,8 @@ The trainer's surplus is what it has taken beyond what its steps consumed: the u
 in its hands. Each step consumes B groups; the steps are counted both as the weight versions the
 job advanced and as the trainer's bursts of polls (a gap longer than the idle gap ends one), and
 the larger count is taken (the versions of the rows lag behind the trainer's). The surplus is the
-groups served minus B x (steps + 1).
+groups served minus B x the steps completed: the batch the trainer is training on counts, since a
+group that starts now can only be trained after it.
 
 S and B are settings; where one is not set it is learned from what the buffer observes (S from the
 staleness policy, B from the groups the trainer takes between its idle gaps) and, until then, a
@@ -129,7 +130,7 @@ class Admission:
             if self.first_version is None or current_version < self.first_version:
                 self.first_version = current_version
             steps = max(steps, current_version - self.first_version)
-        return max(0, self.served - self._batch_locked() * (steps + 1))
+        return max(0, self.served - self._batch_locked() * steps)
 
     def report(self, in_progress: dict[str, int], current_version: int | None) -> dict[str, object]:
         """``GET /admission``: the budget, its inputs with where each came from, and why."""

@@ -18,6 +18,7 @@ from typing import Any
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
+    request_queue_size = 1024  # hundreds of calls arrive at once through a gate
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         pass  # a client that gave up (a gate or launcher killed mid-call): expected here
