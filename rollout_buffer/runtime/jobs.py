@@ -57,6 +57,25 @@ class JobState:
         self.saved_marker: tuple | None = None
         self.redeliveries = Redeliveries()  # served groups to deliver again, ahead of ready ones
 
+    # -- the loop's view of the launcher and of the saved cursor (only the owner's methods write)
+    def launcher_finished(self, tick: int) -> None:
+        """The launcher was seen finished at this tick: its incomplete groups are dropped once the
+        reader caught up after it."""
+        self.launcher_finished_tick = tick
+
+    def no_launcher_drop(self) -> None:
+        """No (further) ``launcher_exited`` drop for the launcher seen finished: it was done, or the
+        finished launcher is not this job's (until its own is spawned)."""
+        self.launcher_drop_done = True
+
+    def launcher_started(self) -> None:
+        """A launcher of this job was spawned: the view of the previous one's end starts over."""
+        self.launcher_finished_tick, self.launcher_drop_done = None, False
+
+    def cursor_saved(self, at: float, marker: tuple, saved: tuple) -> None:
+        """The loop saved (or found current) the durable cursor at ``at``."""
+        self.cursor_saved_at, self.saved_marker, self.saved_cursor = at, marker, saved
+
     def ready_count(self) -> int:
         """Groups a poll could be given now: queued redeliveries and ready groups."""
         return len(self.redeliveries) + len(self.acc.ready)
@@ -107,6 +126,11 @@ class Jobs:
         self.current: JobState | None = None
         self._tables_seen = False
         self._tables_warned = False
+
+    def drop(self) -> JobState | None:
+        """Forget the active job (this instance lost it; callers hold the serve lock); returns it."""
+        js, self.current = self.current, None
+        return js
 
     def launcher_tables_exist(self, src: Database) -> bool:
         """True once session_steps exists (a fresh database has it only after the launcher

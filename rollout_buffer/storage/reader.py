@@ -132,6 +132,11 @@ class Reader:
             self.seen = {pk for pk in self.seen if pk > self.cursor}
         self.caught_up = drained and self.cursor >= self.max_seen
 
+    def nothing_to_read(self) -> None:
+        """The launcher's table does not exist yet: nothing can have been written, so the reader is
+        caught up."""
+        self.caught_up = True
+
 
 class Accounted:
     """After a restart: which re-read rows were already accounted before it (skip them)."""
