@@ -128,7 +128,8 @@ class Jobs:
         self._tables_warned = False
 
     def drop(self) -> JobState | None:
-        """Forget the active job (this instance lost it; callers hold the serve lock); returns it."""
+        """Forget the active job (this instance lost it; callers hold the serve lock); returns
+        it."""
         js, self.current = self.current, None
         return js
 
@@ -239,8 +240,8 @@ class Jobs:
         if tombstones:
             self.outbox.notify(job_id, Decisions(drops=tombstones))
             logger.warning(
-                "restart_training: job %s reads after id %s; %d groups with rows at or below it are "
-                "dropped",
+                "restart_training: job %s reads after id %s; %d groups with rows at or below it "
+                "are dropped",
                 job_id,
                 floor,
                 len(tombstones),

@@ -331,14 +331,15 @@ class ProxyNotifier:
     ) -> bool:
         """One POST; True on any 2xx (3xx included among the failures). Records and logs
         (rate-limited) failures."""
+        assert self.url is not None  # (the thread runs only with a proxy configured)
         body = {"session_ids": session_ids, "reason": reason, "group_ids": group_ids}
         try:
             # a redirect is not the proxy clearing anything (an auth gateway's login page would
-            # answer
-            # 200 to the GET it turns into): never followed, it counts as a failure and is retried
+            # answer 200 to the GET it turns into): never followed, it counts as a failure and is
+            # retried
             resp = session.post(
                 self.url,
-                json=body,  # type: ignore[arg-type]
+                json=body,
                 timeout=(self.connect_timeout, self.read_timeout),
                 allow_redirects=False,
             )

@@ -1,12 +1,13 @@
 """The runtime: every background thread of the service, in one shape (huey's consumer).
 
 A worker is an object with a ``name`` (its thread's name), a ``wake`` event (set to run its next
-tick early), a ``stopping`` event (set by the runtime on stop), ``tick()`` (one round of work; returns the seconds to wait before the next) and
-``close()`` (run on the worker's own thread once it stops: what it opened there, it closes
-there). The :class:`Runtime` starts one named daemon thread per worker, catches and logs what a
-tick raises (the thread goes on after ``ERROR_WAIT_S``), checks the threads' health and restarts a
-thread that died, and stops them: it sets the stop event and the worker's wake, joins with a
-timeout and logs a thread still alive. Nothing here sleeps: every wait is an ``Event.wait``.
+tick early), a ``stopping`` event (set by the runtime on stop), ``tick()`` (one round of work;
+returns the seconds to wait before the next) and ``close()`` (run on the worker's own thread once
+it stops: what it opened there, it closes there). The :class:`Runtime` starts one named daemon
+thread per worker, catches and logs what a tick raises (the thread goes on after
+``ERROR_WAIT_S``), checks the threads' health and restarts a thread that died, and stops them: it
+sets the worker's ``stopping`` and ``wake``, joins with a timeout and logs a thread still alive.
+Nothing here sleeps: every wait is an ``Event.wait``.
 
 Owns: the threads, their stop event and the health check. It must not know what a worker does.
 """

@@ -10,27 +10,20 @@ outside the serve lock and bounded in number. It must not ingest or decide anyth
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError, IntegrityError, LeaseLost, StorageError
 from rollout_buffer.core.history import History, PollStats
-from rollout_buffer.core.items import Body, GroupItems, empty_body, response_chunks
+from rollout_buffer.core.items import Body, empty_body, response_chunks
 from rollout_buffer.core.model import (
-    REJECTED,
-    Batch,
     Decisions,
-    Drop,
     PollRequest,
-    RowEvent,
-    Served,
     Take,
 )
 from rollout_buffer.runtime.health import Health
@@ -40,6 +33,7 @@ from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.runtime.signals import Signals
 from rollout_buffer.serving import redelivery
 from rollout_buffer.serving.draft import Draft, Shape
+from rollout_buffer.serving.plan import plan_poll
 from rollout_buffer.serving.prebuilt import Prebuilder
 from rollout_buffer.serving.replay import Replayer, RequestIds
 from rollout_buffer.storage.connections import LazyPair, Pair
@@ -297,7 +291,7 @@ class Serving:
         if d.built_version > js.acc.rows_version:
             js.acc.set_versions(rows=d.built_version)
         built = d.built
-        plan = self._plan(js, d.seed, request_id, built, d.refused, d.stats)
+        plan = plan_poll(js, d.seed, request_id, built, d.refused, d.stats, self.outbox.events)
         chunks: list[Any] = []
         if built:
             assert plan.batch is not None and plan.batch.meta is not None
@@ -335,69 +329,6 @@ class Serving:
             build_s=time.perf_counter() - started,
         )
         return Body(chunks, len(built), on_close=lambda: self.history.sent(entry))
-
-    def _plan(
-        self,
-        js: JobState,
-        seed: bytes,
-        request_id: str | None,
-        built: list[tuple[Take, GroupItems]],
-        refused: list[tuple[Take, str, dict[int, str]]],
-        stats: dict[str, dict],
-    ) -> Decisions:
-        """The one decision of a poll: its batch, served groups, refused groups and their bad
-        rows."""
-        plan, job_id = Decisions(), js.job_id
-        for t, reason, bad in refused:
-            if t.redelivered:  # it stays served: only its redelivery fails
-                plan.redelivered[t.group_id] = reason
-                continue
-            plan.drops.append(
-                Drop(
-                    t.group_id,
-                    reason,
-                    [pk for pk in t.all_pks if pk not in bad],
-                    t.sessions,
-                    t.rewards,
-                )
-            )
-            plan.rows.extend(
-                RowEvent(pk, REJECTED, why, t.group_id, None) for pk, why in bad.items()
-            )
-            self.outbox.events.event(
-                f"group refused when served ({reason})",
-                logging.WARNING,
-                "group %s of job %s dropped (%s)%s",
-                t.group_id,
-                job_id,
-                reason,
-                f": malformed rows {bad}" if bad else "",
-            )
-        if built:
-            batch_id = uuid.uuid4().hex
-            filtered = collections.Counter(js.acc.filtered_since_batch())
-            filtered.update(d.reason for d in plan.drops)
-            meta = {
-                "group_stats": [stats[t.group_id] for t, _ in built],
-                "filtered": dict(filtered),
-                "partial_groups": sorted(t.group_id for t, _ in built if t.partial),
-                "redelivered": [t.group_id for t, _ in built if t.redelivered],
-            }
-            plan.batch = Batch(
-                batch_id,
-                job_id,
-                request_id,
-                seed,
-                [t.group_id for t, _ in built],
-                sum(g.n_items for _, g in built),
-                0,
-                meta,
-            )
-            plan.served = [
-                Served(t, batch_id, tuple(g.session_rewards)) for t, g in built if not t.redelivered
-            ]
-            plan.redelivered.update((gid, None) for gid in meta["redelivered"])
-        return plan
 
     def _failed(self, js: JobState, t: Take, exc: Exception) -> bool:
         """Count an unexpected build failure of a group; True once it has failed MAX_BUILD_FAILURES
