@@ -50,17 +50,21 @@ class Parts:
             self.config, Supervisor(restart_policy="never"), "instance-1", host_id="host-1"
         )
         self.resets: list[str] = []
-        self.loop = Loop(
-            self.config,
+        # what both the loop and serving are built with
+        self.shared: dict[str, Any] = dict(
             jobs=self.jobs,
             outbox=self.outbox,
-            launcher=self.launcher,
             health=self.health,
             locks=self.locks,
             signals=self.signals,
+        )
+        self.loop = Loop(
+            self.config,
+            launcher=self.launcher,
             on_reset=lambda: self.resets.append("reset"),  # a recorder, not wiring
             clock=self.clock,
             history=History(),
+            **self.shared,
         )
         self.conns = LazyPair(self.config)  # the test's own, for the store
 
