@@ -5,8 +5,8 @@ loop, the prebuilt draft's builder, the proxy notifier), the lock owner (``runti
 documents and checks the lock order), the signals between threads (``runtime.signals``), serving
 (``serving``), the active job (``jobs``), the durable state (``store``), recording and notifying
 (``notifications``), the launcher (``launcher``), ownership of the job (``lease``; a standby's
-answer is app.py's). Only what is left here is the wiring, ``/start_rollout``, ``/stop_rollout``,
-``/health``, ``/stats``.
+answer is app.py's), ``/start_rollout`` and ``/stop_rollout`` (``serving.rollouts``). Only what is
+left here is the wiring, ``/health`` and ``/stats``.
 
 The wiring has no lambda and no part built after the one that needs it: the locks, the signals
 and the runtime come first, then the parts, each with keyword-only arguments.
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError, ClosedError, LeaseLost, StorageError
+from rollout_buffer.core.errors import ClosedError, StorageError
 from rollout_buffer.core.history import History
 from rollout_buffer.core.items import Body
 from rollout_buffer.core.model import PollRequest
@@ -35,14 +35,14 @@ from rollout_buffer.launcher.supervisor import LaunchSpec, Supervisor
 from rollout_buffer.runtime.health import Health
 from rollout_buffer.runtime.jobs import Jobs, JobState
 from rollout_buffer.runtime.lease import Lease
-from rollout_buffer.runtime.locks import LOCK_WAIT_S, Locks
+from rollout_buffer.runtime.locks import Locks
 from rollout_buffer.runtime.loop import Loop
 from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.runtime.proxy import ProxyNotifier
 from rollout_buffer.runtime.signals import Host, Signals
 from rollout_buffer.runtime.threads import Runtime
 from rollout_buffer.serving.poll import Serving
-from rollout_buffer.serving.redelivery import redeliver
+from rollout_buffer.serving.rollouts import Rollouts
 from rollout_buffer.storage.connections import LazyPair
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,17 @@ class Service:
             clock=clock,
             history=self.history,
             lease=self.lease,
+        )
+        self.rollouts = Rollouts(
+            config,
+            jobs=self.jobs,
+            launcher=self.launcher,
+            supervisor=self.supervisor,
+            lease=self.lease,
+            locks=self.locks,
+            signals=self.signals,
+            serving=self.serving,
+            health=self.health_state,
         )
         if self.notifier.enabled:
             self.runtime.add(self.notifier)
@@ -190,129 +201,15 @@ class Service:
         job_session: str | None,
         skip: list[str] | None = None,
     ) -> tuple[int, dict[str, Any]]:
-        """Select the job, start its launcher (or redeliver: see _redeliver). Returns (status,
-        body)."""
-        self.lease.check(10.0)  # LeaseLost on a standby: answered with 307 (app.standby_answer)
-        if not self.signals.bootstrapped.is_set():
-            # Before the active job is resumed and its launcher adopted, "not running" would be a
-            # lie.
-            self.nudge()
-            if not self.signals.bootstrapped.wait(10.0):
-                raise ApiError(
-                    503,
-                    "the service is still loading its state from the database: "
-                    f"{self.health_state.last_error or 'still starting'}",
-                    retry_after=2,
-                )
-        with self.locks.starting():
-            return self._start_rollout(conns, k, restart_training, job_session, skip or [])
-
-    def _start_rollout(
-        self,
-        conns: LazyPair,
-        k: int,
-        restart_training: bool,
-        job_session: str | None,
-        skip: list[str],
-    ) -> tuple[int, dict[str, Any]]:
-        js = self.jobs.current
-        pid = self.launcher.running_pid()  # here, or on another host
-        if pid is not None:
-            if js is not None and job_session not in (None, js.job_id):
-                raise ApiError(
-                    409,
-                    f"the launcher of job {js.job_id!r} is still running (pid "
-                    f"{pid}); POST /stop_rollout first or name that job",
-                    job_session=js.job_id,
-                    pid=pid,
-                )
-            return 200, {
-                "message": "AIEvoBox is already running",
-                "pid": pid,
-                "job_session": js.job_id if js else None,
-                **self._redeliver(conns, js, skip),
-            }
-        same = (
-            js is not None and js.job_id == job_session and not restart_training
-        )  # no new job: redeliver
-        job_id = job_session or uuid.uuid4().hex
-        if self.launcher.managed:
-            self.launcher.preflight(job_id, k)
-        pair = conns.get()
-        with self.locks.ticking(timeout=LOCK_WAIT_S), self.locks.serving():
-            try:
-                self.serving.settle(
-                    pair, self.jobs.current
-                )  # its prebuilt draft's groups go back first
-                js = self.jobs.select(pair.src, pair.store, job_id, k, restart_training)
-            except StorageError as exc:
-                raise (
-                    exc
-                    if isinstance(exc, LeaseLost)
-                    else ApiError(503, f"the database is unreachable: {exc}", retry_after=3)
-                ) from exc
-            if self.launcher.managed:
-                # Until its own launcher runs, the finished one the loop sees is not this job's:
-                # no launcher_exited drop for it (reset once the launcher is spawned).
-                js.no_launcher_drop()
-        self.nudge()
-        pid = self.launcher.start_for(
-            pair.store, js
-        )  # (None when it runs elsewhere: LAUNCHER=none)
-        logger.info(
-            "rollout started: job %s, K=%s, restart_training=%s, launcher pid %s",
-            job_id,
-            k,
-            restart_training,
-            pid,
-        )
-        return 200, {
-            "message": "Rollout started",
-            "pid": pid,
-            "job_session": job_id,
-            "k": k,
-            "restart_training": restart_training,
-            "floor_pk": js.floor_pk,
-            "launcher": self.config.launcher_kind,
-            **(self._redeliver(conns, js, skip) if same else {}),
-        }
-
-    def _redeliver(self, conns: LazyPair, js: Any, skip: list[str]) -> dict[str, Any]:
-        """A call that began no new job, with a checkpoint's skip list: queue served groups
-        again."""
-        if js is None or not skip:
-            return {}
-        return redeliver(
-            conns.get(),
-            js,
-            skip,
-            self.locks,
-            self.serving.settle,
-            self.signals.ready.notify,
+        """Select the job, start its launcher (or redeliver). Returns (status, body)."""
+        return self.rollouts.start(
+            conns, k=k, restart_training=restart_training, job_session=job_session, skip=skip
         )
 
     def stop_rollout(self) -> dict[str, Any]:
-        """Stop the launcher (idempotent); the job stays selected and ready groups stay servable.
-
-        Takes no service lock and no database (the supervisor's lock makes it safe): a stuck
-        database or a /start_rollout in progress must not keep the launcher running past its
-        grace."""
-        self.lease.check(2.0, sure=False)
-        before = self.supervisor.state()
-        self.signals.ready.interrupt()  # waiting polls answer now, with whatever is ready
-        self.supervisor.stop("requested")
-        self.nudge()
-        js = self.jobs.current
-        message = "Launcher stopped" if before["running"] else "No launcher running"
-        if self.launcher.stop_elsewhere():  # (recorded by the loop: no database here)
-            message = (
-                "Launcher on another host recorded as stopped: an instance on its host stops it"
-            )
-        return {
-            "message": message,
-            "job_session": js.job_id if js else None,
-            "launcher": self.launcher.summary(),
-        }
+        """Stop the launcher (idempotent); the job stays selected and ready groups stay
+        servable."""
+        return self.rollouts.stop()
 
     # -- introspection -----------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
