@@ -113,6 +113,8 @@ class Service:
         )
         if self.notifier.enabled:
             self.runtime.add(self.notifier)
+        if self.lease.enabled:
+            self.runtime.add(self.lease)
         self.runtime.add(self.loop)
         if self.serving.prebuilt.enabled:
             self.runtime.add(self.serving.prebuilt)
@@ -136,7 +138,6 @@ class Service:
         self._started = True
         if host is not None:
             self.signals.ready.follow(host)
-        self.lease.start()
         self.loop.mark_started()
         self.runtime.start()
         logger.info("rollout-buffer service started (db %s)", redact(self.config.db_url))
@@ -160,7 +161,8 @@ class Service:
                     conns, js.job_id if js else None, self.lease.standby_hosts, keep_launcher
                 )
         # a crashed worker's successor here sees its pid gone
-        self.lease.stop(release=not keep_launcher)
+        self.runtime.stop_worker(self.lease, 10.0)
+        self.lease.give_up(release=not keep_launcher)
         self.runtime.stop(5.0)  # the notifier last: what the stop recorded is sent first
         if self.notifier.enabled:
             self.notifier.log_stopped()

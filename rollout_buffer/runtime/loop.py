@@ -202,7 +202,7 @@ class Loop:
         if lease.role != OWNER:
             self._standby_tick()
             return False
-        lease.state_epoch = lease.epoch  # the bootstrap below loads the job under this epoch
+        lease.state_loaded()  # the bootstrap below loads the job under this epoch
         return True
 
     def _drop_state(self) -> bool:
@@ -214,7 +214,7 @@ class Loop:
                 return False
             js = self.jobs.drop()
             self.signals.bootstrapped.clear()
-            self.lease.state_epoch = None
+            self.lease.state_dropped()
             unrecorded = self.outbox.discard()
             self.on_reset()
             self.launcher.let_go()
@@ -242,7 +242,7 @@ class Loop:
         except StorageError:
             self._conns.close()
             return  # the lease thread reports the database
-        self.lease.report = self.launcher.watch_here(row, owner_host)
+        self.lease.report_launcher(self.launcher.watch_here(row, owner_host))
 
     def _housekeeping(self, src: Database, store: Store) -> None:
         """Every HOUSEKEEPING_S: check the source's sequence, and retention in small steps."""
