@@ -8,10 +8,13 @@ Lock order, outermost first; a thread never waits for an earlier lock while hold
 4. below these, the accumulator's lock (trivial critical sections, no I/O), then the leaves: the
    outbox's lock, the notifier's lock, the supervisor's lock.
 
+The lease's thread takes none of these (others only read its fields; a role change nudges the
+loop and wakes waiting polls through ``runtime.signals``), and a waiting long-poll holds none.
+
 Waiting for a lock out of this order raises :class:`LockOrderError` at once, in the thread that
-tried (a deadlock found by a test, not in production). Trying one without waiting is always
-allowed: it cannot deadlock (the loop relaunches a launcher under the tick lock only if the start
-lock is free). A request thread waits at most ``LOCK_WAIT_S``: a stuck database makes a 503
+tried (a would-be deadlock becomes an error that a test sees). Trying one without waiting is
+always allowed: it cannot deadlock (the loop relaunches a launcher under the tick lock only if the
+start lock is free). A request thread waits at most ``LOCK_WAIT_S``: a stuck database makes a 503
 (:class:`LockBusy`), never a hang.
 
 Owns: the three locks, their order, and the count of polls waiting to serve (the prebuilt draft's
