@@ -39,6 +39,7 @@ class JobState:
         acc: Accumulator,
         reader: Reader,
         accounted: Accounted | None,
+        redeliveries: Redeliveries | None = None,
     ) -> None:
         self.job_id = job_id
         self.k = k
@@ -55,7 +56,8 @@ class JobState:
             None  # (cursor, low-water, trainer version, rows version) saved
         )
         self.saved_marker: tuple | None = None
-        self.redeliveries = Redeliveries()  # served groups to deliver again, ahead of ready ones
+        # served groups to deliver again, ahead of ready ones
+        self.redeliveries = redeliveries if redeliveries is not None else Redeliveries()
 
     # -- the loop's view of the launcher and of the saved cursor (only the owner's methods write)
     def launcher_finished(self, tick: int) -> None:
@@ -175,11 +177,8 @@ class Jobs:
                 job_id, upto, store.row_pks_from(job_id, first_read_after(start_after))
             )
         reader = Reader(job_id, start_after, self.config.ingest_batch, clock=self.clock)
-        js = JobState(job_id, k, floor_pk, acc, reader, accounted)
-        js.redeliveries = Redeliveries(
-            store.redelivery_queue(job_id), store.redelivery_totals(job_id)
-        )
-        return js
+        redeliveries = Redeliveries(store.redelivery_queue(job_id), store.redelivery_totals(job_id))
+        return JobState(job_id, k, floor_pk, acc, reader, accounted, redeliveries)
 
     def resume(self, src: Database, store: Store) -> dict | None:
         """At start: make the stored active job current again. Returns its stored row, or None."""
