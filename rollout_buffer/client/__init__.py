@@ -33,8 +33,8 @@ Owns: the trainer's side of the HTTP contract. It must not import the service or
 database (an import-linter contract): it speaks HTTP only, with ``requests`` and the stdlib.
 """
 
+from rollout_buffer.client.asynchronous import AsyncBufferClient
 from rollout_buffer.client.blocking import BufferClient
-from rollout_buffer.client.concurrent import AsyncBufferClient
 from rollout_buffer.client.transport import BufferError, BufferUnavailable
 from rollout_buffer.client.views import Batch, Group, Session, groups_of
 

@@ -283,6 +283,10 @@ def resume(
     Name the job in ``job_session``: without it a stopped launcher means a new job, and a new
     job redelivers nothing. An empty list redelivers nothing either (the server's rule).
     """
+    if isinstance(trained_group_ids, (str, bytes)):  # its characters are not group ids
+        raise TypeError(
+            f"trained_group_ids={trained_group_ids!r}: expected a list of group ids, not one string"
+        )
     ids = list(dict.fromkeys(str(g) for g in trained_group_ids))
     answer = yield from start_rollout(
         conn,

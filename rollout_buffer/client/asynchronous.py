@@ -71,8 +71,10 @@ class AsyncBufferClient(Connection):
     async def close(self) -> None:
         """Close the HTTP session and the thread pool (a request under way finishes in its
         thread)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        # a call after close() makes a new pool, as requests makes new connections after it
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         self.session.close()
 
     async def __aenter__(self) -> AsyncBufferClient:
