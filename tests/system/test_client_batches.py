@@ -161,7 +161,11 @@ def test_resume_after_a_trainer_crash_serves_again_what_the_checkpoint_lacks(
                 f"resume: job {JOB}: the checkpoint holds 2 groups; 2 served groups it lacks are "
                 f"delivered again first: {', '.join(lost)}"
             ]
+            # a retry of the call (its answer lost) queues the same groups, not twice as many
+            retried = trainer.resume(checkpoint, num_repeat_per_sample=K, job_session=JOB)
+            assert retried["redelivery"]["groups"] == lost
             again = list(trainer.iter_groups(3, timeout=30))
+            assert trainer.get_rollout_data()["success"] is False
         assert [g.group_id for g in again] == [*lost, "g5"]
         assert [g.redelivered for g in again] == [True, True, False]
         assert again[0].meta_info["redelivered"] == lost
