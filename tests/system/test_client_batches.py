@@ -1,6 +1,7 @@
 """The trainer's views through a real gunicorn server: ``get_batch`` and ``iter_groups`` with
 ``min_groups``, the batch's ``meta_info`` reaching the caller, a group's sessions (steps in order,
-terminal reward, truncation), and ``resume`` after a trainer crash.
+terminal reward, truncation), and ``resume`` after a trainer crash (a real trainer process
+killed -9 after a batch was served to it and before it read it).
 
 The launcher is ``none``: the test writes the launcher's rows itself (``Writer``), so it decides
 when a group completes, and a poll that must wait is seen waiting in ``/stats`` before the group
@@ -9,13 +10,18 @@ it waits for is completed.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-from servers import serve
+from servers import ROOT, serve
 from support import Writer, make_launcher_db, wait_until
 
 from rollout_buffer.client import Batch, BufferClient, Group
@@ -180,3 +186,58 @@ def test_resume_that_redelivers_nothing_says_why(sqlite_url: str, tmp_path: Path
         assert "redelivery" not in answer
         (line,) = [r.getMessage() for r in caplog.records if r.name == "rollout_buffer.client"]
         assert "nothing is delivered again (the checkpoint holds no group)" in line
+
+
+TRAINER = """
+import json, sys
+from rollout_buffer.client import BufferClient
+client = BufferClient(sys.argv[1], backoff_s=0.1)
+first = client.get_batch(max_groups=2, timeout=60)
+print(json.dumps(first.meta_info["finished_groups"]), flush=True)  # its checkpoint
+client.get_batch(min_groups=2, max_groups=2, timeout=60)
+print("received the second batch", flush=True)
+"""
+
+
+def test_a_trainer_killed_before_it_read_a_served_batch_gets_it_again_on_resume(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    make_launcher_db(sqlite_url)
+    writer = Writer(sqlite_url, job=JOB)
+    for name in ("g1", "g2", "g3"):
+        writer.group(name, K)
+    writer.group("g4", K, complete=K - 1)
+    with serve(sqlite_url, tmp_path) as srv, BufferClient(srv.url, backoff_s=0.1) as client:
+        client.start_rollout(num_repeat_per_sample=K, job_session=JOB)
+        wait_until(lambda: ready(client, 3), 30, "three groups ready")
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", TRAINER, srv.url],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert trainer.stdout is not None
+            checkpoint = json.loads(trainer.stdout.readline())
+            assert checkpoint == ["g1", "g2"]
+            wait_until(lambda: waiting(client), 30, "the trainer's second poll waits")
+            os.kill(trainer.pid, signal.SIGSTOP)  # it cannot read what is served now
+            writer.session("g4", "g4-last", 2)
+            wait_until(
+                lambda: client.stats()["groups"]["served"] == 4, 30, "the batch served to it"
+            )
+            trainer.kill()  # kill -9 before it ever read the batch
+            assert trainer.wait(30) == -signal.SIGKILL
+            assert "received" not in trainer.stdout.read()
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+                trainer.wait(30)
+            if trainer.stdout is not None:
+                trainer.stdout.close()
+        writer.close()
+        answer = client.resume(checkpoint, num_repeat_per_sample=K, job_session=JOB)
+        assert answer["redelivery"]["groups"] == ["g3", "g4"]
+        again = list(client.iter_groups(2, timeout=30))
+        assert [(g.group_id, g.redelivered) for g in again] == [("g3", True), ("g4", True)]
+        assert all(len(g.sessions) == K for g in again)
