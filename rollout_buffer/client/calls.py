@@ -223,15 +223,15 @@ def iter_groups(
         if n is not None:
             left = n - yielded
             want = left if want is None or want <= 0 else min(want, left)
+        # never wait for more groups than are still wanted (max_groups <= 0 is no cap)
+        least = min_groups if min_groups is None or not want or want < 0 else min(min_groups, want)
         batch = None
         if deadline is None or time.monotonic() < deadline:
             batch = yield from _next_batch(
                 conn,
                 deadline,
                 max_groups=want,
-                min_groups=min_groups
-                if min_groups is None or want is None
-                else min(min_groups, want),
+                min_groups=least,
                 wait_s=wait_s,
                 poll_interval=poll_interval,
                 current_weight_version=current_weight_version,

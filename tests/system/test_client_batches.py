@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from servers import ROOT, serve
 from support import Writer, make_launcher_db, wait_until
+from test_client import EMPTY, Scripted, batch
 
 from rollout_buffer.client import Batch, BufferClient, Group
 
@@ -241,3 +242,18 @@ def test_a_trainer_killed_before_it_read_a_served_batch_gets_it_again_on_resume(
         again = list(client.iter_groups(2, timeout=30))
         assert [(g.group_id, g.redelivered) for g in again] == [("g3", True), ("g4", True)]
         assert all(len(g.sessions) == K for g in again)
+
+
+def test_iter_groups_never_waits_for_more_groups_than_it_still_wants() -> None:
+    with (
+        Scripted([batch("a"), batch("b", "c")], EMPTY) as srv,
+        BufferClient(srv.url) as client,
+    ):
+        got = [g.group_id for g in client.iter_groups(3, min_groups=5, wait_s=1, timeout=10)]
+        assert got == ["a", "b", "c"]
+        assert [(b["max_groups"], b["min_groups"]) for b in srv.bodies] == [(3, 3), (2, 2)]
+        srv.script.append(batch("d"))
+        groups = client.iter_groups(max_groups=0, min_groups=2, wait_s=1, timeout=10)
+        assert next(groups).group_id == "d"
+        groups.close()
+        assert (srv.bodies[-1]["max_groups"], srv.bodies[-1]["min_groups"]) == (0, 2)  # no cap
