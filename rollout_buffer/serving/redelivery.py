@@ -134,5 +134,10 @@ def redeliver(
             js.job_id,
         )
     return {
-        "redelivery": {"queued": len(queue), "cancelled": cancelled, "skip_instance_ids": len(skip)}
+        "redelivery": {
+            "queued": len(queue),
+            "cancelled": cancelled,
+            "skip_instance_ids": len(skip),
+            "groups": queue,  # named, so the trainer can log what it will be given again
+        }
     }
