@@ -240,7 +240,9 @@ class Accumulator:
             stall_s = self.census.stall_after()
             undecided = self.pending.keys() | self.ready.keys() | self.taken.keys()
             running = (self.census.started | admitted) - undecided - self.decided.keys()
-            stalled = sum(1 for g in self.pending.values() if now - g.last_seen > stall_s)
+            stalled_now = [g.group_id for g in self.pending.values() if now - g.last_seen > stall_s]
+            self.census.stalled.update(stalled_now)
+            stalled = len(stalled_now)
             return {
                 "running": len(running),
                 "pending": len(self.pending) - stalled,
@@ -248,6 +250,11 @@ class Accumulator:
                 "built": len(self.taken),
                 "stalled": stalled,
             }
+
+    def completion_rate(self) -> float | None:
+        """The share of the groups that ended (ready, or stalled) that reached K."""
+        with self.lock:
+            return self.census.completion_rate()
 
     def group_of(self, session_id: str) -> tuple[str | None, bool]:
         """A session's group, when known, and whether that group has started (a row, or another

@@ -29,6 +29,7 @@ progress and the current version.
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -80,6 +81,7 @@ class Admission:
         self._last_take: float | None = None
         self.admitted: set[str] = set()  # groups the gate let start
         self.served = 0  # groups the trainer took (polls)
+        self.completion_rate: float | None = None  # of the groups that started, reaching K
         self.first_version: int | None = None  # the job's current version when first seen
         self.held = 0  # first calls the gate holds now
         self.admitted_total = 0
@@ -116,8 +118,15 @@ class Admission:
 
     # -- the budget ------------------------------------------------------------------------------
     def capacity(self) -> int:
-        """(S + 1) x B: the groups that may be in progress at once."""
-        return (self.staleness.value + 1) * self.batch_groups.value
+        """(S + 1) x B: the groups that may be in progress at once (more when some of the groups
+        that start never complete: a crashed session)."""
+        return self._stretch((self.staleness.value + 1) * self.batch_groups.value)
+
+    def _stretch(self, capacity: int) -> int:
+        rate = self.completion_rate
+        if rate is None or rate >= 1.0:
+            return capacity
+        return math.ceil(capacity / max(rate, 0.5))
 
     def surplus(self, current_version: int | None) -> int:
         """Groups the trainer holds beyond what its steps consumed (estimated from versions)."""
@@ -137,7 +146,7 @@ class Admission:
         surplus = self.surplus(current_version)
         total = sum(v for k, v in in_progress.items() if k != "stalled") + surplus
         staleness, batch = self.staleness, self.batch_groups
-        capacity = (staleness.value + 1) * batch.value
+        capacity = self._stretch((staleness.value + 1) * batch.value)
         budget = max(0, capacity - total)
         if budget:
             why = (
@@ -161,6 +170,11 @@ class Admission:
                 "staleness": staleness.as_dict(),
                 "batch_groups": batch.as_dict(),
                 "in_progress": {"value": total - surplus, "source": "observed", **in_progress},
+                "completion_rate": {
+                    "value": self.completion_rate,
+                    "source": "learned: the share of started groups that reached K (capacity is "
+                    "divided by it, at most doubled); null until 20 groups ended",
+                },
                 "trainer_surplus": {
                     "value": surplus,
                     "source": "estimated: groups served minus B per step (weight versions "
@@ -212,7 +226,7 @@ class Admission:
 
     def capacity_locked(self) -> int:
         """(S + 1) x B, with the lock held."""
-        return (self.staleness.value + 1) * self._batch_locked()
+        return self._stretch((self.staleness.value + 1) * self._batch_locked())
 
     def _batch_locked(self) -> int:
         """B, with the lock held (without taking it again)."""

@@ -77,6 +77,8 @@ class Census:
         self.discarded: defaultdict[str, Generated] = defaultdict(Generated)
         # how long groups took from their first trainable row to ready (the last completions)
         self.spans: deque[float] = deque(maxlen=SPANS_KEPT)
+        self.reached_k = 0  # groups that became ready
+        self.stalled: set[str] = set()  # groups seen stalled (a session failed for good)
         self.group_sessions: defaultdict[str, set[str]] = defaultdict(set)
         self.session_group: dict[str, str] = {}
         self.scheduled: set[str] = set()  # listed in job_environments
@@ -159,6 +161,13 @@ class Census:
     def completed_in(self, seconds: float) -> None:
         """A group became ready ``seconds`` after its first trainable row."""
         self.spans.append(max(0.0, seconds))
+        self.reached_k += 1
+
+    def completion_rate(self) -> float | None:
+        """The share of the groups that ended (ready, or stalled) that reached K; None until
+        twenty did."""
+        ended = self.reached_k + len(self.stalled)
+        return None if ended < 20 else self.reached_k / ended
 
     def stall_after(self) -> float:
         """Idle seconds after which a pending group is taken for stalled (one of its sessions

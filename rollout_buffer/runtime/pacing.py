@@ -100,6 +100,7 @@ class Pacing:
         admission = self.admission
         # counted before this call marks its group started: a group never waits for itself
         progress = js.acc.progress(admission.admitted)
+        admission.completion_rate = js.acc.completion_rate()
         in_progress = sum(v for k, v in progress.items() if k != "stalled")
         group, started = js.acc.group_of(session_id)
         if group is None:
@@ -134,6 +135,7 @@ class Pacing:
             version = None
         else:
             progress = js.acc.progress(admission.admitted)
+            admission.completion_rate = js.acc.completion_rate()
             version = js.acc.current_version
         doc = admission.report(progress, version)
         doc["pacing"] = self.config.pacing

@@ -112,6 +112,7 @@ def authed(lite_url, harness_factory):
         ("post", "/stop_rollout"),
         ("get", "/stats"),
         ("get", "/metrics"),
+        ("get", "/admission"),
     ],
 )
 def test_auth_required_everywhere_but_health(authed, method, path):

@@ -183,3 +183,9 @@ def test_waste_is_measured_per_group_and_by_reason(harness_factory: Any, db_url:
     assert waste["discarded"]["rows"] == 4
     assert waste["discarded_share"]["groups"] == 0.5
     assert waste["served"]["generation_s"] >= 0.0
+    metrics = h.client.get("/metrics").get_data(as_text=True)
+    assert (
+        'rollout_buffer_generated_groups_total{job_session="job1",outcome="discarded",'
+        'reason="stale"} 1' in metrics
+    )
+    assert 'rollout_buffer_discarded_generation_share{job_session="job1"}' in metrics
