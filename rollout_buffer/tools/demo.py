@@ -335,10 +335,10 @@ def _run(
     finally:
         if client is not None:
             client.close()
-        code = server.stop(wait_s=STOP_WAIT_S)
-        if code not in (0, None, -signal.SIGTERM):
+        exit_code = server.stop(wait_s=STOP_WAIT_S)
+        if exit_code not in (0, None, -signal.SIGTERM):
             print(
-                f"rollout-buffer demo: the server exited with code {code} (see {server_log})",
+                f"rollout-buffer demo: the server exited with code {exit_code} (see {server_log})",
                 file=sys.stderr,
             )
 
