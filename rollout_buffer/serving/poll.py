@@ -23,7 +23,7 @@ from typing import Any
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError, IntegrityError, LeaseLost, StorageError
 from rollout_buffer.core.history import History, PollStats
-from rollout_buffer.core.items import Body, GroupItems, empty_body, response_chunks
+from rollout_buffer.core.items import GroupItems
 from rollout_buffer.core.model import (
     REJECTED,
     Batch,
@@ -34,6 +34,7 @@ from rollout_buffer.core.model import (
     Served,
     Take,
 )
+from rollout_buffer.core.response import Body, empty_body, response_chunks
 from rollout_buffer.runtime.jobs import Jobs, JobState
 from rollout_buffer.runtime.loop import Health, Loop
 from rollout_buffer.runtime.notifications import Outbox

@@ -33,3 +33,34 @@ def test_a_proxy_without_the_clear_endpoint_shows_in_health_and_stats(
         stats = h.stats()["proxy_notifications"]
         assert stats["clear_endpoint"] == "absent" and stats["sessions"] == 0
         assert len(proxy.calls) == 1
+
+
+def keys_of(doc: dict[str, Any]) -> dict[str, set[str]]:
+    """Each served group's rollout_group_keys, by instance_id."""
+    out: dict[str, set[str]] = {}
+    for item in doc["data"]["data"]:
+        out.setdefault(item["instance_id"], set()).add(item["extra_info"].get("rollout_group_key"))
+    return out
+
+
+def test_every_item_carries_its_rollout_group_key_through_replay_and_redelivery(
+    writer: Writer, harness: Any
+) -> None:
+    """The newer upstream client groups by extra_info.rollout_group_key ("<instance_id>:<n>");
+    without it, it guesses. The key of a group is the same when its batch is replayed (a lost
+    response) and when it is delivered again after a trainer crash."""
+    harness.start(k=2)
+    for gid in ("g1", "g2", "g3"):
+        writer.group(gid, 2, steps=3)
+    first = harness.poll(max_groups=2, request_id="r1")
+    assert keys_of(first) == {"g1": {"g1:0"}, "g2": {"g2:0"}}
+    assert len(first["data"]["data"]) == 2 * 2 * 3, "every item carries it"
+    assert keys_of(harness.poll(max_groups=2, request_id="r1")) == keys_of(first)  # a replay
+    harness.start(k=2, skip_instance_ids=["g1"])  # the checkpoint holds g1: g2 comes again
+    again = harness.poll(max_groups=5)
+    assert keys_of(again) == {"g2": {"g2:0"}, "g3": {"g3:0"}}
+    assert all(
+        item["extra_info"].get("redelivered")
+        for item in again["data"]["data"]
+        if item["instance_id"] == "g2"
+    )
