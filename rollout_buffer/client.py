@@ -150,6 +150,7 @@ class BufferClient:
         self.backoff_s = float(backoff_s)
         self.backoff_max_s = float(backoff_max_s)
         self.use_request_id = use_request_id
+        self._exited_launcher: Any = None  # the exited launcher last warned about (once each)
         self.session = requests.Session()
         if token:
             self.session.headers["Authorization"] = f"Bearer {token}"
@@ -382,7 +383,29 @@ class BufferClient:
             body["request_id"] = request_id or uuid.uuid4().hex
         elif request_id is not None:
             body["request_id"] = request_id
-        return self._call("POST", "/get_rollout_data", body, wait_s=wait_s)
+        doc = self._call("POST", "/get_rollout_data", body, wait_s=wait_s)
+        self._warn_launcher_exited(doc)
+        return doc
+
+    def _warn_launcher_exited(self, doc: dict[str, Any]) -> None:
+        """Once per launcher: the server says it has exited, so no new group will come."""
+        data = doc.get("data")
+        meta = data.get("meta_info") if isinstance(data, dict) else None
+        launcher = meta.get("launcher") if isinstance(meta, dict) else None
+        if not isinstance(meta, dict) or not isinstance(launcher, dict):
+            return
+        if launcher.get("state") != "exited":
+            return
+        seen = (meta.get("job_session"), launcher.get("pid"))
+        if seen != self._exited_launcher:
+            self._exited_launcher = seen
+            logger.warning(
+                "the launcher of job %s exited with code %s: no new groups will come until a "
+                "/start_rollout starts another (its log: %s on the server)",
+                seen[0],
+                launcher.get("exit_code"),
+                launcher.get("log_path"),
+            )
 
     def iter_groups(
         self,

@@ -113,6 +113,7 @@ class Service:
             connection=self.connection,
         )
         self.serving.guard = lambda: self.lease.check(2.0)
+        self.serving.launcher_status = self.launcher.status
         self._started = False
         self._closed = False
 
@@ -208,7 +209,37 @@ class Service:
                     retry_after=2,
                 )
         with bounded(self._start_lock, "another /start_rollout", LOCK_WAIT_S):
-            return self._start_rollout(conns, k, restart_training, job_session, skip or [])
+            status, body = self._start_rollout(conns, k, restart_training, job_session, skip or [])
+        if body.get("message") == "Rollout started" and body.get("pid") is not None:
+            self._said_if_it_exits_at_once(body)  # (no lock held while it waits)
+        return status, body
+
+    def _said_if_it_exits_at_once(self, body: dict[str, Any]) -> None:
+        """A launcher that fails within the launch grace makes /start_rollout an error (500: the
+        client does not retry it) naming its exit code and showing its log's last lines; "Rollout
+        started" sent a trainer polling forever. With a restart due (on-failure), the answer stays
+        200, with a warning and the same details (``launcher_exit``)."""
+        early = self.launcher.early_exit(body["pid"])
+        if early is None:
+            return
+        job_id = body["job_session"]
+        said = (
+            f"the launcher exited with code {early['exit_code']} within "
+            f"{self.config.launch_grace_s:g} s of its start"
+        )
+        logger.error("%s (job %s, log: %s)", said, job_id, early["log_path"])
+        if early["will_restart"]:
+            body["warning"] = f"{said}; the restart policy starts it again (see launcher_exit)"
+            body["launcher_exit"] = early
+            return
+        raise ApiError(
+            500,
+            f"{said}; see log_tail and hints. Job {job_id!r} stays selected: POST /start_rollout "
+            "again starts a new launcher for it",
+            job_session=job_id,
+            pid=body["pid"],
+            **early,
+        )
 
     def _start_rollout(
         self,
@@ -335,6 +366,9 @@ class Service:
             "job_session": js.job_id if js else None,
             "database": "ok" if problem is None else problem,
             "launcher": self.launcher.summary(),
+            # running, restarting, exited (with its exit code), stopped...: health stays 200 when
+            # it has exited, as the service itself works; a trainer reads it here and in meta_info
+            "launcher_state": self.launcher.status(),
             "proxy_notifications": self.notifier.pending(),
         }
 

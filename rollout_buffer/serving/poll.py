@@ -92,6 +92,9 @@ class Serving:
         self.guard: Callable[[], None] = lambda: (
             None
         )  # raises when this instance may not serve (a standby)
+        # the launcher in a word (Launcher.status), in every answer's meta_info: a trainer polling a
+        # job whose launcher has exited is told so, not only /stats
+        self.launcher_status: Callable[[], dict[str, Any]] | None = None
         self._failures: dict[tuple[str, str], int] = {}
         self.replayer = Replayer(config, self._rids)
         self.prebuilt = Prebuilder(
@@ -227,7 +230,7 @@ class Serving:
         ):
             # nothing to serve and nothing to replay: answered from memory, no database touched
             self.loop.nudge()
-            return empty_body({"job_session": js.job_id})
+            return empty_body(self._meta(js))
         if not self.prebuilt.poll_acquires(self.serve_lock, SERVE_LOCK_WAIT_S):
             raise ApiError(
                 503,
@@ -264,6 +267,13 @@ class Serving:
             self.serve_lock.release()
         return self.replayer.replay(conns.get(), js, *replay)
 
+    def _meta(self, js: JobState) -> dict[str, Any]:
+        """What every answer's meta_info says of the job (its id, its launcher's state)."""
+        meta: dict[str, Any] = {"job_session": js.job_id}
+        if self.launcher_status is not None:
+            meta["launcher"] = self.launcher_status()
+        return meta
+
     # -- serve -------------------------------------------------------------------------------------
     def _serve(self, pair: Pair, js: JobState, poll: PollRequest) -> Body:
         started = time.perf_counter()
@@ -296,7 +306,7 @@ class Serving:
                 [g for _, g in built],
                 d.buf,
                 {
-                    "job_session": js.job_id,
+                    **self._meta(js),
                     "batch_id": plan.batch.batch_id,
                     "request_id": request_id,
                     "replayed": False,
@@ -309,7 +319,7 @@ class Serving:
         if leftover:
             self.loop.nudge()
         if not built:
-            return empty_body({"job_session": js.job_id})
+            return empty_body(self._meta(js))
         logger.debug(
             "served %d groups (%d bytes) of job %s; %d left ready",
             len(built),

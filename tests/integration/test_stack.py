@@ -4,10 +4,106 @@ client, on both backends."""
 
 from __future__ import annotations
 
+import shutil
+import sys
+from pathlib import Path
 from typing import Any
 
 from fakes.fake_proxy import FakeProxy
 from support import Writer, wait_until
+
+FAKES = Path(__file__).parent.parent / "fakes"
+
+
+def launcher_of(doc: dict[str, Any]) -> dict[str, Any]:
+    """What a poll's meta_info says of the launcher."""
+    return dict(doc["data"]["meta_info"].get("launcher") or {})
+
+
+def upstream_root(tmp_path: Path) -> str:
+    """An AIEVOBOX_ROOT whose launcher.py checks its flags as the upstream one does."""
+    root = tmp_path / "aievobox"
+    root.mkdir()
+    shutil.copy(FAKES / "upstream_launcher.py", root / "launcher.py")
+    return str(root)
+
+
+def test_a_launcher_that_exits_at_once_makes_start_rollout_an_error_with_its_code_and_log(
+    db_url: str, tmp_path: Path, harness_factory: Any
+) -> None:
+    """The upstream launcher, started as the service starts it: on Postgres it gets --storage-type
+    postgres and exits 2 (it writes no Postgres); on SQLite the default http transport needs Ray and
+    it exits 1. Both were answered 200 "Rollout started", and the trainer polled forever."""
+    postgres = db_url.startswith("postgresql")
+    if postgres:
+        db_url += "&password=hunter2"  # trust auth ignores it; no answer may show it
+    h = harness_factory(
+        db_url,
+        launcher="auto",
+        aievobox_root=upstream_root(tmp_path),
+        env_config="envs.yaml",
+    )
+    r = h.client.post("/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "j1"})
+    body = r.get_json()
+    assert r.status_code == 500, body
+    assert body["ok"] is False and body["job_session"] == "j1"
+    assert body["exit_code"] == (2 if postgres else 1) and "exited with code" in body["error"]
+    tail = "\n".join(body["log_tail"])
+    assert len(body["log_tail"]) <= 20 and "launcher.py" in tail
+    if postgres:
+        assert "invalid choice: 'postgres'" in tail
+        assert any("--storage-type postgres" in hint for hint in body["hints"])
+    else:
+        assert "No module named 'ray'" in tail
+        assert any("AIEVOBOX_ENV_TRANSPORT=inproc" in hint for hint in body["hints"])
+        assert "\\x1b[31mcolour" in tail, "control characters are shown escaped"
+    assert "\x1b" not in tail
+    assert "hunter2" not in r.get_data(as_text=True)
+    health = h.client.get("/health").get_json()
+    assert health["launcher_state"]["state"] == "exited" and not health["aievobox_running"]
+    again = h.client.post("/start_rollout", json={"num_repeat_per_sample": 2, "job_session": "j1"})
+    assert again.status_code == 500 and again.get_json()["pid"] != body["pid"], "a new launcher"
+
+
+def test_a_launcher_the_policy_restarts_is_started_with_a_warning(
+    lite_url: str, tmp_path: Path, harness_factory: Any
+) -> None:
+    """With ROLLOUT_BUFFER_RESTART_POLICY=on-failure the operator asked for restarts: the answer
+    stays 200, and says what happened."""
+    h = harness_factory(
+        lite_url,
+        launcher="auto",
+        aievobox_root=upstream_root(tmp_path),
+        env_config="envs.yaml",
+        restart_policy="on-failure",
+        restart_backoff_s=30.0,
+    )
+    body = h.start(k=2)
+    assert "exited with code 1" in body.get("warning", "")
+    assert body["launcher_exit"]["exit_code"] == 1 and body["launcher_exit"]["will_restart"]
+    assert h.client.get("/health").get_json()["launcher_state"]["state"] == "restarting"
+
+
+def test_a_launcher_that_dies_later_is_shown_in_every_poll_and_in_health(
+    db_url: str, writer: Writer, tmp_path: Path, harness_factory: Any
+) -> None:
+    # it exits 1 after 3.5 s, past the default 3 s launch grace: /start_rollout says it started
+    fake = [sys.executable, str(FAKES / "fake_launcher.py"), "--mode", "exit1", "--sleep", "3.5"]
+    h = harness_factory(db_url, launcher="auto", launcher_cmd=fake)
+    assert h.start(k=2)["message"] == "Rollout started"
+    writer.group("g1", 2)
+    served = h.poll()
+    assert served["success"] and launcher_of(served).get("state") == "running"
+    # nothing more comes: each empty answer says why, not only /stats
+    assert wait_until(lambda: launcher_of(h.poll()).get("state") == "exited", timeout=10)
+    assert launcher_of(h.poll())["exit_code"] == 1
+    health = h.client.get("/health")
+    assert health.status_code == 200, "the service works; the launcher's end is a fact to show"
+    assert health.get_json()["launcher_state"] == {
+        **health.get_json()["launcher_state"],
+        "state": "exited",
+        "exit_code": 1,
+    }
 
 
 def test_a_proxy_without_the_clear_endpoint_shows_in_health_and_stats(
