@@ -215,9 +215,9 @@ class Launcher:
         flags say, and whether the restart policy starts it again. An exit 0 is a launcher that
         had little to do: no failure."""
         exited, code = self.supervisor.wait_exit(pid, self.config.launch_grace_s)
-        if not exited or code == 0:
-            return None
         state = self.supervisor.state()
+        if not exited or code == 0 or state["stopped_by"]:  # (a /stop_rollout, a shutdown)
+            return None
         argv = state["argv"] or []
         return {
             "exit_code": code,

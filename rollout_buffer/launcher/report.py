@@ -26,12 +26,14 @@ TAIL_BYTES = 64 * 1024  # what is read from the end of the log for its last line
 LINE_CHARS = 500  # a longer line is cut: a launcher may print a whole prompt on one line
 #: The storage types the upstream launcher accepts (SPEC §6): SQLite, or its proprietary gateway.
 UPSTREAM_STORAGE_TYPES = ("sqlite", "cloud")
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# C0 (but tab), DEL, C1, and the bidirectional overrides that make a line read otherwise
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def escaped(line: str) -> str:
-    """A log line safe to show: control characters (a terminal's escapes too) as ``\\xNN``."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", line)
+    """A log line safe to show: control characters (a terminal's escapes too) as ``\\xNN`` (or
+    ``\\uNNNN``)."""
+    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], line)
 
 
 def log_tail(path: str | None, lines: int = TAIL_LINES) -> list[str]:

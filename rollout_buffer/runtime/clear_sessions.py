@@ -31,8 +31,8 @@ TRANSIENT_4XX = frozenset({408, 425, 429})
 ABSENT_WARNING = (
     "the LLM proxy answered HTTP %s to POST %s: it has no clear_sessions endpoint (the upstream "
     "rl/llm_proxy.py has none), or LLM_PROXY_HOST/LLM_PROXY_PORT name another server. Sessions of "
-    "dropped groups are not cleared there; their notifications are dropped from now on (counted in "
-    "/health and /stats as proxy_notifications.dropped_sessions) until the service restarts"
+    "dropped groups are not cleared there: their notifications are dropped (counted in /health and "
+    "/stats as proxy_notifications.dropped_sessions), and the proxy is asked again after %.0f s"
 )
 
 

@@ -61,6 +61,8 @@ class ProxyNotifier:
 
     #: At most one failure WARNING per this many seconds while the proxy stays unreachable.
     WARN_INTERVAL_S = 60.0
+    #: After a 404/405, notifications are dropped for this long; then the next one is sent again.
+    ABSENT_RECHECK_S = 600.0
     #: How long the idle thread sleeps when nothing wakes it (a safety net, not a poll).
     IDLE_WAIT_S = 5.0
 
@@ -110,6 +112,7 @@ class ProxyNotifier:
         self._last_warn_at: float | None = None
         self._warned_since = 0  # failures since the last WARNING line
         self._rejected_streak = 0  # 4xx answers (other than 404/405) in a row
+        self._recheck_at = 0.0  # (monotonic) when a proxy without the endpoint is asked again
 
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -285,7 +288,7 @@ class ProxyNotifier:
                     chunk = all_ids[start : start + self.max_ids_per_request]
                     result = (
                         ABSENT
-                        if self._clear_endpoint == ABSENT
+                        if self._clear_endpoint == ABSENT and time.monotonic() < self._recheck_at
                         else self._post(session, reason, chunk, groups)
                     )
                     if result == RETRY or (
@@ -375,16 +378,22 @@ class ProxyNotifier:
         return result
 
     def _on_absent(self, status: int | None) -> None:
-        """The proxy has no clear endpoint: said once, loudly; nothing is retried from now on."""
+        """The proxy has no clear endpoint: said once, loudly; nothing is sent until the recheck (a
+        404 may also come from a proxy being deployed behind its gateway)."""
+        first = self._clear_endpoint != ABSENT
         with self._lock:
             self._clear_endpoint = ABSENT
             self._last_error = f"HTTP {status} from {self.url}: no clear_sessions endpoint"
         self._fail_streak = 0
         self._last_answered = True
-        logger.warning(ABSENT_WARNING, status, self.url)
+        self._recheck_at = time.monotonic() + self.ABSENT_RECHECK_S
+        if first:
+            logger.warning(ABSENT_WARNING, status, self.url, self.ABSENT_RECHECK_S)
 
     def _on_success(self) -> None:
         self._rejected_streak = 0
+        if self._clear_endpoint == ABSENT:
+            logger.warning("the LLM proxy at %s clears sessions again", self.url)
         if self._fail_streak:
             logger.info(
                 "proxy reachable again at %s after %d failed attempt(s)",

@@ -285,6 +285,29 @@ def test_other_4xx_answers_are_tried_a_bounded_number_of_times(make_notifier) ->
         assert rec.calls[0][1] == ["s3"] and notifier.pending()["rejected_sessions"] == 2
 
 
+def test_a_proxy_without_the_clear_endpoint_is_asked_again_later(make_notifier) -> None:
+    """A 404 can also come from a gateway while the proxy behind it is being deployed: after
+    ABSENT_RECHECK_S the next notification is sent again, and delivered once the proxy takes it."""
+    with FakeProxy(status=404) as fake:
+        rec = Recorder()
+        notifier = make_notifier(base_url=fake.url, on_delivered=rec)
+        notifier.ABSENT_RECHECK_S = 0.3
+        notifier.start()
+        notifier.notify("job_ended", ["s1"], ["g1"], keys=["k1"])
+        assert wait_until(lambda: notifier.pending().get("clear_endpoint") == "absent")
+        fake.status = 200
+        notifier.notify("job_ended", ["s2"], ["g2"], keys=["k2"])  # dropped: within the recheck
+        assert wait_until(lambda: notifier.pending()["dropped_sessions"] == 2)
+
+        def delivered_again() -> bool:
+            notifier.notify("job_ended", ["s3"], ["g3"], keys=["k3"])
+            return notifier.pending()["clear_endpoint"] == "present"
+
+        assert wait_until(delivered_again)
+        assert {"s3"} <= {s for call in fake.calls for s in call["session_ids"]}
+        assert "s2" not in {s for call in fake.calls for s in call["session_ids"]}
+
+
 @pytest.mark.parametrize("status", [301, 302, 303, 307])
 def test_a_redirect_is_a_failure_never_followed(make_notifier, status) -> None:
     """An auth gateway in front of the proxy answers 302 to its login page: following it turned the

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -160,3 +161,24 @@ def test_every_item_carries_its_rollout_group_key_through_replay_and_redelivery(
         for item in again["data"]["data"]
         if item["instance_id"] == "g2"
     )
+
+
+def test_a_launcher_stopped_during_the_launch_grace_is_no_failure_to_start(
+    lite_url: str, tmp_path: Path, harness_factory: Any
+) -> None:
+    """/stop_rollout (or a shutdown) while /start_rollout waits out the grace: the launcher ends by
+    a signal, which is what was asked, not a launcher that could not run."""
+    fake = [sys.executable, str(FAKES / "fake_launcher.py"), "--mode", "hang"]
+    h = harness_factory(lite_url, launcher="auto", launcher_cmd=fake, launch_grace_s=30.0)
+    answers: list[Any] = []
+    starter = threading.Thread(
+        target=lambda: answers.append(
+            h.client.post("/start_rollout", json={"num_repeat_per_sample": 2})
+        )
+    )
+    starter.start()
+    assert wait_until(lambda: h.service.supervisor.state()["running"])
+    assert h.client.post("/stop_rollout", json={}).status_code == 200
+    starter.join(20)
+    assert answers and answers[0].status_code == 200, answers[0].get_json()
+    assert answers[0].get_json()["message"] == "Rollout started"
