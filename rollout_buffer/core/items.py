@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -297,7 +297,7 @@ def item_flags(partial: bool, redelivered: bool) -> str:
 
 
 def _validated(
-    take: Take, rows: dict[int, Sequence[Any]], job_id: str
+    take: Take, rows: Mapping[int, Sequence[Any]], job_id: str
 ) -> tuple[list[tuple[Any, ...]], dict[str, tuple[int, int, float]]]:
     """The group's rows in item order, each with what its item needs, and each session's terminal
     (step_id, step_pk, step_reward); raises Malformed naming every row that cannot become an item
@@ -358,7 +358,7 @@ def _validated(
 
 def build_group(
     take: Take,
-    rows: dict[int, Sequence[Any]],
+    rows: Mapping[int, Sequence[Any]],
     seed: bytes,
     job_id: str,
     buf: bytearray,

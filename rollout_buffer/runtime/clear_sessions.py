@@ -71,3 +71,19 @@ class Entry:
             except TypeError:  # unhashable token: keep it, we cannot dedupe it
                 pass
             self.keys.append(key)
+
+
+def merge_into(pending: dict[str, Entry], more: dict[str, Entry]) -> None:
+    """Merge what is left of ``more`` (not acknowledged) into ``pending``, reason by reason."""
+    for reason, entry in more.items():
+        if entry.sessions or entry.groups or entry.keys:
+            pending.setdefault(reason, Entry()).merge(entry.sessions, entry.groups, entry.keys)
+
+
+def sessions_per_reason(*maps: dict[str, Entry]) -> dict[str, int]:
+    """How many distinct sessions wait per reason, across the maps (pending and in flight)."""
+    sessions: dict[str, set[str]] = {}
+    for entries in maps:
+        for reason, entry in entries.items():
+            sessions.setdefault(reason, set()).update(entry.sessions)
+    return {reason: len(ids) for reason, ids in sessions.items()}
