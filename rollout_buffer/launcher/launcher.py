@@ -231,13 +231,9 @@ class Launcher:
     def running_pid(self) -> int | None:
         """The pid of the job's launcher while it runs here, or may still run on another host."""
         state = self.supervisor.state()
-        return (
-            state["pid"]
-            if state["running"]
-            else self.elsewhere.pid
-            if self.runs_elsewhere()
-            else None
-        )  # type: ignore[union-attr]
+        if state["running"]:
+            return int(state["pid"])
+        return self.elsewhere.pid if self.elsewhere is not None and self.runs_elsewhere() else None
 
     def runs_elsewhere(self) -> bool:
         """A launcher of the job may still run on another host (so /start_rollout must not start
