@@ -274,6 +274,14 @@ SETTINGS: tuple[Setting, ...] = (
         "seconds between TERM and KILL when stopping the launcher",
     ),
     Setting(
+        "launch_grace_s",
+        PREFIX + "LAUNCH_GRACE_S",
+        3.0,
+        _float(0.0),
+        "seconds /start_rollout waits for a launcher that exits at once (its answer is then an "
+        "error with the exit code and the log's last lines); 0 = answer at once",
+    ),
+    Setting(
         "max_response_bytes",
         PREFIX + "MAX_RESPONSE_BYTES",
         256 * 1024 * 1024,
@@ -545,6 +553,7 @@ class Config:
     restart_max: int = 3
     restart_backoff_s: float = 2.0
     stop_grace_s: float = 10.0
+    launch_grace_s: float = 3.0
     max_response_bytes: int = 256 * 1024 * 1024
     max_group_bytes: int = 1024 * 1024 * 1024
     max_waiting_polls: int = 8
