@@ -138,6 +138,15 @@ def trainer(args: argparse.Namespace, url: str, llm: FakeLLM) -> dict[str, Any]:
         for gid in batch:
             del held[gid]
         trained.extend(batch)
+        if args.trace:
+            doc = http(url + "/admission")
+            print(
+                f"  step {_step}: t={time.monotonic() - started:.1f}s version {version} held "
+                f"{len(held)} stale {len(stale)} admission {doc['budget']}/{doc['capacity']} "
+                f"{doc['inputs']['in_progress']} "
+                f"surplus {doc['inputs']['trainer_surplus']['value']}",
+                flush=True,
+            )
         time.sleep(args.train_s)  # training
         version += 1
         llm.version = version  # the proxy stamps the new policy's version from now on
@@ -200,6 +209,8 @@ def main() -> int:
     p.add_argument("--poll-s", type=float, default=5.0, help="the trainer's poll cadence")
     p.add_argument("--call-s", type=float, default=0.5, help="seconds a model call takes")
     p.add_argument("--pool", type=int, default=16, help="the launcher's concurrent sessions")
+    p.add_argument("--trace", action="store_true", help="print each step's admission figures")
+    p.add_argument("--only", choices=("off", "on"), help="run one mode only")
     args = p.parse_args()
     print(
         f"pacing bench: K={K} B={B} S={S} T={args.train_s}s steps={args.steps} "
@@ -210,6 +221,8 @@ def main() -> int:
     results: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     for i in range(args.runs):
         for pacing in (False, True):
+            if args.only and args.only != ("on" if pacing else "off"):
+                continue
             r = one_run(args, pacing, 2 * i + int(pacing))
             results[r["pacing"]].append(r)
             print(
@@ -221,6 +234,8 @@ def main() -> int:
                 flush=True,
             )
     for mode, rs in results.items():
+        if not rs:
+            continue
 
         def med(key: str, rs: list[dict[str, Any]] = rs) -> str:
             values = [r[key] for r in rs]
@@ -231,9 +246,10 @@ def main() -> int:
             f"{med('discarded_share_s')}, of groups {med('discarded_share_groups')}, "
             f"groups trained per minute {med('trained_per_min')}"
         )
-    off = statistics.median(r["trained_per_min"] for r in results["off"])
-    on = statistics.median(r["trained_per_min"] for r in results["on"])
-    print(f"trained per minute, on / off: {on / off:.3f}" if off else "no group trained")
+    if results["off"] and results["on"]:
+        off = statistics.median(r["trained_per_min"] for r in results["off"])
+        on = statistics.median(r["trained_per_min"] for r in results["on"])
+        print(f"trained per minute, on / off: {on / off:.3f}" if off else "no group trained")
     return 0
 
 
