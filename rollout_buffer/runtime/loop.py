@@ -413,16 +413,9 @@ class Loop:
         while True:
             rows = js.reader.read(src)
             if js.accounted is not None:
-                read = rows
                 rows = js.accounted.filter(
                     lambda gid: store.group_pks(js.job_id, gid), js.acc.decided, rows
                 )
-                if len(rows) < len(
-                    read
-                ):  # accounted before a restart, maybe after the versions were saved
-                    js.acc.set_versions(
-                        rows=max((r.wv for r in read if r.wv is not None), default=0)
-                    )
             plan = js.acc.ingest(rows) if rows else None
             if rows:
                 self.history.ingested(len(rows))

@@ -74,7 +74,6 @@ class Draft:
         self.sizes: dict[str, int] = {}  # group_id -> what it adds to meta_info
         self.meta_size = 1024  # the head and meta_info; grows with each built group
         self.spent = 0  # bytes built and refused (a poll builds about a budget, whatever it keeps)
-        self.built_version = 0  # the largest weight_version of the rows built
         self.full = False
         self.leftover: list[Take] = []  # taken but not built (the budget): back to the queue
         self.retry: list[Take] = []  # failed for an unexpected reason: back to the queue
@@ -215,14 +214,20 @@ class Draft:
             del self.buf[start:]
             (self.refused.append((t, BUILD_FAILED, {})) if failed(t, exc) else self.retry.append(t))
             return current
-        # versions not read at ingest (a long env_state) count once built
-        self.built_version = max(self.built_version, max(g.weight_versions, default=0))
-        current = max(current, self.built_version)
+        # every version of its rows, also those not read at ingest (a long env_state): one that
+        # cannot be true drops it, the others count toward the agreement on the current version
+        verdict = None if t.redelivered else js.acc.versions.judge(t.group_id, g.weight_versions)
+        # only a staleness bound makes a version matter enough to drop a group for it
+        judged = policy.max_off_policy is not None or self.shape.max_off_policy is not None
+        implausible = verdict if judged else None
+        current = js.acc.current_version
         # again just before it is served: a group can go stale while it waits (a redelivered group
         # keeps its first verdict)
         reason = (
             None
             if t.redelivered
+            else implausible
+            if implausible is not None
             else STALE
             if policy.stale(current, min(g.weight_versions, default=0), self.shape.max_off_policy)
             else ZERO_VARIANCE

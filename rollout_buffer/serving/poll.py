@@ -284,8 +284,6 @@ class Serving:
             raise
         leftover = d.give_back()
         self._release(pair, js, leftover)
-        if d.built_version > js.acc.rows_version:
-            js.acc.set_versions(rows=d.built_version)
         built = d.built
         plan = self._plan(js, d.seed, request_id, built, d.refused, d.stats)
         chunks: list[Any] = []
