@@ -5,7 +5,6 @@ as ``implausible_version`` (counted, its sessions cleared at the proxy), never s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,17 +21,13 @@ def wv(v: int) -> dict:
 
 
 @pytest.fixture
-def proxy() -> Iterator[FakeProxy]:
-    with FakeProxy() as p:
-        yield p
+def proxy(fake_proxy: FakeProxy) -> FakeProxy:
+    return fake_proxy
 
 
 @pytest.fixture
-def make(db_url: str, harness_factory: Any, proxy: FakeProxy):
-    def build(**overrides: Any) -> Harness:
-        return harness_factory(db_url, proxy_host="127.0.0.1", proxy_port=proxy.port, **overrides)
-
-    return build
+def make(proxied: Any) -> Any:
+    return proxied
 
 
 def served(h: Harness, **body: Any) -> list[str]:

@@ -7,7 +7,6 @@ The restart tests (kill -9 of a real gunicorn) are in test_policies_restart.py."
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,19 +38,14 @@ def cleared_groups(proxy: FakeProxy, reason: str) -> set[str]:
 
 
 @pytest.fixture
-def proxy() -> Iterator[FakeProxy]:
-    with FakeProxy() as p:
-        yield p
+def proxy(fake_proxy: FakeProxy) -> FakeProxy:
+    return fake_proxy
 
 
 @pytest.fixture
-def make(db_url: str, harness_factory: Any, proxy: FakeProxy):
+def make(proxied: Any) -> Any:
     """A started service on the test's backend, notifying the fake proxy, with policy overrides."""
-
-    def build(**overrides: Any) -> Harness:
-        return harness_factory(db_url, proxy_host="127.0.0.1", proxy_port=proxy.port, **overrides)
-
-    return build
+    return proxied
 
 
 def wv(v: int) -> dict:
