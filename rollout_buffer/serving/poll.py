@@ -279,6 +279,7 @@ class Serving:
                 pair, js, policy, self.config.max_group_bytes, lambda t, e: self._failed(js, t, e)
             )
             d.fit_request_id(request_id)
+            d.stamp(js.acc.clock())
         except BaseException:
             redelivery.release(js, d.taken)
             raise
