@@ -75,9 +75,9 @@ def _messages(raw: Any) -> dict[str, Any]:
         return {"messages": None, "messages_text": text, "messages_note": note}
     if not isinstance(value, list):
         return {"messages": None, "messages_text": text}
-    note = _not_reencodable(value)
-    if note is not None:
-        return {"messages": None, "messages_text": text, "messages_note": note}
+    why = _not_reencodable(value)
+    if why is not None:
+        return {"messages": None, "messages_text": text, "messages_note": why}
     return {"messages": value}
 
 
