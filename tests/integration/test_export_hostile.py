@@ -1,15 +1,20 @@
-"""``rollout-buffer export`` on hostile rows (issue 20, item 7), on SQLite and Postgres: a history
-that parses but cannot be written again as JSON (nested about a thousand deep, an escaped lone
-surrogate) goes out as its raw text with a note, and every decided group is exported."""
+"""``rollout-buffer export`` and ``simulate --from-export`` on hostile rows (issue 20, item 7): a
+history that parses but cannot be written again as JSON (nested about a thousand deep, an escaped
+lone surrogate) goes out as its raw text with a note, and every decided group is exported; a SQLite
+export written into Postgres writes every row it can (NUL replaced) and reports each row it changed
+or skipped."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-from support import groups_of
+from support import Writer, groups_of
 
+from rollout_buffer.storage.db import connect
 from rollout_buffer.tools import export as export_mod
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -50,3 +55,58 @@ def test_a_history_that_cannot_be_written_again_is_exported_as_its_raw_text(
         first = records[gid]["sessions"][0]["steps"][0]
         assert first["messages"] is None and first["messages_text"] == raw, gid
         assert "kept as its raw text" in first["messages_note"], gid
+
+
+def test_writing_a_sqlite_export_into_postgres_writes_every_row_it_can_and_reports_the_others(
+    lite_url, pg_url, harness_factory, tmp_path
+):
+    h = harness_factory(lite_url)
+    h.start(k=2, job=JOB)
+    writer = Writer(lite_url, job=JOB)
+    try:
+        writer.group("g-fine", 2)
+        writer.step("g-nul\x00id", "nul-id-a", 1, completed=True)
+        writer.step("g-nul\x00id", "nul-id-b", 1, completed=True)
+        writer.step("g-nul-text", "nul-text-a", 1, completed=True, response="an\x00swer")
+        writer.step("g-nul-text", "nul-text-b", 1, completed=True, env_state='{"a": "\x00"}')
+        text_step: Any = "one"  # a SQLite INT column holds text as it is given
+        writer.step("g-text-step", "text-step-a", text_step, completed=True, messages=[])
+        writer.step("g-text-step", "text-step-b", 1, completed=True)
+    finally:
+        writer.close()
+    h.poll()
+    h.settle()
+    out = tmp_path / "nul.jsonl"
+    assert export_cli(lite_url, out).returncode == 0
+    exported = [
+        st
+        for rec in export_mod.read_export(str(out))
+        for se in rec["sessions"]
+        for st in se["steps"]
+    ]
+    argv = ["--from-export", str(out), "--db-path", pg_url, "--job-id", "again", "--pace", "0"]
+    r = subprocess.run(
+        [sys.executable, "-m", "rollout_buffer.simulate", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.splitlines()[-1][len("SIMULATE ") :])
+    assert (summary["changed_rows"], summary["skipped_rows"]) == (4, 1), r.stderr
+    assert summary["rows"] == len(exported) - 1
+    reports = [
+        line for line in r.stderr.splitlines() if " changed: " in line or " skipped: " in line
+    ]
+    assert len(reports) == 5, r.stderr
+    assert sum("changed: NUL replaced by U+FFFD in group_id" in line for line in reports) == 2
+    assert any('step "one") skipped: the database refused it' in line for line in reports)
+    db = connect(pg_url)
+    try:
+        stored = db.rows("SELECT group_id, response FROM session_steps WHERE job_id = 'again'")
+    finally:
+        db.close()
+    assert len(stored) == summary["rows"]
+    assert ("g-nul\ufffdid",) in {(g,) for g, _ in stored}
+    assert "an\ufffdswer" in {resp for _, resp in stored}
