@@ -8,25 +8,21 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from support import Writer, groups_of
+from support import Writer, groups_of, run_module
 
 from rollout_buffer.storage.db import connect
 from rollout_buffer.tools import export as export_mod
 
-ROOT = Path(__file__).resolve().parent.parent.parent
 JOB = "hostile-job"
 NEARLY_TOO_DEEP = 995  # json.loads takes it; json.dumps inside a record runs out of stack
 
 
 def export_cli(db_url: str, out: Path) -> subprocess.CompletedProcess:
-    argv = ["-m", "rollout_buffer", "export", "--db", db_url, "--job", JOB, "--out", str(out)]
-    return subprocess.run(
-        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+    argv = ("export", "--db", db_url, "--job", JOB, "--out", str(out))
+    return run_module("rollout_buffer", *argv)
 
 
 def test_a_history_that_cannot_be_written_again_is_exported_as_its_raw_text(
@@ -85,13 +81,7 @@ def test_writing_a_sqlite_export_into_postgres_writes_every_row_it_can_and_repor
         for st in se["steps"]
     ]
     argv = ["--from-export", str(out), "--db-path", pg_url, "--job-id", "again", "--pace", "0"]
-    r = subprocess.run(
-        [sys.executable, "-m", "rollout_buffer.simulate", *argv],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_module("rollout_buffer.simulate", *argv)
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.splitlines()[-1][len("SIMULATE ") :])
     assert (summary["changed_rows"], summary["skipped_rows"]) == (4, 1), r.stderr
