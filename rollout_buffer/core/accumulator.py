@@ -503,9 +503,11 @@ class Accumulator:
             self.k = k
             moved, out = False, Decisions()
             for gid, g in list(self.ready.items()):
-                if (
-                    len(g.completed) < k
-                ):  # K was raised: not ready any more (and open to more sessions)
+                if len(g.completed) < k and g.excluded:
+                    # over-sampling dropped its other sessions for good: it can never reach the new
+                    # K, so it stays ready and is served short (partial), never left to the TTL
+                    g.partial = True
+                elif len(g.completed) < k:  # K was raised: not ready any more (open to sessions)
                     del self.ready[gid]
                     self.pending[gid], g.chosen, moved = g, None, True
                 elif len(g.completed) > k:  # K was lowered: over-sampling keeps the first K

@@ -479,8 +479,11 @@ class Serving:
             return
         if u.plan.batch is not None:
             committed = pair.store.batch_exists(u.plan.batch.batch_id)
-        else:
+        elif u.plan.drops:
             committed = pair.store.group_decision(js.job_id, u.plan.drops[0].group_id) is not None
+        else:  # only redeliveries that failed: the COMMIT happened if one left the stored queue
+            queued = set(pair.store.redelivery_queue(js.job_id))
+            committed = any(gid not in queued for gid in u.plan.redelivered)
         if committed:
             logger.warning(
                 "a serving commit of job %s reported an error but happened (%d groups); settling "

@@ -114,8 +114,8 @@ class Replayer:
             raise ApiError(
                 410,
                 f"request_id {batch.request_id!r} was answered {age:.0f} s ago, beyond the "
-                f"replay window of {self.config.replay_retention_s:.0f} s; its batch cannot be sent "
-                "again. Use a fresh request_id for new data.",
+                f"replay window of {self.config.replay_retention_s:.0f} s; its batch cannot be "
+                "sent again. Use a fresh request_id for new data.",
                 batch_id=batch.batch_id,
             )
         with self._replay_lock:
@@ -170,6 +170,15 @@ class Replayer:
         for gid in batch.group_ids:
             pks = pair.store.group_pks(js.job_id, gid)
             rows = fetch_rows(pair.src, pks)
+            if len(rows) < len(pks):  # pruned from session_steps: never a group short of a row
+                raise ApiError(
+                    410,
+                    f"the batch of request_id {batch.request_id!r} cannot be sent again whole: "
+                    f"{len(pks) - len(rows)} of the {len(pks)} rows of one of its groups are no "
+                    "longer in session_steps (was the launcher's table pruned?). Use a fresh "
+                    "request_id for new data.",
+                    batch_id=batch.batch_id,
+                )
             try:
                 groups.append(
                     build_group(
