@@ -36,7 +36,13 @@ from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, S
 from rollout_buffer.storage import queries as q
 from rollout_buffer.storage.db import Database, connect
 from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
-from rollout_buffer.tools.export_steps import json_number, sessions_of, text_of
+from rollout_buffer.tools.export_steps import (
+    json_number,
+    session_plan,
+    sessions_of,
+    streamed_sessions,
+    text_of,
+)
 from rollout_buffer.tools.progress import Progress, bar
 
 WHAT = ("served", "dropped", "all")
@@ -120,9 +126,10 @@ class Exporter:
             pk = int(page[-1][0])
 
     # -- records -----------------------------------------------------------------------------------
-    def records(self, what: str = "all") -> Iterator[str]:
-        """The export's lines (JSON text without the newline), groups in group_id order, then the
-        rejected rows without a group in step_pk order."""
+    def records(self, what: str = "all") -> Iterator[str | Iterator[str]]:
+        """The export's lines (JSON text without the newline; a dropped group's as an iterator of
+        pieces, to be written before the next record is asked for), groups in group_id order, then
+        the rejected rows without a group in step_pk order."""
         if what not in WHAT:
             raise ExportError(f"--what {what!r}: expected one of {', '.join(WHAT)}")
         extra = self._group_rows()
@@ -158,43 +165,58 @@ class Exporter:
                 self._seeds.popitem(last=False)
         return self._seeds[batch_id]
 
-    def _group_record(self, g: dict[str, Any], accounted: list[tuple]) -> str:
-        gid, status, reason = g["group_id"], g["status"], g["reason"]
+    def _group_record(self, g: dict[str, Any], accounted: list[tuple]) -> str | Iterator[str]:
+        gid, status = g["group_id"], g["status"]
         pks = [int(p) for p in (g["pks"] or "").split(",") if p]
         extra = {int(r[1]): (r[2], r[3]) for r in accounted}
+        if status != SERVED:  # no items to rebuild: streamed, whatever its size
+            return self._dropped_record(g, pks, extra)
         rows = self._rows(sorted(set(pks) | set(extra)))
         outcomes: dict[int, tuple[str, str | None]] = {}
         items_json: str | None = None
         uids = None
-        if status == SERVED:
-            take = take_from_rows(gid, pks, {pk: rows[pk] for pk in pks if pk in rows})
-            for pk in take.served_pks:
-                outcomes[pk] = (SERVED, None)
-            for pk in take.incomplete_pks:
-                outcomes[pk] = (DROPPED, INCOMPLETE_IN_SERVED)
-            items_json, uids = self._items(take, rows, g["batch_id"])
-        else:
-            for pk in pks:
-                outcomes[pk] = (DROPPED, reason)
+        take = take_from_rows(gid, pks, {pk: rows[pk] for pk in pks if pk in rows})
+        for pk in take.served_pks:
+            outcomes[pk] = (SERVED, None)
+        for pk in take.incomplete_pks:
+            outcomes[pk] = (DROPPED, INCOMPLETE_IN_SERVED)
+        items_json, uids = self._items(take, rows, g["batch_id"])
         for pk, (outcome, why) in extra.items():
             outcomes[pk] = (REJECTED if outcome == REJECTED else DROPPED, why)
-        record = {
-            "format": FORMAT_VERSION,
-            "job_id": self.job_id,
-            "group_id": gid,
-            "status": status,
-            "reason": reason,
-            "batch_id": g["batch_id"],
-            "decided_at": json_number(g["resolved_at"]),
-            "missing_step_pks": sorted(set(outcomes) - set(rows)),
-            "sessions": sessions_of(rows, outcomes),
-        }
-        if items_json is None:
-            return json.dumps(record, ensure_ascii=False)
+        record = self._head(g, sorted(set(outcomes) - set(rows)))
+        record["sessions"] = sessions_of(rows, outcomes)
         record["uids"] = uids
         # the items are spliced in as the trainer received them, byte for byte
         head = json.dumps(record, ensure_ascii=False)
         return head[:-1] + ',"items":[' + items_json + "]}"
+
+    def _head(self, g: dict[str, Any], missing: list[int]) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "job_id": self.job_id,
+            "group_id": g["group_id"],
+            "status": g["status"],
+            "reason": g["reason"],
+            "batch_id": g["batch_id"],
+            "decided_at": json_number(g["resolved_at"]),
+            "missing_step_pks": missing,
+        }
+
+    def _dropped_record(
+        self, g: dict[str, Any], pks: list[int], extra: dict[int, tuple[str, str | None]]
+    ) -> Iterator[str]:
+        """A dropped group's record in pieces: planned from its rows' metadata and text sizes,
+        then its steps fetched a few at a time (a group dropped as group_too_large is as large as
+        its launcher made it; the export never holds it whole)."""
+        outcomes = dict.fromkeys(pks, (DROPPED, g["reason"]))
+        for pk, (outcome, why) in extra.items():
+            outcomes[pk] = (REJECTED if outcome == REJECTED else DROPPED, why)
+        meta = fetch_rows(self.src, sorted(outcomes), q.fetch_export_sizes)
+        sizes = {pk: int(r[-1] or 0) for pk, r in meta.items()}
+        head = json.dumps(self._head(g, sorted(set(outcomes) - set(meta))), ensure_ascii=False)
+        yield head[:-1] + ', "sessions": '
+        yield from streamed_sessions(session_plan(meta), sizes, self._rows, outcomes)
+        yield "}"
 
     def _items(self, take: Any, rows: dict[int, tuple], batch_id: str | None) -> tuple[str, str]:
         """The served items of a group as JSON text, and whether their uids are the served ones."""
@@ -263,11 +285,13 @@ def export(
     partial = path + ".partial"
     try:
         with _open_out(partial, gz=path.endswith(".gz")) as f:
-            for line in ex.records(what):
-                f.write(line)
+            for record in ex.records(what):
+                for piece in [record] if isinstance(record, str) else record:
+                    f.write(piece)
+                    summary.bytes += len(piece)
                 f.write("\n")
                 summary.records += 1
-                summary.bytes += len(line) + 1
+                summary.bytes += 1
                 now = time.monotonic()
                 if progress is not None and now - shown >= 0.2:
                     shown = now

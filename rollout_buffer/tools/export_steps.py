@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -33,6 +33,8 @@ from rollout_buffer.storage import queries as q
 
 # Positions of queries.EXPORT_EXTRA_COLUMNS after BODY_COLUMNS.
 ENV_NAME, LLM_MODEL, CUM_REWARD, TERMINAL = range(len(q.BODY_COLUMNS), len(q.BODY_COLUMNS) + 4)
+# text held at a time when a record is streamed (a row larger than this is held alone)
+STREAM_BYTES = 1024 * 1024
 # a history nested deeper is exported as its raw text (chat messages nest a handful of levels)
 MAX_NESTING = 500
 
@@ -142,32 +144,71 @@ def step_record(row: Sequence[Any], outcome: str, reason: str | None) -> dict[st
     return out
 
 
-def sessions_of(
-    rows: dict[int, tuple], outcomes: dict[int, tuple[str, str | None]]
-) -> list[dict[str, Any]]:
-    """The sessions of some rows, sorted by session_id, their steps by (step_id, step_pk), each with
-    its terminal reward: the step_reward of its last completed row (None when it never
+def _order(r: Sequence[Any]) -> tuple:
+    try:
+        return (0, int(r[STEP]), int(r[0]))
+    except (TypeError, ValueError):
+        return (1, 0, int(r[0]))
+
+
+def session_plan(rows: Mapping[int, Sequence[Any]]) -> list[tuple[str, bool, Any, list[int]]]:
+    """The sessions of some rows (their texts are not needed): (session_id, completed, terminal
+    reward, its step pks in order), sorted by session_id, steps by (step_id, step_pk). The
+    terminal reward is the step_reward of its last completed row (None when it never
     completed)."""
-    by_session: dict[str, list[tuple]] = collections.defaultdict(list)
+    by_session: dict[str, list[Sequence[Any]]] = collections.defaultdict(list)
     for r in rows.values():
         by_session[text_of(r[SID]) or ""].append(r)
     out = []
     for sid in sorted(by_session):
-
-        def order(r: tuple) -> tuple:
-            try:
-                return (0, int(r[STEP]), int(r[0]))
-            except (TypeError, ValueError):
-                return (1, 0, int(r[0]))
-
-        steps = sorted(by_session[sid], key=order)
+        steps = sorted(by_session[sid], key=_order)
         done = [r for r in steps if r[COMPLETED]]
-        out.append(
-            {
-                "session_id": sid,
-                "completed": bool(done),
-                "terminal_reward": json_number(done[-1][STEP_REWARD]) if done else None,
-                "steps": [step_record(r, *outcomes[int(r[0])]) for r in steps],
-            }
-        )
+        terminal = json_number(done[-1][STEP_REWARD]) if done else None
+        out.append((sid, bool(done), terminal, [int(r[0]) for r in steps]))
     return out
+
+
+def sessions_of(
+    rows: dict[int, tuple], outcomes: dict[int, tuple[str, str | None]]
+) -> list[dict[str, Any]]:
+    """The sessions of some rows as export records (see session_plan)."""
+    return [
+        {
+            "session_id": sid,
+            "completed": completed,
+            "terminal_reward": terminal,
+            "steps": [step_record(rows[pk], *outcomes[pk]) for pk in pks],
+        }
+        for sid, completed, terminal, pks in session_plan(rows)
+    ]
+
+
+def streamed_sessions(
+    plan: list[tuple[str, bool, Any, list[int]]],
+    sizes: dict[int, int],
+    fetch: Callable[[list[int]], dict[int, tuple]],
+    outcomes: dict[int, tuple[str, str | None]],
+) -> Iterator[str]:
+    """The JSON text of ``sessions_of``'s list, in pieces: rows are fetched (``fetch``) a few at a
+    time, up to STREAM_BYTES of text (or one row), so a group of any size is written in the memory
+    of a few rows. A row gone since it was planned is left out (its pk is then missing)."""
+    yield "["
+    for i, (sid, completed, terminal, pks) in enumerate(plan):
+        head = {"session_id": sid, "completed": completed, "terminal_reward": terminal, "steps": []}
+        yield (", " if i else "") + json.dumps(head, ensure_ascii=False)[:-2]
+        first, chunk, held = True, [], 0
+        for n, pk in enumerate(pks):
+            chunk.append(pk)
+            held += sizes.get(pk, 0)
+            if held < STREAM_BYTES and n + 1 < len(pks):
+                continue
+            rows = fetch(chunk)
+            for p in chunk:
+                if p in rows:
+                    step = json.dumps(step_record(rows[p], *outcomes[p]), ensure_ascii=False)
+                    yield ("" if first else ", ") + step
+                    first = False
+            chunk, held = [], 0
+            del rows
+        yield "]}"
+    yield "]"

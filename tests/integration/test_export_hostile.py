@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +101,38 @@ def test_writing_a_sqlite_export_into_postgres_writes_every_row_it_can_and_repor
     assert len(stored) == summary["rows"]
     assert ("g-nul\ufffdid",) in {(g,) for g, _ in stored}
     assert "an\ufffdswer" in {resp for _, resp in stored}
+
+
+def test_a_group_dropped_as_too_large_is_exported_without_holding_it_whole(
+    db_url, harness_factory, tmp_path
+):
+    """Proved: the export read a dropped group's rows all at once, so a group dropped as
+    group_too_large (as large as its launcher made it) was held whole, more than once. Its record
+    is streamed now: the same bytes, in the memory of a few rows."""
+    row_text = 2 * 1024 * 1024
+    h = harness_factory(db_url, max_group_bytes=1024 * 1024)
+    h.start(k=2, job=JOB)
+    writer = Writer(db_url, job=JOB)
+    try:
+        for sid in ("huge-a", "huge-b"):
+            for step in range(1, 5):  # 8 rows of 2 MB: 16 MB of text
+                writer.step("huge", sid, step, completed=step == 4, response="x" * row_text)
+    finally:
+        writer.close()
+    assert not h.poll()["success"]
+    h.settle()
+    assert h.stats()["groups"]["dropped"] == {"group_too_large": 1}
+    src = connect(db_url, readonly=True)
+    out = tmp_path / "huge.jsonl"
+    tracemalloc.start()
+    try:
+        export_mod.export(src, src, JOB, str(out))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        src.close()
+    [record] = export_mod.read_export(str(out))
+    steps = [st for se in record["sessions"] for st in se["steps"]]
+    assert (record["reason"], len(steps)) == ("group_too_large", 8)
+    assert all(len(st["response"]) == row_text for st in steps)
+    assert peak < 6 * row_text, f"the export held {peak / 1e6:.0f} MB for 2 MB rows"
