@@ -76,6 +76,16 @@ class Versions:
             self._agree(group_id, min(known))
         return None
 
+    def recount(self, served: Iterable[tuple[str, int | None]]) -> None:
+        """Rows of served groups read again after a restart, as (group_id, version): each group
+        counts toward the agreement again (it may have moved it after the last save)."""
+        lowest: dict[str, int] = {}
+        for group_id, version in served:
+            if version is not None:
+                lowest[group_id] = min(version, lowest.get(group_id, version))
+        for group_id, version in lowest.items():
+            self.judge(group_id, [version])
+
     def _agree(self, group_id: str, version: int) -> None:
         """(Lock held.) Keep the two largest group versions (one per group id); the smaller of the
         two is what two groups agree on."""

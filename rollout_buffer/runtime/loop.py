@@ -19,7 +19,7 @@ from collections.abc import Callable
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost, StorageError
 from rollout_buffer.core.history import History
-from rollout_buffer.core.model import LAUNCHER_EXITED, LauncherState
+from rollout_buffer.core.model import LAUNCHER_EXITED, SERVED, LauncherState
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher.launcher import Launcher
 from rollout_buffer.runtime.jobs import Jobs, JobState
@@ -413,9 +413,17 @@ class Loop:
         while True:
             rows = js.reader.read(src)
             if js.accounted is not None:
+                read = rows
                 rows = js.accounted.filter(
                     lambda gid: store.group_pks(js.job_id, gid), js.acc.decided, rows
                 )
+                if len(rows) < len(read):  # accounted before a restart, maybe after the last save
+                    decided = js.acc.decided
+                    js.acc.versions.recount(
+                        (r.group_id, r.wv)
+                        for r in read
+                        if isinstance(r.group_id, str) and decided.get(r.group_id) == SERVED
+                    )
             plan = js.acc.ingest(rows) if rows else None
             if rows:
                 self.history.ingested(len(rows))
