@@ -313,7 +313,10 @@ class Accumulator:
         """(Lock held.) An incomplete group that cannot wait any longer: ready short of K when it
         has the minimum group size (ROLLOUT_BUFFER_MIN_GROUP_SIZE), else dropped with ``reason``."""
         least = self.policy.min_group_size
-        if least is not None and least < self.k and len(g.completed) >= least:
+        # ready once, under a smaller K (K raised since): it had a whole group, and over-sampling
+        # may have dropped the sessions that could complete it; served short, never a TTL drop
+        was_ready = g.ready_at is not None
+        if was_ready or (least is not None and least < self.k and len(g.completed) >= least):
             del self.pending[g.group_id]
             g.partial = True
             self._became_ready(g, out)
@@ -503,11 +506,9 @@ class Accumulator:
             self.k = k
             moved, out = False, Decisions()
             for gid, g in list(self.ready.items()):
-                if len(g.completed) < k and g.excluded:
-                    # over-sampling dropped its other sessions for good: it can never reach the new
-                    # K, so it stays ready and is served short (partial), never left to the TTL
-                    g.partial = True
-                elif len(g.completed) < k:  # K was raised: not ready any more (open to sessions)
+                if (
+                    len(g.completed) < k
+                ):  # K was raised: not ready any more (and open to more sessions)
                     del self.ready[gid]
                     self.pending[gid], g.chosen, moved = g, None, True
                 elif len(g.completed) > k:  # K was lowered: over-sampling keeps the first K

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from support import assert_balanced, groups_of
+from support import assert_balanced, groups_of, wait_until
 
 from rollout_buffer.storage import db as db_mod
 from rollout_buffer.storage.db import connect
@@ -77,25 +77,26 @@ def test_a_replay_never_sends_a_group_short_of_a_pruned_row(harness, writer, db_
     assert "no longer" in r.get_json()["message"]
 
 
-def test_raising_k_never_strands_a_ready_group_whose_extra_sessions_were_dropped(
+def test_raising_k_never_strands_a_ready_group_until_a_silent_ttl_drop(
     db_url, harness_factory, writer
 ):
     """Proved: with over-sampling, a ready group whose extra session was already dropped went back
-    to pending when K was raised, could never complete, and ended as a TTL drop. It is served short
-    (partial) instead; a ready group with no session dropped yet waits for the new K."""
+    to pending when K was raised and, when no other session came, ended as a TTL drop. It stays open
+    to new sessions, and at its TTL it is served short (partial) instead: it was a whole group."""
     h = harness_factory(db_url, oversample=1, ttl_s=0.5)
     h.start(k=2)
     writer.group("chosen", 3)  # K + 1 sessions completed: the third is dropped as oversampled
-    writer.group("open", 2)  # exactly K: nothing dropped, it can still grow
+    writer.group("open", 2)  # exactly K: nothing dropped
     h.settle()
     s = h.stats()
     assert s["groups"]["ready"] == 2 and s["rows"]["dropped"] == {"oversampled": 2}
     h.start(k=3)  # the same job, a larger K
+    writer.step("open", "open-third", 1, completed=True)
+    assert list(groups_of(h.poll())) == ["open"]
+    wait_until(lambda: h.stats()["groups"]["pending"] == 0, 10, "the TTL of 'chosen'")
     doc = h.poll()
     assert list(groups_of(doc)) == ["chosen"] and len(groups_of(doc)["chosen"]) == 4
     assert doc["data"]["meta_info"]["partial_groups"] == ["chosen"]
-    writer.step("open", "open-third", 1, completed=True)
-    assert list(groups_of(h.poll())) == ["open"]
     s = h.stats()
     assert "incomplete_group_ttl" not in s["groups"]["dropped"]
     assert_balanced(s)
