@@ -44,9 +44,10 @@ def check_sequence(src: Database) -> None:
     cache = src.scalar(q.HAS_STEPS_TABLE[src.backend]) and src.scalar(q.SEQUENCE_CACHE)
     if cache and int(cache) > 1:
         raise ConfigError(
-            f"the sequence of session_steps.id caches {int(cache)} values per connection, so ids are not handed "
-            "out in commit order and rows could be skipped; fix it with: ALTER TABLE session_steps ALTER COLUMN "
-            "id SET CACHE 1 (or ALTER SEQUENCE <its sequence> CACHE 1), then the service recovers by itself"
+            f"the sequence of session_steps.id caches {int(cache)} values per connection, so ids "
+            "are not handed out in commit order and rows could be skipped; fix it with: ALTER "
+            "TABLE session_steps ALTER COLUMN id SET CACHE 1 (or ALTER SEQUENCE <its sequence> "
+            "CACHE 1), then the service recovers by itself"
         )
 
 
@@ -209,7 +210,10 @@ class Loop:
         age = self.tick_age()
         if age <= self.stale_after:
             return None
-        return f"the background loop has not completed a tick for {age:.0f} s (a statement may be stuck on a lock)"
+        return (
+            f"the background loop has not completed a tick for {age:.0f} s (a statement may be "
+            "stuck on a lock)"
+        )
 
     @property
     def alive(self) -> bool:
@@ -324,8 +328,8 @@ class Loop:
             self.serve_lock.release()
         self.ready_signal.interrupt()  # waiting polls answer now, as a standby answers
         logger.warning(
-            "dropped the in-memory state of job %s: this instance does not own it now (%d unrecorded "
-            "decisions left to the owner)",
+            "dropped the in-memory state of job %s: this instance does not own it now (%d "
+            "unrecorded decisions left to the owner)",
             js.job_id if js else None,
             unrecorded,
         )
@@ -494,7 +498,8 @@ class Loop:
         finally:
             self.start_lock.release()
         logger.warning(
-            "started a fresh launcher for job %s (pid %s): the previous one was lost with its owner",
+            "started a fresh launcher for job %s (pid %s): the previous one was lost with its "
+            "owner",
             js.job_id,
             pid,
         )
