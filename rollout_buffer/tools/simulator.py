@@ -90,7 +90,7 @@ class Simulator:
             except IntegrityError:
                 raise
             except StorageError as exc:
-                if attempt == WRITE_ATTEMPTS:
+                if exc.about_data or attempt == WRITE_ATTEMPTS:  # a value refused is refused again
                     raise
                 print(
                     f"simulate: {what} failed (attempt {attempt}/{WRITE_ATTEMPTS}), retrying in "
@@ -294,8 +294,9 @@ class Simulator:
         self.write_environments()
         if not a.quiet:
             print(
-                f"simulate: job {a.job_id}: {a.groups} groups x K={a.rl_group_size}, max {a.max_steps} "
-                f"steps, pool {a.pool_size}, pace {a.pace}s -> {self.connect().safe_url}",
+                f"simulate: job {a.job_id}: {a.groups} groups x K={a.rl_group_size}, "
+                f"max {a.max_steps} steps, pool {a.pool_size}, pace {a.pace}s -> "
+                f"{self.connect().safe_url}",
                 flush=True,
             )
         queue = deque(s for gr in self.groups for s in gr.sessions)
