@@ -358,6 +358,15 @@ SETTINGS: tuple[Setting, ...] = (
         "weight_version of their items)",
     ),
     Setting(
+        "max_version_jump",
+        PREFIX + "MAX_VERSION_JUMP",
+        1000,
+        _opt_int(0),
+        "once the current version is known, a group with a version more than this above it "
+        "(or below 0) is dropped as implausible_version; row data moves the current version "
+        "only when two complete groups agree (unset: no bound)",
+    ),
+    Setting(
         "max_request_bytes",
         PREFIX + "MAX_REQUEST_BYTES",
         1024 * 1024,
@@ -564,6 +573,7 @@ class Config:
     oversample: int = 0
     min_group_size: int | None = None
     serve_order: str = "ready"
+    max_version_jump: int | None = 1000
     max_request_bytes: int = 1024 * 1024
     ingest_interval_s: float = 0.2
     ingest_batch: int = 20000
@@ -628,6 +638,7 @@ class Config:
             self.oversample,
             self.min_group_size,
             self.serve_order,
+            self.max_version_jump,
         )
 
     @property

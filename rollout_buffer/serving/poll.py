@@ -295,13 +295,12 @@ class Serving:
                 pair, js, policy, self.config.max_group_bytes, lambda t, e: self._failed(js, t, e)
             )
             d.fit_request_id(request_id)
+            d.stamp(js.acc.clock())
         except BaseException:
             redelivery.release(js, d.taken)
             raise
         leftover = d.give_back()
         self._release(pair, js, leftover)
-        if d.built_version > js.acc.rows_version:
-            js.acc.set_versions(rows=d.built_version)
         built = d.built
         plan = plan_poll(js, d.seed, request_id, built, d.refused, d.stats, self.outbox.events)
         chunks: list[Any] = []
@@ -433,8 +432,11 @@ class Serving:
             return
         if u.plan.batch is not None:
             committed = pair.store.batch_exists(u.plan.batch.batch_id)
-        else:
+        elif u.plan.drops:
             committed = pair.store.group_decision(js.job_id, u.plan.drops[0].group_id) is not None
+        else:  # only redeliveries that failed: the COMMIT happened if one left the stored queue
+            queued = set(pair.store.redelivery_queue(js.job_id))
+            committed = any(gid not in queued for gid in u.plan.redelivered)
         if committed:
             logger.warning(
                 "a serving commit of job %s reported an error but happened (%d groups); settling "

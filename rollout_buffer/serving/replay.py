@@ -165,6 +165,15 @@ class Replayer:
         for gid in batch.group_ids:
             pks = pair.store.group_pks(js.job_id, gid)
             rows = fetch_rows(pair.src, pks)
+            if len(rows) < len(pks):  # pruned from session_steps: never a group short of a row
+                raise ApiError(
+                    410,
+                    f"the batch of request_id {batch.request_id!r} cannot be sent again whole: "
+                    f"{len(pks) - len(rows)} of the {len(pks)} rows of one of its groups are no "
+                    "longer in session_steps (was the launcher's table pruned?). Use a fresh "
+                    "request_id for new data.",
+                    batch_id=batch.batch_id,
+                )
             try:
                 groups.append(
                     build_group(
