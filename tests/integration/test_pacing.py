@@ -110,8 +110,9 @@ def test_a_held_session_is_released_as_the_trainer_consumes(
     harness_factory: Any, db_url: str, llm: FakeLLM
 ) -> None:
     """Capacity (S 0 + 1) x B 1 = one group in progress: g1 runs; a session of g2 is held at its
-    first call until the trainer takes g1. g1's second session and g1's later calls are never
-    held, and answered as fast as without the gate."""
+    first call until the trainer has consumed g1 (taken it, and come back after a training step).
+    g1's second session and g1's later calls are never held, and answered as fast as without the
+    gate."""
     port = free_port()
     h = harness_factory(
         db_url,
@@ -121,6 +122,7 @@ def test_a_held_session_is_released_as_the_trainer_consumes(
         proxy_port=llm.port,
         pacing_staleness=0,
         pacing_batch_groups=1,
+        pacing_idle_gap_s=0.2,
     )
     w = Writer(db_url)
     pool = concurrent.futures.ThreadPoolExecutor(4)
@@ -149,10 +151,14 @@ def test_a_held_session_is_released_as_the_trainer_consumes(
         w.step("g1", "a1", 1, completed=True, step_reward=0.1)
         w.step("g1", "a2", 1, completed=True, step_reward=0.2)
         assert "b1" not in llm.sessions()
-        taken_at = time.monotonic()
         assert len(h.poll()["data"]["data"]) == 2
+        # the trainer trains on g1 (a group that starts now is trained after it: still held)...
+        assert not held.done()
+        time.sleep(0.3)  # ...a training step, longer than the idle gap: its next poll ends it
+        consumed_at = time.monotonic()
+        h.poll()
         released = held.result(timeout=10)
-        assert released["done"] >= taken_at, "released only once the trainer took g1"
+        assert released["done"] >= consumed_at, "released only once the trainer consumed g1"
         assert llm.sessions().count("b1") == 1
         # b2 belongs to the admitted g2: never held
         c = call(port, "b2")
@@ -172,7 +178,8 @@ def test_waste_is_measured_per_group_and_by_reason(harness_factory: Any, db_url:
     try:
         w.group("served", 2, steps=2, env_state={"weight_version": 5})
         h.settle()
-        assert len(h.poll()["data"]["data"]) == 4
+        # the trainer reports its version (one group's rows alone never set it)
+        assert len(h.poll(current_weight_version=5)["data"]["data"]) == 4
         w.group("old", 2, steps=2, env_state={"weight_version": 1})  # stale: 5 - 1 > 0
         h.settle()
     finally:
