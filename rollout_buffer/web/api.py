@@ -22,7 +22,9 @@ from urllib.parse import urlsplit
 
 from flask import Blueprint, Response, current_app, g, request
 
+from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError
+from rollout_buffer.core.hosts import host_name, is_loopback
 from rollout_buffer.core.items import iter_bytes
 from rollout_buffer.core.model import PollRequest
 from rollout_buffer.service import Service
@@ -58,6 +60,12 @@ def _close_conns(exc: BaseException | None) -> None:
         c.close()
 
 
+# Methods that change nothing; a browser's request with any other method changes state, and so do
+# the paths that act on the job whatever the method (a GET poll would take groups if it existed).
+SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
+STATE_PATHS = ("/start_rollout", "/get_rollout_data", "/stop_rollout")
+
+
 @bp.before_app_request
 def _same_origin() -> None:
     """Refuse a browser's cross-site request: without a token, any page a user opens could POST
@@ -75,6 +83,44 @@ def _same_origin() -> None:
         )
     if origin == "null" and request.method != "GET":
         raise ApiError(403, "requests from an opaque origin are refused")
+    if (origin is not None or site) and (
+        request.method not in SAFE_METHODS or request.path in STATE_PATHS
+    ):
+        _known_host()
+
+
+def _known_host() -> None:
+    """A browser's state-changing request without a token: only by a name the service is really
+    reached by. A page whose own name was rebound to this address (DNS rebinding) passes the
+    same-origin check above, and only its Host gives it away."""
+    config = service().config
+    if config.token is not None:
+        return  # the page cannot know the token: _auth refuses it
+    header = request.headers.get("Host")
+    name = host_name(header)
+    if name is not None and (is_loopback(name) or name in service_hosts(config)):
+        return
+    shown = "no Host header" if header is None else f"Host {header[:100]!r}"
+    raise ApiError(
+        403,
+        f"a browser request by {shown} is refused: without ROLLOUT_BUFFER_TOKEN, a browser page "
+        "may start, poll or stop only by localhost, a loopback address, the host of "
+        "ROLLOUT_BUFFER_ADVERTISE_URL or a name in ROLLOUT_BUFFER_ALLOWED_HOSTS (a page on "
+        "another name may be a DNS rebinding attack); add the name to "
+        "ROLLOUT_BUFFER_ALLOWED_HOSTS if the service is reached by it",
+        host=header[:100] if header is not None else None,
+    )
+
+
+def service_hosts(config: Config) -> frozenset[str]:
+    """The names besides loopback by which this service is reached: its advertise URL's host and
+    ROLLOUT_BUFFER_ALLOWED_HOSTS, as :func:`host_name` reads them."""
+    names = set(config.allowed_hosts)
+    if config.advertise_url:
+        advertised = host_name(urlsplit(config.advertise_url).netloc)
+        if advertised is not None:
+            names.add(advertised)
+    return frozenset(names)
 
 
 @bp.before_app_request
