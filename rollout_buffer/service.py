@@ -32,7 +32,14 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError, ClosedError, LeaseLost, StorageError, bounded
+from rollout_buffer.core.errors import (
+    ClosedError,
+    Conflict,
+    LeaseLost,
+    StorageError,
+    Unavailable,
+    bounded,
+)
 from rollout_buffer.core.history import History
 from rollout_buffer.core.items import Body
 from rollout_buffer.core.model import PollRequest
@@ -192,17 +199,16 @@ class Service:
         restart_training: bool,
         job_session: str | None,
         skip: list[str] | None = None,
-    ) -> tuple[int, dict[str, Any]]:
-        """Select the job, start its launcher (or redeliver: see _redeliver). Returns (status,
-        body)."""
+    ) -> dict[str, Any]:
+        """Select the job, start its launcher (or redeliver: see _redeliver). Returns the answer's
+        body; a refusal is a RequestError (Conflict, Unavailable, OperationFailed)."""
         self.lease.check(10.0)  # LeaseLost on a standby: answered with 307 (app.standby_answer)
         if not self.loop.bootstrapped.is_set():
             # Before the active job is resumed and its launcher adopted, "not running" would be a
             # lie.
             self.nudge()
             if not self.loop.bootstrapped.wait(10.0):
-                raise ApiError(
-                    503,
+                raise Unavailable(
                     "the service is still loading its state from the database: "
                     f"{self.health_state.last_error or 'still starting'}",
                     retry_after=2,
@@ -217,19 +223,18 @@ class Service:
         restart_training: bool,
         job_session: str | None,
         skip: list[str],
-    ) -> tuple[int, dict[str, Any]]:
+    ) -> dict[str, Any]:
         js = self.jobs.current
         pid = self.launcher.running_pid()  # here, or on another host
         if pid is not None:
             if js is not None and job_session not in (None, js.job_id):
-                raise ApiError(
-                    409,
+                raise Conflict(
                     f"the launcher of job {js.job_id!r} is still running (pid "
                     f"{pid}); POST /stop_rollout first or name that job",
                     job_session=js.job_id,
                     pid=pid,
                 )
-            return 200, {
+            return {
                 "message": "AIEvoBox is already running",
                 "pid": pid,
                 "job_session": js.job_id if js else None,
@@ -255,7 +260,7 @@ class Service:
                 raise (
                     exc
                     if isinstance(exc, LeaseLost)
-                    else ApiError(503, f"the database is unreachable: {exc}", retry_after=3)
+                    else Unavailable(f"the database is unreachable: {exc}", retry_after=3)
                 ) from exc
             if self.launcher.managed:
                 # Until its own launcher runs, the finished one the loop sees is not this job's:
@@ -272,7 +277,7 @@ class Service:
             restart_training,
             pid,
         )
-        return 200, {
+        return {
             "message": "Rollout started",
             "pid": pid,
             "job_session": job_id,

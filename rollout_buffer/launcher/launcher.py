@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError, StorageError
+from rollout_buffer.core.errors import OperationFailed, StorageError
 from rollout_buffer.core.model import LauncherState
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
@@ -103,8 +103,7 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
     elif c.env_root:
         env_args = ["--env-root", c.env_root]
     else:
-        raise ApiError(
-            500,
+        raise OperationFailed(
             "the AIEvoBox launcher needs AIEVOBOX_ENV_CONFIG or AIEVOBOX_ENV_ROOT; neither is set",
         )
     proxy = (
@@ -233,8 +232,7 @@ class Launcher:
             self.supervisor.preflight(spec)
         except LauncherError as exc:
             logger.error("cannot start the launcher for job %s: %s", job_id, redact(str(exc)))
-            raise ApiError(
-                500,
+            raise OperationFailed(
                 f"the launcher could not be started: {redact(str(exc))}; the active job is "
                 "unchanged",
                 job_session=job_id,
@@ -248,8 +246,7 @@ class Launcher:
             pid = self.supervisor.start(spec)
         except LauncherError as exc:
             logger.error("cannot start the launcher for job %s: %s", job_id, redact(str(exc)))
-            raise ApiError(
-                500,
+            raise OperationFailed(
                 f"the launcher could not be started: {redact(str(exc))}",
                 job_session=job_id,
                 argv=shown(spec.argv),
@@ -295,7 +292,7 @@ class Launcher:
         )
         try:
             self.start(store, job_id, k)
-        except ApiError as exc:
+        except OperationFailed as exc:
             logger.error("could not restart the launcher of job %s: %s", job_id, exc.message)
             self.record(store, job_id, LauncherState.EXITED)
             return False

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError, IntegrityError, LeaseLost, StorageError
+from rollout_buffer.core.errors import IntegrityError, LeaseLost, StorageError, Unavailable
 from rollout_buffer.core.history import History, PollStats
 from rollout_buffer.core.items import Body, GroupItems, empty_body, response_chunks
 from rollout_buffer.core.model import (
@@ -206,8 +206,7 @@ class Serving:
             # lost.
             self.loop.nudge()
             if not self.loop.bootstrapped.wait(2.0):
-                raise ApiError(
-                    503,
+                raise Unavailable(
                     "the service is still loading its state from the database: "
                     f"{self.health.last_error or 'starting'}",
                     retry_after=1,
@@ -218,7 +217,7 @@ class Serving:
         request_id = poll.request_id
         problem = self.health.problem()
         if problem:
-            raise ApiError(503, f"the database is unreachable: {problem}", retry_after=3)
+            raise Unavailable(f"the database is unreachable: {problem}", retry_after=3)
         # (with an id: a poll in flight may be binding this very id, so it is waited for)
         if not self.available(js) and (
             request_id is None
@@ -228,8 +227,7 @@ class Serving:
             self.loop.nudge()
             return empty_body({"job_session": js.job_id})
         if not self.prebuilt.poll_acquires(self.serve_lock, SERVE_LOCK_WAIT_S):
-            raise ApiError(
-                503,
+            raise Unavailable(
                 "another poll has been holding the serving lock for over "
                 f"{SERVE_LOCK_WAIT_S:.0f} s (the database may be stuck); retry",
                 retry_after=2,
@@ -250,15 +248,14 @@ class Serving:
             raise  # answered as a standby answers (307 to the owner)
         except IntegrityError as exc:
             logger.error("serving hit a conflicting decision: %s", exc)
-            raise ApiError(
-                503,
+            raise Unavailable(
                 "another instance decided some of these groups meanwhile; they were "
                 "settled from its record. Retry.",
                 retry_after=1,
             ) from exc
         except StorageError as exc:
             logger.error("serving failed: %s", exc)
-            raise ApiError(503, f"the database is unreachable: {exc}", retry_after=3) from exc
+            raise Unavailable(f"the database is unreachable: {exc}", retry_after=3) from exc
         finally:
             self.serve_lock.release()
         return self.replayer.replay(conns.get(), js, *replay)

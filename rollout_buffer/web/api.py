@@ -23,13 +23,14 @@ from urllib.parse import urlsplit
 from flask import Blueprint, Response, current_app, g, request
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError
+from rollout_buffer.core.errors import Invalid
 from rollout_buffer.core.hosts import host_name, is_loopback
 from rollout_buffer.core.items import iter_bytes
 from rollout_buffer.core.model import PollRequest
 from rollout_buffer.service import Service
 from rollout_buffer.serving.redelivery import parse_skip
 from rollout_buffer.storage.connections import LazyPair
+from rollout_buffer.web.errors import ApiError
 from rollout_buffer.web.metrics import render_metrics
 from rollout_buffer.web.page import page_html, status_document
 
@@ -157,15 +158,13 @@ def json_body() -> dict[str, Any]:
     try:
         body = json.loads(raw, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(
-            400, f"request body is not valid JSON ({exc}); expected a JSON object"
-        ) from None
+        raise Invalid(f"request body is not valid JSON ({exc}); expected a JSON object") from None
     except RecursionError:
-        raise ApiError(
-            400, "request body is nested too deeply; expected a small, flat JSON object"
+        raise Invalid(
+            "request body is nested too deeply; expected a small, flat JSON object"
         ) from None
     if not isinstance(body, dict):
-        raise ApiError(400, f"request body is a JSON {type(body).__name__}; expected a JSON object")
+        raise Invalid(f"request body is a JSON {type(body).__name__}; expected a JSON object")
     return body
 
 
@@ -182,8 +181,7 @@ def parse_k(v: Any) -> int:
     ):
         v = int(v)
     if not _is_int(v) or not 1 <= v <= MAX_K:
-        raise ApiError(
-            400,
+        raise Invalid(
             f"num_repeat_per_sample={v!r} is invalid: expected an integer from 1 to {MAX_K} "
             "(or a string of one)",
             field="num_repeat_per_sample",
@@ -199,7 +197,7 @@ def parse_bool(name: str, v: Any, default: bool = False) -> bool:
         return v
     if _is_int(v) and v in (0, 1):
         return bool(v)
-    raise ApiError(400, f"{name}={v!r} is invalid: expected true/false (or 0/1)", field=name)
+    raise Invalid(f"{name}={v!r} is invalid: expected true/false (or 0/1)", field=name)
 
 
 def parse_job_session(v: Any) -> str | None:
@@ -207,14 +205,13 @@ def parse_job_session(v: Any) -> str | None:
     if v is None:
         return None
     if not isinstance(v, str) or not JOB_SESSION_RE.fullmatch(v):
-        raise ApiError(
-            400,
+        raise Invalid(
             f"job_session={v!r} is invalid: expected 1-64 characters of A-Z a-z 0-9 . _ -",
             field="job_session",
         )
     if v.startswith("-"):  # the launcher's argparse would read it as an option: --job-id -rf
-        raise ApiError(
-            400, f"job_session={v!r} is invalid: it must not start with '-'", field="job_session"
+        raise Invalid(
+            f"job_session={v!r} is invalid: it must not start with '-'", field="job_session"
         )
     return v
 
@@ -226,8 +223,7 @@ def parse_max_groups(v: Any) -> int | None:
     if isinstance(v, float) and math.isfinite(v) and v.is_integer():
         v = int(v)
     if not _is_int(v):
-        raise ApiError(
-            400,
+        raise Invalid(
             f"max_groups={v!r} is invalid: expected an integer (<= 0 or null for no cap)",
             field="max_groups",
         )
@@ -239,8 +235,7 @@ def parse_request_id(v: Any) -> str | None:
     if v is None:
         return None
     if not isinstance(v, str) or not 1 <= len(v) <= 128 or not v.isprintable():
-        raise ApiError(
-            400,
+        raise Invalid(
             f"request_id={v!r} is invalid: expected a string of 1-128 printable characters "
             "(one fresh uuid4 per logical poll)",
             field="request_id",
@@ -261,8 +256,7 @@ def parse_wait_s(v: Any) -> float:
         or not math.isfinite(v)
         or not 0 <= v <= MAX_WAIT_S
     ):
-        raise ApiError(
-            400,
+        raise Invalid(
             f"wait_s={v!r} is invalid: expected a number of seconds from 0 to {MAX_WAIT_S:g}",
             field="wait_s",
         )
@@ -276,7 +270,7 @@ def parse_version(name: str, v: Any) -> int | None:
     if isinstance(v, float) and math.isfinite(v) and v.is_integer():
         v = int(v)
     if not _is_int(v) or v < 0 or v > 2**53:
-        raise ApiError(400, f"{name}={v!r} is invalid: expected an integer >= 0", field=name)
+        raise Invalid(f"{name}={v!r} is invalid: expected an integer >= 0", field=name)
     return v
 
 
@@ -287,9 +281,7 @@ def parse_min_groups(v: Any) -> int:
     if isinstance(v, float) and math.isfinite(v) and v.is_integer():
         v = int(v)
     if not _is_int(v) or v < 1:
-        raise ApiError(
-            400, f"min_groups={v!r} is invalid: expected an integer >= 1", field="min_groups"
-        )
+        raise Invalid(f"min_groups={v!r} is invalid: expected an integer >= 1", field="min_groups")
     return v
 
 
@@ -302,10 +294,9 @@ def start_rollout() -> tuple[dict[str, Any], int]:
     skip = parse_skip(
         body.get("skip_instance_ids")
     )  # a checkpoint's groups: the others are delivered again
-    status, out = service().start_rollout(
+    return service().start_rollout(
         conns(), k=k, restart_training=restart, job_session=job, skip=skip
-    )
-    return out, status
+    ), 200
 
 
 @bp.post("/get_rollout_data")

@@ -24,6 +24,7 @@ know the app or change what gthread does with a complete request.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import resource
@@ -213,10 +214,8 @@ class HeadFirstWorker(ThreadWorker):
             return False
         if expect and len(req.buf) < (req.need or req.head_end + 1):
             # the client waits for this before it sends the body; the thread must not send it again
-            try:
+            with contextlib.suppress(OSError):
                 conn.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
-            except OSError:
-                pass
             self._rewrite_head(req, lines, b"expect", None)
         return True
 
@@ -266,10 +265,8 @@ class HeadFirstWorker(ThreadWorker):
         """The request is complete (or for the parser to refuse): give it to a thread."""
         self.poller.unregister(conn.sock)
         for queue in (self.reading_heads, self.reading_bodies):
-            try:
+            with contextlib.suppress(ValueError):
                 queue.remove(conn)
-            except ValueError:
-                pass
         conn.head = bytes(conn.req.buf)
         conn.req = None
         conn.request_ready = True
@@ -278,15 +275,11 @@ class HeadFirstWorker(ThreadWorker):
 
     def _drop(self, conn: Any) -> None:
         """Close a connection whose request never came whole (or whose client went away)."""
-        try:
+        with contextlib.suppress(OSError, KeyError, ValueError):
             self.poller.unregister(conn.sock)
-        except (OSError, KeyError, ValueError):
-            pass
         for queue in (self.reading_heads, self.reading_bodies):
-            try:
+            with contextlib.suppress(ValueError):
                 queue.remove(conn)
-            except ValueError:
-                pass
         self.nr_conns -= 1
         conn.close()
 
@@ -332,14 +325,10 @@ class HeadFirstWorker(ThreadWorker):
             self._close_lingering(conn)
 
     def _close_lingering(self, conn: Any) -> None:
-        try:
+        with contextlib.suppress(OSError, KeyError, ValueError):
             self.poller.unregister(conn.sock)
-        except (OSError, KeyError, ValueError):
-            pass
-        try:
+        with contextlib.suppress(ValueError):
             self.lingering.remove(conn)
-        except ValueError:
-            pass
         self.nr_conns -= 1
         conn.close()
 
@@ -357,10 +346,8 @@ class HeadFirstWorker(ThreadWorker):
             self._close_lingering(self.lingering[0])
         while self.nr_conns >= self.worker_connections and self.keepalived_conns:
             conn = self.keepalived_conns.popleft()
-            try:
+            with contextlib.suppress(OSError, KeyError, ValueError):
                 self.poller.unregister(conn.sock)
-            except (OSError, KeyError, ValueError):
-                pass
             self.nr_conns -= 1
             conn.close()
 
