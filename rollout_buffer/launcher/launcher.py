@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -24,13 +22,13 @@ from rollout_buffer.core.errors import OperationFailed, StorageError
 from rollout_buffer.core.model import LauncherState
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
+from rollout_buffer.launcher.command import launch_spec
 from rollout_buffer.launcher.processes import terminate_group
-from rollout_buffer.launcher.supervisor import LauncherError, LaunchSpec, Supervisor, shown
+from rollout_buffer.launcher.supervisor import LauncherError, Supervisor, shown
 from rollout_buffer.storage.store import LauncherRecord, Store
 
 logger = logging.getLogger(__name__)
 
-LAUNCHER_ENV_DROP = ("ROLLOUT_BUFFER_TOKEN",)
 SUMMARY_KEYS = (
     "running",
     "pid",
@@ -45,108 +43,6 @@ SUMMARY_KEYS = (
     "exited_at",
     "log_path",
 )
-
-
-def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
-    """The launcher command for a job, from configuration only (argv list, never a shell).
-
-    With over-sampling the launcher runs K + N sessions per group (its --rl-group-size and
-    ``{k}``); the buffer serves the first K of each group to complete."""
-    c = config
-    k += c.oversample
-    # the service's own secrets stay with the service: the launcher needs none of them
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV_DROP}
-    env["PYTHONUNBUFFERED"] = "1"
-    log_path = os.path.join(c.run_dir, f"launcher-{job_id}.log")
-    kind = c.launcher_kind
-    if kind == "command":
-        subs = {"job_id": job_id, "k": str(k), "db_url": c.db_url, "storage_type": c.storage_type}
-        argv = [
-            a.format(**subs) for a in (c.launcher_cmd or ())
-        ]  # templates are validated by Config
-        if "--job-id" not in argv:
-            argv += ["--job-id", job_id]
-        if "--rl-group-size" not in argv:
-            argv += ["--rl-group-size", str(k)]
-        return LaunchSpec(tuple(argv), c.aievobox_root or None, env, log_path)
-    if kind == "simulate":
-        argv = [
-            sys.executable,
-            "-m",
-            "rollout_buffer.simulate",
-            "--db-path",
-            c.db_url,
-            "--storage-type",
-            c.storage_type,
-            "--job-id",
-            job_id,
-            "--rl-group-size",
-            str(k),
-            "--pool-size",
-            str(c.pool_size),
-            "--rl-epoch",
-            str(c.rl_epoch),
-        ]
-        argv += list(c.simulate_args or ())
-        env["PYTHONPATH"] = os.pathsep.join(
-            p
-            for p in (
-                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                env.get("PYTHONPATH"),
-            )
-            if p
-        )
-        return LaunchSpec(tuple(argv), None, env, log_path)
-    root = c.aievobox_root or "."
-    if c.env_config:
-        env_args = ["--env-config", c.env_config]
-    elif c.env_root:
-        env_args = ["--env-root", c.env_root]
-    else:
-        raise OperationFailed(
-            "the AIEvoBox launcher needs AIEVOBOX_ENV_CONFIG or AIEVOBOX_ENV_ROOT; neither is set",
-        )
-    proxy = (
-        f"http://{c.proxy_host}:{c.proxy_port}/v1" if c.proxy_host else "http://127.0.0.1:8000/v1"
-    )
-    argv = [
-        "python3",
-        os.path.join(root, "launcher.py"),
-        "--mode",
-        c.aievobox_mode,
-        "--db-path",
-        c.db_url,
-        "--storage-type",
-        c.storage_type,
-        *env_args,
-        "--llm-base-url",
-        proxy,
-        "--llm-model",
-        c.rl_model,
-        "--llm-temperature",
-        str(c.llm_temperature),
-        "--max-steps",
-        str(c.max_steps),
-        "--message-cut",
-        str(c.message_cut),
-        "--pool-size",
-        str(c.pool_size),
-        "--multiplier",
-        str(c.multiplier),
-        "--job-id",
-        job_id,
-        "--no-rebuild-table",
-        "--rl-use-session-suffix-url",
-        "--rl-group-size",
-        str(k),
-        "--rl-epoch",
-        str(c.rl_epoch),
-        "--env-transport",
-        c.env_transport,
-        "--env-http-timeout-s",
-        "600",
-    ]
-    return LaunchSpec(tuple(argv), root, env, log_path)
 
 
 class Launcher:
@@ -194,7 +90,8 @@ class Launcher:
                 "pid": e.pid,
                 "state": "ended"
                 if self.ended_elsewhere
-                else "unknown: it runs on another host; an instance there reports it, or stops it when it is not the owner's",
+                else "unknown: it runs on another host; an instance there reports it, or stops it "
+                "when it is not the owner's",
             }
         )
         return out
@@ -202,13 +99,11 @@ class Launcher:
     def running_pid(self) -> int | None:
         """The pid of the job's launcher while it runs here, or may still run on another host."""
         state = self.supervisor.state()
-        return (
-            state["pid"]
-            if state["running"]
-            else self.elsewhere.pid
-            if self.runs_elsewhere()
-            else None
-        )  # type: ignore[union-attr]
+        if state["running"]:
+            return state["pid"]
+        if self.elsewhere is not None and not self.ended_elsewhere:  # runs_elsewhere(), narrowed
+            return self.elsewhere.pid
+        return None
 
     def runs_elsewhere(self) -> bool:
         """A launcher of the job may still run on another host (so /start_rollout must not start
@@ -266,13 +161,13 @@ class Launcher:
         )
         return pid
 
-    def start_for(self, store: Store, js: Any) -> int | None:
+    def start_for(self, store: Store, job_state: Any) -> int | None:
         """/start_rollout and a relaunch: start the job's launcher (none with LAUNCHER=none); the
-        loop's view of the previous one's end (``js``: the JobState) starts over with it."""
+        loop's view of the previous one's end (``job_state``: the JobState) starts over with it."""
         if not self.managed:
             return None
-        pid = self.start(store, js.job_id, js.k)
-        js.launcher_finished_tick, js.launcher_drop_done = None, False
+        pid = self.start(store, job_state.job_id, job_state.k)
+        job_state.launcher_finished_tick, job_state.launcher_drop_done = None, False
         return pid
 
     def resume_restart(self, store: Store, job_id: str, k: int, row: dict[str, Any]) -> bool:
@@ -318,9 +213,9 @@ class Launcher:
             )
             self.ended_elsewhere = False
             logger.warning(
-                "the launcher of job %s (pid %s) runs on host %s, not here: it is left alone, its rows "
-                "are served, and a fresh one starts here once an instance on that host reports it "
-                "gone",
+                "the launcher of job %s (pid %s) runs on host %s, not here: it is left alone, its "
+                "rows are served, and a fresh one starts here once an instance on that host "
+                "reports it gone",
                 job_id,
                 row["launcher_pid"],
                 host,
@@ -420,9 +315,12 @@ class Launcher:
             int(row["launcher_pgid"]),
             row["launcher_start_ticks"],
         )
-        st = procfs.stat(pid)
+        process = procfs.stat(pid)
         alive = bool(
-            st and st.alive and st.pgrp == pgid and (ticks is None or st.start_ticks == int(ticks))
+            process
+            and process.alive
+            and process.pgrp == pgid
+            and (ticks is None or process.start_ticks == int(ticks))
         )
         running = LauncherState.parse(row.get("launcher_state")) is LauncherState.RUNNING
         if alive and (not running or owner_host not in (None, self.host_id)):
