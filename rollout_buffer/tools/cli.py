@@ -149,8 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument(
         "--policies",
         action="store_true",
-        help="turn the training-data policies on (staleness, zero variance, over-sampling) and show "
-        "their counts",
+        help="turn the training-data policies on (staleness, zero variance, over-sampling) and "
+        "show their counts",
     )
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("stats", help="print GET /stats of a running service as a table")

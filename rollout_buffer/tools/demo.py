@@ -149,8 +149,8 @@ def run_demo(args: argparse.Namespace) -> int:
     timeout = float(getattr(args, "timeout", 300.0))
     if groups < 1 or k < 1 or pace < 0 or timeout <= 0:
         print(
-            f"rollout-buffer demo: invalid arguments groups={groups} k={k} pace={pace} timeout={timeout}: "
-            "expected groups >= 1, k >= 1, pace >= 0, timeout > 0",
+            f"rollout-buffer demo: invalid arguments groups={groups} k={k} pace={pace} "
+            f"timeout={timeout}: expected groups >= 1, k >= 1, pace >= 0, timeout > 0",
             file=sys.stderr,
         )
         return 2
@@ -172,7 +172,8 @@ def run_demo(args: argparse.Namespace) -> int:
     init_database(db_url)
 
     print(
-        f"rollout-buffer demo: {groups} groups x K={k} sessions, simulated launcher (pace {pace:g} s/row)"
+        f"rollout-buffer demo: {groups} groups x K={k} sessions, simulated launcher "
+        f"(pace {pace:g} s/row)"
     )
     print(f"  work dir {workdir}")
     print(f"  server   {url}  (log {server_log})")
@@ -224,9 +225,9 @@ def run_demo(args: argparse.Namespace) -> int:
                 r = stats.get("rows") or {}
                 rate = (r.get("read") or 0) / max(elapsed, 1e-6)
                 progress.show(
-                    f"  {elapsed:6.1f} s  groups {len(checker.groups):4d}  items {checker.items:6d}  "
-                    f"{rate:8.0f} rows/s  pending {g.get('pending', 0):3d}  "
-                    f"dropped {g.get('dropped_total', 0):3d}"
+                    f"  {elapsed:6.1f} s  groups {len(checker.groups):4d}  "
+                    f"items {checker.items:6d}  {rate:8.0f} rows/s  "
+                    f"pending {g.get('pending', 0):3d}  dropped {g.get('dropped_total', 0):3d}"
                 )
                 if not got and _finished(stats):
                     progress.show(progress.last_text, force=True)
@@ -322,7 +323,8 @@ def _summary(
         )
     if served_by_server is not None and served_by_server != len(checker.groups):
         problems.append(
-            f"/stats says {served_by_server} groups served, the trainer received {len(checker.groups)}"
+            f"/stats says {served_by_server} groups served, the trainer received "
+            f"{len(checker.groups)}"
         )
     avg = sum(checker.rewards) / len(checker.rewards) if checker.rewards else 0.0
     avg_s = (
@@ -350,8 +352,8 @@ def _summary(
         ),
         (
             "rows read",
-            f"{r.get('read', 0)}  (served {r.get('served', 0)}, dropped {r.get('dropped_total', 0)}, "
-            f"pending {r.get('pending', 0)})",
+            f"{r.get('read', 0)}  (served {r.get('served', 0)}, "
+            f"dropped {r.get('dropped_total', 0)}, pending {r.get('pending', 0)})",
         ),
         ("avg reward", f"{avg:.3f} per item, {avg_s:.3f} per session"),
         ("wall time", f"{wall:.1f} s"),
@@ -360,8 +362,8 @@ def _summary(
             "-"
             if sim is None
             else f"{sim.get('sessions')} sessions ({sim.get('completed_sessions')} "
-            f"completed, {sim.get('failed_sessions')} crashed), {sim.get('complete_groups')} complete "
-            "groups",
+            f"completed, {sim.get('failed_sessions')} crashed), "
+            f"{sim.get('complete_groups')} complete groups",
         ),
         ("database", db_path),
         ("logs", f"{logs}  (server: {server_log})"),

@@ -294,8 +294,9 @@ class Simulator:
         self.write_environments()
         if not a.quiet:
             print(
-                f"simulate: job {a.job_id}: {a.groups} groups x K={a.rl_group_size}, max {a.max_steps} "
-                f"steps, pool {a.pool_size}, pace {a.pace}s -> {self.connect().safe_url}",
+                f"simulate: job {a.job_id}: {a.groups} groups x K={a.rl_group_size}, "
+                f"max {a.max_steps} steps, pool {a.pool_size}, pace {a.pace}s -> "
+                f"{self.connect().safe_url}",
                 flush=True,
             )
         queue = deque(s for gr in self.groups for s in gr.sessions)

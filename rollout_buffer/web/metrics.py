@@ -88,8 +88,8 @@ def render_metrics(service: Service) -> str:
             "gauge",
             "Undecided groups by state.",
             [
-                ({"job_session": job, "state": st}, groups[st])
-                for st in ("pending", "ready", "in_flight")
+                ({"job_session": job, "state": state}, groups[state])
+                for state in ("pending", "ready", "in_flight")
             ],
         )
         out.metric("groups_served_total", "counter", "Groups served.", [(j, groups["served"])])
