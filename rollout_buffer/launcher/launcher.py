@@ -12,6 +12,7 @@ launcher means for them (``launcher_exited`` drops) is the loop's decision."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import subprocess
 from collections.abc import Callable
@@ -79,15 +80,15 @@ class Launcher:
         """What /health and /stats show of it (``elsewhere``: one on another host, not supervised
         here)."""
         state = self.supervisor.state()
-        out = {k: state.get(k) for k in SUMMARY_KEYS}
+        out = {key: state.get(key) for key in SUMMARY_KEYS}
         out["host"] = self.host_id if state.get("pid") else None
-        e = self.elsewhere
+        remote = self.elsewhere
         out["elsewhere"] = (
             None
-            if e is None
+            if remote is None
             else {
-                "host": e.host,
-                "pid": e.pid,
+                "host": remote.host,
+                "pid": remote.pid,
                 "state": "ended"
                 if self.ended_elsewhere
                 else "unknown: it runs on another host; an instance there reports it, or stops it "
@@ -112,10 +113,12 @@ class Launcher:
 
     def record(self, store: Store, job_id: str, state: LauncherState) -> None:
         """Store the current process identity with the job, in the given state."""
-        s = self.supervisor.state()
+        current = self.supervisor.state()
         store.save_launcher(
             job_id,
-            LauncherRecord(s["pid"], s["pgid"], s["start_ticks"], state, self.host_id),
+            LauncherRecord(
+                current["pid"], current["pgid"], current["start_ticks"], state, self.host_id
+            ),
             self.instance_id,
         )
 
@@ -263,11 +266,17 @@ class Launcher:
     def check_elsewhere(self, store: Store, job_id: str, reports: list[str | None]) -> None:
         """(Owner) The launcher on another host is gone once an instance there reports it so:
         recorded as exited, and a fresh one is due here (``relaunch_for``)."""
-        e = self.elsewhere
-        if e is None or self.ended_elsewhere or f"{e.pid}:{e.start_ticks}:gone" not in reports:
+        remote = self.elsewhere
+        if (
+            remote is None
+            or self.ended_elsewhere
+            or f"{remote.pid}:{remote.start_ticks}:gone" not in reports
+        ):
             return
         store.save_launcher(
-            job_id, LauncherRecord(e.pid, e.pgid, e.start_ticks, LauncherState.EXITED, e.host), None
+            job_id,
+            dataclasses.replace(remote, state=LauncherState.EXITED),
+            None,
         )
         self.ended_elsewhere = True
         self.relaunch_for = job_id if self.managed else None
@@ -275,8 +284,8 @@ class Launcher:
             "the launcher of job %s (pid %s on host %s) is gone, as an instance there reports: its "
             "incomplete groups are dropped and a fresh launcher starts here",
             job_id,
-            e.pid,
-            e.host,
+            remote.pid,
+            remote.host,
         )
 
     def stop_elsewhere(self) -> bool:
@@ -346,18 +355,16 @@ class Launcher:
     def check(self, store: Store, job_id: str) -> None:
         """Act on the supervisor's events (exits, restarts): record each new state; and a stop of a
         launcher on another host (/stop_rollout), until it is recorded."""
-        e = self.elsewhere
-        if self._stop_due and e is not None:
+        remote = self.elsewhere
+        if self._stop_due and remote is not None:
             store.save_launcher(
                 job_id,
-                LauncherRecord(
-                    e.pid, e.pgid, e.start_ticks, LauncherState.STOPPED_REQUESTED, e.host
-                ),
+                dataclasses.replace(remote, state=LauncherState.STOPPED_REQUESTED),
                 None,
             )
             self._stop_due = False
-        for ev in self.supervisor.poll():
-            kind = ev.get("event")
+        for event in self.supervisor.poll():
+            kind = event.get("event")
             state = self.supervisor.state()
             if kind in ("exited", "restarted", "gave_up"):
                 if state["running"]:
@@ -373,13 +380,13 @@ class Launcher:
                 self.record(store, job_id, label)
             if (
                 kind == "exited"
-                and ev.get("exit_code") not in (0, None)
-                and not ev.get("stopped_by")
+                and event.get("exit_code") not in (0, None)
+                and not event.get("stopped_by")
             ):
                 logger.error(
                     "launcher of job %s exited with code %s (log: %s)",
                     job_id,
-                    ev.get("exit_code"),
+                    event.get("exit_code"),
                     state.get("log_path"),
                 )
 

@@ -48,8 +48,8 @@ def stat(pid: int) -> ProcStat | None:
 
 def alive(pid: int) -> bool:
     """True if the process exists and is not a zombie."""
-    s = stat(pid)
-    return s is not None and s.alive
+    process = stat(pid)
+    return process is not None and process.alive
 
 
 def live() -> Iterator[ProcStat]:

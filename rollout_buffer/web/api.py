@@ -56,9 +56,9 @@ def conns() -> LazyPair:
 
 @bp.teardown_app_request
 def _close_conns(exc: BaseException | None) -> None:
-    c = g.pop("rb_conns", None)
-    if c is not None:
-        c.close()
+    connections = g.pop("rb_conns", None)
+    if connections is not None:
+        connections.close()
 
 
 # Methods that change nothing; a browser's request with any other method changes state, and so do
@@ -168,121 +168,123 @@ def json_body() -> dict[str, Any]:
     return body
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
-def parse_k(v: Any) -> int:
+def parse_k(value: Any) -> int:
     """num_repeat_per_sample: int 1-4096 or a string of one; default 16."""
-    if v is None:
+    if value is None:
         return 16
-    if (isinstance(v, str) and re.fullmatch(r"\s*[+]?\d+\s*", v)) or (
-        isinstance(v, float) and math.isfinite(v) and v.is_integer()
+    if (isinstance(value, str) and re.fullmatch(r"\s*[+]?\d+\s*", value)) or (
+        isinstance(value, float) and math.isfinite(value) and value.is_integer()
     ):
-        v = int(v)
-    if not _is_int(v) or not 1 <= v <= MAX_K:
+        value = int(value)
+    if not _is_int(value) or not 1 <= value <= MAX_K:
         raise Invalid(
-            f"num_repeat_per_sample={v!r} is invalid: expected an integer from 1 to {MAX_K} "
+            f"num_repeat_per_sample={value!r} is invalid: expected an integer from 1 to {MAX_K} "
             "(or a string of one)",
             field="num_repeat_per_sample",
         )
-    return v
+    return value
 
 
-def parse_bool(name: str, v: Any, default: bool = False) -> bool:
+def parse_bool(name: str, value: Any, default: bool = False) -> bool:
     """A boolean field that also takes 0/1."""
-    if v is None:
+    if value is None:
         return default
-    if isinstance(v, bool):
-        return v
-    if _is_int(v) and v in (0, 1):
-        return bool(v)
-    raise Invalid(f"{name}={v!r} is invalid: expected true/false (or 0/1)", field=name)
+    if isinstance(value, bool):
+        return value
+    if _is_int(value) and value in (0, 1):
+        return bool(value)
+    raise Invalid(f"{name}={value!r} is invalid: expected true/false (or 0/1)", field=name)
 
 
-def parse_job_session(v: Any) -> str | None:
+def parse_job_session(value: Any) -> str | None:
     """job_session: 1-64 chars of [A-Za-z0-9._-]; absent/null = a new one."""
-    if v is None:
+    if value is None:
         return None
-    if not isinstance(v, str) or not JOB_SESSION_RE.fullmatch(v):
+    if not isinstance(value, str) or not JOB_SESSION_RE.fullmatch(value):
         raise Invalid(
-            f"job_session={v!r} is invalid: expected 1-64 characters of A-Z a-z 0-9 . _ -",
+            f"job_session={value!r} is invalid: expected 1-64 characters of A-Z a-z 0-9 . _ -",
             field="job_session",
         )
-    if v.startswith("-"):  # the launcher's argparse would read it as an option: --job-id -rf
+    if value.startswith("-"):  # the launcher's argparse would read it as an option: --job-id -rf
         raise Invalid(
-            f"job_session={v!r} is invalid: it must not start with '-'", field="job_session"
+            f"job_session={value!r} is invalid: it must not start with '-'", field="job_session"
         )
-    return v
+    return value
 
 
-def parse_max_groups(v: Any) -> int | None:
+def parse_max_groups(value: Any) -> int | None:
     """max_groups: a positive int caps; absent, null, 0 or negative = no cap."""
-    if v is None:
+    if value is None:
         return None
-    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
-        v = int(v)
-    if not _is_int(v):
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if not _is_int(value):
         raise Invalid(
-            f"max_groups={v!r} is invalid: expected an integer (<= 0 or null for no cap)",
+            f"max_groups={value!r} is invalid: expected an integer (<= 0 or null for no cap)",
             field="max_groups",
         )
-    return v if v > 0 else None
+    return value if value > 0 else None
 
 
-def parse_request_id(v: Any) -> str | None:
+def parse_request_id(value: Any) -> str | None:
     """request_id: an optional string of 1-128 printable characters."""
-    if v is None:
+    if value is None:
         return None
-    if not isinstance(v, str) or not 1 <= len(v) <= 128 or not v.isprintable():
+    if not isinstance(value, str) or not 1 <= len(value) <= 128 or not value.isprintable():
         raise Invalid(
-            f"request_id={v!r} is invalid: expected a string of 1-128 printable characters "
+            f"request_id={value!r} is invalid: expected a string of 1-128 printable characters "
             "(one fresh uuid4 per logical poll)",
             field="request_id",
         )
-    return v
+    return value
 
 
 MAX_WAIT_S = 60.0
 
 
-def parse_wait_s(v: Any) -> float:
+def parse_wait_s(value: Any) -> float:
     """wait_s: seconds to long-poll, a number from 0 to 60; default 0 (answer at once)."""
-    if v is None:
+    if value is None:
         return 0.0
     if (
-        isinstance(v, bool)
-        or not isinstance(v, (int, float))
-        or not math.isfinite(v)
-        or not 0 <= v <= MAX_WAIT_S
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 <= value <= MAX_WAIT_S
     ):
         raise Invalid(
-            f"wait_s={v!r} is invalid: expected a number of seconds from 0 to {MAX_WAIT_S:g}",
+            f"wait_s={value!r} is invalid: expected a number of seconds from 0 to {MAX_WAIT_S:g}",
             field="wait_s",
         )
-    return float(v)
+    return float(value)
 
 
-def parse_version(name: str, v: Any) -> int | None:
+def parse_version(name: str, value: Any) -> int | None:
     """max_off_policy / current_weight_version: an optional int >= 0."""
-    if v is None:
+    if value is None:
         return None
-    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
-        v = int(v)
-    if not _is_int(v) or v < 0 or v > 2**53:
-        raise Invalid(f"{name}={v!r} is invalid: expected an integer >= 0", field=name)
-    return v
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if not _is_int(value) or value < 0 or value > 2**53:
+        raise Invalid(f"{name}={value!r} is invalid: expected an integer >= 0", field=name)
+    return value
 
 
-def parse_min_groups(v: Any) -> int:
+def parse_min_groups(value: Any) -> int:
     """min_groups: with wait_s, answer once this many groups are ready; an int >= 1, default 1."""
-    if v is None:
+    if value is None:
         return 1
-    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
-        v = int(v)
-    if not _is_int(v) or v < 1:
-        raise Invalid(f"min_groups={v!r} is invalid: expected an integer >= 1", field="min_groups")
-    return v
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if not _is_int(value) or value < 1:
+        raise Invalid(
+            f"min_groups={value!r} is invalid: expected an integer >= 1", field="min_groups"
+        )
+    return value
 
 
 @bp.post("/start_rollout")
@@ -301,18 +303,18 @@ def start_rollout() -> tuple[dict[str, Any], int]:
 
 @bp.post("/get_rollout_data")
 def get_rollout_data() -> Response:
-    b = json_body()
+    fields = json_body()
     poll = PollRequest(
-        parse_max_groups(b.get("max_groups")),
-        parse_request_id(b.get("request_id")),
-        parse_wait_s(b.get("wait_s")),
-        parse_min_groups(b.get("min_groups")),
-        parse_version("max_off_policy", b.get("max_off_policy")),
-        parse_version("current_weight_version", b.get("current_weight_version")),
+        parse_max_groups(fields.get("max_groups")),
+        parse_request_id(fields.get("request_id")),
+        parse_wait_s(fields.get("wait_s")),
+        parse_min_groups(fields.get("min_groups")),
+        parse_version("max_off_policy", fields.get("max_off_policy")),
+        parse_version("current_weight_version", fields.get("current_weight_version")),
     )
     body = service().get_rollout_data(conns(), poll)
     resp = Response(iter_bytes(body), status=200, mimetype="application/json")
-    resp.headers["Content-Length"] = str(sum(len(c) for c in body))
+    resp.headers["Content-Length"] = str(sum(len(chunk) for chunk in body))
     resp.call_on_close(body.close)  # a replay's rebuilt copy counts against the bound until sent
     return resp
 
