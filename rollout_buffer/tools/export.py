@@ -87,7 +87,7 @@ class Exporter:
 
     def check_job(self) -> None:
         if self.state_db.fetchone(q.GET_JOB, (self.job_id,)) is None:
-            known = [r[0] for r in self.state_db.rows(q.EXPORT_RECENT_JOBS)]
+            known = [row[0] for row in self.state_db.rows(q.EXPORT_RECENT_JOBS)]
             raise ExportError(
                 f"no job {self.job_id!r} in the buffer's tables; known jobs (newest first): "
                 f"{', '.join(known) or 'none'}"
@@ -133,40 +133,40 @@ class Exporter:
             raise ExportError(f"--what {what!r}: expected one of {', '.join(WHAT)}")
         extra = self._group_rows()
         pending = next(extra, None)
-        for g in self._groups():
-            gid = g["group_id"]
+        for group in self._groups():
+            gid = group["group_id"]
             accounted: list[tuple] = []
             while pending is not None and pending[0] <= gid:
                 if pending[0] == gid:
                     accounted.append(pending)
                 # a row of an undecided group (never rejected) is skipped
                 pending = next(extra, None)
-            if what == "all" or (what == "served") == (g["status"] == SERVED):
-                yield self._group_record(g, accounted)
+            if what == "all" or (what == "served") == (group["status"] == SERVED):
+                yield self._group_record(group, accounted)
         if what != "served":
-            for r in self._orphans():
-                yield self._orphan_record(r)
+            for row in self._orphans():
+                yield self._orphan_record(row)
 
     def _rows(self, pks: list[int]) -> dict[int, tuple]:
         return fetch_rows(self.launcher_db, pks, q.fetch_export_rows)
 
     def _seed(self, batch_id: str) -> tuple[bytes, frozenset[str]] | None:
         if batch_id not in self._seeds:
-            r = self.state_db.fetchone(q.BATCH_SEED, (batch_id,))
-            meta = json.loads(r["meta"]) if r is not None and r.get("meta") else {}
+            batch = self.state_db.fetchone(q.BATCH_SEED, (batch_id,))
+            meta = json.loads(batch["meta"]) if batch is not None and batch.get("meta") else {}
             self._seeds[batch_id] = (
-                (bytes.fromhex(r["seed"]), frozenset(meta.get("partial_groups") or ()))
-                if r is not None
+                (bytes.fromhex(batch["seed"]), frozenset(meta.get("partial_groups") or ()))
+                if batch is not None
                 else None
             )
             if len(self._seeds) > SEED_CACHE:
                 self._seeds.popitem(last=False)
         return self._seeds[batch_id]
 
-    def _group_record(self, g: dict[str, Any], accounted: list[tuple]) -> str:
-        gid, status, reason = g["group_id"], g["status"], g["reason"]
-        pks = [int(p) for p in (g["pks"] or "").split(",") if p]
-        extra = {int(r[1]): (r[2], r[3]) for r in accounted}
+    def _group_record(self, group: dict[str, Any], accounted: list[tuple]) -> str:
+        gid, status, reason = group["group_id"], group["status"], group["reason"]
+        pks = [int(pk) for pk in (group["pks"] or "").split(",") if pk]
+        extra = {int(row[1]): (row[2], row[3]) for row in accounted}
         rows = self._rows(sorted(set(pks) | set(extra)))
         outcomes: dict[int, tuple[str, str | None]] = {}
         items_json: str | None = None
@@ -177,7 +177,7 @@ class Exporter:
                 outcomes[pk] = (SERVED, None)
             for pk in take.incomplete_pks:
                 outcomes[pk] = (DROPPED, INCOMPLETE_IN_SERVED)
-            items_json, uids = self._items(take, rows, g["batch_id"])
+            items_json, uids = self._items(take, rows, group["batch_id"])
         else:
             for pk in pks:
                 outcomes[pk] = (DROPPED, reason)
@@ -189,8 +189,8 @@ class Exporter:
             "group_id": gid,
             "status": status,
             "reason": reason,
-            "batch_id": g["batch_id"],
-            "decided_at": json_number(g["resolved_at"]),
+            "batch_id": group["batch_id"],
+            "decided_at": json_number(group["resolved_at"]),
             "missing_step_pks": sorted(set(outcomes) - set(rows)),
             "sessions": sessions_of(rows, outcomes),
         }
@@ -222,12 +222,12 @@ class Exporter:
             return text, "as_served"
         # the batch (and its seed) was pruned after the replay window: the uids cannot be known
         items = json.loads("[" + text + "]")
-        for it in items:
-            it["uid"] = None
+        for item in items:
+            item["uid"] = None
         return json.dumps(items, ensure_ascii=False)[1:-1], "lost"
 
-    def _orphan_record(self, r: tuple) -> str:
-        pk, outcome, reason, recorded_at = int(r[0]), r[1], r[2], r[3]
+    def _orphan_record(self, accounted: tuple) -> str:
+        pk, outcome, reason, recorded_at = int(accounted[0]), *accounted[1:4]
         rows = self._rows([pk])
         record = {
             "format": FORMAT_VERSION,
@@ -336,8 +336,10 @@ def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, wh
         print(f"rollout-buffer export: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     finally:
-        for db in {id(d): d for d in (launcher_db, state_db) if d is not None}.values():
-            db.close()
+        # one connection when both URLs are the same database
+        opened = {id(db): db for db in (launcher_db, state_db) if db is not None}
+        for database in opened.values():
+            database.close()
     print(
         f"exported {summary.records} records of job {job_id} to {out} "
         f"({summary.bytes / 1e6:.1f} MB)"
