@@ -221,13 +221,14 @@ def run_demo(args: argparse.Namespace) -> int:
             if not got or now - stats_at >= POLL_INTERVAL_S:
                 stats = client.stats()
                 stats_at = now
-                g = stats.get("groups") or {}
-                r = stats.get("rows") or {}
-                rate = (r.get("read") or 0) / max(elapsed, 1e-6)
+                group_counts = stats.get("groups") or {}
+                row_counts = stats.get("rows") or {}
+                rate = (row_counts.get("read") or 0) / max(elapsed, 1e-6)
                 progress.show(
                     f"  {elapsed:6.1f} s  groups {len(checker.groups):4d}  "
                     f"items {checker.items:6d}  {rate:8.0f} rows/s  "
-                    f"pending {g.get('pending', 0):3d}  dropped {g.get('dropped_total', 0):3d}"
+                    f"pending {group_counts.get('pending', 0):3d}  "
+                    f"dropped {group_counts.get('dropped_total', 0):3d}"
                 )
                 if not got and _finished(stats):
                     progress.show(progress.last_text, force=True)
@@ -285,10 +286,10 @@ def _summary(
     timeout: float,
     policies: bool = False,
 ) -> int:
-    g = stats.get("groups") or {}
-    r = stats.get("rows") or {}
+    group_counts = stats.get("groups") or {}
+    row_counts = stats.get("rows") or {}
     balanced = stats.get("accounting_balanced")
-    served_by_server = g.get("served")
+    served_by_server = group_counts.get("served")
     problems = list(checker.problems)
     if timed_out:
         problems.append(
@@ -297,29 +298,32 @@ def _summary(
     if not checker.groups:
         problems.append("no group was served")
     if balanced is not True:
-        problems.append(f"accounting not balanced in /stats: rows {r}")
-    sim = launcher_summary((stats.get("launcher") or {}).get("log_path"))
-    by_policy = {k: v for k, v in (g.get("dropped") or {}).items() if k in POLICY_REASONS}
+        problems.append(f"accounting not balanced in /stats: rows {row_counts}")
+    simulated = launcher_summary((stats.get("launcher") or {}).get("log_path"))
+    by_policy = {
+        k: v for k, v in (group_counts.get("dropped") or {}).items() if k in POLICY_REASONS
+    }
     if (
-        sim is not None
+        simulated is not None
         and not timed_out
         and not policies
-        and sim.get("complete_groups") != len(checker.groups)
+        and simulated.get("complete_groups") != len(checker.groups)
     ):
         problems.append(
-            f"the simulator completed {sim.get('complete_groups')} groups, the trainer received "
-            f"{len(checker.groups)}"
+            f"the simulator completed {simulated.get('complete_groups')} groups, "
+            f"the trainer received {len(checker.groups)}"
         )
     if (
-        sim is not None
+        simulated is not None
         and not timed_out
         and policies
-        and sim.get("complete_groups", 0) > len(checker.groups) + sum(by_policy.values())
+        and simulated.get("complete_groups", 0) > len(checker.groups) + sum(by_policy.values())
     ):
         # over-sampling serves a group once K of its K+1 sessions completed: more may be served
         problems.append(
-            f"the simulator completed {sim.get('complete_groups')} groups, the trainer received "
-            f"{len(checker.groups)} and {sum(by_policy.values())} were dropped by a policy"
+            f"the simulator completed {simulated.get('complete_groups')} groups, "
+            f"the trainer received {len(checker.groups)} and {sum(by_policy.values())} were "
+            "dropped by a policy"
         )
     if served_by_server is not None and served_by_server != len(checker.groups):
         problems.append(
@@ -336,15 +340,21 @@ def _summary(
         ("groups served", f"{len(checker.groups)}"),
         ("items (steps)", f"{checker.items}"),
         ("sessions", f"{checker.sessions}"),
-        ("dropped groups", f"{g.get('dropped_total', 0)}  ({_reasons(g.get('dropped'))})"),
-        ("rejected rows", f"{r.get('rejected_total', 0)}  ({_reasons(r.get('rejected'))})"),
+        (
+            "dropped groups",
+            f"{group_counts.get('dropped_total', 0)}  ({_reasons(group_counts.get('dropped'))})",
+        ),
+        (
+            "rejected rows",
+            f"{row_counts.get('rejected_total', 0)}  ({_reasons(row_counts.get('rejected'))})",
+        ),
         *(
             [
                 (
                     "policies",
                     f"stale {by_policy.get('stale', 0)} groups, zero_variance "
                     f"{by_policy.get('zero_variance', 0)} groups, oversampled "
-                    f"{(r.get('dropped') or {}).get('oversampled', 0)} rows",
+                    f"{(row_counts.get('dropped') or {}).get('oversampled', 0)} rows",
                 )
             ]
             if policies
@@ -352,18 +362,19 @@ def _summary(
         ),
         (
             "rows read",
-            f"{r.get('read', 0)}  (served {r.get('served', 0)}, "
-            f"dropped {r.get('dropped_total', 0)}, pending {r.get('pending', 0)})",
+            f"{row_counts.get('read', 0)}  (served {row_counts.get('served', 0)}, "
+            f"dropped {row_counts.get('dropped_total', 0)}, "
+            f"pending {row_counts.get('pending', 0)})",
         ),
         ("avg reward", f"{avg:.3f} per item, {avg_s:.3f} per session"),
         ("wall time", f"{wall:.1f} s"),
         (
             "simulator",
             "-"
-            if sim is None
-            else f"{sim.get('sessions')} sessions ({sim.get('completed_sessions')} "
-            f"completed, {sim.get('failed_sessions')} crashed), "
-            f"{sim.get('complete_groups')} complete groups",
+            if simulated is None
+            else f"{simulated.get('sessions')} sessions ({simulated.get('completed_sessions')} "
+            f"completed, {simulated.get('failed_sessions')} crashed), "
+            f"{simulated.get('complete_groups')} complete groups",
         ),
         ("database", db_path),
         ("logs", f"{logs}  (server: {server_log})"),
@@ -374,8 +385,8 @@ def _summary(
     out.write("\nsummary\n")
     for label, value in rows:
         out.write(f"  {label:<{width}}  {value}\n")
-    for p in problems[:20]:
-        out.write(f"  ! {p}\n")
+    for problem in problems[:20]:
+        out.write(f"  ! {problem}\n")
     if len(problems) > 20:
         out.write(f"  ! ... and {len(problems) - 20} more\n")
     out.flush()
