@@ -1,11 +1,11 @@
 """``rollout-buffer export``: every group the buffer decided for a job, as JSONL (gzipped for
 ``.gz``).
 
-Owns: streaming the export (README "Export format", one record per line; the record's format is
-:mod:`rollout_buffer.tools.export_format`'s). One
-record per decided group (served or dropped), plus one per rejected row that has no usable group;
-each carries its sessions and their steps as the launcher wrote them, every row with its outcome
-and reason, and for a served group its items exactly as the trainer got them: rebuilt from the
+Owns: the export format (docs "Export format", one record per line; a step and a session are
+:mod:`rollout_buffer.tools.export_steps`'s) and streaming it. One record per decided group
+(served or dropped), plus one per rejected row that has no usable group; each carries its sessions
+and their steps as the launcher wrote them, every row with its outcome and reason, and for a
+served group its items exactly as the trainer got them: rebuilt from the
 immutable rows with the batch's uid seed, as a replayed poll is (``fetch.take_from_rows`` then
 ``items.build_group``), so the uids are the same.
 
@@ -26,6 +26,7 @@ import json
 import os
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any, TextIO
@@ -36,21 +37,17 @@ from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, S
 from rollout_buffer.storage import queries as q
 from rollout_buffer.storage.db import Database, connect
 from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
-from rollout_buffer.tools.export_format import (
-    FORMAT_VERSION,
-    ExportError,
-    json_number,
-    sessions_of,
-    text_of,
-)
-from rollout_buffer.tools.export_format import (
-    read_export as read_export,  # the public place to read an export from, as before the split
-)
+from rollout_buffer.tools.export_steps import json_number, sessions_of, text_of
 from rollout_buffer.tools.progress import Progress, bar
 
 WHAT = ("served", "dropped", "all")
 PAGE = 500
 SEED_CACHE = 1024
+FORMAT_VERSION = 1
+
+
+class ExportError(RolloutBufferError):
+    """The export cannot be made (no such job, unreadable database)."""
 
 
 @dataclass
@@ -296,6 +293,36 @@ def export(
         )
         progress.end()
     return summary
+
+
+def read_export(path: str) -> Iterator[dict[str, Any]]:
+    """The records of an export file, one at a time (plain or gzip, told by its first bytes). A file
+    that is not an export (a line that is no JSON object, a truncated or corrupt gzip, bytes that
+    are not UTF-8) raises ExportError naming the line."""
+    with open(path, "rb") as probe:
+        gz = probe.read(2) == b"\x1f\x8b"
+    opener = gzip.open if gz else open
+    n = 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as file:
+            for n, line in enumerate(file, 1):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except ValueError as exc:
+                        raise ExportError(f"{path}:{n}: not a JSON record ({exc})") from None
+                    if not isinstance(record, dict) or not isinstance(
+                        record.get("sessions", []), list
+                    ):
+                        raise ExportError(
+                            f"{path}:{n}: not an export record (a JSON object with its sessions)"
+                        )
+                    yield record
+    except (EOFError, gzip.BadGzipFile, UnicodeDecodeError, zlib.error) as exc:
+        raise ExportError(
+            f"{path}: unreadable after line {n} ({type(exc).__name__}: {exc}); "
+            "a truncated or corrupt file?"
+        ) from None
 
 
 def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, what: str) -> int:

@@ -1,23 +1,20 @@
-"""The export's record format (README "Export format"): how one launcher row becomes a step and a
-group's rows become sessions, and reading an export file back.
+"""One launcher row as an export step, and a group's rows as its sessions (the export format's
+inner records; ``rollout_buffer.tools.export`` streams the groups).
 
-Owns: the record's version, the JSON encoding of row values (numbers that are not finite and text
-that is not UTF-8 are kept as text, never lost), and :func:`read_export`. Streaming the records out
-of the databases is :mod:`rollout_buffer.tools.export`'s.
+Owns: how each column of a row is written (numbers that are not finite as their text, bytes
+decoded with replacement, the stored history as a JSON list when it is one, else as its raw text),
+and the order of sessions and steps. Pure values: no I/O.
 """
 
 from __future__ import annotations
 
 import collections
-import gzip
 import json
 import math
-import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from rollout_buffer.core.errors import RolloutBufferError
 from rollout_buffer.core.items import (
     COMPLETED,
     CREATED,
@@ -34,13 +31,8 @@ from rollout_buffer.core.items import (
 )
 from rollout_buffer.storage import queries as q
 
-FORMAT_VERSION = 1
 # Positions of queries.EXPORT_EXTRA_COLUMNS after BODY_COLUMNS.
 ENV_NAME, LLM_MODEL, CUM_REWARD, TERMINAL = range(len(q.BODY_COLUMNS), len(q.BODY_COLUMNS) + 4)
-
-
-class ExportError(RolloutBufferError):
-    """The export cannot be made (no such job, unreadable database)."""
 
 
 def json_number(value: Any) -> Any:
@@ -147,33 +139,3 @@ def sessions_of(
             }
         )
     return out
-
-
-def read_export(path: str) -> Iterator[dict[str, Any]]:
-    """The records of an export file, one at a time (plain or gzip, told by its first bytes). A file
-    that is not an export (a line that is no JSON object, a truncated or corrupt gzip, bytes that
-    are not UTF-8) raises ExportError naming the line."""
-    with open(path, "rb") as probe:
-        gz = probe.read(2) == b"\x1f\x8b"
-    opener = gzip.open if gz else open
-    n = 0
-    try:
-        with opener(path, "rt", encoding="utf-8") as file:
-            for n, line in enumerate(file, 1):
-                if line.strip():
-                    try:
-                        record = json.loads(line)
-                    except ValueError as exc:
-                        raise ExportError(f"{path}:{n}: not a JSON record ({exc})") from None
-                    if not isinstance(record, dict) or not isinstance(
-                        record.get("sessions", []), list
-                    ):
-                        raise ExportError(
-                            f"{path}:{n}: not an export record (a JSON object with its sessions)"
-                        )
-                    yield record
-    except (EOFError, gzip.BadGzipFile, UnicodeDecodeError, zlib.error) as exc:
-        raise ExportError(
-            f"{path}: unreadable after line {n} ({type(exc).__name__}: {exc}); "
-            "a truncated or corrupt file?"
-        ) from None
