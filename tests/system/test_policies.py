@@ -252,7 +252,7 @@ def test_bad_policy_fields_in_a_poll_are_400(make, body):
     r = h.client.post("/get_rollout_data", json=body)
     assert r.status_code == 400
     doc = r.get_json()
-    assert doc["success"] is False and list(body)[0] in doc["error"]
+    assert doc["success"] is False and next(iter(body)) in doc["error"]
 
 
 # -- zero variance
@@ -571,8 +571,8 @@ def test_group_figures_in_meta_info_stats_and_metrics(make, writer):
         in text
     )
     assert (
-        'rollout_buffer_group_terminal_reward_mean{job_session="job1",outcome="dropped",reason="zero_variance"} 1.0'
-        in text
+        'rollout_buffer_group_terminal_reward_mean{job_session="job1",outcome="dropped",'
+        'reason="zero_variance"} 1.0' in text
     )
     assert 'rollout_buffer_weight_version{job_session="job1",kind="current"} 4' in text
 

@@ -8,6 +8,7 @@ tick: only the service's own loop thread (every 20 ms in tests) can have done th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -282,7 +283,7 @@ def test_plain_ignore_term_launcher_is_killed(harness_factory, lite_url, tmp_pat
     )
     pid = h.start(k=2)["pid"]
     wait_until(lambda: lines(marker), what="launcher up")
-    status, body = post(h, "/stop_rollout")
+    status, _body = post(h, "/stop_rollout")
     assert status == 200
     assert launcher(h)["exit_code"] == -9
     assert group_members(pid) == [] and not alive(pid)
@@ -581,9 +582,9 @@ def test_ttl_drops_idle_groups_in_the_background(harness_factory, db_url, writer
         lambda p: proxy_sessions(p, "incomplete_group_ttl", delivered=True) == set(idle)
     )
     assert proxy_groups(proxy, "incomplete_group_ttl") == {"g-idle"}
-    assert [c["session_ids"] for c in proxy.calls if c["reason"] == "incomplete_group_ttl"][
-        0
-    ] == sorted(idle)
+    assert next(
+        c["session_ids"] for c in proxy.calls if c["reason"] == "incomplete_group_ttl"
+    ) == sorted(idle)
 
     # A late row for the dropped group is discarded, counted and its session cleared.
     writer.step("g-idle", idle[0], 3)
@@ -739,10 +740,9 @@ def _fds() -> dict[int, str]:
     """Open file descriptors of this process and what they point at."""
     out = {}
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        # (the descriptor listdir itself used is already closed)
+        with contextlib.suppress(OSError):
             out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass  # the descriptor listdir itself used, already closed
     return out
 
 
@@ -921,7 +921,8 @@ def test_a_blob_session_in_an_idle_group_is_recorded_and_cleared_and_serving_goe
     conn = sqlite3.connect(lite_url[len("sqlite://") :])
     with conn:
         conn.execute(
-            "INSERT INTO session_steps (session_id, step_id, env_name, llm_model, group_id, job_id, "
+            "INSERT INTO session_steps (session_id, step_id, env_name, llm_model, group_id, "
+            "job_id, "
             "messages, response, created_at) VALUES (?, 1, 'e', 'm', 'g-idle', 'job1', '[]', 'r', "
             "'2026-01-01 00:00:00')",
             (b"blob-session",),
