@@ -91,10 +91,10 @@ class Checker:
         self.groups.append(gid)
         self.items += len(items)
         by_session: dict[str, set[float]] = collections.defaultdict(set)
-        for it in items:
-            extra = it.get("extra_info") or {}
+        for item in items:
+            extra = item.get("extra_info") or {}
             sid = extra.get("session_id")
-            reward = it.get("reward")
+            reward = item.get("reward")
             if sid is None or reward is None:
                 self.problems.append(f"group {gid}: an item lacks extra_info.session_id or reward")
                 continue
@@ -104,19 +104,19 @@ class Checker:
             self.problems.append(
                 f"group {gid}: {len(by_session)} distinct sessions, expected K={self.k}"
             )
-        for sid, rs in by_session.items():
-            if len(rs) != 1:
+        for sid, rewards in by_session.items():
+            if len(rewards) != 1:
                 self.problems.append(
-                    f"group {gid}: session {sid} has items with different rewards {sorted(rs)}"
+                    f"group {gid}: session {sid} has items with different rewards {sorted(rewards)}"
                 )
-            self.session_rewards.append(next(iter(rs)))
+            self.session_rewards.append(next(iter(rewards)))
         self.sessions += len(by_session)
 
 
-def _reasons(d: Any) -> str:
-    if not isinstance(d, dict) or not d:
+def _reasons(counts: Any) -> str:
+    if not isinstance(counts, dict) or not counts:
         return "none"
-    return ", ".join(f"{k} {v}" for k, v in sorted(d.items()))
+    return ", ".join(f"{reason} {count}" for reason, count in sorted(counts.items()))
 
 
 def launcher_summary(log_path: str | None) -> dict[str, Any] | None:
