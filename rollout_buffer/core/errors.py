@@ -1,15 +1,12 @@
 """Exception hierarchy: every error this package raises on purpose is a RolloutBufferError.
 
-Owns: the exception classes (a refused request by its meaning: Invalid, Conflict, Expired,
-Overloaded, Unavailable, OperationFailed; never an HTTP status), and :func:`bounded` (a lock waited
-for at most a few seconds, else Unavailable). It must not import anything of the package.
+Owns: the exception classes, a refused request by its meaning (Invalid, Conflict, Expired,
+Overloaded, Unavailable, OperationFailed), never by an HTTP status: the web layer maps them. It
+must not import anything of the package.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 
@@ -89,18 +86,3 @@ class Unavailable(RequestError):
 class OperationFailed(RequestError):
     """The service failed at something it must be able to do (start the launcher, rebuild a
     recorded batch); retrying the same request will not help without an operator."""
-
-
-@contextlib.contextmanager
-def bounded(lock: threading.Lock, holder: str, wait_s: float) -> Iterator[None]:
-    """Hold ``lock``, waiting at most ``wait_s``: a request behind a stuck one is refused as
-    Unavailable (a 503), never hangs."""
-    if not lock.acquire(timeout=wait_s):
-        raise Unavailable(
-            f"{holder} has been busy for over {wait_s:.0f} s (the database may be stuck); retry",
-            retry_after=2,
-        )
-    try:
-        yield
-    finally:
-        lock.release()

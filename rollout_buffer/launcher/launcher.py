@@ -164,13 +164,22 @@ class Launcher:
         )
         return pid
 
+    def want_relaunch(self, job_id: str) -> None:
+        """The job's launcher was stopped for this owner (handed over): a fresh one is due here once
+        its incomplete groups are dropped."""
+        self.relaunch_for = job_id
+
+    def cancel_relaunch(self) -> None:
+        """A fresh launcher could not be started: not retried (the error was logged)."""
+        self.relaunch_for = None
+
     def start_for(self, store: Store, job_state: Any) -> int | None:
         """/start_rollout and a relaunch: start the job's launcher (none with LAUNCHER=none); the
         loop's view of the previous one's end (``job_state``: the JobState) starts over with it."""
         if not self.managed:
             return None
         pid = self.start(store, job_state.job_id, job_state.k)
-        job_state.launcher_finished_tick, job_state.launcher_drop_done = None, False
+        job_state.launcher_started()
         return pid
 
     def resume_restart(self, store: Store, job_id: str, k: int, row: dict[str, Any]) -> bool:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from rollout_buffer.core import errors
-from rollout_buffer.core.errors import RequestError, Unavailable, bounded
+from rollout_buffer.core.errors import RequestError
 from rollout_buffer.web.errors import STATUS, status_of
 
 KINDS = [
@@ -32,12 +30,3 @@ def test_the_statuses_are_the_ones_the_api_always_answered():
         "OperationFailed": 500,
         "Unavailable": 503,
     }
-
-
-def test_a_lock_held_too_long_is_unavailable_with_a_retry_hint():
-    lock = threading.Lock()
-    lock.acquire()
-    with pytest.raises(Unavailable) as info, bounded(lock, "a poll", 0.0):
-        pass
-    assert status_of(info.value) == 503 and info.value.context == {"retry_after": 2}
-    assert "a poll has been busy" in info.value.message
