@@ -25,6 +25,7 @@ from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
 from rollout_buffer.launcher.command import launch_spec
 from rollout_buffer.launcher.processes import terminate_group
+from rollout_buffer.launcher.records import recorded, state_to_record, still_running
 from rollout_buffer.launcher.supervisor import LauncherError, Supervisor, shown
 from rollout_buffer.storage.store import LauncherRecord, Store
 
@@ -216,13 +217,7 @@ class Launcher:
             return None
         host = row.get("launcher_host")
         if host is not None and host != self.host_id:
-            self.elsewhere = LauncherRecord(
-                row["launcher_pid"],
-                row["launcher_pgid"],
-                row["launcher_start_ticks"],
-                LauncherState.RUNNING,
-                host,
-            )
+            self.elsewhere = recorded(row, LauncherState.RUNNING)
             self.ended_elsewhere = False
             logger.warning(
                 "the launcher of job %s (pid %s) runs on host %s, not here: it is left alone, its "
@@ -254,22 +249,13 @@ class Launcher:
                 job_id,
             )
             store.save_launcher(
-                job_id,
-                LauncherRecord(
-                    row["launcher_pid"],
-                    row["launcher_pgid"],
-                    row["launcher_start_ticks"],
-                    LauncherState.EXITED,
-                    host,
-                ),
-                row.get("launcher_owner"),
+                job_id, recorded(row, LauncherState.EXITED), row.get("launcher_owner")
             )
             if self.managed:
                 self.relaunch_for = job_id
         else:
-            self.record(
-                store, job_id, LauncherState.RUNNING
-            )  # ours now: the previous owner must not stop it
+            # ours now: the previous owner must not stop it
+            self.record(store, job_id, LauncherState.RUNNING)
         return adopted
 
     def check_elsewhere(self, store: Store, job_id: str, reports: list[str | None]) -> None:
@@ -333,13 +319,7 @@ class Launcher:
             int(row["launcher_pgid"]),
             row["launcher_start_ticks"],
         )
-        process = procfs.stat(pid)
-        alive = bool(
-            process
-            and process.alive
-            and process.pgrp == pgid
-            and (ticks is None or process.start_ticks == int(ticks))
-        )
+        alive = still_running(pid, pgid, ticks)
         running = LauncherState.parse(row.get("launcher_state")) is LauncherState.RUNNING
         if alive and (not running or owner_host not in (None, self.host_id)):
             logger.warning(
@@ -376,17 +356,7 @@ class Launcher:
             kind = event.get("event")
             state = self.supervisor.state()
             if kind in ("exited", "restarted", "gave_up"):
-                if state["running"]:
-                    label = LauncherState.RUNNING
-                elif state["will_restart"]:
-                    label = LauncherState.RESTART_PENDING
-                elif state["stopped_by"] == "shutdown":
-                    label = LauncherState.STOPPED_SHUTDOWN
-                elif state["stopped_by"]:
-                    label = LauncherState.STOPPED_REQUESTED
-                else:
-                    label = LauncherState.EXITED
-                self.record(store, job_id, label)
+                self.record(store, job_id, state_to_record(state))
             if (
                 kind == "exited"
                 and event.get("exit_code") not in (0, None)
