@@ -71,7 +71,8 @@ class ExportReplayer(Simulator):
         self.ensure_tables()
         if not a.quiet:
             print(
-                f"simulate: job {a.job_id}: writing back {a.from_export}, pace {a.pace}s -> {self.connect().safe_url}",
+                f"simulate: job {a.job_id}: writing back {a.from_export}, pace {a.pace}s -> "
+                f"{self.connect().safe_url}",
                 flush=True,
             )
         first = True
