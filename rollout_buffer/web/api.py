@@ -5,9 +5,9 @@ and validated strictly: a wrong type is a 400 whose message says what was expect
 standby, what needs the owner (polls, /start_rollout, /stop_rollout) is turned away after
 authentication; /health, /stats, /status and /metrics answer locally with the role.
 
-Owns: the routes, parsing and validating bodies, the token and the same-origin check, and turning
-the service's answers into responses. It must not hold state or decide anything: every action is a
-call to the service (the page and /metrics render what the service reports).
+Owns: the routes, parsing and validating bodies, the token, the same-origin and Host checks, and
+turning the service's answers into responses. It must not hold state or decide anything: every
+action is a call to the service (the page and /metrics render what the service reports).
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ STATE_PATHS = ("/start_rollout", "/get_rollout_data", "/stop_rollout")
 def _same_origin() -> None:
     """Refuse a browser's cross-site request: without a token, any page a user opens could POST
     text/plain to /start_rollout or take groups. Browsers say where a request comes from
-    (Sec-Fetch-Site, Origin); trainers and curl send neither, and are never refused here."""
+    (Sec-Fetch-Site, Origin); trainers and curl send neither, and are never refused here. A
+    browser's request that changes state must also come by a Host the service is reached by
+    (:func:`_known_host`)."""
     site = request.headers.get("Sec-Fetch-Site", "")
     origin = request.headers.get("Origin")
     if site == "cross-site" or (
