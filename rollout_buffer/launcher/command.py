@@ -63,9 +63,8 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
         argv += list(config.simulate_args or ())
         # the directory that holds this package (rollout_buffer/launcher/command.py: three up), so
         # that the child imports this very copy of it
-        package_parent = os.path.dirname(
-            os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        )
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        package_parent = os.path.dirname(package)
         env["PYTHONPATH"] = os.pathsep.join(
             path for path in (package_parent, env.get("PYTHONPATH")) if path
         )
