@@ -275,6 +275,14 @@ SETTINGS: tuple[Setting, ...] = (
         "seconds between TERM and KILL when stopping the launcher",
     ),
     Setting(
+        "launch_grace_s",
+        PREFIX + "LAUNCH_GRACE_S",
+        3.0,
+        _float(0.0),
+        "seconds /start_rollout waits for a launcher that exits at once (its answer is then an "
+        "error with the exit code and the log's last lines); 0 = answer at once",
+    ),
+    Setting(
         "max_response_bytes",
         PREFIX + "MAX_RESPONSE_BYTES",
         256 * 1024 * 1024,
@@ -349,6 +357,15 @@ SETTINGS: tuple[Setting, ...] = (
         _choice("ready", "oldest_version", "newest_version"),
         "which ready groups go first: ready (first ready), oldest_version or newest_version (by the min "
         "weight_version of their items)",
+    ),
+    Setting(
+        "max_version_jump",
+        PREFIX + "MAX_VERSION_JUMP",
+        1000,
+        _opt_int(0),
+        "once the current version is known, a group with a version more than this above it "
+        "(or below 0) is dropped as implausible_version; row data moves the current version "
+        "only when two complete groups agree (unset: no bound)",
     ),
     Setting(
         "max_request_bytes",
@@ -516,6 +533,7 @@ class Config:
     restart_max: int = 3
     restart_backoff_s: float = 2.0
     stop_grace_s: float = 10.0
+    launch_grace_s: float = 3.0
     max_response_bytes: int = 256 * 1024 * 1024
     max_group_bytes: int = 1024 * 1024 * 1024
     max_waiting_polls: int = 8
@@ -526,6 +544,7 @@ class Config:
     oversample: int = 0
     min_group_size: int | None = None
     serve_order: str = "ready"
+    max_version_jump: int | None = 1000
     max_request_bytes: int = 1024 * 1024
     ingest_interval_s: float = 0.2
     ingest_batch: int = 20000
@@ -581,6 +600,7 @@ class Config:
             self.oversample,
             self.min_group_size,
             self.serve_order,
+            self.max_version_jump,
         )
 
     @property

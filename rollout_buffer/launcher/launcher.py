@@ -26,6 +26,7 @@ from rollout_buffer.launcher import procfs
 from rollout_buffer.launcher.command import launch_spec
 from rollout_buffer.launcher.processes import terminate_group
 from rollout_buffer.launcher.records import recorded, state_to_record, still_running
+from rollout_buffer.launcher.report import hints, log_tail, status
 from rollout_buffer.launcher.supervisor import LauncherError, Supervisor, shown
 from rollout_buffer.storage.store import LauncherRecord, Store
 
@@ -57,17 +58,14 @@ class Launcher:
         self.supervisor = supervisor
         self.instance_id = instance_id  # recorded as the launcher's owner
         self.host_id = host_id or config.host_id or procfs.host_id()
-        self.elsewhere: LauncherRecord | None = (
-            None  # the job's launcher, recorded running on another host
-        )
+        # the job's launcher, recorded running on another host
+        self.elsewhere: LauncherRecord | None = None
         self.ended_elsewhere = False  # ... and since reported gone or recorded stopped
-        self.relaunch_for: str | None = (
-            None  # a job whose launcher was lost with its owner: start a fresh one
-        )
+        # a job whose launcher was lost with its owner: start a fresh one
+        self.relaunch_for: str | None = None
         self._stop_due = False  # /stop_rollout of a launcher elsewhere, not recorded yet
-        self._released: list[
-            subprocess.Popen[bytes]
-        ] = []  # our children another owner took over (reaped)
+        # our children another owner took over (reaped)
+        self._released: list[subprocess.Popen[bytes]] = []
 
     @property
     def managed(self) -> bool:
@@ -98,14 +96,38 @@ class Launcher:
         )
         return out
 
+    def status(self) -> dict[str, Any]:
+        """The launcher in a word (``report.status``): every poll's meta_info and /health."""
+        elsewhere = None
+        if self.elsewhere is not None:
+            elsewhere = "exited" if self.ended_elsewhere else "running_elsewhere"
+        return status(self.supervisor.state(), managed=self.managed, elsewhere=elsewhere)
+
+    def early_exit(self, pid: int) -> dict[str, Any] | None:
+        """Wait up to ROLLOUT_BUFFER_LAUNCH_GRACE_S (no lock held) for the launcher just started to
+        fail. If it exited nonzero (or was killed): its exit code, its log's last lines, what its
+        flags say, and whether the restart policy starts it again. An exit 0 is a launcher that
+        had little to do: no failure."""
+        exited, code = self.supervisor.wait_exit(pid, self.config.launch_grace_s)
+        state = self.supervisor.state()
+        if not exited or code == 0 or state["stopped_by"]:  # (a /stop_rollout, a shutdown)
+            return None
+        argv = state["argv"] or []
+        return {
+            "exit_code": code,
+            "log_tail": log_tail(state["log_path"]),
+            "log_path": state["log_path"],
+            "argv": argv,
+            "hints": hints(self.config.launcher_kind, argv),
+            "will_restart": state["will_restart"],
+        }
+
     def running_pid(self) -> int | None:
         """The pid of the job's launcher while it runs here, or may still run on another host."""
         state = self.supervisor.state()
         if state["running"]:
-            return state["pid"]
-        if self.elsewhere is not None and not self.ended_elsewhere:  # runs_elsewhere(), narrowed
-            return self.elsewhere.pid
-        return None
+            return int(state["pid"])
+        return self.elsewhere.pid if self.elsewhere is not None and self.runs_elsewhere() else None
 
     def runs_elsewhere(self) -> bool:
         """A launcher of the job may still run on another host (so /start_rollout must not start
@@ -152,9 +174,8 @@ class Launcher:
             ) from exc
         try:
             self.record(store, job_id, LauncherState.RUNNING)
-        except (
-            StorageError
-        ):  # LeaseLost above all: not ours to run, and unrecorded it would be lost
+        except StorageError:
+            # LeaseLost above all: not ours to run, and unrecorded it would be lost
             self.supervisor.stop("requested")
             raise
         self.elsewhere, self.ended_elsewhere, self.relaunch_for, self._stop_due = (

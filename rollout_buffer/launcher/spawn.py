@@ -1,9 +1,9 @@
-"""Turning a launch spec into a running process: the checks before, the log it appends to, and
-``Popen`` in a session of its own.
+"""Making a launcher process from its spec: the checks before, the log it writes to, the spawn.
 
-Owns: :class:`LaunchSpec`, :class:`LauncherError`, :func:`preflight` (what would surely make a start
-fail, said before anything changes), :func:`spawn` and :func:`shown` (an argv as logs may show it).
-It must not track the process once started: that is the supervisor's.
+Owns: :class:`LaunchSpec`, what may be shown of its argv, the preflight checks (argv, cwd,
+executable, log directory, free space) and the spawn itself (its own session, so its own process
+group; stdout and stderr appended to its log). It must not watch, restart or stop the process:
+:class:`~rollout_buffer.launcher.supervisor.Supervisor` does.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import BinaryIO
 
 from rollout_buffer.core.errors import RolloutBufferError
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import processes
 
 LOG_MIN_FREE_BYTES = 1 << 20  # less free space in the launcher log directory refuses a start
+START_MARK = "--- "  # begins the line written to the log before each start (then its time, argv)
 
 
 class LauncherError(RolloutBufferError):
@@ -41,7 +41,7 @@ class LaunchSpec:
 def shown(argv: Sequence[str]) -> list[str]:
     """An argv as it may be shown in logs and answers: database URLs without their password (the
     process itself gets the real one)."""
-    return [redact(str(arg)) for arg in argv]
+    return [redact(str(a)) for a in argv]
 
 
 def preflight(spec: LaunchSpec) -> None:
@@ -65,38 +65,38 @@ def preflight(spec: LaunchSpec) -> None:
     log_dir = os.path.dirname(spec.log_path) or "."
     try:
         os.makedirs(log_dir, exist_ok=True)
-        filesystem = os.statvfs(log_dir)
+        st = os.statvfs(log_dir)
     except OSError as exc:
         raise LauncherError(
             f"cannot create the launcher log directory for {spec.log_path!r}: {exc}"
         ) from exc
-    free = filesystem.f_bavail * filesystem.f_frsize
-    if free < LOG_MIN_FREE_BYTES:  # its output would fail, and it with it
+    if st.f_bavail * st.f_frsize < LOG_MIN_FREE_BYTES:  # its output would fail, and it with it
         raise LauncherError(
-            f"the launcher log directory {log_dir!r} has {free} bytes "
+            f"the launcher log directory {log_dir!r} has {st.f_bavail * st.f_frsize} bytes "
             "free (the disk is full); free some space and start again"
         )
 
 
 def spawn(spec: LaunchSpec) -> subprocess.Popen[bytes]:
-    """Start the process for ``spec`` in its own session, its output appended to its log (rotated
-    first); LauncherError says why it could not start."""
+    """Start the launcher described by ``spec`` in a session of its own (so a process group of its
+    own), its stdout and stderr appended to its log after a line naming its argv (redacted).
+    Raises LauncherError with the reason when it cannot be started."""
     preflight(spec)
-    header = f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting launcher: {shown(spec.argv)}\n"
     try:
         processes.rotate_log(spec.log_path)
-        # unbuffered: a full disk fails at the header's write, not at close
-        with open(spec.log_path, "ab", buffering=0) as log:
-            log.write(header.encode())
-            # the child holds its own copy of the descriptor: ours is closed on leaving
-            return _popen(spec, log)
+        # unbuffered: a full disk fails here, not at close; closed below once the child has its
+        # own copy (a with block would close it before the child is spawned from it)
+        log = open(spec.log_path, "ab", buffering=0)  # noqa: SIM115 (see above)
+        try:
+            started = time.strftime("%Y-%m-%d %H:%M:%S")
+            log.write(f"{START_MARK}{started} starting launcher: {shown(spec.argv)}\n".encode())
+        except OSError:
+            log.close()
+            raise
     except OSError as exc:
         raise LauncherError(f"cannot write the launcher log {spec.log_path!r}: {exc}") from exc
-
-
-def _popen(spec: LaunchSpec, log: BinaryIO) -> subprocess.Popen[bytes]:
     try:
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             list(spec.argv),
             cwd=spec.cwd,
             env=spec.env,
@@ -117,3 +117,7 @@ def _popen(spec: LaunchSpec, log: BinaryIO) -> subprocess.Popen[bytes]:
         ) from exc
     except OSError as exc:
         raise LauncherError(f"cannot start launcher {spec.argv[0]!r}: {exc}") from exc
+    finally:
+        # The child holds its own copy of the descriptor.
+        log.close()
+    return proc

@@ -10,9 +10,9 @@ The launcher runs in its own session (so its own process group), which lets
 :meth:`Supervisor.stop` signal the launcher and everything it forked at once and check that
 the whole group is gone.
 
-Owns: the launcher process: starting it, watching it, restarting it by policy, stopping its group,
-adopting one after a restart. It must not know about jobs, groups or the buffer's tables
-(launcher.py records its identity).
+Owns: the launcher process (``spawn`` makes it from a :class:`LaunchSpec`): watching it, restarting
+it by policy, stopping its group, adopting one after a restart. It must not know about jobs, groups
+or the buffer's tables (launcher.py records its identity).
 """
 
 from __future__ import annotations
@@ -184,6 +184,27 @@ class Supervisor:
             logger.info("launcher event: %s", event)
         return events
 
+    def wait_exit(self, pid: int, timeout: float) -> tuple[bool, int | None]:
+        """Wait up to ``timeout`` seconds (holding no lock) for the launcher ``pid`` we started to
+        exit; ``(exited, exit_code)``. An exit is recorded (and the restart policy applied) here as
+        :meth:`poll` would, so the state says so at once; its events still go to the next poll."""
+        with self._lock:
+            proc = self._proc if self._pid == pid else None
+        if proc is None:  # not our child (adopted), or replaced: nothing of it to wait on
+            return False, None
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False, None
+        orphan_pgid = None
+        with self._lock:
+            if self._running and not self._stopping and self._proc is proc:
+                orphan_pgid = self._pgid
+                self._on_exit(code)
+        if orphan_pgid is not None:
+            self._kill_orphans(orphan_pgid)
+        return True, code
+
     def stop(self, reason: str = "requested") -> dict[str, Any] | None:
         """Stop the launcher and its whole process group; idempotent.
 
@@ -255,7 +276,7 @@ class Supervisor:
 
     # -- internals (callers hold the lock unless noted) --------------------------------
 
-    # the checks a start makes before anything else changes (the launcher records them as a 500)
+    #: Raises LauncherError for what would surely make the spawn fail (see spawn.preflight).
     preflight = staticmethod(preflight)
 
     def _spawn(self, spec: LaunchSpec) -> int:

@@ -24,15 +24,9 @@ from rollout_buffer.core.errors import (
     StorageError,
     Unavailable,
 )
-from rollout_buffer.core.items import (
-    Body,
-    GroupItems,
-    Malformed,
-    build_group,
-    item_flags,
-    response_chunks,
-)
+from rollout_buffer.core.items import GroupItems, Malformed, build_group, item_flags
 from rollout_buffer.core.model import Batch
+from rollout_buffer.core.response import Body, response_chunks
 from rollout_buffer.runtime.jobs import JobState
 from rollout_buffer.storage.connections import Pair
 from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
@@ -175,6 +169,14 @@ class Replayer:
         for gid in batch.group_ids:
             pks = pair.store.group_pks(js.job_id, gid)
             rows = fetch_rows(pair.src, pks)
+            if len(rows) < len(pks):  # pruned from session_steps: never a group short of a row
+                raise Expired(
+                    f"the batch of request_id {batch.request_id!r} cannot be sent again whole: "
+                    f"{len(pks) - len(rows)} of the {len(pks)} rows of one of its groups are no "
+                    "longer in session_steps (was the launcher's table pruned?). Use a fresh "
+                    "request_id for new data.",
+                    batch_id=batch.batch_id,
+                )
             try:
                 groups.append(
                     build_group(

@@ -1,11 +1,10 @@
 """``rollout-buffer export``: every group the buffer decided for a job, as JSONL (gzipped for
 ``.gz``).
 
-Owns: the export format (docs "Export format", one record per line; a step and a session are
-:mod:`rollout_buffer.tools.export_steps`'s) and streaming it. One record per decided group
-(served or dropped), plus one per rejected row that has no usable group; each carries its sessions
-and their steps as the launcher wrote them, every row with its outcome and reason, and for a
-served group its items exactly as the trainer got them: rebuilt from the
+Owns: the export format (README "Export format", one record per line) and streaming it. One
+record per decided group (served or dropped), plus one per rejected row that has no usable group;
+each carries its sessions and their steps as the launcher wrote them, every row with its outcome
+and reason, and for a served group its items exactly as the trainer got them: rebuilt from the
 immutable rows with the batch's uid seed, as a replayed poll is (``fetch.take_from_rows`` then
 ``items.build_group``), so the uids are the same.
 
@@ -37,7 +36,13 @@ from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, S
 from rollout_buffer.storage import queries as q
 from rollout_buffer.storage.db import Database, connect
 from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
-from rollout_buffer.tools.export_steps import json_number, sessions_of, text_of
+from rollout_buffer.tools.export_steps import (
+    json_number,
+    session_plan,
+    sessions_of,
+    streamed_sessions,
+    text_of,
+)
 from rollout_buffer.tools.progress import Progress, bar
 
 WHAT = ("served", "dropped", "all")
@@ -84,7 +89,7 @@ class Exporter:
 
     def check_job(self) -> None:
         if self.state_db.fetchone(q.GET_JOB, (self.job_id,)) is None:
-            known = [row[0] for row in self.state_db.rows(q.EXPORT_RECENT_JOBS)]
+            known = [r[0] for r in self.state_db.rows(q.EXPORT_RECENT_JOBS)]
             raise ExportError(
                 f"no job {self.job_id!r} in the buffer's tables; known jobs (newest first): "
                 f"{', '.join(known) or 'none'}"
@@ -123,9 +128,10 @@ class Exporter:
             pk = int(page[-1][0])
 
     # -- records -----------------------------------------------------------------------------------
-    def records(self, what: str = "all") -> Iterator[str]:
-        """The export's lines (JSON text without the newline), groups in group_id order, then the
-        rejected rows without a group in step_pk order."""
+    def records(self, what: str = "all") -> Iterator[str | Iterator[str]]:
+        """The export's lines (JSON text without the newline; a dropped group's as an iterator of
+        pieces, to be written before the next record is asked for), groups in group_id order, then
+        the rejected rows without a group in step_pk order."""
         if what not in WHAT:
             raise ExportError(f"--what {what!r}: expected one of {', '.join(WHAT)}")
         extra = self._group_rows()
@@ -136,67 +142,83 @@ class Exporter:
             while pending is not None and pending[0] <= gid:
                 if pending[0] == gid:
                     accounted.append(pending)
-                # a row of an undecided group (never rejected) is skipped
-                pending = next(extra, None)
+                pending = next(
+                    extra, None
+                )  # a row of an undecided group (never rejected) is skipped
             if what == "all" or (what == "served") == (group["status"] == SERVED):
                 yield self._group_record(group, accounted)
         if what != "served":
-            for row in self._orphans():
-                yield self._orphan_record(row)
+            for r in self._orphans():
+                yield self._orphan_record(r)
 
     def _rows(self, pks: list[int]) -> dict[int, tuple]:
         return fetch_rows(self.launcher_db, pks, q.fetch_export_rows)
 
     def _seed(self, batch_id: str) -> tuple[bytes, frozenset[str]] | None:
         if batch_id not in self._seeds:
-            batch = self.state_db.fetchone(q.BATCH_SEED, (batch_id,))
-            meta = json.loads(batch["meta"]) if batch is not None and batch.get("meta") else {}
+            r = self.state_db.fetchone(q.BATCH_SEED, (batch_id,))
+            meta = json.loads(r["meta"]) if r is not None and r.get("meta") else {}
             self._seeds[batch_id] = (
-                (bytes.fromhex(batch["seed"]), frozenset(meta.get("partial_groups") or ()))
-                if batch is not None
+                (bytes.fromhex(r["seed"]), frozenset(meta.get("partial_groups") or ()))
+                if r is not None
                 else None
             )
             if len(self._seeds) > SEED_CACHE:
                 self._seeds.popitem(last=False)
         return self._seeds[batch_id]
 
-    def _group_record(self, group: dict[str, Any], accounted: list[tuple]) -> str:
-        gid, status, reason = group["group_id"], group["status"], group["reason"]
-        pks = [int(pk) for pk in (group["pks"] or "").split(",") if pk]
-        extra = {int(row[1]): (row[2], row[3]) for row in accounted}
+    def _group_record(self, group: dict[str, Any], accounted: list[tuple]) -> str | Iterator[str]:
+        gid, status = group["group_id"], group["status"]
+        pks = [int(p) for p in (group["pks"] or "").split(",") if p]
+        extra = {int(r[1]): (r[2], r[3]) for r in accounted}
+        if status != SERVED:  # no items to rebuild: streamed, whatever its size
+            return self._dropped_record(group, pks, extra)
         rows = self._rows(sorted(set(pks) | set(extra)))
         outcomes: dict[int, tuple[str, str | None]] = {}
         items_json: str | None = None
         uids = None
-        if status == SERVED:
-            take = take_from_rows(gid, pks, {pk: rows[pk] for pk in pks if pk in rows})
-            for pk in take.served_pks:
-                outcomes[pk] = (SERVED, None)
-            for pk in take.incomplete_pks:
-                outcomes[pk] = (DROPPED, INCOMPLETE_IN_SERVED)
-            items_json, uids = self._items(take, rows, group["batch_id"])
-        else:
-            for pk in pks:
-                outcomes[pk] = (DROPPED, reason)
+        take = take_from_rows(gid, pks, {pk: rows[pk] for pk in pks if pk in rows})
+        for pk in take.served_pks:
+            outcomes[pk] = (SERVED, None)
+        for pk in take.incomplete_pks:
+            outcomes[pk] = (DROPPED, INCOMPLETE_IN_SERVED)
+        items_json, uids = self._items(take, rows, group["batch_id"])
         for pk, (outcome, why) in extra.items():
             outcomes[pk] = (REJECTED if outcome == REJECTED else DROPPED, why)
-        record = {
-            "format": FORMAT_VERSION,
-            "job_id": self.job_id,
-            "group_id": gid,
-            "status": status,
-            "reason": reason,
-            "batch_id": group["batch_id"],
-            "decided_at": json_number(group["resolved_at"]),
-            "missing_step_pks": sorted(set(outcomes) - set(rows)),
-            "sessions": sessions_of(rows, outcomes),
-        }
-        if items_json is None:
-            return json.dumps(record, ensure_ascii=False)
+        record = self._head(group, sorted(set(outcomes) - set(rows)))
+        record["sessions"] = sessions_of(rows, outcomes)
         record["uids"] = uids
         # the items are spliced in as the trainer received them, byte for byte
         head = json.dumps(record, ensure_ascii=False)
         return head[:-1] + ',"items":[' + items_json + "]}"
+
+    def _head(self, group: dict[str, Any], missing: list[int]) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "job_id": self.job_id,
+            "group_id": group["group_id"],
+            "status": group["status"],
+            "reason": group["reason"],
+            "batch_id": group["batch_id"],
+            "decided_at": json_number(group["resolved_at"]),
+            "missing_step_pks": missing,
+        }
+
+    def _dropped_record(
+        self, group: dict[str, Any], pks: list[int], extra: dict[int, tuple[str, str | None]]
+    ) -> Iterator[str]:
+        """A dropped group's record in pieces: planned from its rows' metadata and text sizes,
+        then its steps fetched a few at a time (a group dropped as group_too_large is as large as
+        its launcher made it; the export never holds it whole)."""
+        outcomes = dict.fromkeys(pks, (DROPPED, group["reason"]))
+        for pk, (outcome, why) in extra.items():
+            outcomes[pk] = (REJECTED if outcome == REJECTED else DROPPED, why)
+        meta = fetch_rows(self.launcher_db, sorted(outcomes), q.fetch_export_sizes)
+        sizes = {pk: int(r[-1] or 0) for pk, r in meta.items()}
+        head = json.dumps(self._head(group, sorted(set(outcomes) - set(meta))), ensure_ascii=False)
+        yield head[:-1] + ', "sessions": '
+        yield from streamed_sessions(session_plan(meta), sizes, self._rows, outcomes)
+        yield "}"
 
     def _items(self, take: Any, rows: dict[int, tuple], batch_id: str | None) -> tuple[str, str]:
         """The served items of a group as JSON text, and whether their uids are the served ones."""
@@ -219,12 +241,12 @@ class Exporter:
             return text, "as_served"
         # the batch (and its seed) was pruned after the replay window: the uids cannot be known
         items = json.loads("[" + text + "]")
-        for item in items:
-            item["uid"] = None
+        for it in items:
+            it["uid"] = None
         return json.dumps(items, ensure_ascii=False)[1:-1], "lost"
 
-    def _orphan_record(self, accounted: tuple) -> str:
-        pk, outcome, reason, recorded_at = int(accounted[0]), *accounted[1:4]
+    def _orphan_record(self, r: tuple) -> str:
+        pk, outcome, reason, recorded_at = int(r[0]), r[1], r[2], r[3]
         rows = self._rows([pk])
         record = {
             "format": FORMAT_VERSION,
@@ -240,8 +262,9 @@ class Exporter:
             ),
         }
         if rows:
-            # what the row held instead of a usable group_id
-            record["group_id_text"] = text_of(rows[pk][GID])
+            record["group_id_text"] = text_of(
+                rows[pk][GID]
+            )  # what the row held instead of a usable group_id
         return json.dumps(record, ensure_ascii=False)
 
 
@@ -264,11 +287,13 @@ def export(
     partial = path + ".partial"
     try:
         with _open_out(partial, gz=path.endswith(".gz")) as f:
-            for line in exporter.records(what):
-                f.write(line)
+            for record in exporter.records(what):
+                for piece in [record] if isinstance(record, str) else record:
+                    f.write(piece)
+                    summary.bytes += len(piece)
                 f.write("\n")
                 summary.records += 1
-                summary.bytes += len(line) + 1
+                summary.bytes += 1
                 now = time.monotonic()
                 if progress is not None and now - shown >= 0.2:
                     shown = now
@@ -304,8 +329,8 @@ def read_export(path: str) -> Iterator[dict[str, Any]]:
     opener = gzip.open if gz else open
     n = 0
     try:
-        with opener(path, "rt", encoding="utf-8") as file:
-            for n, line in enumerate(file, 1):
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
                         record = json.loads(line)
@@ -358,15 +383,14 @@ def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, wh
     except RolloutBufferError as exc:
         print(f"rollout-buffer export: {exc}", file=sys.stderr)
         return 1
-    except OSError as exc:
-        # the output cannot be written (no such directory, no space, no permission)
+    except (
+        OSError
+    ) as exc:  # the output cannot be written (no such directory, no space, no permission)
         print(f"rollout-buffer export: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     finally:
-        # one connection when both URLs are the same database
-        opened = {id(db): db for db in (launcher_db, state_db) if db is not None}
-        for database in opened.values():
-            database.close()
+        for db in {id(d): d for d in (launcher_db, state_db) if d is not None}.values():
+            db.close()
     print(
         f"exported {summary.records} records of job {job_id} to {out} "
         f"({summary.bytes / 1e6:.1f} MB)"
