@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rollout_buffer.core.errors import ConfigError
+from rollout_buffer.core.hosts import parse_allowed_hosts
 from rollout_buffer.core.model import Policy
 from rollout_buffer.core.redact import redact
 
@@ -505,6 +506,16 @@ SETTINGS: tuple[Setting, ...] = (
         "when set, every endpoint but /health needs 'Authorization: Bearer <token>'",
     ),
     Setting(
+        "allowed_hosts",
+        PREFIX + "ALLOWED_HOSTS",
+        None,
+        parse_allowed_hosts,
+        "without a token: host names (comma-separated, no port) by which a browser page may "
+        "start, poll or stop, besides localhost, loopback addresses and the "
+        "ROLLOUT_BUFFER_ADVERTISE_URL host; a browser's request by another Host gets a 403 (DNS "
+        "rebinding). Trainers and tools send no browser headers and are not affected",
+    ),
+    Setting(
         "log_level",
         PREFIX + "LOG_LEVEL",
         "INFO",
@@ -593,6 +604,7 @@ class Config:
     lease_s: float = 10.0
     host_id: str | None = None
     token: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
     log_level: str = "INFO"
     threads: int = 16
     graceful_timeout_s: float = 60.0

@@ -19,7 +19,7 @@ from rollout_buffer.core.errors import StorageError
 from rollout_buffer.core.model import JOB_ENDED, RESTART_TRAINING, Decisions, Drop
 from rollout_buffer.core.redact import redact
 from rollout_buffer.core.redeliveries import Redeliveries
-from rollout_buffer.launcher.launcher import step_cap
+from rollout_buffer.launcher.command import step_cap
 from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.storage import queries as q
 from rollout_buffer.storage.census import CensusReader

@@ -39,8 +39,9 @@ What it writes (SPEC §2, what the real launcher writes step by step), INSERT on
   it) and holds a place in the ``--pool-size`` pool meanwhile, as a real launcher's worker does.
 
 Not modelled: the environments themselves (text is random words), the model's answer (the text
-is random words whatever the model says), token ids and log-probs, the ``cloud`` storage gateway, Ray and the http environment transport,
-retries of a failed model call, and a launcher crash mid-batch (a stop flushes what it holds).
+is random words whatever the model says), token ids and log-probs, the ``cloud`` storage
+gateway, Ray and the http environment transport, and a launcher crash mid-batch (a stop flushes
+what it holds).
 
 The launcher's tables are created if missing (the real launcher runs with ``--no-rebuild-table``,
 but a default setup starts from an empty database); a concurrent creator is tolerated.
@@ -70,7 +71,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_buffer.core.errors import RolloutBufferError
-from rollout_buffer.storage import db as dbmod
+from rollout_buffer.core.redact import redact
 from rollout_buffer.tools.from_export import ExportReplayer
 from rollout_buffer.tools.simulator import Simulator, Stop
 
@@ -245,7 +246,7 @@ def normalise_url(db_path: str, storage_type: str | None) -> str:
         return db_path
     if storage_type in ("postgres", "postgresql"):
         raise SystemExit(
-            f"simulate: --db-path {dbmod.redact(db_path)!r} is not a postgresql:// URL "
+            f"simulate: --db-path {redact(db_path)!r} is not a postgresql:// URL "
             "but --storage-type is postgres"
         )
     return "sqlite://" + os.path.abspath(db_path)

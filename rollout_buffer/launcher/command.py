@@ -1,0 +1,155 @@
+"""The launcher's command: an argv list from configuration plus the validated job id and K
+(SPEC §5), never a shell string, and the environment it runs with.
+
+Owns: :func:`launch_spec` for the three kinds of launcher (a configured command, the built-in
+simulator, AIEvoBox's launcher.py). It must not start anything: the supervisor does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+from rollout_buffer.core.config import Config
+from rollout_buffer.core.errors import OperationFailed
+from rollout_buffer.launcher.supervisor import LaunchSpec
+
+# the service's own secrets stay with the service: the launcher needs none of them
+LAUNCHER_ENV_DROP = ("ROLLOUT_BUFFER_TOKEN",)
+
+
+def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
+    """The launcher command for a job, from configuration only (argv list, never a shell).
+
+    With over-sampling the launcher runs K + N sessions per group (its --rl-group-size and
+    ``{k}``); the buffer serves the first K of each group to complete."""
+    k += config.oversample
+    env = {name: value for name, value in os.environ.items() if name not in LAUNCHER_ENV_DROP}
+    env["PYTHONUNBUFFERED"] = "1"
+    if config.pacing == "gate":
+        # the launcher's LLM semaphore would let held first calls keep their slots and deadlock
+        # the running sessions (SPEC §5): no limit, the gate paces by group instead
+        env["AIEVOBOX_LLM_MAX_CONCURRENCY"] = "0"
+    log_path = os.path.join(config.run_dir, f"launcher-{job_id}.log")
+    kind = config.launcher_kind
+    if kind == "command":
+        subs = {
+            "job_id": job_id,
+            "k": str(k),
+            "db_url": config.db_url,
+            "storage_type": config.storage_type,
+        }
+        # (the templates were validated by Config)
+        argv = [arg.format(**subs) for arg in (config.launcher_cmd or ())]
+        if "--job-id" not in argv:
+            argv += ["--job-id", job_id]
+        if "--rl-group-size" not in argv:
+            argv += ["--rl-group-size", str(k)]
+        return LaunchSpec(tuple(argv), config.aievobox_root or None, env, log_path)
+    if kind == "simulate":
+        # the same argv as the real launcher's (SPEC §5), so the simulator sees what it would
+        argv = [
+            sys.executable,
+            "-m",
+            "rollout_buffer.simulate",
+            *_launcher_flags(config, job_id, k, _env_args(config)),
+            # with pacing, its model calls go through the gate, as the real launcher's do
+            *(["--llm-calls"] if config.pacing == "gate" else []),
+            *(config.simulate_args or ()),
+        ]
+        # the directory that holds this package (rollout_buffer/launcher/command.py: three up), so
+        # that the child imports this very copy of it
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        package_parent = os.path.dirname(package)
+        env["PYTHONPATH"] = os.pathsep.join(
+            path for path in (package_parent, env.get("PYTHONPATH")) if path
+        )
+        return LaunchSpec(tuple(argv), None, env, log_path)
+    root = config.aievobox_root or "."
+    env_args = _env_args(config)
+    if not env_args:
+        raise OperationFailed(
+            "the AIEvoBox launcher needs AIEVOBOX_ENV_CONFIG or AIEVOBOX_ENV_ROOT; neither is set",
+        )
+    argv = [
+        "python3",
+        os.path.join(root, "launcher.py"),
+        *_launcher_flags(config, job_id, k, env_args),
+    ]
+    return LaunchSpec(tuple(argv), root, env, log_path)
+
+
+def step_cap(config: Config) -> int | None:
+    """The launcher's ``--max-steps`` (the last one of its argv): a session that reaches it without
+    a terminal row has ended without a result. None when the launcher gets no such flag (none, or
+    a command without it), so that no session is ever taken for capped by a guess."""
+    if config.launcher_kind == "none":
+        return None
+    try:
+        argv = launch_spec(config, "job", 1).argv
+    except OperationFailed:  # a launcher that cannot be built has no cap (its start says why)
+        return None
+    value = None
+    for flag, following in itertools.pairwise(argv):
+        if flag == "--max-steps":
+            value = following
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _env_args(config: Config) -> list[str]:
+    """The launcher's environment flags: --env-config wins over --env-root; none when unset."""
+    if config.env_config:
+        return ["--env-config", config.env_config]
+    if config.env_root:
+        return ["--env-root", config.env_root]
+    return []
+
+
+def _launcher_flags(config: Config, job_id: str, k: int, env_args: list[str]) -> list[str]:
+    """Every flag of the original command after ``launcher.py`` (SPEC §5), in its order."""
+    proxy = (
+        f"http://{config.proxy_host}:{config.proxy_port}/v1"
+        if config.proxy_host
+        else "http://127.0.0.1:8000/v1"
+    )
+    if config.pacing == "gate":
+        proxy = config.gate_url  # the gate forwards every call to the proxy (issue 23)
+    return [
+        "--mode",
+        config.aievobox_mode,
+        "--db-path",
+        config.db_url,
+        "--storage-type",
+        config.storage_type,
+        *env_args,
+        "--llm-base-url",
+        proxy,
+        "--llm-model",
+        config.rl_model,
+        "--llm-temperature",
+        str(config.llm_temperature),
+        "--max-steps",
+        str(config.max_steps),
+        "--message-cut",
+        str(config.message_cut),
+        "--pool-size",
+        str(config.pool_size),
+        "--multiplier",
+        str(config.multiplier),
+        "--job-id",
+        job_id,
+        "--no-rebuild-table",
+        "--rl-use-session-suffix-url",
+        "--rl-group-size",
+        str(k),
+        "--rl-epoch",
+        str(config.rl_epoch),
+        "--env-transport",
+        config.env_transport,
+        "--env-http-timeout-s",
+        "600",
+    ]
