@@ -225,7 +225,8 @@ class Accumulator:
     def _doom(self, group_ids: set[str], out: Decisions) -> None:
         """(Lock held.) Drop the groups that can no longer reach K (never a ready or taken one)."""
         for gid in sorted(group_ids):
-            if gid in self.decided or not self.census.cannot_complete(gid, self.k):
+            runs = self.k + self.policy.oversample  # the launcher's --rl-group-size
+            if gid in self.decided or not self.census.cannot_complete(gid, self.k, runs):
                 continue
             g = self._undecided(gid)
             if g is None:

@@ -182,13 +182,15 @@ class Census:
         """Every session the census knows for the group."""
         return self.group_sessions.get(group_id, set())
 
-    def cannot_complete(self, group_id: str, k: int) -> bool:
-        """Fewer than K of the group's sessions can still end with a result."""
+    def cannot_complete(self, group_id: str, k: int, runs: int | None = None) -> bool:
+        """Fewer than K of the group's sessions can still end with a result. ``runs``: how many
+        sessions the launcher runs per group (K + the over-sampled ones): sessions not seen yet
+        (no row, job_environments not read or absent) can still complete."""
         sessions = self.group_sessions.get(group_id)
         if not sessions:
             return False
         failed = len(sessions & self.without_result)
-        return failed > 0 and max(len(sessions), k) - failed < k
+        return failed > 0 and max(len(sessions), k, runs or 0) - failed < k
 
     def stats(self) -> dict[str, int]:
         """Counts for /stats, the page and the export."""
@@ -211,7 +213,10 @@ class Census:
         return (
             not fact.terminal
             and self.max_steps is not None
-            and fact.step_id is not None
+            # a number: an untyped SQLite column may hold text, and one row that raised here
+            # would lose the census's whole batch (its cursor has moved past it)
+            and isinstance(fact.step_id, (int, float))
+            and not isinstance(fact.step_id, bool)
             and fact.step_id >= self.max_steps
         )
 

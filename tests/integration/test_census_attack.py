@@ -1,0 +1,69 @@
+"""Attacks on the census (issue 22)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fakes.fake_proxy import FakeProxy
+from support import Writer, assert_balanced, groups_of
+from test_census import MAX_STEPS, schedule, start
+
+
+@pytest.fixture
+def proxy() -> Any:
+    with FakeProxy() as p:
+        yield p
+
+
+def test_oversampled_group_with_one_capped_session_is_not_dropped_while_k_can_complete(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    # K 3 + 1 over-sampled: 4 sessions; one capped, 3 may still complete
+    h = start(harness_factory, db_url, proxy, oversample=1)
+    # message-cut > 0: every step trainable; the capped one ends at step 3 without a terminal row
+    writer.session("g", "g-capped", MAX_STEPS, complete=False)
+    writer.session("g", "g-1", 2)
+    h.settle()
+    assert h.stats()["groups"].get("dropped", {}) == {}
+    writer.session("g", "g-2", 2)
+    writer.session("g", "g-3", 2)
+    doc = h.poll()
+    assert set(groups_of(doc)) == {"g"}
+    assert_balanced(h.stats())
+
+
+def test_an_oversampled_group_is_dropped_once_fewer_than_k_can_complete(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    h = start(harness_factory, db_url, proxy, oversample=1)
+    writer.session("g", "g-capped-1", MAX_STEPS, complete=False)
+    writer.session("g", "g-1", 2)
+    h.settle()
+    assert h.stats()["groups"].get("dropped", {}) == {}
+    writer.session("g", "g-capped-2", MAX_STEPS, complete=False)
+    h.settle()
+    assert h.stats()["groups"]["dropped"] == {"session_without_result": 1}
+    assert_balanced(h.stats())
+
+
+def test_a_non_trainable_row_with_a_step_id_that_is_not_a_number_costs_the_census_nothing(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    if not db_url.startswith("sqlite"):
+        pytest.skip("an INT column holds text only in SQLite")
+    h = start(harness_factory, db_url, proxy)
+    doomed = ["d-1", "d-2", "d-capped"]
+    schedule(writer, "doomed", doomed)
+    # a hostile row first, in the same census batch as the capped session's rows
+    writer.db.execute(
+        "INSERT INTO session_steps (session_id, step_id, env_name, llm_model, group_id, job_id,"
+        " messages, response, is_trainable, created_at) VALUES ('h-1', 'abc', 'env', 'm', 'other',"
+        " 'job1', '[]', 'r', 0, '2026-01-01 00:00:00')"
+    )
+    writer.session("doomed", "d-capped", MAX_STEPS, trainable=False, complete=False)
+    h.settle()
+    h.settle()
+    stats = h.stats()
+    assert stats["groups"].get("dropped") == {"session_without_result": 1}, stats["groups"]
+    assert stats["sessions"]["ended_without_result"] == 1
