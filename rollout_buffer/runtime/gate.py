@@ -35,6 +35,8 @@ from urllib.parse import urlsplit
 logger = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
+MAX_BODY_BYTES = 256 * 1024 * 1024  # a model call's body (long histories, images) is far smaller
+HEAD_TIMEOUT_S = 60.0  # a connection that never finishes its head is closed (slowloris)
 RECHECK_S = 1.0  # a held call asks again at least this often (the budget moves with polls)
 CONNECT_TIMEOUT_S = 10.0
 HOP_BY_HOP = {
@@ -159,14 +161,23 @@ class Gate:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), HEAD_TIMEOUT_S)
+        except (
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ConnectionError,
+            asyncio.TimeoutError,
+        ):
             writer.close()
             return
         try:
             await self._forward(head, reader, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # either side went away: nothing to answer
+        except asyncio.CancelledError:
+            # the gate is closing (held and in-flight calls: their clients retry, SPEC §5); ended
+            # here, not re-raised, or asyncio logs a traceback for every held call at shutdown
+            pass
         finally:
             writer.close()
             with contextlib.suppress(Exception):
@@ -187,7 +198,16 @@ class Gate:
         for h in headers:
             name, _, value = h.partition(b":")
             if name.strip().lower() == b"content-length":
-                length = int(value.strip() or 0)
+                text = value.strip()
+                if not text.isdigit():  # not a number, or negative: no body can be read by it
+                    await _answer(writer, 400, "Content-Length is a non-negative integer")
+                    return
+                length = int(text)
+                if length > MAX_BODY_BYTES:  # never buffered: it would take the service's memory
+                    await _answer(
+                        writer, 413, f"the gate forwards bodies of at most {MAX_BODY_BYTES} bytes"
+                    )
+                    return
             elif name.strip().lower() == b"transfer-encoding":
                 await _answer(writer, 411, "the gate takes bodies with a Content-Length")
                 return
@@ -199,27 +219,44 @@ class Gate:
                 # restarted under it); holding it could keep an admitted group from completing
                 self.started_sessions.add(session)
                 self.running(session)
-            else:
-                await self._admit(session)
+            elif not await self._admit(session, reader):
+                return  # its client gave up while it was held (it retries with a new call)
         self.in_flight += 1
         try:
             await self._relay(method, target, headers, body, writer)
         finally:
             self.in_flight -= 1
 
-    async def _admit(self, session: str) -> None:
-        """Hold the first call of ``session`` until its group may start."""
+    async def _admit(self, session: str, reader: asyncio.StreamReader) -> bool:
+        """Hold the first call of ``session`` until its group may start. False when its client
+        went away meanwhile (the launcher's client times a call out and retries it): that call
+        must not reach the model when the group is admitted (a duplicate first call, generated
+        for nobody), nor stay counted as held."""
         if not self.may_start(session):
             self.on_hold(+1)
+            # a client sends nothing after its request: end of stream means it is gone
+            gone = asyncio.ensure_future(reader.read(1))
             try:
                 assert self._wake is not None
                 while not self.may_start(session):
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), RECHECK_S)
+                    wake = asyncio.ensure_future(self._wake.wait())
+                    try:
+                        await asyncio.wait(
+                            {wake, gone}, timeout=RECHECK_S, return_when=asyncio.FIRST_COMPLETED
+                        )
+                    finally:
+                        wake.cancel()
+                    if gone.done():
+                        if gone.cancelled() or gone.exception() or not gone.result():
+                            return False
+                        # bytes after the request (a pipelining client): not gone; stop watching
+                        gone = asyncio.get_running_loop().create_future()
                     self._wake.clear()
             finally:
+                gone.cancel()
                 self.on_hold(-1)
         self.started_sessions.add(session)
+        return True
 
     async def _relay(
         self,
@@ -280,7 +317,12 @@ def _session_of(target: str) -> str | None:
 
 async def _answer(writer: asyncio.StreamWriter, status: int, message: str) -> None:
     body = json.dumps({"ok": False, "status": status, "error": message}).encode()
-    reason = {400: "Bad Request", 411: "Length Required", 502: "Bad Gateway"}.get(status, "Error")
+    reason = {
+        400: "Bad Request",
+        411: "Length Required",
+        413: "Payload Too Large",
+        502: "Bad Gateway",
+    }.get(status, "Error")
     writer.write(
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()

@@ -1,0 +1,119 @@
+"""Attacks on the pacing gate (issue 23): what a held call's client does while it waits."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import pytest
+import requests
+from fakes.fake_llm import FakeLLM
+from support import Writer, wait_until
+from test_pacing import call, free_port, schedule
+
+
+@pytest.fixture
+def llm() -> Any:
+    with FakeLLM(version=7) as server:
+        yield server
+
+
+def gated(harness_factory: Any, db_url: str, llm: FakeLLM, **overrides: Any) -> tuple[Any, int]:
+    port = free_port()
+    h = harness_factory(
+        db_url,
+        pacing="gate",
+        gate_port=port,
+        proxy_host="127.0.0.1",
+        proxy_port=llm.port,
+        pacing_staleness=0,
+        pacing_batch_groups=1,
+        pacing_idle_gap_s=0.2,
+        **overrides,
+    )
+    return h, port
+
+
+def held_calls(h: Any) -> int:
+    return int(h.client.get("/admission").get_json()["gate"]["held_calls"])
+
+
+def test_a_held_call_whose_client_gave_up_is_never_forwarded(
+    harness_factory: Any, db_url: str, llm: FakeLLM
+) -> None:
+    """The launcher's client times out a held call and retries it (SPEC §5): the call it gave up
+    must not reach the model when the group is admitted (a duplicate first call of the session,
+    generated for nobody), nor stay counted as held."""
+    h, port = gated(harness_factory, db_url, llm)
+    w = Writer(db_url)
+    try:
+        schedule(w, "g1", ["a1", "a2"])
+        schedule(w, "g2", ["b1", "b2"])
+        h.start(k=2)
+        h.settle()
+        call(port, "a1")  # g1 takes the budget of one group
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            requests.post(
+                f"http://127.0.0.1:{port}/v1/b1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                timeout=1.0,
+            )
+        # the client is gone: nothing is held for it any more
+        assert wait_until(lambda: held_calls(h) == 0, 5), h.client.get("/admission").get_json()
+        # g1 completes and is consumed: g2 may start; its given-up call never reaches the model
+        w.step("g1", "a1", 1, completed=True, step_reward=0.1)
+        w.step("g1", "a2", 1, completed=True, step_reward=0.2)
+        assert len(h.poll()["data"]["data"]) == 2
+        time.sleep(0.3)
+        h.poll()
+        time.sleep(RECHECK)
+        assert "b1" not in llm.sessions()
+        c = call(port, "b1")  # the client's retry goes at once, once
+        assert c["done"] - c["sent"] < 2.0
+        assert llm.sessions().count("b1") == 1
+    finally:
+        w.close()
+
+
+RECHECK = 1.5
+
+
+def raw(port: int, data: bytes, timeout: float = 5.0) -> bytes:
+    """Send raw bytes to the gate; what it answers before it closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except TimeoutError:
+                return out
+            if not chunk:
+                return out
+            out += chunk
+
+
+@pytest.mark.parametrize("length", [b"abc", b"-5", b"99999999999999"])
+def test_a_bad_content_length_is_answered_with_an_error(
+    harness_factory: Any, db_url: str, llm: FakeLLM, length: bytes
+) -> None:
+    if not db_url.startswith("sqlite"):
+        pytest.skip("the gate does not depend on the backend")
+    h, port = gated(harness_factory, db_url, llm)
+    w = Writer(db_url)
+    schedule(w, "g1", ["x1", "x2"])
+    w.close()
+    h.start(k=2)
+    h.settle()
+    answer = raw(
+        port,
+        b"POST /v1/x1/chat/completions HTTP/1.1\r\nHost: a\r\nContent-Length: "
+        + length
+        + b"\r\n\r\n{}",
+        timeout=3.0,
+    )
+    assert answer.startswith((b"HTTP/1.1 400", b"HTTP/1.1 413")), answer
+    # the gate still forwards
+    c = call(port, "x2")
+    assert c["doc"]["metadata"]["weight_version"] == 7
