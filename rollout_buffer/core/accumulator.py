@@ -263,11 +263,14 @@ class Accumulator:
 
     def group_of(self, session_id: str) -> tuple[str | None, bool]:
         """A session's group, when known, and whether that group has started (a row, or another
-        session's call through the gate)."""
+        session's call through the gate; a decided group has: its late sessions are never held,
+        as before the admitted groups were pruned of decided ones)."""
         with self.lock:
             group = self.census.session_group.get(session_id)
             started = group is not None and (
-                group in self.census.started or self._undecided(group) is not None
+                group in self.census.started
+                or group in self.decided
+                or self._undecided(group) is not None
             )
             return group, started
 

@@ -34,7 +34,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 DEFAULT_STALENESS = 1
@@ -79,7 +79,8 @@ class Admission:
         self._bursts_ended = 0
         self._burst = 0  # groups taken in the burst under way
         self._last_take: float | None = None
-        self.admitted: set[str] = set()  # groups the gate let start
+        self.admitted: set[str] = set()  # groups the gate let start (decided ones: pruned)
+        self._pruned_size = 0
         self.served = 0  # groups the trainer took (polls)
         self.completion_rate: float | None = None  # of the groups that started, reaching K
         self.first_version: int | None = None  # the job's current version when first seen
@@ -242,6 +243,16 @@ class Admission:
             self.held += delta
             if delta > 0:
                 self.held_total += 1
+
+    def prune(self, decided: Container[str]) -> None:
+        """Forget the admitted groups that have been decided, whenever the admitted set has
+        doubled since the last time (amortised O(1) a question): every question of a held call
+        costs O(admitted groups), and a long job admits groups by the hundred thousand."""
+        with self._lock:
+            if len(self.admitted) <= 2 * self._pruned_size + 64:
+                return
+            self.admitted = {g for g in self.admitted if g not in decided}
+            self._pruned_size = len(self.admitted)
 
     def forget(self, group_ids: set[str]) -> None:
         """Groups decided (served or dropped): no longer in progress."""

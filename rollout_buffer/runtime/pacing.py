@@ -98,6 +98,7 @@ class Pacing:
         if js is None:
             return True
         admission = self.admission
+        admission.prune(js.acc.decided)  # decided groups are not in progress: asked as started
         # counted before this call marks its group started: a group never waits for itself
         progress = js.acc.progress(admission.admitted)
         admission.completion_rate = js.acc.completion_rate()

@@ -1,0 +1,39 @@
+"""The cost of a held call's question to the budget (issue 23): it must not grow with the groups
+the job has already decided (the gate asks again for every held call at least once a second)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from rollout_buffer.core.accumulator import Accumulator
+from rollout_buffer.core.config import Config
+from rollout_buffer.runtime.pacing import Pacing
+
+
+def test_may_start_does_not_grow_with_the_groups_the_job_decided() -> None:
+    acc = Accumulator("j", 1, max_steps=10)
+    config = Config.from_env({}, pacing_staleness=0, pacing_batch_groups=1)
+    pacing = Pacing(config, SimpleNamespace(current=SimpleNamespace(job_id="j", acc=acc)))
+    n = 10_000
+    acc.observe([(f"s{i}", f"g{i}") for i in range(n + 2)], [])
+    # a long job: each group admitted by the gate, then served
+    for i in range(n):
+        assert pacing.may_start(f"s{i}")
+        acc.ingest([(i + 1, f"s{i}", f"g{i}", 1)])
+        for t in acc.take_ready(None):
+            acc.commit(
+                SimpleNamespace(
+                    served=[SimpleNamespace(group_id=t.group_id, take=t, rewards=())],
+                    drops=[],
+                    rows=[],
+                    batch=None,
+                )
+            )
+    assert pacing.may_start(f"s{n}")  # one group in progress: the budget of one is spent
+    started = time.perf_counter()
+    for _ in range(200):
+        assert not pacing.may_start(f"s{n + 1}")
+    elapsed = time.perf_counter() - started
+    assert elapsed < 0.1, f"200 questions of a held call took {elapsed:.3f} s"
+    assert pacing.admission.report({}, None)["gate"]["admitted_groups"] < 100
