@@ -29,6 +29,7 @@ import json
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 * 1024
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a model call's body (long histories, images) is far smaller
+RESUME_WINDOW_S = 120.0  # after the gate starts, a call with an assistant turn is a running one
 HEAD_TIMEOUT_S = 60.0  # a connection that never finishes its head is closed (slowloris)
 RECHECK_S = 1.0  # a held call asks again at least this often (the budget moves with polls)
 CONNECT_TIMEOUT_S = 10.0
@@ -88,6 +90,10 @@ class Gate:
         self._thread: threading.Thread | None = None
         self._wake: asyncio.Event | None = None
         self._ready = threading.Event()
+        self._started_at = time.monotonic()
+        # the launcher's client retries a refused call within 30 s (SPEC §5), and a running
+        # session's rows are flushed within 5 s and read by the census at the next tick
+        self.resume_window_s = RESUME_WINDOW_S
         self.started_sessions: set[str] = set()
         self.in_flight = 0
         self.forwarded = 0
@@ -96,6 +102,7 @@ class Gate:
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         """Bind now (a taken port fails the start, not a thread later), then serve on a thread."""
+        self._started_at = time.monotonic()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
@@ -214,9 +221,13 @@ class Gate:
         body = await reader.readexactly(length) if length else b""
         session = _session_of(target.decode("latin-1"))
         if session is not None and session not in self.started_sessions:
-            if _continues(body):
-                # a call that carries an answer of the model: the session runs already (the gate
-                # restarted under it); holding it could keep an admitted group from completing
+            if _continues(body) and time.monotonic() - self._started_at < self.resume_window_s:
+                # a call that carries an answer of the model, just after the gate started: the
+                # session runs already (the gate restarted under it); holding it could keep an
+                # admitted group from completing. Later, a session mid-way has rows (its group has
+                # started and is never held), and an assistant turn is a prompt's worked example:
+                # taken for a running session, every session of such an environment would be
+                # admitted whatever the budget
                 self.started_sessions.add(session)
                 self.running(session)
             elif not await self._admit(session, reader):

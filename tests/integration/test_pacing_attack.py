@@ -117,3 +117,38 @@ def test_a_bad_content_length_is_answered_with_an_error(
     # the gate still forwards
     c = call(port, "x2")
     assert c["doc"]["metadata"]["weight_version"] == 7
+
+
+def test_a_first_call_with_few_shot_assistant_turns_is_paced_like_any_other(
+    harness_factory: Any, db_url: str, llm: FakeLLM
+) -> None:
+    """An environment whose prompt holds worked examples (assistant turns) must not have every
+    session taken for one the gate restarted under (admitted whatever the budget): past the first
+    moments after the gate starts, a session mid-way has rows, and its group is started."""
+    if not db_url.startswith("sqlite"):
+        pytest.skip("the gate does not depend on the backend")
+    h, port = gated(harness_factory, db_url, llm)
+    gate = h.service.pacing.gate
+    gate.resume_window_s = 0.0  # long after the gate started
+    w = Writer(db_url)
+    try:
+        schedule(w, "g1", ["a1", "a2"])
+        schedule(w, "g2", ["b1", "b2"])
+        h.start(k=2)
+        h.settle()
+        call(port, "a1")  # g1 takes the budget of one group
+        few_shot = [
+            {"role": "system", "content": "solve"},
+            {"role": "user", "content": "1+1?"},
+            {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "2+2?"},
+        ]
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            requests.post(
+                f"http://127.0.0.1:{port}/v1/b1/chat/completions",
+                json={"model": "m", "messages": few_shot},
+                timeout=1.5,
+            )
+        assert "b1" not in llm.sessions()
+    finally:
+        w.close()
