@@ -141,9 +141,11 @@ class Service:
         self._started = True
         if host is not None:
             self.signals.ready.follow(host)
+        # the gate first: a port that is taken fails the start before any thread (the lease, the
+        # loop) runs, and the launcher it will be handed is never started against no gate
+        self.pacing.start()
         self.loop.mark_started()
         self.runtime.start()
-        self.pacing.start()
         logger.info("rollout-buffer service started (db %s)", redact(self.config.db_url))
 
     def stop(self, timeout: float = 10.0, *, keep_launcher: bool = False) -> None:

@@ -104,9 +104,13 @@ class Gate:
         """Bind now (a taken port fails the start, not a thread later), then serve on a thread."""
         self._started_at = time.monotonic()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        sock.listen(1024)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+            sock.listen(1024)
+        except OSError:
+            sock.close()
+            raise
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
         self._sock = sock

@@ -23,6 +23,7 @@ from typing import Any
 
 from rollout_buffer.core.admission import Admission
 from rollout_buffer.core.config import Config
+from rollout_buffer.core.errors import ConfigError
 from rollout_buffer.runtime.gate import Gate
 from rollout_buffer.runtime.jobs import Jobs
 
@@ -78,7 +79,13 @@ class Pacing:
 
     def start(self) -> None:
         if self.gate is not None:
-            self.gate.start()
+            try:
+                self.gate.start()
+            except OSError as exc:  # the port is taken: say which setting chose it
+                raise ConfigError(
+                    f"the pacing gate cannot listen on 127.0.0.1:{self.gate.port} ({exc}); set "
+                    "ROLLOUT_BUFFER_GATE_PORT to a free port (default: BUFFER_SERVER_PORT + 1)"
+                ) from exc
             logger.info("pacing gate on 127.0.0.1:%d, forwarding to the LLM proxy", self.gate.port)
 
     def close(self) -> None:

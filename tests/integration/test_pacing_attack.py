@@ -12,6 +12,8 @@ from fakes.fake_llm import FakeLLM
 from support import Writer, wait_until
 from test_pacing import call, free_port, schedule
 
+from rollout_buffer.core.errors import ConfigError
+
 
 @pytest.fixture
 def llm() -> Any:
@@ -152,3 +154,22 @@ def test_a_first_call_with_few_shot_assistant_turns_is_paced_like_any_other(
         assert "b1" not in llm.sessions()
     finally:
         w.close()
+
+
+def test_a_gate_port_that_is_taken_fails_the_start_naming_its_setting(
+    harness_factory: Any, db_url: str, llm: FakeLLM
+) -> None:
+    if not db_url.startswith("sqlite"):
+        pytest.skip("the gate does not depend on the backend")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match="ROLLOUT_BUFFER_GATE_PORT"):
+            harness_factory(
+                db_url,
+                pacing="gate",
+                gate_port=port,
+                proxy_host="127.0.0.1",
+                proxy_port=llm.port,
+            )
