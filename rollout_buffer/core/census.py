@@ -82,6 +82,7 @@ class Census:
         self.group_sessions: defaultdict[str, set[str]] = defaultdict(set)
         self.session_group: dict[str, str] = {}
         self.scheduled: set[str] = set()  # listed in job_environments
+        self.placed: set[str] = set()  # placed in their group by a row of theirs
         self.trainable: set[str] = set()  # wrote at least one trainable row
         self.without_result: set[str] = set()  # ended without a terminal row
 
@@ -99,7 +100,7 @@ class Census:
         for fact in facts:
             if not (_text(fact.session_id) and _text(fact.group_id)):
                 continue  # the accumulator rejects such rows; the census cannot place them
-            self._know(fact.session_id, fact.group_id)
+            self._place(fact.session_id, fact.group_id)
             self.started.add(fact.group_id)
             timing = self.timing.get(fact.session_id)
             if timing is None:
@@ -207,6 +208,21 @@ class Census:
         if session_id not in self.session_group:
             self.session_group[session_id] = group_id
             self.group_sessions[group_id].add(session_id)
+
+    def _place(self, session_id: str, group_id: str) -> None:
+        """A row names the session's group: the rows are what the accumulator groups, so the
+        first row's group wins over a job_environments row that names another (else the
+        session's cap would doom the wrong group, and clear it at the proxy with that group)."""
+        listed = self.session_group.get(session_id)
+        if listed is None:
+            self._know(session_id, group_id)
+        elif listed != group_id and session_id not in self.placed:
+            others = self.group_sessions.get(listed)
+            if others is not None:
+                others.discard(session_id)
+            self.session_group[session_id] = group_id
+            self.group_sessions[group_id].add(session_id)
+        self.placed.add(session_id)
 
     def _capped(self, fact: StepFact) -> bool:
         """A row at the step cap that is not terminal: its session ended without a result."""

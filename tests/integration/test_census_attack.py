@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 from fakes.fake_proxy import FakeProxy
-from support import Writer, assert_balanced, groups_of
-from test_census import MAX_STEPS, schedule, start
+from support import Writer, assert_balanced, groups_of, wait_until
+from test_census import MAX_STEPS, cleared, schedule, start
 
 
 @pytest.fixture
@@ -67,3 +67,25 @@ def test_a_non_trainable_row_with_a_step_id_that_is_not_a_number_costs_the_censu
     stats = h.stats()
     assert stats["groups"].get("dropped") == {"session_without_result": 1}, stats["groups"]
     assert stats["sessions"]["ended_without_result"] == 1
+
+
+def test_the_rows_group_wins_over_a_job_environments_row_that_names_another(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    """job_environments lists session x under group "a", but its rows name "b": the rows are what
+    is grouped, so x's cap dooms "b" (not a wait for the TTL), and dropping "a" must not clear x
+    at the proxy while it runs in "b"."""
+    h = start(harness_factory, db_url, proxy)
+    schedule(writer, "a", ["a-1", "a-2", "x"])
+    schedule(writer, "b", ["b-1", "b-2"])
+    writer.session("b", "x", MAX_STEPS, trainable=False, complete=False)
+    writer.step("b", "b-1", 1, completed=True)
+    h.settle()
+    h.settle()
+    stats = h.stats()
+    assert stats["groups"].get("dropped") == {"session_without_result": 1}, stats["groups"]
+    # "a" (a-1, a-2 and no x) drops at its own cap: x is not among its sessions
+    writer.session("a", "a-1", MAX_STEPS, trainable=False, complete=False)
+    h.settle()
+    assert wait_until(lambda: "a" in cleared(proxy, "session_without_result"), 10)
+    assert "x" not in cleared(proxy, "session_without_result")["a"]
