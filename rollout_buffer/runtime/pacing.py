@@ -111,7 +111,7 @@ class Pacing:
         admission.completion_rate = js.acc.completion_rate()
         in_progress = sum(v for k, v in progress.items() if k != "stalled")
         group, started = js.acc.group_of(session_id)
-        if group is None:
+        if group is None and not js.census.no_schedule:  # (a writer without the list: no wait)
             since = self._unknown_since.setdefault(session_id, time.monotonic())
             if time.monotonic() - since < UNKNOWN_SESSION_WAIT_S:
                 return False  # the census reads job_environments at the next tick

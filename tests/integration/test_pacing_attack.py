@@ -173,3 +173,54 @@ def test_a_gate_port_that_is_taken_fails_the_start_naming_its_setting(
                 proxy_host="127.0.0.1",
                 proxy_port=llm.port,
             )
+
+
+def test_stopping_the_service_with_held_calls_ends_them_promptly(
+    harness_factory: Any, db_url: str, llm: FakeLLM
+) -> None:
+    if not db_url.startswith("sqlite"):
+        pytest.skip("the gate does not depend on the backend")
+    import concurrent.futures
+
+    h, port = gated(harness_factory, db_url, llm)
+    w = Writer(db_url)
+    pool = concurrent.futures.ThreadPoolExecutor(50)
+    try:
+        schedule(w, "g1", ["a1", "a2"])
+        for i in range(40):
+            schedule(w, f"h{i}", [f"h{i}-1"])
+        h.start(k=2)
+        h.settle()
+        call(port, "a1")
+        held = [pool.submit(call, port, f"h{i}-1") for i in range(40)]
+        assert wait_until(lambda: held_calls(h) == 40, 10), held_calls(h)
+        started = time.monotonic()
+        h.stop()
+        assert time.monotonic() - started < 8
+        for f in held:
+            with pytest.raises(requests.exceptions.ConnectionError):
+                f.result(timeout=5)
+        assert "h0-1" not in llm.sessions()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        w.close()
+
+
+def test_without_job_environments_first_calls_are_not_delayed(
+    harness_factory: Any, db_url: str, llm: FakeLLM
+) -> None:
+    """A writer that keeps no job_environments (not the upstream launcher): its sessions cannot be
+    paced by group, and each first call must not wait the 10 s meant for a list not read yet."""
+    if not db_url.startswith("sqlite"):
+        pytest.skip("the gate does not depend on the backend")
+    h, port = gated(harness_factory, db_url, llm)
+    w = Writer(db_url)
+    try:
+        w.db.execute("DROP TABLE job_environments")
+        h.start(k=2)
+        h.settle()
+        h.settle()
+        c = call(port, "u1")
+        assert c["done"] - c["sent"] < 2.0
+    finally:
+        w.close()
