@@ -85,6 +85,10 @@ class Census:
         self.placed: set[str] = set()  # placed in their group by a row of theirs
         self.trainable: set[str] = set()  # wrote at least one trainable row
         self.without_result: set[str] = set()  # ended without a terminal row
+        # a decided group's sessions leave the sets above for these counts (a long job decides
+        # millions of sessions: only their group stays known, for the gate and their late rows)
+        self.settled: set[str] = set()  # decided groups
+        self.settled_counts = {"scheduled": 0, "trainable": 0, "without_result": 0}
 
     def schedule(self, sessions: Iterable[tuple[str, str]]) -> None:
         """Sessions listed in ``job_environments``: (session_id, group_id)."""
@@ -100,6 +104,8 @@ class Census:
         for fact in facts:
             if not (_text(fact.session_id) and _text(fact.group_id)):
                 continue  # the accumulator rejects such rows; the census cannot place them
+            if fact.group_id in self.settled:
+                continue  # a late row of a decided group: the accumulator counts it
             self._place(fact.session_id, fact.group_id)
             self.started.add(fact.group_id)
             timing = self.timing.get(fact.session_id)
@@ -129,12 +135,22 @@ class Census:
         generation figures go to that outcome and are forgotten."""
         seconds = 0.0
         rows = 0
-        sessions = self.group_sessions.get(group_id, set())
+        sessions = self.group_sessions.pop(group_id, set())
         for session_id in sessions:
             timing = self.timing.pop(session_id, None)
             if timing is not None:
                 seconds += timing[1] - timing[0]
                 rows += int(timing[2])
+            for name, members in (
+                ("scheduled", self.scheduled),
+                ("trainable", self.trainable),
+                ("without_result", self.without_result),
+            ):
+                if session_id in members:
+                    members.discard(session_id)
+                    self.settled_counts[name] += 1
+            self.placed.discard(session_id)
+        self.settled.add(group_id)
         self.started.discard(group_id)
         target = self.served if outcome == "served" else self.discarded[outcome]
         target.add(len(sessions), rows, seconds)
@@ -196,12 +212,14 @@ class Census:
     def stats(self) -> dict[str, int]:
         """Counts for /stats, the page and the export."""
         known = len(self.session_group)
+        settled = self.settled_counts
+        trainable = len(self.trainable) + settled["trainable"]
         return {
             "known": known,
-            "scheduled": len(self.scheduled),
-            "with_trainable_row": len(self.trainable),
-            "without_trainable_row": known - len(self.trainable),
-            "ended_without_result": len(self.without_result),
+            "scheduled": len(self.scheduled) + settled["scheduled"],
+            "with_trainable_row": trainable,
+            "without_trainable_row": known - trainable,
+            "ended_without_result": len(self.without_result) + settled["without_result"],
         }
 
     def _know(self, session_id: str, group_id: str) -> None:
