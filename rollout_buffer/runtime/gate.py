@@ -30,6 +30,7 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
@@ -39,6 +40,7 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a model call's body (long histories, images) is far smaller
 RESUME_WINDOW_S = 120.0  # after the gate starts, a call with an assistant turn is a running one
 HEAD_TIMEOUT_S = 60.0  # a connection that never finishes its head is closed (slowloris)
+MAX_STARTED_SESSIONS = 100_000  # sessions remembered as started (~100 bytes each)
 RECHECK_S = 1.0  # a held call asks again at least this often (the budget moves with polls)
 CONNECT_TIMEOUT_S = 10.0
 HOP_BY_HOP = {
@@ -94,7 +96,11 @@ class Gate:
         # the launcher's client retries a refused call within 30 s (SPEC §5), and a running
         # session's rows are flushed within 5 s and read by the census at the next tick
         self.resume_window_s = RESUME_WINDOW_S
-        self.started_sessions: set[str] = set()
+        # sessions seen started, the most recent last: bounded, since an evicted session's next
+        # call is asked again and goes (its group has started: a call, a row, or decided)
+        self.started_sessions: OrderedDict[str, None] = OrderedDict()
+        self.max_started_sessions = MAX_STARTED_SESSIONS
+        self.sessions_started = 0  # (a session forgotten and seen again counts again)
         self.in_flight = 0
         self.forwarded = 0
         self.upstream_errors = 0
@@ -145,7 +151,7 @@ class Gate:
             "in_flight": self.in_flight,
             "forwarded": self.forwarded,
             "upstream_errors": self.upstream_errors,
-            "sessions_started": len(self.started_sessions),
+            "sessions_started": self.sessions_started,
         }
 
     # -- the event loop ---------------------------------------------------------------------------
@@ -224,7 +230,7 @@ class Gate:
                 return
         body = await reader.readexactly(length) if length else b""
         session = _session_of(target.decode("latin-1"))
-        if session is not None and session not in self.started_sessions:
+        if session is not None and not self._seen(session):
             if _continues(body) and time.monotonic() - self._started_at < self.resume_window_s:
                 # a call that carries an answer of the model, just after the gate started: the
                 # session runs already (the gate restarted under it); holding it could keep an
@@ -232,7 +238,7 @@ class Gate:
                 # started and is never held), and an assistant turn is a prompt's worked example:
                 # taken for a running session, every session of such an environment would be
                 # admitted whatever the budget
-                self.started_sessions.add(session)
+                self._started(session)
                 self.running(session)
             elif not await self._admit(session, reader):
                 return  # its client gave up while it was held (it retries with a new call)
@@ -270,8 +276,21 @@ class Gate:
             finally:
                 gone.cancel()
                 self.on_hold(-1)
-        self.started_sessions.add(session)
+        self._started(session)
         return True
+
+    def _seen(self, session: str) -> bool:
+        if session in self.started_sessions:
+            self.started_sessions.move_to_end(session)
+            return True
+        return False
+
+    def _started(self, session: str) -> None:
+        if session not in self.started_sessions:
+            self.sessions_started += 1
+        self.started_sessions[session] = None
+        while len(self.started_sessions) > self.max_started_sessions:
+            self.started_sessions.popitem(last=False)
 
     async def _relay(
         self,

@@ -23,17 +23,16 @@ def llm() -> Any:
 
 def gated(harness_factory: Any, db_url: str, llm: FakeLLM, **overrides: Any) -> tuple[Any, int]:
     port = free_port()
-    h = harness_factory(
-        db_url,
-        pacing="gate",
-        gate_port=port,
-        proxy_host="127.0.0.1",
-        proxy_port=llm.port,
-        pacing_staleness=0,
-        pacing_batch_groups=1,
-        pacing_idle_gap_s=0.2,
-        **overrides,
-    )
+    settings: dict[str, Any] = {
+        "pacing": "gate",
+        "gate_port": port,
+        "proxy_host": "127.0.0.1",
+        "proxy_port": llm.port,
+        "pacing_staleness": 0,
+        "pacing_batch_groups": 1,
+        "pacing_idle_gap_s": 0.2,
+    }
+    h = harness_factory(db_url, **{**settings, **overrides})
     return h, port
 
 
@@ -222,5 +221,32 @@ def test_without_job_environments_first_calls_are_not_delayed(
         h.settle()
         c = call(port, "u1")
         assert c["done"] - c["sent"] < 2.0
+    finally:
+        w.close()
+
+
+def test_the_gate_remembers_a_bounded_number_of_started_sessions(
+    harness_factory: Any, db_url: str, llm: FakeLLM
+) -> None:
+    """Every session of every job stayed in the gate's memory; a forgotten session's next call is
+    asked again, and goes at once (its group has started)."""
+    if not db_url.startswith("sqlite"):
+        pytest.skip("the gate does not depend on the backend")
+    h, port = gated(harness_factory, db_url, llm, pacing_batch_groups=4)
+    gate = h.service.pacing.gate
+    gate.max_started_sessions = 2
+    w = Writer(db_url)
+    try:
+        schedule(w, "g1", ["a1", "a2"])
+        schedule(w, "g2", ["b1", "b2"])
+        h.start(k=2)
+        h.settle()
+        for session in ("a1", "a2", "b1", "b2"):
+            call(port, session)
+        assert len(gate.started_sessions) == 2
+        for session in ("a1", "a2", "b1", "b2"):
+            c = call(port, session)
+            assert c["done"] - c["sent"] < 2.0
+        assert h.client.get("/admission").get_json()["gate"]["held_total"] == 0
     finally:
         w.close()
