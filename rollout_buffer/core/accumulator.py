@@ -303,6 +303,8 @@ class Accumulator:
             return
         g.ready_at = self.clock()
         self.census.completed_in(g.ready_at - g.first_seen)
+        # taken for stalled while it waited, it reached K after all: not a group that failed
+        self.census.stalled.discard(g.group_id)
         self.ready.push(g)
         out.newly_ready += 1
 

@@ -37,3 +37,28 @@ def test_may_start_does_not_grow_with_the_groups_the_job_decided() -> None:
     elapsed = time.perf_counter() - started
     assert elapsed < 0.1, f"200 questions of a held call took {elapsed:.3f} s"
     assert pacing.admission.report({}, None)["gate"]["admitted_groups"] < 100
+
+
+def test_a_group_taken_for_stalled_that_completes_after_all_is_no_failure() -> None:
+    """A pending group idle past the stall threshold is counted as stalled while the budget is
+    worked out; if its last session completes after all, it reached K: the completion rate (which
+    stretches the capacity, up to twice) must not count it as a group that failed."""
+    clock = [0.0]
+    acc = Accumulator("j", 2, clock=lambda: clock[0], max_steps=10)
+    pk = 0
+
+    def row(sid: str, gid: str) -> tuple:
+        nonlocal pk
+        pk += 1
+        return (pk, sid, gid, 1)
+
+    for i in range(50):  # groups whose second session comes 0.1 s after the first
+        acc.ingest([row(f"q{i}a", f"q{i}")])
+        clock[0] += 0.1
+        acc.ingest([row(f"q{i}b", f"q{i}")])
+    for i in range(5):  # slow second sessions: idle 5 s, taken for stalled, then complete
+        acc.ingest([row(f"s{i}a", f"s{i}")])
+        clock[0] += 5.0
+        assert acc.progress(set())["stalled"] == 1
+        acc.ingest([row(f"s{i}b", f"s{i}")])
+    assert acc.completion_rate() == 1.0
