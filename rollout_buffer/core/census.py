@@ -125,6 +125,8 @@ class Census:
         """A session's first model call through the pacing gate: its first sign. Returns its
         group (None when job_environments has not listed it)."""
         group_id = self.session_group.get(session_id)
+        if group_id in self.settled:
+            return group_id  # a late session of a decided group: nothing would settle its timing
         if group_id is not None:
             self.started.add(group_id)
         self.timing.setdefault(session_id, [now, now, 0.0])
