@@ -184,7 +184,8 @@ def test_export_of_served_dropped_and_rejected_rows(harness, writer, db_url, tmp
     trainer = _job(harness, writer)
     plain = _export_cli(db_url, tmp_path / "job.jsonl")
     gz = _export_cli(db_url, tmp_path / "job.jsonl.gz")
-    assert gzip.open(tmp_path / "job.jsonl.gz").read() == (tmp_path / "job.jsonl").read_bytes()
+    with gzip.open(tmp_path / "job.jsonl.gz") as unzipped:
+        assert unzipped.read() == (tmp_path / "job.jsonl").read_bytes()
     assert plain == gz
     assert [r["group_id"] for r in plain] == ["g-bad", "g-served-a", "g-served-b", "g-ttl", None]
     _check_against_db(db_url, plain, trainer)
