@@ -75,6 +75,7 @@ class Gate:
         upstream: str,
         may_start: Callable[[str], bool],
         running: Callable[[str], None] = lambda session: None,
+        seen: Callable[[str], None] = lambda session: None,
         on_hold: Callable[[int], None] = lambda delta: None,
     ) -> None:
         parts = urlsplit(upstream)
@@ -86,6 +87,7 @@ class Gate:
         self.port = port
         self.may_start = may_start
         self.running = running
+        self.seen = seen
         self.on_hold = on_hold
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -230,7 +232,7 @@ class Gate:
                 return
         body = await reader.readexactly(length) if length else b""
         session = _session_of(target.decode("latin-1"))
-        if session is not None and not self._seen(session):
+        if session is not None and not self._remembered(session):
             if _continues(body) and time.monotonic() - self._started_at < self.resume_window_s:
                 # a call that carries an answer of the model, just after the gate started: the
                 # session runs already (the gate restarted under it); holding it could keep an
@@ -242,6 +244,8 @@ class Gate:
                 self.running(session)
             elif not await self._admit(session, reader):
                 return  # its client gave up while it was held (it retries with a new call)
+        if session is not None:
+            self.seen(session)  # a sign of life: a silent session is taken for dead sooner
         self.in_flight += 1
         try:
             await self._relay(method, target, headers, body, writer)
@@ -279,7 +283,7 @@ class Gate:
         self._started(session)
         return True
 
-    def _seen(self, session: str) -> bool:
+    def _remembered(self, session: str) -> bool:
         if session in self.started_sessions:
             self.started_sessions.move_to_end(session)
             return True

@@ -580,3 +580,12 @@ CENSUS_STEPS = (
     "SELECT id, session_id, group_id, step_id, is_terminal FROM session_steps "
     "WHERE job_id = ? AND is_trainable = 0 AND id > ? ORDER BY id LIMIT ?"
 )
+
+# Export (issues 22 and 23): what generating a group cost, per session: its rows of any kind, the
+# first and last created_at, and whether it wrote a trainable row.
+EXPORT_GENERATION = (
+    "SELECT session_id, COUNT(*), MIN(created_at), MAX(created_at), MAX(is_trainable) "
+    "FROM session_steps WHERE job_id = ? AND group_id = ? GROUP BY session_id"
+)
+# Export: the sessions the launcher scheduled for a group.
+EXPORT_SCHEDULED = "SELECT env_id FROM job_environments WHERE job_id = ? AND group_id = ?"
