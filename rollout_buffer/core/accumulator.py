@@ -244,13 +244,17 @@ class Accumulator:
         with self.lock:
             now = self.clock()
             stall_s = self.census.stall_after()
+            silent_s = self.census.silent_after()  # once, not per group: it sorts the gaps
             undecided = self.pending.keys() | self.ready.keys() | self.taken.keys()
             running = (self.census.started | admitted) - undecided - self.decided.keys()
             stalled_now = [
                 g.group_id
                 for g in self.pending.values()
                 if now - g.last_seen > stall_s
-                or self.census.dead_sessions_only(g.group_id, set(g.completed), now)
+                or (
+                    silent_s is not None
+                    and self.census.dead_sessions_only(g.group_id, set(g.completed), now, silent_s)
+                )
             ]
             self.census.stalled.update(stalled_now)
             stalled = len(stalled_now)

@@ -198,10 +198,14 @@ class Census:
         ordered = sorted(self.gaps)
         return max(1.0, 4.0 * ordered[len(ordered) // 2])
 
-    def dead_sessions_only(self, group_id: str, completed: set[str], now: float) -> bool:
+    def dead_sessions_only(
+        self, group_id: str, completed: set[str], now: float, silent: float | None = -1.0
+    ) -> bool:
         """Every session of the group that has no result yet has started and been silent for
-        longer than a live one is (so it failed for good); False without call figures."""
-        silent = self.silent_after()
+        longer than a live one is (so it failed for good); False without call figures.
+        ``silent``: :meth:`silent_after`, when the caller asks for many groups (it sorts)."""
+        if silent is not None and silent < 0:
+            silent = self.silent_after()
         if silent is None:
             return False
         waiting = self.group_sessions.get(group_id, set()) - completed

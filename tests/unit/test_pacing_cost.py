@@ -62,3 +62,29 @@ def test_a_group_taken_for_stalled_that_completes_after_all_is_no_failure() -> N
         assert acc.progress(set())["stalled"] == 1
         acc.ingest([row(f"s{i}b", f"s{i}")])
     assert acc.completion_rate() == 1.0
+
+
+def test_a_held_calls_question_sorts_the_call_gaps_once_not_once_per_pending_group() -> None:
+    """progress() asks every pending group whether its waiting sessions have all gone silent;
+    the threshold sorts the last 200 gaps between calls: once per question (a held call asks
+    once a second, hundreds of them), not once per pending group (0.8 ms a question at 128)."""
+    acc = Accumulator("j", 8, max_steps=10)
+    groups = 64
+    acc.observe([(f"s{g}-{i}", f"g{g}") for g in range(groups) for i in range(8)], [])
+    for g in range(groups):
+        for i in range(8):
+            acc.first_call(f"s{g}-{i}")
+            acc.sign(f"s{g}-{i}")
+        acc.ingest([(g + 1, f"s{g}-0", f"g{g}", 1)])  # one session completed: pending
+    assert len(acc.pending) == groups and acc.census.silent_after() is not None
+    calls = 0
+    real = acc.census.silent_after
+
+    def counted() -> float | None:
+        nonlocal calls
+        calls += 1
+        return real()
+
+    acc.census.silent_after = counted  # type: ignore[method-assign]
+    acc.progress(set())
+    assert calls == 1
