@@ -247,9 +247,22 @@ class Gate:
         if session is not None:
             self.seen(session)  # a sign of life: a silent session is taken for dead sooner
         self.in_flight += 1
+        relay = asyncio.ensure_future(self._relay(method, target, headers, body, writer))
+        # the client going away (its timeout: it retries) ends the upstream call too, as a direct
+        # connection would: an upstream that aborts a request whose client left (vLLM does) stops
+        # generating for nobody, and a hung upstream does not keep a task and a socket for ever
+        gone = asyncio.ensure_future(reader.read(1))
         try:
-            await self._relay(method, target, headers, body, writer)
+            await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not relay.done() and not (gone.cancelled() or gone.exception() or gone.result()):
+                relay.cancel()
+            await asyncio.gather(relay, return_exceptions=True)
+            if relay.done() and not relay.cancelled() and relay.exception() is not None:
+                raise relay.exception()  # type: ignore[misc]
         finally:
+            gone.cancel()
+            if not relay.done():
+                relay.cancel()
             self.in_flight -= 1
 
     async def _admit(self, session: str, reader: asyncio.StreamReader) -> bool:

@@ -250,3 +250,30 @@ def test_the_gate_remembers_a_bounded_number_of_started_sessions(
         assert h.client.get("/admission").get_json()["gate"]["held_total"] == 0
     finally:
         w.close()
+
+
+def test_a_call_whose_client_gave_up_mid_answer_ends_upstream_too(
+    harness_factory: Any, db_url: str
+) -> None:
+    """The launcher's client times out a slow call and retries it: the gate must not keep the
+    original upstream call (a generation for nobody; a task and a socket for ever if the upstream
+    hangs)."""
+    if not db_url.startswith("sqlite"):
+        pytest.skip("the gate does not depend on the backend")
+    with FakeLLM(delay_s=8.0) as slow:
+        h, port = gated(harness_factory, db_url, slow, pacing_batch_groups=4)
+        w = Writer(db_url)
+        try:
+            schedule(w, "g1", ["a1", "a2"])
+            h.start(k=2)
+            h.settle()
+            with pytest.raises(requests.exceptions.ReadTimeout):
+                requests.post(
+                    f"http://127.0.0.1:{port}/v1/a1/chat/completions",
+                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                    timeout=1.0,
+                )
+            gate = h.service.pacing.gate
+            assert wait_until(lambda: gate.in_flight == 0, 3), gate.stats()
+        finally:
+            w.close()
