@@ -226,7 +226,11 @@ class Accumulator:
         """(Lock held.) Drop the groups that can no longer reach K (never a ready or taken one)."""
         for gid in sorted(group_ids):
             runs = self.k + self.policy.oversample  # the launcher's --rl-group-size
-            if gid in self.decided or not self.census.cannot_complete(gid, self.k, runs):
+            # with a minimum group size, a group that can still reach it is served short later
+            # (at the TTL, or when the launcher exits): only one that cannot is dropped now
+            least = self.policy.min_group_size
+            need = least if least is not None and least < self.k else self.k
+            if gid in self.decided or not self.census.cannot_complete(gid, need, runs):
                 continue
             g = self._undecided(gid)
             if g is None:

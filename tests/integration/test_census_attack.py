@@ -89,3 +89,19 @@ def test_the_rows_group_wins_over_a_job_environments_row_that_names_another(
     h.settle()
     assert wait_until(lambda: "a" in cleared(proxy, "session_without_result"), 10)
     assert "x" not in cleared(proxy, "session_without_result")["a"]
+
+
+def test_with_a_minimum_group_size_a_capped_session_does_not_drop_a_group_that_can_reach_it(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    """ROLLOUT_BUFFER_MIN_GROUP_SIZE 2 of K 3: a group with one capped session can still be
+    served short (at the TTL, or when the launcher exits); it must not be dropped at once."""
+    h = start(harness_factory, db_url, proxy, min_group_size=2, ttl_s=1.0)
+    schedule(writer, "g", ["g-capped", "g-1", "g-2"])
+    writer.session("g", "g-capped", MAX_STEPS, trainable=False, complete=False)
+    writer.step("g", "g-1", 1, completed=True, step_reward=0.2)
+    h.settle()
+    assert h.stats()["groups"].get("dropped", {}) == {}
+    writer.step("g", "g-2", 1, completed=True, step_reward=0.4)
+    assert wait_until(lambda: groups_of(h.poll()).get("g"), 10)
+    assert_balanced(h.stats())
