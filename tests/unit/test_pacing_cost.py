@@ -88,3 +88,26 @@ def test_a_held_calls_question_sorts_the_call_gaps_once_not_once_per_pending_gro
     acc.census.silent_after = counted  # type: ignore[method-assign]
     acc.progress(set())
     assert calls == 1
+
+
+def test_the_gate_raises_a_low_descriptor_limit() -> None:
+    """A soft limit of 1024 let the gate carry only ~400 calls (one descriptor a held call, two
+    an in-flight one): the rest were answered 502 and the launcher backed off."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource\n"
+        "from rollout_buffer.runtime.gate import Gate\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "g = Gate(host='127.0.0.1', port=0, upstream='http://127.0.0.1:9', may_start=bool)\n"
+        "g.start()\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)\n"
+        "g.close()\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    soft, hard = (int(v) for v in out.stdout.split())
+    assert soft >= min(hard, 4096), out.stdout
