@@ -32,7 +32,14 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError, ClosedError, LeaseLost, StorageError, bounded
+from rollout_buffer.core.errors import (
+    ApiError,
+    ClosedError,
+    JobOwned,
+    LeaseLost,
+    StorageError,
+    bounded,
+)
 from rollout_buffer.core.history import History
 from rollout_buffer.core.items import Body
 from rollout_buffer.core.model import PollRequest
@@ -84,8 +91,13 @@ class Service:
         self.lease = Lease(
             config,
             self.instance_id,
-            on_change=lambda: [self.loop.nudge(), self.loop.ready_signal.interrupt()],
+            on_change=lambda: [
+                self.loop.nudge(),
+                self.loop.ready_signal.interrupt(),
+                self.lease.refused and self.on_refused(),
+            ],
         )
+        self.on_refused: Callable[[], None] = lambda: None  # the worker stops (gunicorn_conf)
         self.launcher = Launcher(config, self.supervisor, self.instance_id)
         self.history = History()  # recent rates and batches, for the status page
         self.loop = Loop(
@@ -235,6 +247,8 @@ class Service:
                 "job_session": js.job_id if js else None,
                 **self._redeliver(conns, js, skip),
             }
+        if job_session is not None and (js is None or js.job_id != job_session):
+            self._check_owned(conns, job_session)  # before anything of this buffer changes
         same = (
             js is not None and js.job_id == job_session and not restart_training
         )  # no new job: redeliver
@@ -251,6 +265,8 @@ class Service:
                     pair, self.jobs.current
                 )  # its prebuilt draft's groups go back first
                 js = self.jobs.select(pair.src, pair.store, job_id, k, restart_training)
+            except JobOwned as exc:  # selected by another buffer since _check_owned
+                raise ApiError(409, str(exc), buffer=exc.buffer) from exc
             except StorageError as exc:
                 raise (
                     exc
@@ -282,6 +298,20 @@ class Service:
             "launcher": self.config.launcher_kind,
             **(self._redeliver(conns, js, skip) if same else {}),
         }
+
+    def _check_owned(self, conns: LazyPair, job_id: str) -> None:
+        """A 409 naming the buffer when another buffer on this state database owns the job."""
+        try:
+            buffer = conns.get().store.job_buffer(job_id)
+        except StorageError as exc:
+            raise ApiError(503, f"the database is unreachable: {exc}", retry_after=3) from exc
+        if buffer is not None and buffer != self.config.buffer_name:
+            exc = JobOwned(job_id, buffer)
+            raise ApiError(409, str(exc), buffer=buffer, job_session=job_id)
+
+    def refusal(self) -> str | None:
+        """Why this (unnamed) instance must not run: another owns the database's unnamed buffer."""
+        return self.lease.refused
 
     def _redeliver(self, conns: LazyPair, js: Any, skip: list[str]) -> dict[str, Any]:
         """A call that began no new job, with a checkpoint's skip list: queue served groups

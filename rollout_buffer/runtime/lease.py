@@ -33,7 +33,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import requests
@@ -42,66 +41,21 @@ from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost, StorageError
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
+from rollout_buffer.runtime.ownership import Holder, fence_name, holder_of, lock_path, refusal
 from rollout_buffer.storage import lease_sql as sql
 from rollout_buffer.storage.connections import service_connect
-from rollout_buffer.storage.db import Database, sqlite_path
+from rollout_buffer.storage.db import Database
 from rollout_buffer.storage.store import Store
 
 logger = logging.getLogger(__name__)
 
-SCOPE = "job"  # the one row: the state database's active job
+SCOPE = "job"  # the unnamed buffer's row; a named buffer's is "job/<name>"
 OWNER, STANDBY, STARTING = "owner", "standby", "starting"
 RETRY_S = 0.5  # after a failed step
 STANDBY_POLL_S = (
     0.5  # a standby reads the lease at least this often (a released lease is taken within it)
 )
 INSTANCE_KEEP_S = 600.0  # rows of instances not seen for this long are deleted
-
-
-@dataclass(frozen=True)
-class Holder:
-    """The lease row as this instance last read it."""
-
-    instance: str | None
-    url: str | None
-    host: str | None
-    pid: int | None
-    start_ticks: int | None
-    epoch: int
-    expires_in: float  # seconds of lease left when it was read, by the database's clock
-    length: float  # the owner's lease (lease_until - renewed_at): it renews every third of it
-    released: bool  # given up by a graceful stop
-    read_at: float  # monotonic
-
-    def left(self, now: float) -> float:
-        return self.expires_in - (now - self.read_at)
-
-    def shown(self, now: float) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "instance": self.instance,
-            "host": self.host,
-            "epoch": self.epoch,
-            "lease_expires_in_s": round(max(0.0, self.left(now)), 1),
-        }
-
-
-def _holder(row: dict[str, Any] | None, now: float) -> Holder | None:
-    if row is None:
-        return None
-    until, renewed = float(row["lease_until"]), float(row["renewed_at"])
-    return Holder(
-        row["owner"],
-        row["owner_url"],
-        row["owner_host"],
-        row["owner_pid"],
-        row["owner_start_ticks"],
-        int(row["epoch"]),
-        until - float(row["db_now"]),
-        max(0.0, until - renewed),
-        until < renewed,
-        now,
-    )
 
 
 class Lease:
@@ -116,6 +70,8 @@ class Lease:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.buffer = config.buffer_name  # "" is the unnamed buffer
+        self.scope = f"{SCOPE}/{self.buffer}" if self.buffer else SCOPE
         self.seconds = config.lease_s
         self.margin = min(
             2.0, max(0.2, self.seconds / 10)
@@ -134,6 +90,8 @@ class Lease:
         self.holder: Holder | None = None
         self.report: str | None = None  # the loop: what it saw of a launcher recorded on this host
         self.problem: str | None = None  # why this instance cannot own or renew (shown by /health)
+        # unnamed, another instance owns the buffer: this one must not run (ROLLOUT_BUFFER_NAME)
+        self.refused: str | None = None
         self.counts: collections.Counter = collections.Counter()
         self.takeover_s: float | None = None
         self._deadline = 0.0
@@ -179,7 +137,7 @@ class Lease:
                 release and self.role == OWNER and self.epoch is not None
             ):  # (this thread's own connection)
                 db.execute(
-                    sql.LEASE_RENEW[db.backend], (-1.0, SCOPE, self.instance_id, self.epoch)
+                    sql.LEASE_RENEW[db.backend], (-1.0, self.scope, self.instance_id, self.epoch)
                 )  # given up
                 logger.info(
                     "gave the lease up (epoch %s): a standby can take over at once", self.epoch
@@ -229,7 +187,8 @@ class Lease:
         epoch = self.state_epoch
         if self.role != OWNER or epoch is None or epoch != self.epoch:
             raise LeaseLost("this instance does not own the job (any more); nothing was recorded")
-        if db.scalar(sql.LEASE_FENCE[db.backend], (SCOPE, self.instance_id, epoch)) is None:
+        params = (fence_name(self.instance_id, epoch), self.scope, self.instance_id, epoch)
+        if db.scalar(sql.LEASE_FENCE[db.backend], params) is None:
             self.nudge()  # the thread finds out who has it
             raise LeaseLost(
                 f"another instance took the job over (this instance's epoch {epoch} has ended); "
@@ -261,6 +220,7 @@ class Lease:
             owner = self.holder.shown(now) if self.holder is not None else None
         return {
             "role": self.role,
+            "buffer": self.buffer,
             "instance": self.instance_id,
             "host": self.host_id,
             "advertise_url": self.url,
@@ -288,7 +248,7 @@ class Lease:
         h = (
             None
             if self.enabled
-            else _holder(db.fetchone(sql.LEASE_GET[db.backend], (SCOPE,)), self.clock())
+            else holder_of(db.fetchone(sql.LEASE_GET[db.backend], (self.scope,)), self.clock())
         )
         if h is not None and not h.released and h.expires_in > 0:
             raise ConfigError(
@@ -298,9 +258,9 @@ class Lease:
             )
 
     @staticmethod
-    def live_instances(db: Database, within_s: float) -> list[dict[str, Any]]:
-        """Instances (owner and standbys) seen within the last seconds."""
-        return db.fetchall(sql.INSTANCES_LIVE[db.backend], (within_s,))
+    def live_instances(db: Database, within_s: float, buffer: str = "") -> list[dict[str, Any]]:
+        """A buffer's instances (owner and standbys) seen within the last seconds."""
+        return db.fetchall(sql.INSTANCES_LIVE[db.backend], (within_s, buffer))
 
     def standby_hosts(self, conns: Any) -> set[str]:
         """The hosts of the other live instances that wait as standbys (a graceful stop hands the
@@ -310,14 +270,14 @@ class Lease:
         with contextlib.suppress(StorageError):
             return {
                 i["host_id"]
-                for i in self.live_instances(conns.get().st, min(self.seconds, 5.0))
+                for i in self.live_instances(conns.get().st, min(self.seconds, 5.0), self.buffer)
                 if i["role"] == STANDBY and i["instance_id"] != self.instance_id
             }
         return set()
 
     # -- the thread ------------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.refused is None:
             try:
                 wait = self._step()
             except Exception:
@@ -335,7 +295,14 @@ class Lease:
             if self.role == OWNER:
                 self._renew(db, started)
             else:
+                starting = self.role == STARTING
                 self._try_acquire(db, started)
+                if starting and self.role == STANDBY and not self.buffer:
+                    self.refused = refusal(self.holder, Store(db).active_job())
+                    logger.error("%s", self.refused)
+                    self.decided.set()
+                    self.on_change()
+                    return RETRY_S
             self._seen(db)
         except StorageError as exc:
             self._failed(exc, started)
@@ -399,7 +366,8 @@ class Lease:
     def _renew(self, db: Database, started: float) -> None:
         if (
             db.execute(
-                sql.LEASE_RENEW[db.backend], (self.seconds, SCOPE, self.instance_id, self.epoch)
+                sql.LEASE_RENEW[db.backend],
+                (self.seconds, self.scope, self.instance_id, self.epoch),
             )
             == 1
         ):
@@ -430,22 +398,27 @@ class Lease:
             return
         h = self._read(db)
         if h is None:
-            if db.execute(sql.LEASE_INSERT[db.backend], (SCOPE, *self._me(), self.seconds)) == 1:
+            if (
+                db.execute(sql.LEASE_INSERT[db.backend], (self.scope, *self._me(), self.seconds))
+                == 1
+            ):
                 self._won(1, started, 0.0, "the first owner of this database")
                 return
             h = self._read(db)
         if h is None or self._why_free(h, sqlite) is None:
             self._set(STANDBY, None, f"the owner is {h.url or h.instance}" if h else "no lease row")
             return
+        if not sqlite and not h.released and h.expires_in <= 0:
+            self._end_fenced(db, h)
         with db.transaction():
-            h = _holder(
-                db.fetchone(sql.LEASE_LOCK[db.backend], (SCOPE,)), self.clock()
+            h = holder_of(
+                db.fetchone(sql.LEASE_LOCK[db.backend], (self.scope,)), self.clock()
             )  # waits for fenced writes
             why = self._why_free(h, sqlite) if h is not None else None
             taken = (
                 why is not None
                 and db.execute(
-                    sql.LEASE_TAKE[db.backend], self._me() + (self.seconds, SCOPE, h.epoch)
+                    sql.LEASE_TAKE[db.backend], (*self._me(), self.seconds, self.scope, h.epoch)
                 )
                 == 1
             )
@@ -456,6 +429,28 @@ class Lease:
         else:
             self._read(db)
             self._set(STANDBY, None, "another instance took the lease first")
+
+    def _end_fenced(self, db: Database, h: Holder) -> None:
+        """The expired owner may be paused or cut off inside a fenced transaction, holding the lease
+        row's lock that the takeover waits for: end those backends (the same role may), rather than
+        wait for its idle-transaction timeout."""
+        try:
+            ended = int(db.scalar(sql.TERMINATE_FENCED, (fence_name(h.instance, h.epoch),)) or 0)
+        except StorageError as exc:
+            logger.warning(
+                "could not end the expired owner's backends (%s): the takeover waits for their "
+                "idle-transaction timeout",
+                redact(str(exc)),
+            )
+            return
+        if ended:
+            logger.warning(
+                "ended %d backend(s) of the expired owner %s (epoch %s) left inside a fenced "
+                "transaction",
+                ended,
+                h.url or h.instance,
+                h.epoch,
+            )
 
     def _why_free(self, h: Holder, sqlite: bool) -> str | None:
         """Why the lease may be taken now, or None."""
@@ -483,7 +478,7 @@ class Lease:
         return (self.instance_id, self.url, self.host_id, pid, procfs.start_ticks(pid))
 
     def _read(self, db: Database) -> Holder | None:
-        self.holder = _holder(db.fetchone(sql.LEASE_GET[db.backend], (SCOPE,)), self.clock())
+        self.holder = holder_of(db.fetchone(sql.LEASE_GET[db.backend], (self.scope,)), self.clock())
         return self.holder
 
     def _won(self, epoch: int, started: float, free_for: float, why: str) -> None:
@@ -510,7 +505,7 @@ class Lease:
             return
         db.execute(
             sql.INSTANCE_SEEN[db.backend],
-            (self.instance_id, self.host_id, self.url, self.role, self.report),
+            (self.instance_id, self.host_id, self.url, self.role, self.report, self.buffer),
         )
         now = self.clock()
         if now - self._pruned_at > 60.0:
@@ -521,7 +516,7 @@ class Lease:
         """SQLite: the lease is an exclusive flock next to the state database (released by the
         kernel when this process dies)."""
         if self._lock_fd is None:
-            fd = os.open(sqlite_path(db.url) + ".owner.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(lock_path(db.url, self.buffer), os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -38,6 +38,7 @@ timeout = 300  # a poll that builds a 256 MiB response must not be mistaken for 
 graceful_timeout = math.ceil(_config.graceful_timeout_s)  # gunicorn accepts only an int here
 keepalive = 75
 loglevel = _config.log_level.lower()
+BOOT_DECISION_S = 15.0  # longest a worker waits at boot for its first look at the lease
 
 
 def on_starting(server) -> None:
@@ -99,6 +100,12 @@ def post_worker_init(worker) -> None:
         not worker.alive
     )  # SIGTERM: waiting long-polls answer at once
     service.start()
+    # An unnamed instance next to a live owner must not run: failing the boot makes gunicorn (and
+    # `rollout-buffer serve`) exit 3 with the message. Found only later (the database was down at
+    # boot), the worker stops, and the next one fails its boot the same way.
+    service.on_refused = lambda: setattr(worker, "alive", False)
+    if service.lease.decided.wait(BOOT_DECISION_S) and service.refusal():
+        raise RuntimeError(service.refusal())
 
 
 def worker_abort(worker) -> None:
