@@ -345,8 +345,8 @@ FILTERED_SINCE_SERVED = (
     "AND status = 'dropped' AND resolved_at > COALESCE((SELECT MAX(resolved_at) FROM "
     "rollout_buffer_groups WHERE job_id = ? AND status = 'served'), -1) GROUP BY reason"
 )
-# The jobs of one buffer (its notifications are its own).
-_BUFFER_JOBS = "job_id IN (SELECT job_id FROM rollout_buffer_jobs WHERE buffer = ?)"
+# Not a job of another buffer (its notifications are that buffer's to send).
+_BUFFER_JOBS = "job_id NOT IN (SELECT job_id FROM rollout_buffer_jobs WHERE buffer <> ?)"
 # The buffer's group decisions whose sessions the proxy has not confirmed clearing.
 UNNOTIFIED_GROUPS = (
     "SELECT job_id, group_id, status, reason, clear_sessions FROM rollout_buffer_groups "

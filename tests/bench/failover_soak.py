@@ -10,10 +10,14 @@ on Postgres a standby waits for the lease to end), an external writer adding a c
 every 30 ms, and a BufferClient holding the three URLs that drains with random max_groups. Every
 0.5-3 s one attack, chosen by the seed: kill -9 of the owner; kill -9 of any instance; SIGSTOP of
 the owner for 0.3-2.5 leases, then SIGCONT; kill -9 of the owner and then of the next owner the
-moment it takes over. Killed instances come back as standbys. At the end every group written
-must have reached the trainer exactly once, every decided group must be served, and no instance
-may have met a conflicting decision (the fence keeps a paused owner from making one). A failure
-prints the seed and the command that reruns it; exit 1.
+moment it takes over; (Postgres) SIGSTOP of the owner inside a fenced transaction (caught by
+holding the job's row while rows arrive), which another instance must take over within the lease
+plus 5 s. The three are one buffer (ROLLOUT_BUFFER_NAME=soak); a fourth instance on the same
+database is another buffer (ROLLOUT_BUFFER_NAME=other) with its own job, writer and trainer, never
+attacked. Killed instances come back as standbys. At the end every group written must have reached
+its own trainer exactly once (neither trainer may ever get the other job's group), every decided
+group must be served, and no instance may have met a conflicting decision (the fence keeps a
+paused owner from making one). A failure prints the seed and the command that reruns it; exit 1.
 """
 
 from __future__ import annotations
@@ -40,20 +44,61 @@ from rollout_buffer.client import BufferClient, groups_of  # noqa: E402
 from rollout_buffer.storage.db import connect, create_launcher_tables  # noqa: E402
 
 
+# the owner's cursor save, past the fence, waiting for the job row the soak holds (Postgres)
+WAITING_SAVE = (
+    "SELECT pid FROM pg_stat_activity WHERE query LIKE 'UPDATE rollout_buffer_jobs SET cursor_pk%' "
+    "AND wait_event_type = 'Lock'"
+)
+
+
+def pause_in_fence(url: str, owner: Instance, others: list[Instance], lease: float) -> str:
+    """SIGSTOP the owner inside a fenced transaction, until another instance owns the job (at most
+    the lease plus 5 s), then SIGCONT. Returns what happened ("" when nothing went wrong)."""
+    assert owner.proc is not None
+    with (
+        psycopg.connect(url) as holder,
+        psycopg.connect(url, autocommit=True) as watcher,
+    ):
+        holder.execute("SELECT 1 FROM rollout_buffer_jobs WHERE job_id = 'J' FOR UPDATE")
+        deadline = time.monotonic() + 5
+        while not watcher.execute(WAITING_SAVE).fetchone():
+            if time.monotonic() > deadline:
+                holder.rollback()
+                return "skipped (no fenced save seen)"
+            time.sleep(0.01)
+        os.killpg(owner.proc.pid, signal.SIGSTOP)
+        paused_at = time.monotonic()
+        holder.rollback()
+    try:
+        while not any(i.proc is not None and i.role() == "owner" for i in others):
+            if time.monotonic() - paused_at > lease + 5:
+                return f"FAILOVER BLOCKED: no takeover {lease + 5:g} s after the pause"
+            time.sleep(0.05)
+        return f"taken over after {time.monotonic() - paused_at:.1f} s"
+    finally:
+        os.killpg(owner.proc.pid, signal.SIGCONT)
+
+
 def soak(args: argparse.Namespace, url: str, work: str) -> bool:
     rng = random.Random(args.seed)
-    insts = [Instance(n, url, work, args.lease, f"host-{n}") for n in "abc"]
+    insts = [Instance(n, url, work, args.lease, f"host-{n}", "soak") for n in "abc"]
+    bystander = Instance("z", url, work, args.lease, "host-z", "other")
     written: list[str] = []
+    written_other: list[str] = []
     got: collections.Counter = collections.Counter()
+    got_other: collections.Counter = collections.Counter()
     stop = threading.Event()
     failures: list[BaseException] = []
+    blocked: list[str] = []
 
-    def trainer(client: BufferClient, pick: random.Random) -> None:
+    def trainer(
+        client: BufferClient, pick: random.Random, want: list[str], into: collections.Counter
+    ) -> None:
         try:
-            while not stop.is_set() or set(written) - set(got):
+            while not stop.is_set() or set(want) - set(into):
                 doc = client.get_rollout_data(max_groups=pick.choice([1, 2, 5, 16]), wait_s=0.3)
                 for gid, _items in groups_of(doc) if doc.get("success") else []:
-                    got[gid] += 1
+                    into[gid] += 1
         except BaseException as exc:
             failures.append(exc)
 
@@ -61,17 +106,31 @@ def soak(args: argparse.Namespace, url: str, work: str) -> bool:
         return next((i for i in insts if i.proc is not None and i.role() == "owner"), None)
 
     try:
-        for inst in insts:
+        for inst in [*insts, bystander]:
             inst.start()
         wait(lambda: owner() is not None, 30, "an owner")
         client = BufferClient(
             [i.url for i in insts], retries=400, backoff_s=0.05, backoff_max_s=0.5, timeout=30
         )
         client.start_rollout(num_repeat_per_sample=2, job_session="J")
+        other = BufferClient(bystander.url, retries=400, backoff_s=0.05, timeout=30)
+        other.start_rollout(num_repeat_per_sample=2, job_session="Z")
         threads = [
             threading.Thread(target=keep_writing, args=(url, written, stop, 0.03), daemon=True),
             threading.Thread(
-                target=trainer, args=(client, random.Random(args.seed + 1)), daemon=True
+                target=trainer,
+                args=(client, random.Random(args.seed + 1), written, got),
+                daemon=True,
+            ),
+            threading.Thread(
+                target=keep_writing,
+                args=(url, written_other, stop, 0.1, "Z", "z"),
+                daemon=True,
+            ),
+            threading.Thread(
+                target=trainer,
+                args=(other, random.Random(args.seed + 2), written_other, got_other),
+                daemon=True,
             ),
         ]
         for t in threads:
@@ -83,13 +142,20 @@ def soak(args: argparse.Namespace, url: str, work: str) -> bool:
             n += 1
             o = owner()
             alive = [i for i in insts if i.proc is not None]
-            attack = rng.choice(
-                ["kill_owner", "kill_owner", "kill_any", "stop_owner", "kill_twice"]
-            )
+            attacks = ["kill_owner", "kill_owner", "kill_any", "stop_owner", "kill_twice"]
+            attack = rng.choice(attacks + (["stop_in_fence"] if url.startswith("postgres") else []))
             if attack == "kill_any" and alive:
                 victim = rng.choice(alive)
                 print(f"  {n:3d} kill -9 {victim.name}", flush=True)
                 victim.kill9()
+            elif attack == "stop_in_fence" and o is not None:
+                print(
+                    f"  {n:3d} SIGSTOP the owner {o.name} inside a fenced transaction", flush=True
+                )
+                what = pause_in_fence(url, o, [i for i in insts if i is not o], args.lease)
+                print(f"      {what}", flush=True)
+                if what.startswith("FAILOVER BLOCKED"):
+                    blocked.append(what)
             elif attack == "stop_owner" and o is not None:
                 pause = rng.uniform(0.3, 2.5) * args.lease
                 print(f"  {n:3d} SIGSTOP the owner {o.name} for {pause:.1f} s", flush=True)
@@ -119,10 +185,13 @@ def soak(args: argparse.Namespace, url: str, work: str) -> bool:
                 inst.start()
         stop.set()
         threads[0].join(10)
+        threads[2].join(10)
         threads[1].join(90)
+        threads[3].join(90)
         client.close()
+        other.close()
     finally:
-        for inst in insts:
+        for inst in [*insts, bystander]:
             if inst.proc is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(inst.proc.pid, signal.SIGCONT)
@@ -130,15 +199,26 @@ def soak(args: argparse.Namespace, url: str, work: str) -> bool:
     db = connect(url)
     statuses = dict(db.rows("SELECT status, COUNT(*) FROM rollout_buffer_groups GROUP BY status"))
     db.close()
-    missing = sorted(set(written) - set(got))
-    twice = {g: c for g, c in got.items() if c > 1}
+    missing = sorted(set(written) - set(got)) + sorted(set(written_other) - set(got_other))
+    twice = {g: c for g, c in (got + got_other).items() if c > 1}
+    crossed = sorted(set(got) & set(written_other)) + sorted(set(got_other) & set(written))
     conflicts = sum(open(i.log).read().count("conflicting decision") for i in insts)
     print(
-        f"\nseed {args.seed}: {n} attacks; {len(written)} groups written, {len(got)} received, missing "
-        f"{len(missing)}, more than once {len(twice)}; decided {statuses}; conflicting decisions {conflicts}; "
+        f"\nseed {args.seed}: {n} attacks; {len(written)} + {len(written_other)} groups written "
+        f"(the other buffer's second), {len(got)} + {len(got_other)} received, missing "
+        f"{len(missing)}, more than once {len(twice)}, to the other buffer's trainer {len(crossed)}; "
+        f"decided {statuses}; conflicting decisions {conflicts}; failovers blocked {blocked}; "
         f"trainer errors {failures}"
     )
-    return not (missing or twice or conflicts or failures or set(statuses) - {"served"})
+    return not (
+        missing
+        or twice
+        or crossed
+        or conflicts
+        or failures
+        or blocked
+        or set(statuses) - {"served"}
+    )
 
 
 def main(argv=None) -> int:

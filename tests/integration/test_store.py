@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rollout_buffer.core.errors import IntegrityError, StorageError
+from rollout_buffer.core.errors import IntegrityError, JobOwned, StorageError
 from rollout_buffer.core.model import (
     INCOMPLETE_IN_SERVED,
     LATE_SERVED,
@@ -115,6 +115,25 @@ def test_unconfirmed_notifications_are_listed_until_marked(store):
     }
     store.mark_notified([GroupKey(JOB, "g-ttl"), RowKey(JOB, 9)])
     assert {u.key for u in store.unnotified()} == {GroupKey(JOB, "g-served"), RowKey(JOB, 8)}
+
+
+def test_each_buffer_has_its_own_active_job_ended_jobs_and_notifications(store):
+    """Buffers on one state database (ROLLOUT_BUFFER_NAME): a job belongs to the buffer that first
+    selected it; another buffer can neither activate it nor see its notifications."""
+    other = Store(store.db, buffer="other")
+    store.activate_job(JOB, 2, 0, 0, 0, [])
+    other.activate_job("theirs", 2, 0, 0, 0, [Drop("g-old", TTL, [1], ["s-old"])])
+    assert store.active_job()["job_id"] == JOB and other.active_job()["job_id"] == "theirs"
+    with pytest.raises(JobOwned, match="'other'"):
+        store.activate_job("theirs", 3, 0, 0, 0, [])
+    assert store.active_job()["job_id"] == JOB and other.get_job("theirs")["k"] == 2
+    store.record(JOB, _plan())
+    assert {u.key.job_id for u in store.unnotified()} == {JOB}
+    assert {u.key.job_id for u in other.unnotified()} == {"theirs"}
+    store.activate_job("next", 2, 0, 0, 0, [])  # ends JOB in this buffer only
+    assert [j["job_id"] for j in store.ended_jobs(time.time() + 1)] == [JOB]
+    assert other.ended_jobs(time.time() + 1) == [] and other.active_job()["job_id"] == "theirs"
+    assert store.job_buffer("theirs") == "other" and store.job_buffer("nobody's") is None
 
 
 def test_one_active_job_with_its_tombstones_cursor_and_launcher(store):
