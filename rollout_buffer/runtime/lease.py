@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import fcntl
 import logging
 import os
 import threading
@@ -35,13 +34,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import requests
-
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost, StorageError
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
-from rollout_buffer.runtime.ownership import Holder, fence_name, holder_of, lock_path, refusal
+from rollout_buffer.runtime import instances
+from rollout_buffer.runtime.advertised import check_advertised
+from rollout_buffer.runtime.ownership import (
+    Holder,
+    end_fenced,
+    fence_name,
+    file_lock,
+    holder_of,
+    refusal,
+    why_free,
+)
 from rollout_buffer.storage import lease_sql as sql
 from rollout_buffer.storage.connections import service_connect
 from rollout_buffer.storage.db import Database
@@ -55,7 +62,6 @@ RETRY_S = 0.5  # after a failed step
 STANDBY_POLL_S = (
     0.5  # a standby reads the lease at least this often (a released lease is taken within it)
 )
-INSTANCE_KEEP_S = 600.0  # rows of instances not seen for this long are deleted
 
 
 class Lease:
@@ -73,17 +79,15 @@ class Lease:
         self.buffer = config.buffer_name  # "" is the unnamed buffer
         self.scope = f"{SCOPE}/{self.buffer}" if self.buffer else SCOPE
         self.seconds = config.lease_s
-        self.margin = min(
-            2.0, max(0.2, self.seconds / 10)
-        )  # the owner stops this much before the lease ends
+        # the owner stops this much before the lease ends
+        self.margin = min(2.0, max(0.2, self.seconds / 10))
         self.instance_id = instance_id
         self.host_id = config.host_id or procfs.host_id()
         self.url = config.advertise_url
         self.on_change = on_change
         self.clock = clock
-        self.enabled = (
-            self.seconds > 0
-        )  # 0: no lease; this instance owns the job, and nothing is fenced
+        # 0: no lease; this instance owns the job, and nothing is fenced
+        self.enabled = self.seconds > 0
         self.role = STARTING if self.enabled else OWNER
         self.epoch: int | None = None
         self.state_epoch: int | None = None  # the epoch the loop loaded the job's state under
@@ -102,7 +106,9 @@ class Lease:
         )
         self._db: Database | None = None
         self._lock_fd: int | None = None
-        self._pruned_at = float("-inf")
+        self.instances = instances.Instances(
+            instance_id, self.host_id, self.url, self.buffer, clock
+        )
         self._failing_since: float | None = None
         self._leaving = False
         self._stop = threading.Event()
@@ -142,7 +148,7 @@ class Lease:
                 logger.info(
                     "gave the lease up (epoch %s): a standby can take over at once", self.epoch
                 )
-            db.execute(sql.INSTANCES_PRUNE[db.backend], (1e18, self.instance_id))
+            self.instances.leave(db)
         self.role, self.epoch = STANDBY, None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # the flock goes with it
@@ -252,15 +258,12 @@ class Lease:
         )
         if h is not None and not h.released and h.expires_in > 0:
             raise ConfigError(
-                f"instance {h.url or h.instance} owns this database's job under a lease, and this one "
-                "runs with ROLLOUT_BUFFER_LEASE_SECONDS=0 (unfenced): it waits until that lease ends; "
-                "give every instance a lease (the default)"
+                f"instance {h.url or h.instance} owns this database's job under a lease, and "
+                "this one runs with ROLLOUT_BUFFER_LEASE_SECONDS=0 (unfenced): it waits until that "
+                "lease ends; give every instance a lease (the default)"
             )
 
-    @staticmethod
-    def live_instances(db: Database, within_s: float, buffer: str = "") -> list[dict[str, Any]]:
-        """A buffer's instances (owner and standbys) seen within the last seconds."""
-        return db.fetchall(sql.INSTANCES_LIVE[db.backend], (within_s, buffer))
+    live_instances = staticmethod(instances.live)
 
     def standby_hosts(self, conns: Any) -> set[str]:
         """The hosts of the other live instances that wait as standbys (a graceful stop hands the
@@ -352,8 +355,8 @@ class Lease:
             if not self.holds():
                 told = (self.problem or "").startswith("cannot renew")
                 self.problem = (
-                    f"cannot renew the lease for {now - self._failing_since:.0f} s ({redact(str(exc))}): "
-                    "this owner stops deciding until it can"
+                    f"cannot renew the lease for {now - self._failing_since:.0f} s "
+                    f"({redact(str(exc))}): this owner stops deciding until it can"
                 )
                 if not told:
                     logger.error("%s", self.problem)
@@ -392,7 +395,9 @@ class Lease:
         if self.url and self.advertised is None:
             self._check_advertised()
         sqlite = db.backend == "sqlite"
-        if sqlite and not self._flock(db):
+        if sqlite and self._lock_fd is None:
+            self._lock_fd = file_lock(db.url, self.buffer)
+        if sqlite and self._lock_fd is None:
             self._read(db)
             self._set(STANDBY, None, "another instance holds the database's lock")
             return
@@ -409,7 +414,7 @@ class Lease:
             self._set(STANDBY, None, f"the owner is {h.url or h.instance}" if h else "no lease row")
             return
         if not sqlite and not h.released and h.expires_in <= 0:
-            self._end_fenced(db, h)
+            end_fenced(db, h)
         with db.transaction():
             h = holder_of(
                 db.fetchone(sql.LEASE_LOCK[db.backend], (self.scope,)), self.clock()
@@ -430,48 +435,11 @@ class Lease:
             self._read(db)
             self._set(STANDBY, None, "another instance took the lease first")
 
-    def _end_fenced(self, db: Database, h: Holder) -> None:
-        """The expired owner may be paused or cut off inside a fenced transaction, holding the lease
-        row's lock that the takeover waits for: end those backends (the same role may), rather than
-        wait for its idle-transaction timeout."""
-        try:
-            ended = int(db.scalar(sql.TERMINATE_FENCED, (fence_name(h.instance, h.epoch),)) or 0)
-        except StorageError as exc:
-            logger.warning(
-                "could not end the expired owner's backends (%s): the takeover waits for their "
-                "idle-transaction timeout",
-                redact(str(exc)),
-            )
-            return
-        if ended:
-            logger.warning(
-                "ended %d backend(s) of the expired owner %s (epoch %s) left inside a fenced "
-                "transaction",
-                ended,
-                h.url or h.instance,
-                h.epoch,
-            )
-
     def _why_free(self, h: Holder, sqlite: bool) -> str | None:
-        """Why the lease may be taken now, or None."""
-        if sqlite:
-            return "the previous owner's lock is free"
-        if h.released:
-            return f"{h.url or h.instance} gave it up"
-        # with a wrong advertised URL, a correct standby gets the first go (a third of a lease)
-        if h.expires_in <= (-self.seconds / 3 if self.advertised == "wrong" else 0):
-            return f"the lease of {h.url or h.instance} ended {-h.expires_in:.1f} s ago"
-        if h.instance == self.instance_id:
-            return "it is this instance's own"
-        if h.host == self.host_id and h.pid:
-            st = procfs.stat(int(h.pid))
-            if (
-                st is None
-                or not st.alive
-                or (h.start_ticks is not None and st.start_ticks != int(h.start_ticks))
-            ):
-                return f"its owner's process (pid {h.pid} on this host) has ended"
-        return None
+        """Why the lease may be taken now, or None (ownership.why_free); with a wrong advertised
+        URL, a correctly configured standby gets the first go (a third of a lease)."""
+        grace = self.seconds / 3 if self.advertised == "wrong" else 0.0
+        return why_free(h, sqlite, self.instance_id, self.host_id, grace)
 
     def _me(self) -> tuple:
         pid = os.getpid()
@@ -501,54 +469,14 @@ class Lease:
 
     def _seen(self, db: Database) -> None:
         if self._leaving and self.role != OWNER:
-            db.execute(sql.INSTANCES_PRUNE[db.backend], (1e18, self.instance_id))
-            return
-        db.execute(
-            sql.INSTANCE_SEEN[db.backend],
-            (self.instance_id, self.host_id, self.url, self.role, self.report, self.buffer),
-        )
-        now = self.clock()
-        if now - self._pruned_at > 60.0:
-            self._pruned_at = now
-            db.execute(sql.INSTANCES_PRUNE[db.backend], (INSTANCE_KEEP_S, ""))
-
-    def _flock(self, db: Database) -> bool:
-        """SQLite: the lease is an exclusive flock next to the state database (released by the
-        kernel when this process dies)."""
-        if self._lock_fd is None:
-            fd = os.open(lock_path(db.url, self.buffer), os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                return False
-            self._lock_fd = fd
-        return True
+            self.instances.leave(db)
+        else:
+            self.instances.seen(db, self.role, self.report)
 
     def _check_advertised(self) -> None:
-        """Once: ROLLOUT_BUFFER_ADVERTISE_URL must answer as this instance, or standbys would
-        redirect clients elsewhere. One that answers as another instance is reported (/health
-        degraded), and a correctly configured standby takes an ended lease first; it still may own
-        the job (a job served under a wrong URL beats no job served)."""
-        try:
-            r = requests.get(self.url + "/health", timeout=(1.0, 2.0))
-            seen = r.json().get("instance") if r.status_code == 200 else f"HTTP {r.status_code}"
-        except (requests.RequestException, ValueError, AttributeError) as exc:
-            self.advertised = "unverified"
-            logger.warning(
-                "could not check ROLLOUT_BUFFER_ADVERTISE_URL=%s from here (%s); standbys redirect "
-                "clients to it",
-                self.url,
-                type(exc).__name__,
-            )
-            return
-        if seen == self.instance_id:
-            self.advertised = "ok"
-            return
-        self.advertised = "wrong"
-        self.problem = (
-            f"ROLLOUT_BUFFER_ADVERTISE_URL={self.url} answers as another instance ({seen!r}), not as this "
-            "one: while this instance owns the job, standbys redirect clients there; set it to this "
-            "instance's own URL"
-        )
-        logger.error("%s", self.problem)
+        """Once: the advertised URL must answer as this instance (advertised.py); one that answers
+        as another is reported (/health degraded), and a correctly configured standby takes an ended
+        lease first. It still may own the job (a job served under a wrong URL beats none)."""
+        assert self.url is not None
+        self.advertised, problem = check_advertised(self.url, self.instance_id)
+        self.problem = problem or self.problem

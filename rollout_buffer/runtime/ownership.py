@@ -3,17 +3,26 @@
 Owns: the lease row as an instance reads it (:class:`Holder`), the SQLite lock file of a buffer
 (one per database file and buffer name, whatever path reaches the file), the name a fenced
 Postgres backend carries while its transaction runs (so that a taker can end the backends of an
-expired owner), and the message an unnamed instance exits with when the database's unnamed buffer
-already has a live owner. It must not open a connection or change a role: lease.py does.
+expired owner, and ending them), and the message an unnamed instance exits with when the database's
+unnamed buffer already has a live owner. It must not open a connection (it is handed the lease
+thread's) or change a role: lease.py does.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_buffer.storage.db import sqlite_path
+from rollout_buffer.core.errors import StorageError
+from rollout_buffer.core.redact import redact
+from rollout_buffer.launcher import procfs
+from rollout_buffer.storage import lease_sql as sql
+from rollout_buffer.storage.db import Database, sqlite_path
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,31 @@ def holder_of(row: dict[str, Any] | None, now: float) -> Holder | None:
     )
 
 
+def why_free(
+    h: Holder, sqlite: bool, instance_id: str, host_id: str, grace_s: float = 0.0
+) -> str | None:
+    """Why the lease ``h`` may be taken now by this instance, or None. On SQLite the lock file
+    decides (this instance holds it). ``grace_s``: how long after its end an expired lease may be
+    taken."""
+    if sqlite:
+        return "the previous owner's lock is free"
+    if h.released:
+        return f"{h.url or h.instance} gave it up"
+    if h.expires_in <= -grace_s:
+        return f"the lease of {h.url or h.instance} ended {-h.expires_in:.1f} s ago"
+    if h.instance == instance_id:
+        return "it is this instance's own"
+    if h.host == host_id and h.pid:
+        st = procfs.stat(int(h.pid))
+        if (
+            st is None
+            or not st.alive
+            or (h.start_ticks is not None and st.start_ticks != int(h.start_ticks))
+        ):
+            return f"its owner's process (pid {h.pid} on this host) has ended"
+    return None
+
+
 def lock_path(url: str, buffer: str) -> str:
     """The lock file of a buffer on a SQLite database: next to the database file as the kernel
     resolves it (symlinks followed), so every path that reaches the file (a symlink to it or to a
@@ -69,6 +103,41 @@ def lock_path(url: str, buffer: str) -> str:
     unnamed buffer's is the one earlier versions used for a path without symlinks."""
     real = os.path.realpath(sqlite_path(url))
     return f"{real}.{buffer}.owner.lock" if buffer else f"{real}.owner.lock"
+
+
+def file_lock(url: str, buffer: str) -> int | None:
+    """SQLite: the buffer's lease is an exclusive flock on its lock file (released by the kernel
+    when this process dies). The open descriptor that holds it, or None when another one does."""
+    fd = os.open(lock_path(url, buffer), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def end_fenced(db: Database, holder: Holder) -> None:
+    """Postgres, before taking over an expired lease: its owner may be paused or cut off inside a
+    fenced transaction, holding the lease row's lock that the takeover waits for. End those
+    backends (the same role may) rather than wait for their idle-transaction timeout."""
+    try:
+        ended = int(db.scalar(sql.TERMINATE_FENCED, (fence_name(holder.instance, holder.epoch),)))
+    except StorageError as exc:
+        logger.warning(
+            "could not end the expired owner's backends (%s): the takeover waits for their "
+            "idle-transaction timeout",
+            redact(str(exc)),
+        )
+        return
+    if ended:
+        logger.warning(
+            "ended %d backend(s) of the expired owner %s (epoch %s) left inside a fenced "
+            "transaction",
+            ended,
+            holder.url or holder.instance,
+            holder.epoch,
+        )
 
 
 def fence_name(instance: str | None, epoch: int) -> str:

@@ -25,7 +25,7 @@ import sqlite3
 import threading
 import urllib.parse
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from rollout_buffer.core.errors import (
     ClosedError,
@@ -155,7 +155,7 @@ class Database:
         self._check()
         cur = self._run(sql, params)
         names = [d[0] for d in cur.description]
-        return [dict(zip(names, row)) for row in self._fetch(cur, "all", sql)]
+        return [dict(zip(names, row, strict=True)) for row in self._fetch(cur, "all", sql)]
 
     def fetchone(self, sql: str, params: Sequence[Any] = ()) -> dict[str, Any] | None:
         """The first result row as a dict, or None."""
@@ -164,7 +164,7 @@ class Database:
         row = self._fetch(cur, "one", sql)
         if row is None:
             return None
-        return dict(zip([d[0] for d in cur.description], row))
+        return dict(zip([d[0] for d in cur.description], row, strict=True))
 
     def scalar(self, sql: str, params: Sequence[Any] = ()) -> Any:
         """The first column of the first row, or None."""
@@ -249,7 +249,7 @@ class SqliteDatabase(Database):
                     self.path, timeout=SQLITE_BUSY_TIMEOUT_S, isolation_level=None
                 )
             self.conn.text_factory = _sqlite_text
-            self.conn.execute("PRAGMA busy_timeout=%d" % int(SQLITE_BUSY_TIMEOUT_S * 1000))
+            self.conn.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
             if not readonly:
                 mode = self.conn.execute("PRAGMA journal_mode").fetchone()[0]
                 if mode != "wal":
@@ -330,7 +330,7 @@ class PostgresDatabase(Database):
 
     backend = "postgres"
     _begin_read_sql = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
-    _translated: dict[str, str] = {}
+    _translated: ClassVar[dict[str, str]] = {}  # shared: every connection translates the same SQL
 
     def __init__(self, url: str, *, session: Session) -> None:
         super().__init__()

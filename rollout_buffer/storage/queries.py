@@ -227,8 +227,9 @@ MIGRATIONS = {
     ),
     4: (redelivery_sql.DDL,),  # served groups to deliver again after a trainer crash (issue 11)
     5: (
-        # Named buffers (ROLLOUT_BUFFER_NAME, issue 20): a job belongs to one buffer, and each buffer
-        # has its own active job and instances; what was written before names is the unnamed one's.
+        # Named buffers (ROLLOUT_BUFFER_NAME, issue 20): a job belongs to one buffer, and each
+        # buffer has its own active job and instances; what was written before names is the
+        # unnamed one's.
         "ALTER TABLE rollout_buffer_jobs ADD COLUMN buffer TEXT NOT NULL DEFAULT ''",
         "ALTER TABLE rollout_buffer_instances ADD COLUMN buffer TEXT NOT NULL DEFAULT ''",
     ),

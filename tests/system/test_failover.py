@@ -338,9 +338,9 @@ def test_an_owner_paused_past_its_lease_records_nothing_when_it_wakes_and_turns_
                 "SELECT acquired_at, epoch FROM rollout_buffer_lease"
             ).fetchone()
             assert epoch == 2
-            before = conn.execute("SELECT COUNT(*) FROM audit WHERE app IN (%s, %s)", (a_app, a_fenced)).fetchone()[
-                0
-            ]
+            before = conn.execute(
+                "SELECT COUNT(*) FROM audit WHERE app IN (%s, %s)", (a_app, a_fenced)
+            ).fetchone()[0]
 
         os.killpg(a.proc.pid, signal.SIGCONT)
         poll.join(60)
