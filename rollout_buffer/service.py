@@ -91,11 +91,7 @@ class Service:
         self.lease = Lease(
             config,
             self.instance_id,
-            on_change=lambda: [
-                self.loop.nudge(),
-                self.loop.ready_signal.interrupt(),
-                self.lease.refused and self.on_refused(),
-            ],
+            on_change=self._lease_changed,
         )
         self.on_refused: Callable[[], None] = lambda: None  # the worker stops (gunicorn_conf)
         self.launcher = Launcher(config, self.supervisor, self.instance_id)
@@ -127,6 +123,14 @@ class Service:
         self.serving.guard = lambda: self.lease.check(2.0)
         self._started = False
         self._closed = False
+
+    def _lease_changed(self) -> None:
+        """The lease thread: the loop follows the new role now and waiting polls answer from it; an
+        instance refused (unnamed, next to a live owner) stops."""
+        self.loop.nudge()
+        self.loop.ready_signal.interrupt()
+        if self.lease.refused:
+            self.on_refused()
 
     current = property(lambda self: self.jobs.current, doc="The active job (a JobState), if any.")
 
@@ -306,8 +310,8 @@ class Service:
         except StorageError as exc:
             raise ApiError(503, f"the database is unreachable: {exc}", retry_after=3) from exc
         if buffer is not None and buffer != self.config.buffer_name:
-            exc = JobOwned(job_id, buffer)
-            raise ApiError(409, str(exc), buffer=buffer, job_session=job_id)
+            owned = JobOwned(job_id, buffer)
+            raise ApiError(409, str(owned), buffer=buffer, job_session=job_id)
 
     def refusal(self) -> str | None:
         """Why this (unnamed) instance must not run: another owns the database's unnamed buffer."""

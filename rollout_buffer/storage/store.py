@@ -188,7 +188,8 @@ class Store:
 
     def job_buffer(self, job_id: str) -> str | None:
         """The buffer a job belongs to, or None when no buffer has selected it yet."""
-        return self.db.scalar(q.JOB_BUFFER, (job_id,))
+        buffer = self.db.scalar(q.JOB_BUFFER, (job_id,))
+        return None if buffer is None else str(buffer)
 
     def get_job(self, job_id: str) -> dict[str, Any] | None:
         return self.db.fetchone(q.GET_JOB, (job_id,))

@@ -38,7 +38,7 @@ timeout = 300  # a poll that builds a 256 MiB response must not be mistaken for 
 graceful_timeout = math.ceil(_config.graceful_timeout_s)  # gunicorn accepts only an int here
 keepalive = 75
 loglevel = _config.log_level.lower()
-BOOT_DECISION_S = 15.0  # longest a worker waits at boot for its first look at the lease
+BOOT_DECISION_S = 10.0  # longest an unnamed worker waits at boot for its first look at the lease
 
 
 def on_starting(server) -> None:
@@ -104,8 +104,10 @@ def post_worker_init(worker) -> None:
     # `rollout-buffer serve`) exit 3 with the message. Found only later (the database was down at
     # boot), the worker stops, and the next one fails its boot the same way.
     service.on_refused = lambda: setattr(worker, "alive", False)
-    if service.lease.decided.wait(BOOT_DECISION_S) and service.refusal():
-        raise RuntimeError(service.refusal())
+    lease = service.lease
+    if lease.enabled and not lease.buffer and lease.decided.wait(BOOT_DECISION_S):
+        if service.refusal():
+            raise RuntimeError(service.refusal())
 
 
 def worker_abort(worker) -> None:
