@@ -105,9 +105,9 @@ def post_worker_init(worker) -> None:
     # boot), the worker stops, and the next one fails its boot the same way.
     service.on_refused = lambda: setattr(worker, "alive", False)
     lease = service.lease
-    if lease.enabled and not lease.buffer and lease.decided.wait(BOOT_DECISION_S):
-        if service.refusal():
-            raise RuntimeError(service.refusal())
+    unnamed = lease.enabled and not lease.buffer  # (only it can be refused)
+    if unnamed and lease.decided.wait(BOOT_DECISION_S) and service.refusal():
+        raise RuntimeError(service.refusal())
 
 
 def worker_abort(worker) -> None:
