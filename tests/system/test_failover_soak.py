@@ -13,7 +13,6 @@ import sys
 
 import pytest
 from servers import ROOT
-from support import make_launcher_db
 
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
 import failover_soak  # (a script's module: importable once its folder is on the path)
@@ -24,16 +23,10 @@ SEED = int(os.environ.get("RBTEST_SOAK_SEED", "2020"))
 SECONDS = 20.0
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
-def test_failover_soak_with_a_second_buffer(backend, tmp_path, request):
-    url = (
-        "sqlite://" + str(tmp_path / "launcher.db")
-        if backend == "sqlite"
-        else request.getfixturevalue("pg_url")
-    )
-    make_launcher_db(url)
+def test_failover_soak_with_a_second_buffer(db_url, tmp_path):
     args = argparse.Namespace(seed=SEED, seconds=SECONDS, lease=3.0)
-    assert failover_soak.soak(args, url, str(tmp_path)), (
+    backend = "postgres" if db_url.startswith("postgres") else "sqlite"
+    assert failover_soak.soak(args, db_url, str(tmp_path)), (
         f"rerun: python tests/bench/failover_soak.py --seed {SEED} --backend {backend} "
         f"--seconds {SECONDS:g} --lease 3"
     )
