@@ -36,47 +36,29 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # tests/: support.py
 
 import psycopg  # noqa: E402
 from failover_bench import Instance, fresh_database, keep_writing, wait  # noqa: E402
+from support import paused_in_fence  # noqa: E402
 
 from rollout_buffer.client import BufferClient, groups_of  # noqa: E402
 from rollout_buffer.storage.db import connect, create_launcher_tables  # noqa: E402
 
 
-# the owner's cursor save, past the fence, waiting for the job row the soak holds (Postgres)
-WAITING_SAVE = (
-    "SELECT pid FROM pg_stat_activity WHERE query LIKE 'UPDATE rollout_buffer_jobs SET cursor_pk%' "
-    "AND wait_event_type = 'Lock'"
-)
-
-
 def pause_in_fence(url: str, owner: Instance, others: list[Instance], lease: float) -> str:
-    """SIGSTOP the owner inside a fenced transaction, until another instance owns the job (at most
-    the lease plus 5 s), then SIGCONT. Returns what happened ("" when nothing went wrong)."""
-    assert owner.proc is not None
-    with (
-        psycopg.connect(url) as holder,
-        psycopg.connect(url, autocommit=True) as watcher,
-    ):
-        holder.execute("SELECT 1 FROM rollout_buffer_jobs WHERE job_id = 'J' FOR UPDATE")
-        deadline = time.monotonic() + 5
-        while not watcher.execute(WAITING_SAVE).fetchone():
-            if time.monotonic() > deadline:
-                holder.rollback()
-                return "skipped (no fenced save seen)"
-            time.sleep(0.01)
-        os.killpg(owner.proc.pid, signal.SIGSTOP)
+    """SIGSTOP the owner inside a fenced transaction (support.paused_in_fence), until another
+    instance owns the job (at most the lease plus 5 s), then SIGCONT. Returns what happened."""
+    assert owner.proc is not None and owner.proc.pid is not None
+    with paused_in_fence(url, "J", owner.proc.pid) as caught:
+        if not caught:
+            return "skipped (no fenced save seen)"
         paused_at = time.monotonic()
-        holder.rollback()
-    try:
         while not any(i.proc is not None and i.role() == "owner" for i in others):
             if time.monotonic() - paused_at > lease + 5:
                 return f"FAILOVER BLOCKED: no takeover {lease + 5:g} s after the pause"
             time.sleep(0.05)
         return f"taken over after {time.monotonic() - paused_at:.1f} s"
-    finally:
-        os.killpg(owner.proc.pid, signal.SIGCONT)
 
 
 def soak(args: argparse.Namespace, url: str, work: str) -> bool:
@@ -212,7 +194,8 @@ def soak(args: argparse.Namespace, url: str, work: str) -> bool:
     print(
         f"\nseed {args.seed}: {n} attacks; {len(written)} + {len(written_other)} groups written "
         f"(the other buffer's second), {len(got)} + {len(got_other)} received, missing "
-        f"{len(missing)}, more than once {len(twice)}, to the other buffer's trainer {len(crossed)}; "
+        f"{len(missing)}, more than once {len(twice)}, to the other buffer's trainer "
+        f"{len(crossed)}; "
         f"decided {statuses}; conflicting decisions {conflicts}; failovers blocked {blocked}; "
         f"trainer errors {failures}"
     )

@@ -5,7 +5,7 @@ The owner's backend then sits inside a transaction that passed the fence, holdin
 KEY SHARE lock, and a takeover (SELECT ... FOR UPDATE on that row) would wait for it for as long
 as the process stays paused. The standby must own the job and serve within the lease plus 5 s.
 
-To catch the owner inside a fenced transaction, this test holds the job's row (FOR UPDATE) while
+To catch the owner inside a fenced transaction, support.paused_in_fence holds the job's row while
 rows arrive: the owner's next cursor save passes the fence, then waits for the row; the owner is
 SIGSTOPped right then, and the row released.
 """
@@ -16,11 +16,10 @@ import os
 import signal
 import time
 
-import psycopg
 import pytest
 import requests
 from servers import Server, free_port
-from support import Writer, make_launcher_db, wait_until
+from support import Writer, make_launcher_db, paused_in_fence, wait_until
 
 from rollout_buffer.client import BufferClient, groups_of
 
@@ -29,11 +28,6 @@ pytestmark = pytest.mark.slow
 LEASE_S = 3.0
 TAKEOVER_WITHIN_S = LEASE_S + 5.0
 K = 2
-# the owner's cursor save, past the fence, waiting for the job row this test holds
-WAITING_SAVE = (
-    "SELECT pid FROM pg_stat_activity WHERE query LIKE 'UPDATE rollout_buffer_jobs SET cursor_pk%' "
-    "AND wait_event_type = 'Lock'"
-)
 
 
 def instance(url: str, tmp_path, name: str) -> Server:
@@ -68,8 +62,6 @@ def test_an_owner_paused_inside_a_fenced_transaction_is_taken_over_within_the_le
     make_launcher_db(pg_url)
     a, b = instance(pg_url, tmp_path, "a"), instance(pg_url, tmp_path, "b")
     writer = Writer(pg_url)
-    holder = psycopg.connect(pg_url)  # not autocommit: its row lock lasts until rollback
-    watcher = psycopg.connect(pg_url, autocommit=True)  # (a transaction would cache the stats)
     try:
         a.start()
         wait_until(lambda: role(a) == "owner", 15, "a owns the job")
@@ -80,34 +72,28 @@ def test_an_owner_paused_inside_a_fenced_transaction_is_taken_over_within_the_le
         writer.group("g0", K, steps=1)
         wait_until(lambda: drain(BufferClient(a.url), {"g0"}, got), 15, "the owner serves g0")
 
-        holder.execute("SELECT 1 FROM rollout_buffer_jobs WHERE job_id = 'job1' FOR UPDATE")
-        writer.group("g1", K, steps=1)
-        pid = wait_until(
-            lambda: watcher.execute(WAITING_SAVE).fetchone(), 10, "the owner's fenced cursor save"
-        )
         assert a.proc is not None
-        os.killpg(a.proc.pid, signal.SIGSTOP)  # inside the fenced transaction: a frozen VM
-        paused_at = time.monotonic()
-        holder.rollback()  # its UPDATE goes on (or times out); its transaction stays open
-        wait_until(
-            lambda: role(b) == "owner",
-            TAKEOVER_WITHIN_S + 10,
-            "the standby takes over from the owner paused inside a fenced transaction",
-        )
-        took = time.monotonic() - paused_at
-        print(f"\ntakeover {took:.2f} s after the pause (lease {LEASE_S:g} s; backend {pid})")
-        assert took < TAKEOVER_WITHIN_S, f"takeover took {took:.1f} s (lease {LEASE_S:g} s)"
-        writer.group("g2", K, steps=1)
-        with BufferClient(b.url, timeout=30) as client:
-            wait_until(lambda: drain(client, {"g1", "g2"}, got), 15, "the new owner serves")
-        os.killpg(a.proc.pid, signal.SIGCONT)
+        with paused_in_fence(
+            pg_url, "job1", a.proc.pid, timeout=10, poke=lambda: writer.group("g1", K, steps=1)
+        ) as caught:
+            assert caught, "the owner's fenced cursor save was not seen"
+            paused_at = time.monotonic()
+            wait_until(
+                lambda: role(b) == "owner",
+                TAKEOVER_WITHIN_S + 10,
+                "the standby takes over from the owner paused inside a fenced transaction",
+            )
+            took = time.monotonic() - paused_at
+            print(f"\ntakeover {took:.2f} s after the pause (lease {LEASE_S:g} s)")
+            assert took < TAKEOVER_WITHIN_S, f"takeover took {took:.1f} s (lease {LEASE_S:g} s)"
+            writer.group("g2", K, steps=1)
+            with BufferClient(b.url, timeout=30) as client:
+                wait_until(lambda: drain(client, {"g1", "g2"}, got), 15, "the new owner serves")
         wait_until(lambda: role(a) == "standby", 15, "the woken owner turns standby")
         assert got == {"g0": 1, "g1": 1, "g2": 1}
         stats = requests.get(b.url + "/stats", timeout=10).json()
         assert stats["accounting_balanced"] and stats["lease"]["takeovers"] == 1, stats
     finally:
-        holder.close()
-        watcher.close()
         writer.close()
         for srv in (a, b):
             if srv.proc is not None:
