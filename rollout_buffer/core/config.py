@@ -443,11 +443,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(
         "buffer_name",
         PREFIX + "NAME",
-        "",
+        None,
         _buffer_name,
-        "this buffer's name: instances with the same name on one state database are one buffer (one "
-        "owner, the others standbys), with different names they are independent buffers; unnamed, an "
-        "instance refuses to start while another owns the database's unnamed buffer",
+        "this buffer's name: instances with the same name on one state database are one buffer "
+        "(one owner, the others standbys), with different names they are independent buffers; "
+        "unnamed, an instance refuses to start while another owns the database's unnamed buffer",
     ),
     Setting(
         "host_id",

@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -288,7 +288,7 @@ def item_flags(partial: bool, redelivered: bool) -> str:
 
 def build_group(
     take: Take,
-    rows: dict[int, Sequence[Any]],
+    rows: Mapping[int, Sequence[Any]],
     seed: bytes,
     job_id: str,
     buf: bytearray,

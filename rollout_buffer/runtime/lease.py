@@ -1,23 +1,28 @@
 """Ownership of the job: the lease in the state database, its fence, and who else is there.
 
-Owns: the ``rollout_buffer_lease`` row (one per state database, which holds exactly one active
-job): the owner, its advertised URL, host and pid, the epoch, and ``lease_until`` by the
-database's clock. Its own thread (``rollout-buffer-lease``) and connection acquire it, renew it
+Owns: a buffer's ``rollout_buffer_lease`` row (one per buffer on a state database: ``job`` for the
+unnamed one, ``job/<ROLLOUT_BUFFER_NAME>`` for a named one; a buffer holds exactly one active job):
+the owner, its advertised URL, host and pid, the epoch, and ``lease_until`` by the database's
+clock. Its own thread (``rollout-buffer-lease``) and connection acquire it, renew it
 every third of ``ROLLOUT_BUFFER_LEASE_SECONDS`` and give it up on a graceful stop, so a renewal
-never waits behind a stuck tick or poll. On SQLite the lease is a ``flock`` on
-``<state db>.owner.lock`` (one host). It also keeps this instance's row in
-``rollout_buffer_instances`` (role, URL, host, and ``report``: what the loop saw of a launcher
-on this host), and checks once that ``ROLLOUT_BUFFER_ADVERTISE_URL`` answers as this instance.
+never waits behind a stuck tick or poll. On SQLite the lease is a ``flock`` on a lock file next to
+the database file's real path (ownership.py; one host). It also keeps this instance's row in
+``rollout_buffer_instances`` (instances.py), and checks once that ``ROLLOUT_BUFFER_ADVERTISE_URL``
+answers as this instance (advertised.py). An unnamed instance that finds a live owner of the
+unnamed buffer is ``refused``: it must not run (the gunicorn worker fails its boot).
 What a standby answers (307 to the owner, or 503) is the app's, from ``role`` and ``holder``.
 
 The epoch is the fencing token. :meth:`Lease.fence` is the first statement of every transaction
 that records a decision: it takes a KEY SHARE lock on the lease row while the epoch is the one the
 job's state was loaded under (``state_epoch``), and raises LeaseLost (the transaction rolls back)
 otherwise. A takeover locks the row FOR UPDATE: it waits for the transactions that passed the
-fence, and every later fence sees the new epoch. Renewals take no lock the fence conflicts with.
-No clock decides who may write: ``lease_until`` only says when a standby may take over, and the
-owner's own deadline (its monotonic clock, a margin short of the lease) only stops what the
-database cannot fence, such as the launcher. No session state: it works through PgBouncer.
+fence, and every later fence sees the new epoch. An owner paused or cut off inside such a
+transaction would hold that lock for good: the fence names the backend after the owner's epoch,
+and a taker of an expired lease ends those backends first (ownership.end_fenced). Renewals take no
+lock the fence conflicts with. No clock decides who may write: ``lease_until`` only says when a
+standby may take over, and the owner's own deadline (its monotonic clock, a margin short of the
+lease) only stops what the database cannot fence, such as the launcher. No session state: it
+works through PgBouncer.
 
 It must not touch the job's state or the launcher: the loop drops and resumes the job when
 ``epoch`` and ``state_epoch`` differ.
@@ -49,6 +54,7 @@ from rollout_buffer.runtime.ownership import (
     refusal,
     why_free,
 )
+from rollout_buffer.runtime.threads import Runtime
 from rollout_buffer.storage import lease_sql as sql
 from rollout_buffer.storage.connections import service_connect
 from rollout_buffer.storage.db import Database
@@ -66,6 +72,8 @@ STANDBY_POLL_S = (
 
 class Lease:
     """This instance's part in the lease: its role, its epoch, and the thread that keeps them."""
+
+    name = "rollout-buffer-lease"  # its thread's, as a worker of the runtime
 
     def __init__(
         self,
@@ -111,28 +119,32 @@ class Lease:
         )
         self._failing_since: float | None = None
         self._leaving = False
-        self._stop = threading.Event()
-        self._wake = threading.Event()
+        self.wake = threading.Event()  # a worker of the runtime: set to step now
+        self.stopping = threading.Event()  # set by the runtime on stop
         self.decided = threading.Event()  # set once the first step has read or taken the lease
-        self._thread: threading.Thread | None = None
+        self._runtime: Runtime | None = None  # used alone: a runtime of its own
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
+        """Used alone (tests, tools): run the lease's thread in a runtime of its own. (The service
+        runs it in its runtime, then calls give_up.)"""
         if self.enabled:
-            self._thread = threading.Thread(
-                target=self._run, name="rollout-buffer-lease", daemon=True
-            )
-            self._thread.start()
+            if self._runtime is None:
+                self._runtime = Runtime()
+                self._runtime.add(self)
+            self._runtime.start(monitor=False)
 
     def stop(self, timeout: float = 10.0, release: bool = True) -> None:
-        """Stop the thread; an owner gives the lease up (a standby takes it at once) unless
+        """Used alone: stop the thread, then :meth:`give_up`."""
+        if self._runtime is not None:
+            self._runtime.stop_worker(self, timeout)
+        self.give_up(release)
+
+    def give_up(self, release: bool = True) -> None:
+        """(The thread stopped.) An owner gives the lease up (a standby takes it at once) unless
         ``release`` is False; leave the instances."""
         if not self.enabled:
             return
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
         with (
             contextlib.suppress(StorageError),
             service_connect(
@@ -155,7 +167,20 @@ class Lease:
             self._lock_fd = None
 
     def nudge(self) -> None:
-        self._wake.set()
+        self.wake.set()
+
+    # -- the loop's view of the job's state (only these methods write it) -------------------------
+    def state_loaded(self) -> None:
+        """The loop loads the job's state under the current epoch (its bootstrap follows)."""
+        self.state_epoch = self.epoch
+
+    def state_dropped(self) -> None:
+        """The loop dropped the job's state: no epoch has it loaded."""
+        self.state_epoch = None
+
+    def report_launcher(self, report: str | None) -> None:
+        """What the loop saw of a launcher recorded on this host (kept in this instance's row)."""
+        self.report = report
 
     def leaving(self) -> None:
         """The service is stopping: a standby no longer takes the job and stops counting as one (an
@@ -278,17 +303,21 @@ class Lease:
             }
         return set()
 
-    # -- the thread ------------------------------------------------------------------------------
-    def _run(self) -> None:
-        while not self._stop.is_set() and self.refused is None:
-            try:
-                wait = self._step()
-            except Exception:
-                logger.exception("the lease thread failed a step (retrying)")
-                self._close()
-                wait = RETRY_S
-            self._wake.wait(wait)
-            self._wake.clear()
+    # -- the worker (its own thread and connection) --------------------------------------------
+    def tick(self) -> float:
+        """One step: renew (an owner) or try to take the lease; returns the wait before the next.
+        A refused instance takes no more steps (it is on its way out)."""
+        if self.refused is not None:
+            return 3600.0
+        try:
+            return self._step()
+        except Exception:
+            logger.exception("the lease thread failed a step (retrying)")
+            self._close()
+            return RETRY_S
+
+    def close(self) -> None:
+        """(The lease's thread, as it ends.) Its connection is its own."""
         self._close()
 
     def _step(self) -> float:

@@ -96,18 +96,15 @@ def post_fork(server, worker) -> None:
 def post_worker_init(worker) -> None:
     """The app is loaded in this worker: start the service (background thread, notifier)."""
     service = worker.wsgi.extensions["rollout_buffer"]
-    service.serving.should_stop = lambda: (
-        not worker.alive
-    )  # SIGTERM: waiting long-polls answer at once
-    service.start()
+    service.start(host=worker)  # SIGTERM (worker.alive turns False): waiting long-polls answer
     # An unnamed instance next to a live owner must not run: failing the boot makes gunicorn (and
     # `rollout-buffer serve`) exit 3 with the message. Found only later (the database was down at
     # boot), the worker stops, and the next one fails its boot the same way.
     service.on_refused = lambda: setattr(worker, "alive", False)
     lease = service.lease
     unnamed = lease.enabled and not lease.buffer  # (only it can be refused)
-    if unnamed and lease.decided.wait(BOOT_DECISION_S) and service.refusal():
-        raise RuntimeError(service.refusal())
+    if unnamed and lease.decided.wait(BOOT_DECISION_S) and lease.refused:
+        raise RuntimeError(lease.refused)
 
 
 def worker_abort(worker) -> None:
