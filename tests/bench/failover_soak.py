@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -59,6 +60,63 @@ def pause_in_fence(url: str, owner: Instance, others: list[Instance], lease: flo
                 return f"FAILOVER BLOCKED: no takeover {lease + 5:g} s after the pause"
             time.sleep(0.05)
         return f"taken over after {time.monotonic() - paused_at:.1f} s"
+
+
+ATTACKS = ["kill_owner", "kill_owner", "kill_any", "stop_owner", "kill_twice"]
+FENCED = ["stop_in_fence"]  # Postgres only
+
+
+def revive(insts: list[Instance], rng: random.Random) -> None:
+    """Killed instances come back as standbys (most of them at once); never none at all."""
+    for inst in insts:
+        if inst.proc is None and rng.random() < 0.7:
+            inst.start()
+    if all(i.proc is None for i in insts):
+        insts[0].start()
+
+
+def attack_once(
+    n: int,
+    attack: str,
+    rng: random.Random,
+    insts: list[Instance],
+    owner: Callable[[], Instance | None],
+    url: str,
+    lease: float,
+) -> list[str]:
+    """One attack on the buffer's instances; returns the failovers it saw blocked."""
+    o = owner()
+    alive = [i for i in insts if i.proc is not None]
+    if attack == "kill_any" and alive:
+        victim = rng.choice(alive)
+        print(f"  {n:3d} kill -9 {victim.name}", flush=True)
+        victim.kill9()
+    elif attack == "stop_in_fence" and o is not None:
+        print(f"  {n:3d} SIGSTOP the owner {o.name} inside a fenced transaction", flush=True)
+        what = pause_in_fence(url, o, [i for i in insts if i is not o], lease)
+        print(f"      {what}", flush=True)
+        if what.startswith("FAILOVER BLOCKED"):
+            return [what]
+    elif attack == "stop_owner" and o is not None:
+        pause = rng.uniform(0.3, 2.5) * lease
+        print(f"  {n:3d} SIGSTOP the owner {o.name} for {pause:.1f} s", flush=True)
+        os.killpg(o.proc.pid, signal.SIGSTOP)
+        time.sleep(pause)
+        os.killpg(o.proc.pid, signal.SIGCONT)
+    elif o is not None:
+        print(
+            f"  {n:3d} kill -9 the owner {o.name}"
+            + (" and the next one as it takes over" if attack == "kill_twice" else ""),
+            flush=True,
+        )
+        o.kill9()
+        if attack == "kill_twice":
+            deadline = time.monotonic() + lease + 10
+            while time.monotonic() < deadline and (nxt := owner()) is None:
+                time.sleep(0.01)
+            if nxt is not None:
+                nxt.kill9()
+    return []
 
 
 def soak(args: argparse.Namespace, url: str, work: str) -> bool:
@@ -122,49 +180,11 @@ def soak(args: argparse.Namespace, url: str, work: str) -> bool:
         while time.monotonic() < end:
             time.sleep(rng.uniform(0.5, 3.0))
             n += 1
-            o = owner()
-            alive = [i for i in insts if i.proc is not None]
-            attacks = ["kill_owner", "kill_owner", "kill_any", "stop_owner", "kill_twice"]
-            fenced = ["stop_in_fence"] if url.startswith("postgres") else []
-            attack = rng.choice(attacks + fenced)
-            if n == 1 and fenced:  # every Postgres run has one, however short
-                attack = "stop_in_fence"
-            if attack == "kill_any" and alive:
-                victim = rng.choice(alive)
-                print(f"  {n:3d} kill -9 {victim.name}", flush=True)
-                victim.kill9()
-            elif attack == "stop_in_fence" and o is not None:
-                print(
-                    f"  {n:3d} SIGSTOP the owner {o.name} inside a fenced transaction", flush=True
-                )
-                what = pause_in_fence(url, o, [i for i in insts if i is not o], args.lease)
-                print(f"      {what}", flush=True)
-                if what.startswith("FAILOVER BLOCKED"):
-                    blocked.append(what)
-            elif attack == "stop_owner" and o is not None:
-                pause = rng.uniform(0.3, 2.5) * args.lease
-                print(f"  {n:3d} SIGSTOP the owner {o.name} for {pause:.1f} s", flush=True)
-                os.killpg(o.proc.pid, signal.SIGSTOP)
-                time.sleep(pause)
-                os.killpg(o.proc.pid, signal.SIGCONT)
-            elif o is not None:
-                print(
-                    f"  {n:3d} kill -9 the owner {o.name}"
-                    + (" and the next one as it takes over" if attack == "kill_twice" else ""),
-                    flush=True,
-                )
-                o.kill9()
-                if attack == "kill_twice":
-                    deadline = time.monotonic() + args.lease + 10
-                    while time.monotonic() < deadline and (nxt := owner()) is None:
-                        time.sleep(0.01)
-                    if nxt is not None:
-                        nxt.kill9()
-            for inst in insts:
-                if inst.proc is None and rng.random() < 0.7:
-                    inst.start()
-            if all(i.proc is None for i in insts):
-                insts[0].start()
+            attack = rng.choice(ATTACKS + (FENCED if url.startswith("postgres") else []))
+            if n == 1 and url.startswith("postgres"):  # every Postgres run has one, however short
+                attack = FENCED[0]
+            blocked += attack_once(n, attack, rng, insts, owner, url, args.lease)
+            revive(insts, rng)
         for inst in insts:
             if inst.proc is None:
                 inst.start()
@@ -181,6 +201,23 @@ def soak(args: argparse.Namespace, url: str, work: str) -> bool:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(inst.proc.pid, signal.SIGCONT)
                 inst.proc.stop()
+    return verdict(
+        args, url, insts, (written, got), (written_other, got_other), n, blocked, failures
+    )
+
+
+def verdict(
+    args: argparse.Namespace,
+    url: str,
+    insts: list[Instance],
+    mine: tuple[list[str], collections.Counter],
+    other: tuple[list[str], collections.Counter],
+    n: int,
+    blocked: list[str],
+    failures: list[BaseException],
+) -> bool:
+    """Every group written reached its own buffer's trainer exactly once, and nothing else broke."""
+    (written, got), (written_other, got_other) = mine, other
     db = connect(url)
     statuses = dict(db.rows("SELECT status, COUNT(*) FROM rollout_buffer_groups GROUP BY status"))
     db.close()
@@ -233,7 +270,8 @@ def main(argv=None) -> int:
     else:
         url, schema = fresh_database(args, "rbsoak_")
     print(
-        f"failover soak: seed {args.seed}, {args.backend}, lease {args.lease:g} s, {args.seconds:g} s (logs in {work})"
+        f"failover soak: seed {args.seed}, {args.backend}, lease {args.lease:g} s, "
+        f"{args.seconds:g} s (logs in {work})"
     )
     try:
         ok = soak(args, url, work)
@@ -243,8 +281,8 @@ def main(argv=None) -> int:
                 conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
     if not ok:
         print(
-            f"FAILED; rerun: python tests/bench/failover_soak.py --seed {args.seed} --backend {args.backend} "
-            f"--seconds {args.seconds:g} --lease {args.lease:g}"
+            f"FAILED; rerun: python tests/bench/failover_soak.py --seed {args.seed} "
+            f"--backend {args.backend} --seconds {args.seconds:g} --lease {args.lease:g}"
         )
         return 1
     print("ok: every group exactly once, nothing decided twice")

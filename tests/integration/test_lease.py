@@ -226,9 +226,9 @@ def test_an_owner_whose_process_on_this_host_is_gone_is_replaced_at_once(url, le
     try:
         Store(db).ensure_schema()
         db.execute(
-            "INSERT INTO rollout_buffer_lease (scope, owner, owner_url, owner_host, owner_pid, owner_start_ticks, "
-            "epoch, lease_until, acquired_at, renewed_at) VALUES ('job', 'dead', NULL, ?, ?, ?, 7, "
-            "EXTRACT(EPOCH FROM now()) + 600, 0, 0)",
+            "INSERT INTO rollout_buffer_lease (scope, owner, owner_url, owner_host, owner_pid, "
+            "owner_start_ticks, epoch, lease_until, acquired_at, renewed_at) "
+            "VALUES ('job', 'dead', NULL, ?, ?, ?, 7, EXTRACT(EPOCH FROM now()) + 600, 0, 0)",
             (procfs.host_id(), gone.pid, ticks),
         )
     finally:

@@ -470,7 +470,7 @@ def test_two_instances_on_one_schema_serve_each_group_once(tmp_path, pg_url):
                 "ROLLOUT_BUFFER_NAME": "ab",
             },
         )
-        for n, p in zip("ab", ports)
+        for n, p in zip("ab", ports, strict=True)
     )
     w = Writer(pg_url)
     try:
