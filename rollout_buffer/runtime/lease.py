@@ -5,8 +5,8 @@ unnamed one, ``job/<ROLLOUT_BUFFER_NAME>`` for a named one; a buffer holds exact
 the owner, its advertised URL, host and pid, the epoch, and ``lease_until`` by the database's
 clock. Its own thread (``rollout-buffer-lease``) and connection acquire it, renew it
 every third of ``ROLLOUT_BUFFER_LEASE_SECONDS`` and give it up on a graceful stop, so a renewal
-never waits behind a stuck tick or poll. On SQLite the lease is a ``flock`` on a lock file next to
-the database file's real path (ownership.py; one host). It also keeps this instance's row in
+never waits behind a stuck tick or poll. On SQLite the lease is a lock on a byte of the database
+file itself, whatever path reaches it (ownership.py; one host). It also keeps this instance's row in
 ``rollout_buffer_instances`` (instances.py), and checks once that ``ROLLOUT_BUFFER_ADVERTISE_URL``
 answers as this instance (advertised.py). An unnamed instance that finds a live owner of the
 unnamed buffer is ``refused``: it must not run (the gunicorn worker fails its boot).

@@ -1,7 +1,7 @@
 """Who owns a buffer, and how its lease and its locks are named.
 
-Owns: the lease row as an instance reads it (:class:`Holder`), the SQLite lock file of a buffer
-(one per database file and buffer name, whatever path reaches the file), the name a fenced
+Owns: the lease row as an instance reads it (:class:`Holder`), the SQLite lock of a buffer (a byte
+of the database file itself, one per buffer name, whatever path reaches the file), the name a fenced
 Postgres backend carries while its transaction runs (so that a taker can end the backends of an
 expired owner, and ending them), and the message an unnamed instance exits with when the database's
 unnamed buffer already has a live owner. It must not open a connection (it is handed the lease
@@ -10,9 +10,12 @@ thread's) or change a role: lease.py does.
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import hashlib
 import logging
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,24 +99,32 @@ def why_free(
     return None
 
 
-def lock_path(url: str, buffer: str) -> str:
-    """The lock file of a buffer on a SQLite database: next to the database file as the kernel
-    resolves it (symlinks followed), so every path that reaches the file (a symlink to it or to a
-    directory above it, a bind mount of a directory above it) reaches the same lock file. The
-    unnamed buffer's is the one earlier versions used for a path without symlinks."""
-    real = os.path.realpath(sqlite_path(url))
-    return f"{real}.{buffer}.owner.lock" if buffer else f"{real}.owner.lock"
+# An open-file-description record lock (Linux), struct flock: type, whence, start, length, pid (0).
+_FLOCK = "hhqqi4x"
+LOCK_BASE = 1 << 62  # far above every byte SQLite locks (they start at 1 GiB)
+
+
+def lock_byte(buffer: str) -> int:
+    """The byte of the database file whose lock is a buffer's lease (one per name)."""
+    return LOCK_BASE + int.from_bytes(hashlib.sha256(buffer.encode()).digest()[:5], "big")
 
 
 def file_lock(url: str, buffer: str) -> int | None:
-    """SQLite: the buffer's lease is an exclusive flock on its lock file (released by the kernel
-    when this process dies). The open descriptor that holds it, or None when another one does."""
-    fd = os.open(lock_path(url, buffer), os.O_RDWR | os.O_CREAT, 0o644)
+    """SQLite: the buffer's lease is a write lock on one byte of the database file itself (an
+    open-file-description lock, so it is keyed by the file's device and inode: every path that
+    reaches the file holds the same lock, be it a symlink, a hard link or a bind mount of the file
+    or of a directory above it). The kernel releases it when this process dies; SQLite closing its
+    own descriptors of the file does not. The open descriptor that holds it, or None when another
+    one does."""
+    fd = os.open(sqlite_path(url), os.O_RDWR)
+    lock = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, lock_byte(buffer), 1, 0)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, lock)
+    except OSError as exc:
         os.close(fd)
-        return None
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            return None
+        raise
     return fd
 
 
