@@ -23,6 +23,7 @@ the service is built inside.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -39,6 +40,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import hostile_rows
 import requests
 from fakes.fake_proxy import FakeProxy
 from servers import ROOT, Server, log_tail
@@ -83,6 +85,7 @@ class Settings:
     ttl_s: float = 12.0
     p_malformed: float = 0.25
     p_incomplete: float = 0.2
+    p_hostile: float = 0.12  # hostile versions, ids and control characters (hostile_rows.py)
     p_hold: float = 0.12
     kinds: tuple[str, ...] | None = (
         None  # malformed kinds to draw from (default: all of the backend)
@@ -99,8 +102,8 @@ class Settings:
 def rerun_hint(s: Settings) -> str:
     return (
         f"seed={s.seed} backend={s.backend}; rerun: RBTEST_FAULT_SEED={s.seed} python -m pytest "
-        f"tests/test_faults.py -k {s.backend}   or   python tests/bench/fault_soak.py --seed {s.seed} "
-        f"--backend {s.backend} --groups {s.groups_per_writer} --kills {s.kills}"
+        f"tests/test_faults.py -k {s.backend}   or   python tests/bench/fault_soak.py "
+        f"--seed {s.seed} --backend {s.backend} --groups {s.groups_per_writer} --kills {s.kills}"
     )
 
 
@@ -109,7 +112,7 @@ def rerun_hint(s: Settings) -> str:
 
 
 def _hex_id(rng: random.Random) -> str:
-    return "%032x" % rng.getrandbits(128)  # 32 chars: session_id is VARCHAR(36) on Postgres
+    return f"{rng.getrandbits(128):032x}"  # 32 chars: session_id is VARCHAR(36) on Postgres
 
 
 def _created_at(rng: random.Random, offset_s: float) -> str:
@@ -185,15 +188,20 @@ def _spoil(s: Settings, rng: random.Random, row: dict[str, Any], kind: str) -> N
 
 
 def _group_sessions(
-    s: Settings, rng: random.Random, gid: str
+    s: Settings, rng: random.Random, gid: str, hostile: str | None = None
 ) -> tuple[str, list[list[dict[str, Any]]]]:
-    """(kind, the rows of each session of one group, in step order)."""
+    """(kind, the rows of each session of one group, in step order); ``hostile`` forces that
+    hostile kind."""
     roll = rng.random()
     kind = "complete"
     if roll < s.p_malformed:
         kind = rng.choice(s.kinds or MALFORMED_KINDS[s.backend])
     elif roll < s.p_malformed + s.p_incomplete:
         kind = "incomplete"
+    if s.p_malformed + s.p_incomplete <= roll < s.p_malformed + s.p_incomplete + s.p_hostile:
+        hostile = hostile or rng.choice(hostile_rows.KINDS)  # a complete group, made hostile below
+    if hostile is not None:
+        kind = "complete"
     n_sessions = s.k
     n_complete = s.k
     if kind == "incomplete" or (kind != "complete" and rng.random() < 0.3):
@@ -216,6 +224,9 @@ def _group_sessions(
         # never the completed row: the group must be complete but for the one bad row
         victim = rng.randrange(len(sessions[0]) - 1)
         _spoil(s, rng, sessions[0][victim], kind)
+    if hostile is not None:
+        hostile_rows.spoil(rng, sessions, hostile)
+        return hostile, sessions
     if kind == "complete" and rng.random() < 0.2:  # a non-trainable row is never read nor served
         extra = _row(s, rng, gid, sessions[0][0]["session_id"], 99, completed=False)
         extra["is_trainable"] = 0
@@ -243,10 +254,14 @@ def make_plan(
     stream: list[dict[str, Any]] = []
     kinds: dict[str, str] = {}
     gids = [f"g{writer}-{i:02d}-{rng.getrandbits(24):06x}" for i in range(s.groups_per_writer)]
+    # every hostile kind in every run (when the writer has groups enough), whatever the draws
+    forced = dict(
+        zip(gids[1::2], hostile_rows.KINDS if s.p_hostile and writer == 0 else (), strict=False)
+    )
     for a in range(0, len(gids), 2):
         pair = []
         for gid in gids[a : a + 2]:
-            kinds[gid], sessions = _group_sessions(s, rng, gid)
+            kinds[gid], sessions = _group_sessions(s, rng, gid, forced.get(gid))
             pair += sessions
         stream += _merge(rng, pair)
     if writer == 0:  # the same group id in another job: must never be read for ours
@@ -369,8 +384,8 @@ def _text(value: Any) -> Any:
 def read_rows(url: str, backend: str, job: str = JOB) -> list[Row]:
     """Every trainable row of the job, read with the raw driver so that no bad value is hidden."""
     cols = (
-        "id, session_id, step_id, group_id, messages, response, step_reward, env_state, is_truncated, "
-        "is_session_completed"
+        "id, session_id, step_id, group_id, messages, response, step_reward, env_state, "
+        "is_truncated, is_session_completed"
     )
     if backend == "sqlite":
         conn = sqlite3.connect(url[len("sqlite://") :], timeout=30)
@@ -429,6 +444,10 @@ class Group:
     def problems(self) -> list[str]:
         return [f"step_pk {r.pk}: {p}" for r in self.rows if (p := r.problem()) is not None]
 
+    def implausible(self) -> bool:
+        """A row's weight version cannot be true (hostile_rows.py): dropped, never served."""
+        return hostile_rows.implausible([r.env_state for r in self.rows])
+
 
 def groups_of(rows: list[Row]) -> dict[str, Group]:
     """Groups by group_id; a row with NULL group_id belongs to the group its session's other rows
@@ -471,7 +490,7 @@ def expected_items(g: Group) -> list[dict[str, Any]]:
                 "finish_reason": "length" if r.truncated else "stop",
                 "weight_version": int(env.get("weight_version", 0)),
                 "timestamp": _epoch(r.created_at),
-                "messages": json.loads(r.messages) + [{"role": "assistant", "content": r.response}],
+                "messages": [*json.loads(r.messages), {"role": "assistant", "content": r.response}],
             }
         )
     return out
@@ -483,10 +502,11 @@ def compare_items(gid: str, got: list[dict[str, Any]], want: list[dict[str, Any]
     want_pks = [w["step_pk"] for w in want]
     if got_pks != want_pks:
         return [
-            f"group {gid}: served step_pks {got_pks}, expected {want_pks} (in (session, step, pk) order)"
+            f"group {gid}: served step_pks {got_pks}, expected {want_pks} "
+            "(in (session, step, pk) order)"
         ]
     out = []
-    for item, w in zip(got, want):
+    for item, w in zip(got, want, strict=True):  # (their step_pks are equal: same length)
         x = item["extra_info"]
         checks = {
             "instance_id": (item.get("instance_id"), gid),
@@ -502,7 +522,8 @@ def compare_items(gid: str, got: list[dict[str, Any]], want: list[dict[str, Any]
         for name, (a, b) in checks.items():
             if a != b:
                 out.append(
-                    f"group {gid} step_pk {w['step_pk']}: {name} is {str(a)[:120]}, expected {str(b)[:120]}"
+                    f"group {gid} step_pk {w['step_pk']}: {name} is {str(a)[:120]}, expected "
+                    f"{str(b)[:120]}"
                 )
         ts = x.get("timestamp")
         if not isinstance(ts, (int, float)) or not math.isclose(ts, w["timestamp"], abs_tol=1e-3):
@@ -547,7 +568,8 @@ class StateReader:
     def decisions(self, job: str = JOB) -> dict[str, tuple[str, str | None, str]]:
         """{group_id: (status, reason, clear_sessions)}."""
         rows = self.query(
-            "SELECT group_id, status, reason, clear_sessions FROM rollout_buffer_groups WHERE job_id = ?",
+            "SELECT group_id, status, reason, clear_sessions FROM rollout_buffer_groups "
+            "WHERE job_id = ?",
             (job,),
         )
         return {g: (st, reason, cs) for g, st, reason, cs in rows}
@@ -589,7 +611,8 @@ class Trainer:
     def next_request(self) -> tuple[str, dict[str, Any]]:
         if self.pending is None:
             body: dict[str, Any] = {
-                "request_id": uuid.UUID(int=self.rng.getrandbits(128), version=4).hex
+                "request_id": uuid.UUID(int=self.rng.getrandbits(128), version=4).hex,
+                "current_weight_version": hostile_rows.TRAINER_VERSION,
             }
             mg = self.rng.choice([None, None, 1, 2, 5])
             if mg is not None:
@@ -718,7 +741,8 @@ class Outcome:
 
     def summary(self) -> str:
         return (
-            f"{self.settings.backend} seed {self.settings.seed}: {self.seconds:.1f} s, kills {self.kills}, "
+            f"{self.settings.backend} seed {self.settings.seed}: {self.seconds:.1f} s, kills "
+            f"{self.kills}, "
             f"proxy {self.proxy_modes}, {self.counts}"
         )
 
@@ -769,6 +793,7 @@ class Run:
             "LLM_PROXY_PORT": str(self.proxy.port),
             "ROLLOUT_BUFFER_PROXY_CONNECT_TIMEOUT_SECONDS": "1",
             "ROLLOUT_BUFFER_PROXY_READ_TIMEOUT_SECONDS": "2",
+            **hostile_rows.SERVICE_ENV,
         }
         self.srv = Server(self.url, self.workdir / "srv", env=env, name="faults")
         self._start_server()
@@ -880,7 +905,8 @@ class Run:
             while time.monotonic() < end and not held:
                 held = bool(
                     self.state.query(
-                        "SELECT 1 FROM pg_stat_activity WHERE application_name = ? AND state = 'idle in transaction' "
+                        "SELECT 1 FROM pg_stat_activity WHERE application_name = ? AND state = "
+                        "'idle in transaction' "
                         "AND now() - xact_start > interval '2.5 seconds'",
                         (self.app_name,),
                     )
@@ -955,7 +981,9 @@ class Run:
         good = {
             g
             for g, grp in groups.items()
-            if len(grp.completed_sessions()) >= self.s.k and not grp.problems()
+            if len(grp.completed_sessions()) >= self.s.k
+            and not grp.problems()
+            and not grp.implausible()
         }
         others = set(groups) - good
         self.out.counts.update(
@@ -968,9 +996,14 @@ class Run:
         while time.monotonic() < deadline:
             doc = trainer.poll()
             decided = self.state.decisions()
-            if good <= set(trainer.served) and others <= set(decided) and trainer.pending is None:
-                if doc is not None and not doc.get("success"):
-                    break
+            if (
+                good <= set(trainer.served)
+                and others <= set(decided)
+                and trainer.pending is None
+                and doc is not None
+                and not doc.get("success")
+            ):
+                break
             time.sleep(gaps.uniform(0.02, 0.2) if doc is None or not doc.get("success") else 0)
         self._check(rows, groups, good, others)
 
@@ -995,7 +1028,8 @@ class Run:
             p += compare_items(gid, got[0][1], expected_items(groups[gid]))
             if decided.get(gid, ("?",))[0] != "served":
                 p.append(
-                    f"group {gid} reached the trainer but rollout_buffer_groups says {decided.get(gid)}"
+                    f"group {gid} reached the trainer but rollout_buffer_groups says "
+                    f"{decided.get(gid)}"
                 )
         for gid in sorted(set(served) - good):
             grp = groups.get(gid)
@@ -1008,10 +1042,15 @@ class Run:
             p.append(f"group {gid} was served but should not have been: {why[:3]}")
         for gid in sorted(others):
             dec = decided.get(gid)
+            grp = groups[gid]
+            complete = len(grp.completed_sessions()) >= self.s.k and not grp.problems()
+            if complete and grp.implausible() and (dec or (None, None))[1] != "implausible_version":
+                p.append(f"group {gid} with a version that cannot be true was decided as {dec}")
             if dec is None or dec[0] != "dropped" or not dec[1]:
                 grp = groups[gid]
                 p.append(
-                    f"group {gid} ({grp.problems()[:2] or 'incomplete'}) is not dropped with a reason: "
+                    f"group {gid} ({grp.problems()[:2] or 'incomplete'}) is not dropped with a "
+                    "reason: "
                     f"rollout_buffer_groups has {dec[:2] if dec else 'nothing'}"
                 )
         pks = [
@@ -1025,11 +1064,18 @@ class Run:
         for rid, group_ids in self.state.batches():
             if rid and rid not in trainer.received:
                 p.append(
-                    f"batch for request_id {rid} (groups {group_ids}) was recorded but never reached the "
+                    f"batch for request_id {rid} (groups {group_ids}) was recorded but never "
+                    "reached the "
                     f"trainer, which retried that id until it got an answer"
                 )
         self._check_stats(len(rows))
         self._check_proxy(groups, others)
+        assert self.srv is not None
+        log_file = self.srv.workdir / "logs" / "rollout_buffer.log"
+        for text in (self.srv.log(), log_file.read_text() if log_file.exists() else ""):
+            p += [
+                f"a row forged a log line: {ln[:200]!r}" for ln in hostile_rows.forged_lines(text)
+            ]
         reasons: dict[str, int] = {}
         for gid in others:
             if gid in decided:
@@ -1093,8 +1139,11 @@ class Run:
         if not times:
             return "commit times unknown"
         times.sort()
-        gap = max((b - a for a, b in zip(times, times[1:])), default=0.0)
-        return f"rows committed over {times[-1] - times[0]:.1f} s, largest gap {gap:.1f} s, TTL {self.s.ttl_s} s"
+        gap = max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+        return (
+            f"rows committed over {times[-1] - times[0]:.1f} s, largest gap {gap:.1f} s, "
+            f"TTL {self.s.ttl_s} s"
+        )
 
     def report(self) -> str:
         log = self.srv.log() if self.srv is not None else ""

@@ -42,6 +42,7 @@ from rollout_buffer.core.model import (
     Take,
 )
 from rollout_buffer.core.ready import ReadyQueue
+from rollout_buffer.core.versions import Versions
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,7 @@ class Accumulator:
         # with over-sampling, a served group's late rows are its other sessions' (a served session
         # writes nothing after its completed row), whether they come while it is built or after
         self._late_served = OVERSAMPLED if self.policy.oversample else LATE_SERVED
-        self.trainer_version: int | None = None  # the last current_weight_version a poll sent
-        self.rows_version = 0  # the largest weight_version of an ingested row
+        self.versions = Versions(self.policy.max_version_jump)  # no single row moves the current
         self.counts = Counts()
         self.taken: dict[str, Group] = {}  # handed to a poll, not yet decided
         self.decided: dict[str, str] = {}  # group_id -> served | dropped
@@ -92,18 +92,24 @@ class Accumulator:
     # -- versions ---------------------------------------------------------------------------------
     @property
     def current_version(self) -> int:
-        """The job's current version: the larger of the trainer's last and the rows' largest."""
-        t = self.trainer_version
-        return self.rows_version if t is None else max(t, self.rows_version)
+        """The job's current version (:mod:`~rollout_buffer.core.versions` owns the rule)."""
+        return self.versions.current
+
+    @property
+    def trainer_version(self) -> int | None:
+        return self.versions.trainer
+
+    @property
+    def rows_version(self) -> int:
+        return self.versions.rows
 
     def set_versions(self, trainer: int | None = None, rows: int | None = None) -> None:
-        """A poll's current_weight_version (the last one wins), or the stored ones after a
-        restart."""
-        with self.lock:
-            if trainer is not None:
-                self.trainer_version = trainer
-            if rows is not None:
-                self.rows_version = max(self.rows_version, rows)
+        """A poll's current_weight_version (the last one wins); with ``rows``, the stored ones
+        after a restart."""
+        if rows is None and trainer is not None:
+            self.versions.report(trainer)
+        else:
+            self.versions.restore(trainer, rows)
 
     # -- ingest -------------------------------------------------------------------------------
     def ingest(self, rows: Iterable[Row]) -> Decisions:
@@ -117,8 +123,6 @@ class Accumulator:
                 pk, sid, gid, completed = r[0], r[1], r[2], r[3]
                 step_id, reward, wv = (r[4], r[5], r[6]) if len(r) > 4 else (None, None, 0)
                 self.counts.rows_read += 1
-                if wv is not None and wv > self.rows_version:
-                    self.rows_version = wv
                 if isinstance(gid, (int, float)) and not isinstance(gid, bool):
                     gid = str(gid)  # a number (an untyped column) names its group as its text does
                 if not isinstance(sid, str) or isinstance(sid, BadText) or not sid:
@@ -199,7 +203,11 @@ class Accumulator:
         """(Lock held.) A group has K completed sessions, or is served short at the TTL: choose its
         sessions (over-sampling), apply the policies, and queue it or drop it."""
         self._choose(g, out)
-        reason = g.refusal(self.policy, self.current_version)
+        reason = None
+        if self.policy.max_off_policy is not None:  # a version that cannot be true goes first
+            served = g.chosen if g.chosen is not None else g.completed
+            reason = self.versions.judge(g.group_id, [g.min_version(served)])
+        reason = reason or g.refusal(self.policy, self.current_version)
         if reason is not None:
             self._drop(g, reason, out)
             return
@@ -305,7 +313,10 @@ class Accumulator:
         """(Lock held.) An incomplete group that cannot wait any longer: ready short of K when it
         has the minimum group size (ROLLOUT_BUFFER_MIN_GROUP_SIZE), else dropped with ``reason``."""
         least = self.policy.min_group_size
-        if least is not None and least < self.k and len(g.completed) >= least:
+        # ready once, under a smaller K (K raised since): it had a whole group, and over-sampling
+        # may have dropped the sessions that could complete it; served short, never a TTL drop
+        was_ready = g.ready_at is not None
+        if was_ready or (least is not None and least < self.k and len(g.completed) >= least):
             del self.pending[g.group_id]
             g.partial = True
             self._became_ready(g, out)

@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rollout_buffer.core.errors import ConfigError
+from rollout_buffer.core.hosts import parse_allowed_hosts
 from rollout_buffer.core.model import Policy
 from rollout_buffer.core.redact import redact
 
@@ -282,6 +283,14 @@ SETTINGS: tuple[Setting, ...] = (
         "seconds between TERM and KILL when stopping the launcher",
     ),
     Setting(
+        "launch_grace_s",
+        PREFIX + "LAUNCH_GRACE_S",
+        3.0,
+        _float(0.0),
+        "seconds /start_rollout waits for a launcher that exits at once (its answer is then an "
+        "error with the exit code and the log's last lines); 0 = answer at once",
+    ),
+    Setting(
         "max_response_bytes",
         PREFIX + "MAX_RESPONSE_BYTES",
         256 * 1024 * 1024,
@@ -356,6 +365,15 @@ SETTINGS: tuple[Setting, ...] = (
         _choice("ready", "oldest_version", "newest_version"),
         "which ready groups go first: ready (first ready), oldest_version or newest_version (by the min "
         "weight_version of their items)",
+    ),
+    Setting(
+        "max_version_jump",
+        PREFIX + "MAX_VERSION_JUMP",
+        1000,
+        _opt_int(0),
+        "once the current version is known, a group with a version more than this above it "
+        "(or below 0) is dropped as implausible_version; row data moves the current version "
+        "only when two complete groups agree (unset: no bound)",
     ),
     Setting(
         "max_request_bytes",
@@ -465,6 +483,16 @@ SETTINGS: tuple[Setting, ...] = (
         "when set, every endpoint but /health needs 'Authorization: Bearer <token>'",
     ),
     Setting(
+        "allowed_hosts",
+        PREFIX + "ALLOWED_HOSTS",
+        None,
+        parse_allowed_hosts,
+        "without a token: host names (comma-separated, no port) by which a browser page may "
+        "start, poll or stop, besides localhost, loopback addresses and the "
+        "ROLLOUT_BUFFER_ADVERTISE_URL host; a browser's request by another Host gets a 403 (DNS "
+        "rebinding). Trainers and tools send no browser headers and are not affected",
+    ),
+    Setting(
         "log_level",
         PREFIX + "LOG_LEVEL",
         "INFO",
@@ -522,6 +550,7 @@ class Config:
     restart_max: int = 3
     restart_backoff_s: float = 2.0
     stop_grace_s: float = 10.0
+    launch_grace_s: float = 3.0
     max_response_bytes: int = 256 * 1024 * 1024
     max_group_bytes: int = 1024 * 1024 * 1024
     max_waiting_polls: int = 8
@@ -532,6 +561,7 @@ class Config:
     oversample: int = 0
     min_group_size: int | None = None
     serve_order: str = "ready"
+    max_version_jump: int | None = 1000
     max_request_bytes: int = 1024 * 1024
     ingest_interval_s: float = 0.2
     ingest_batch: int = 20000
@@ -547,6 +577,7 @@ class Config:
     buffer_name: str = ""
     host_id: str | None = None
     token: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
     log_level: str = "INFO"
     threads: int = 16
     graceful_timeout_s: float = 60.0
@@ -593,6 +624,7 @@ class Config:
             self.oversample,
             self.min_group_size,
             self.serve_order,
+            self.max_version_jump,
         )
 
     @property

@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -46,7 +46,7 @@ _events = EventLog(logger)  # a launcher that writes every step twice must not w
     TRAINABLE,
 ) = range(13)
 
-_dumps_compact = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+dumps_compact = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 _dumps_text = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
 
 
@@ -218,7 +218,7 @@ class _History:
         return end, self.empty
 
     @staticmethod
-    def _list(text: bytes) -> list | None:
+    def _list(text: bytes) -> list[Any] | None:
         try:
             value = _decode(text.decode("utf-8"))
         except ValueError:  # UnicodeDecodeError is one too
@@ -271,9 +271,19 @@ def ingest_fields(
 
 _ITEM_TAIL = (
     '%s{"role":"assistant","content":%s}],"reward":%r,"extra_info":{"timestamp":%r,"steps":%d,'
-    '"finish_reason":"%s","session_id":%s,"env_id":%s,"group_id":%s,"weight_version":%d,'
+    '"finish_reason":"%s","session_id":%s,"env_id":%s,"group_id":%s,"rollout_group_key":%s,'
+    '"weight_version":%d,'
     '"truncated":%s,"step_pk":%d,"is_session_completed":%s,"step_reward":%r,"terminal_reward":%r%s}}'
 )
+
+
+def rollout_group_key(group_id: str, seq: int = 0) -> str:
+    """``"<group_id>:<n>"``, what the upstream client (Safactory ``feature/os``) groups by: n counts
+    the groups of that id decided in the job, from 0. A group id is decided at most once per job
+    (its decision is the tombstone that turns later rows into late rows, SPEC §3), so n is 0 and the
+    key is the same whenever the group's items are built again (a replay, a redelivery)."""
+    return f"{group_id}:{seq}"
+
 
 # Extra keys of extra_info (JSON text that follows the last key): a group served short at the TTL,
 # a served group delivered again after the trainer restarted from a checkpoint (redelivery.py).
@@ -286,20 +296,12 @@ def item_flags(partial: bool, redelivered: bool) -> str:
     return (PARTIAL_FLAG if partial else "") + (REDELIVERED_FLAG if redelivered else "")
 
 
-def build_group(
-    take: Take,
-    rows: Mapping[int, Sequence[Any]],
-    seed: bytes,
-    job_id: str,
-    buf: bytearray,
-    flags: str = "",
-) -> GroupItems:
-    """Append the items of one served group to ``buf``, sorted by (session_id, step_id, step_pk);
-    ``flags`` (e.g. PARTIAL_FLAG) is appended to every item's extra_info.
-
-    Raises Malformed whose ``bad`` maps every row that cannot become an item to its reason; then
-    nothing was appended.
-    """
+def _validated(
+    take: Take, rows: Mapping[int, Sequence[Any]], job_id: str
+) -> tuple[list[tuple[Any, ...]], dict[str, tuple[int, int, float]]]:
+    """The group's rows in item order, each with what its item needs, and each session's terminal
+    (step_id, step_pk, step_reward); raises Malformed naming every row that cannot become an item
+    (validated apart from the formatting: nothing is appended unless every row is good)."""
     bad: dict[int, str] = {}
     ordered = []
     for sid, pks in take.completed.items():
@@ -351,8 +353,27 @@ def build_group(
         prepared.append((sid, step_id, pk, text, end, empty, row, wv, step_reward, ts, completed))
     if bad:
         raise Malformed(next(iter(bad.values())), bad)
+    return prepared, terminal
+
+
+def build_group(
+    take: Take,
+    rows: Mapping[int, Sequence[Any]],
+    seed: bytes,
+    job_id: str,
+    buf: bytearray,
+    flags: str = "",
+) -> GroupItems:
+    """Append the items of one served group to ``buf``, sorted by (session_id, step_id, step_pk);
+    ``flags`` (e.g. PARTIAL_FLAG) is appended to every item's extra_info.
+
+    Raises Malformed whose ``bad`` maps every row that cannot become an item to its reason; then
+    nothing was appended.
+    """
+    prepared, terminal = _validated(take, rows, job_id)
     out = GroupItems(take.group_id, len(buf))
-    gid_json = _dumps_compact(take.group_id)
+    gid_json = dumps_compact(take.group_id)
+    key_json = dumps_compact(rollout_group_key(take.group_id))
     gid_bytes = gid_json.encode()
     seen_steps: set[tuple[str, int]] = set()
     prev_sid = None
@@ -371,7 +392,7 @@ def build_group(
         seen_steps.add((sid, step_id))
         if sid != prev_sid:
             prev_sid = sid
-            sid_json = _dumps_compact(sid)
+            sid_json = dumps_compact(sid)
         reward = terminal[sid][2]
         response = row[RESPONSE]
         if not isinstance(response, str):
@@ -396,6 +417,7 @@ def build_group(
                 sid_json,
                 sid_json,
                 gid_json,
+                key_json,
                 wv,
                 "true" if truncated else "false",
                 pk,
@@ -412,79 +434,3 @@ def build_group(
     out.session_rewards = [terminal[sid][2] for sid in sorted(terminal)]
     out.n_items = len(prepared)
     return out
-
-
-class Body(list):
-    """The chunks of a /get_rollout_data body (sent one after the other, never joined), how many
-    groups it carries, and what to run once it has been sent (or abandoned)."""
-
-    def __init__(
-        self, chunks: list[Any], groups: int = 0, on_close: Callable[[], None] | None = None
-    ) -> None:
-        super().__init__(chunks)
-        self.groups = groups
-        self._on_close = on_close
-
-    def close(self) -> None:
-        on_close, self._on_close = self._on_close, None
-        if on_close is not None:
-            on_close()
-
-
-def empty_body(meta_extra: dict[str, Any]) -> Body:
-    """A body with no item ("No data available to read")."""
-    return Body(response_chunks([], bytearray(), meta_extra))
-
-
-def _mean(values: list) -> float:
-    """The mean of finite numbers, never overflowing to inf (the body must stay valid JSON)."""
-    if not values:
-        return 0.0
-    n = len(values)
-    mean = math.fsum(v / n for v in values)
-    return max(-_FLOAT_MAX, min(_FLOAT_MAX, mean))
-
-
-_FLOAT_MAX = 1.7976931348623157e308
-
-
-def response_chunks(
-    groups: Sequence[GroupItems], buf: bytearray, meta_extra: dict[str, Any]
-) -> list[Any]:
-    """The /get_rollout_data JSON body as bytes-like chunks (success when there is an item)."""
-    rewards: list[float] = []
-    wvs: list[int] = []
-    for g in groups:
-        rewards.extend(g.rewards)
-        wvs.extend(g.weight_versions)
-    n = len(rewards)
-    meta = {
-        "total_samples": n,
-        "avg_reward": _mean(rewards),
-        "finished_groups": sorted(g.group_id for g in groups),
-        "avg_weight_version": _mean(wvs),
-        "max_weight_version": max(wvs) if wvs else 0,
-    }
-    meta.update(meta_extra)
-    message = f"Successfully read {n} items" if n else "No data available to read"
-    head = '{"success":%s,"message":%s,"data":{"data":[' % (
-        "true" if n else "false",
-        _dumps_compact(message),
-    )
-    tail = '],"meta_info":%s}}' % _dumps_compact(meta)
-    return [head.encode(), buf, tail.encode()] if buf else [head.encode(), tail.encode()]
-
-
-SEND_SLICE = 4 << 20
-
-
-def iter_bytes(chunks: Sequence[Any]) -> Iterator[bytes]:
-    """Yield the chunks as bytes (WSGI servers take only bytes), large buffers in 4 MiB slices: far
-    cheaper than one copy of a whole 256 MiB body, and the slices are freed as they are sent."""
-    for c in chunks:
-        if isinstance(c, bytes):
-            yield c
-        else:
-            view = memoryview(c)
-            for i in range(0, len(view), SEND_SLICE):
-                yield bytes(view[i : i + SEND_SLICE])

@@ -40,7 +40,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost, StorageError
+from rollout_buffer.core.errors import ConfigError, LeaseLost, StorageError, Unavailable
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
 from rollout_buffer.runtime import instances
@@ -206,8 +206,8 @@ class Lease:
         if self.role != OWNER:
             raise LeaseLost("this instance is not the owner of the job")
         if sure and not self.holds():
-            raise ApiError(
-                503, self.problem or "this instance cannot renew its lease; retry", retry_after=2
+            raise Unavailable(
+                self.problem or "this instance cannot renew its lease; retry", retry_after=2
             )
 
     def fence(self, db: Database) -> None:

@@ -3,9 +3,10 @@
 Owns: the answers of both calls. ``start`` waits (bounded) for the loop's bootstrap, takes the
 start lock, then the tick and serve locks to swap the job (settling an uncertain poll and the
 prebuilt draft first), starts the job's launcher, and queues served groups again when a call that
-begins no new job brings a checkpoint's skip list. ``stop`` takes no lock of the service and no
-database: a stuck database or a /start_rollout in progress must not keep a launcher running past
-its grace. It must not serve a poll or ingest a row.
+begins no new job brings a checkpoint's skip list; then, holding no lock, it waits out the launch
+grace for a launcher that fails at once, and answers its failure instead. ``stop`` takes no lock
+of the service and no database: a stuck database or a /start_rollout in progress must not keep a
+launcher running past its grace. It must not serve a poll or ingest a row.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ import uuid
 from typing import Any
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError, JobOwned, LeaseLost, StorageError
+from rollout_buffer.core.errors import (
+    Conflict,
+    JobOwned,
+    LeaseLost,
+    OperationFailed,
+    StorageError,
+    Unavailable,
+)
 from rollout_buffer.launcher.launcher import Launcher
 from rollout_buffer.launcher.supervisor import Supervisor
 from rollout_buffer.runtime.health import Health
@@ -64,23 +72,51 @@ class Rollouts:
         restart_training: bool,
         job_session: str | None,
         skip: list[str] | None = None,
-    ) -> tuple[int, dict[str, Any]]:
-        """Select the job, start its launcher (or redeliver: see _redeliver). Returns (status,
-        body)."""
+    ) -> dict[str, Any]:
+        """Select the job, start its launcher (or redeliver: see _redeliver). Returns the answer's
+        body; a refusal is a RequestError (Conflict, Unavailable, OperationFailed)."""
         self.lease.check(10.0)  # LeaseLost on a standby: answered with 307 (app.standby_answer)
         if not self.signals.bootstrapped.is_set():
             # Before the active job is resumed and its launcher adopted, "not running" would be a
             # lie.
             self.signals.nudge()
             if not self.signals.bootstrapped.wait(10.0):
-                raise ApiError(
-                    503,
+                raise Unavailable(
                     "the service is still loading its state from the database: "
                     f"{self.health.last_error or 'still starting'}",
                     retry_after=2,
                 )
         with self.locks.starting():
-            return self._start(conns, k, restart_training, job_session, skip or [])
+            body = self._start(conns, k, restart_training, job_session, skip or [])
+        if body.get("message") == "Rollout started" and body.get("pid") is not None:
+            self._said_if_it_exits_at_once(body)  # (no lock held while it waits)
+        return body
+
+    def _said_if_it_exits_at_once(self, body: dict[str, Any]) -> None:
+        """A launcher that fails within the launch grace makes /start_rollout an error (500: the
+        client does not retry it) naming its exit code and showing its log's last lines; "Rollout
+        started" sent a trainer polling forever. With a restart due (on-failure), the answer stays
+        200, with a warning and the same details (``launcher_exit``)."""
+        early = self.launcher.early_exit(body["pid"])
+        if early is None:
+            return
+        job_id = body["job_session"]
+        said = (
+            f"the launcher exited with code {early['exit_code']} within "
+            f"{self.config.launch_grace_s:g} s of its start"
+        )
+        logger.error("%s (job %s, log: %s)", said, job_id, early["log_path"])
+        if early["will_restart"]:
+            body["warning"] = f"{said}; the restart policy starts it again (see launcher_exit)"
+            body["launcher_exit"] = early
+            return
+        raise OperationFailed(
+            f"{said}; see log_tail and hints. Job {job_id!r} stays selected: POST /start_rollout "
+            "again starts a new launcher for it",
+            job_session=job_id,
+            pid=body["pid"],
+            **early,
+        )
 
     def _start(
         self,
@@ -89,19 +125,18 @@ class Rollouts:
         restart_training: bool,
         job_session: str | None,
         skip: list[str],
-    ) -> tuple[int, dict[str, Any]]:
+    ) -> dict[str, Any]:
         js = self.jobs.current
         pid = self.launcher.running_pid()  # here, or on another host
         if pid is not None:
             if js is not None and job_session not in (None, js.job_id):
-                raise ApiError(
-                    409,
+                raise Conflict(
                     f"the launcher of job {js.job_id!r} is still running (pid "
                     f"{pid}); POST /stop_rollout first or name that job",
                     job_session=js.job_id,
                     pid=pid,
                 )
-            return 200, {
+            return {
                 "message": "AIEvoBox is already running",
                 "pid": pid,
                 "job_session": js.job_id if js else None,
@@ -123,12 +158,12 @@ class Rollouts:
                 )  # its prebuilt draft's groups go back first
                 js = self.jobs.select(pair.src, pair.store, job_id, k, restart_training)
             except JobOwned as exc:  # selected by another buffer since _check_owned
-                raise ApiError(409, str(exc), buffer=exc.buffer, job_session=job_id) from exc
+                raise Conflict(str(exc), buffer=exc.buffer, job_session=job_id) from exc
             except StorageError as exc:
                 raise (
                     exc
                     if isinstance(exc, LeaseLost)
-                    else ApiError(503, f"the database is unreachable: {exc}", retry_after=3)
+                    else Unavailable(f"the database is unreachable: {exc}", retry_after=3)
                 ) from exc
             if self.launcher.managed:
                 # Until its own launcher runs, the finished one the loop sees is not this job's:
@@ -145,7 +180,7 @@ class Rollouts:
             restart_training,
             pid,
         )
-        return 200, {
+        return {
             "message": "Rollout started",
             "pid": pid,
             "job_session": job_id,
@@ -157,14 +192,14 @@ class Rollouts:
         }
 
     def _check_owned(self, conns: LazyPair, job_id: str) -> None:
-        """A 409 naming the buffer when another buffer on this state database owns the job."""
+        """A Conflict (409) naming the buffer when another buffer on this state database owns the
+        job."""
         try:
             buffer = conns.get().store.job_buffer(job_id)
         except StorageError as exc:
-            raise ApiError(503, f"the database is unreachable: {exc}", retry_after=3) from exc
+            raise Unavailable(f"the database is unreachable: {exc}", retry_after=3) from exc
         if buffer is not None and buffer != self.config.buffer_name:
-            owned = JobOwned(job_id, buffer)
-            raise ApiError(409, str(owned), buffer=buffer, job_session=job_id)
+            raise Conflict(str(JobOwned(job_id, buffer)), buffer=buffer, job_session=job_id)
 
     def _redeliver(self, conns: LazyPair, js: Any, skip: list[str]) -> dict[str, Any]:
         """A call that began no new job, with a checkpoint's skip list: queue served groups

@@ -22,45 +22,32 @@ import collections
 import contextlib
 import gzip
 import json
-import math
 import os
 import sys
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
 from typing import IO, Any, TextIO
 
 from rollout_buffer.core.errors import RolloutBufferError
-from rollout_buffer.core.items import (
-    COMPLETED,
-    CREATED,
-    ENV_STATE,
-    GID,
-    MESSAGES,
-    PARTIAL_FLAG,
-    RESPONSE,
-    SID,
-    STEP,
-    STEP_REWARD,
-    TRUNCATED,
-    Malformed,
-    build_group,
-    epoch,
-    weight_version,
-)
+from rollout_buffer.core.items import GID, PARTIAL_FLAG, Malformed, build_group
 from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
 from rollout_buffer.storage import queries as q
 from rollout_buffer.storage.db import Database, connect
 from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
+from rollout_buffer.tools.export_steps import (
+    json_number,
+    session_plan,
+    sessions_of,
+    streamed_sessions,
+    text_of,
+)
 from rollout_buffer.tools.progress import Progress, bar
 
 WHAT = ("served", "dropped", "all")
 PAGE = 500
 SEED_CACHE = 1024
-# Positions of queries.EXPORT_EXTRA_COLUMNS after BODY_COLUMNS.
-ENV_NAME, LLM_MODEL, CUM_REWARD, TERMINAL = range(len(q.BODY_COLUMNS), len(q.BODY_COLUMNS) + 4)
 FORMAT_VERSION = 1
 
 
@@ -82,115 +69,12 @@ def _open_out(path: str, gz: bool) -> IO[str]:
     return open(path, "w", encoding="utf-8", newline="\n")
 
 
-def _number(v: Any) -> Any:
-    """A JSON number, or the text of a value that is not a finite one ('nan', 'inf', ...)."""
-    if v is None:
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return str(v)
-    if not math.isfinite(f):
-        return str(f)
-    return int(v) if isinstance(v, int) and not isinstance(v, bool) else f
-
-
-def _text(v: Any) -> str | None:
-    if v is None:
-        return None
-    if isinstance(v, (bytes, bytearray, memoryview)):
-        return bytes(v).decode("utf-8", "replace")
-    if isinstance(v, datetime):
-        return v.isoformat(sep=" ")
-    return str(v)
-
-
-def _messages(raw: Any) -> dict[str, Any]:
-    """{"messages": list} when the stored history is a JSON list, else {"messages": None,
-    "messages_text": raw}."""
-    text = _text(raw)
-    try:
-        value = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
-        if isinstance(value, list):
-            return {"messages": value}
-    except (TypeError, ValueError, RecursionError):
-        pass
-    return {"messages": None, "messages_text": text}
-
-
-def _wv(env_state: Any) -> int | None:
-    try:
-        return weight_version(env_state)
-    except Malformed:
-        return None
-
-
-def step_record(row: Sequence[Any], outcome: str, reason: str | None) -> dict[str, Any]:
-    """One launcher row as an export step."""
-    try:
-        ts: float | None = epoch(row[CREATED])
-    except Malformed:
-        ts = None
-    out: dict[str, Any] = {"step_pk": int(row[0]), "step_id": _number(row[STEP])}
-    out.update(_messages(row[MESSAGES]))
-    out.update(
-        {
-            "response": _text(row[RESPONSE]),
-            "step_reward": _number(row[STEP_REWARD]),
-            "reward": _number(row[CUM_REWARD]),
-            "weight_version": _wv(row[ENV_STATE]),
-            "env_state": _text(row[ENV_STATE]),
-            "truncated": bool(row[TRUNCATED]),
-            "terminal": bool(row[TERMINAL]),
-            "completed": bool(row[COMPLETED]),
-            "created_at": _text(row[CREATED]),
-            "timestamp": ts,
-            "env_name": _text(row[ENV_NAME]),
-            "llm_model": _text(row[LLM_MODEL]),
-            "outcome": outcome,
-            "reason": reason,
-        }
-    )
-    return out
-
-
-def sessions_of(
-    rows: dict[int, tuple], outcomes: dict[int, tuple[str, str | None]]
-) -> list[dict[str, Any]]:
-    """The sessions of some rows, sorted by session_id, their steps by (step_id, step_pk), each with
-    its terminal reward: the step_reward of its last completed row (None when it never
-    completed)."""
-    by_session: dict[str, list[tuple]] = collections.defaultdict(list)
-    for pk, r in rows.items():
-        by_session[_text(r[SID]) or ""].append(r)
-    out = []
-    for sid in sorted(by_session):
-
-        def order(r: tuple) -> tuple:
-            try:
-                return (0, int(r[STEP]), int(r[0]))
-            except (TypeError, ValueError):
-                return (1, 0, int(r[0]))
-
-        steps = sorted(by_session[sid], key=order)
-        done = [r for r in steps if r[COMPLETED]]
-        out.append(
-            {
-                "session_id": sid,
-                "completed": bool(done),
-                "terminal_reward": _number(done[-1][STEP_REWARD]) if done else None,
-                "steps": [step_record(r, *outcomes[int(r[0])]) for r in steps],
-            }
-        )
-    return out
-
-
 class Exporter:
     """Streams one job's records from a source (launcher) and a state connection."""
 
-    def __init__(self, src: Database, st: Database, job_id: str) -> None:
-        self.src = src
-        self.st = st
+    def __init__(self, launcher_db: Database, state_db: Database, job_id: str) -> None:
+        self.launcher_db = launcher_db
+        self.state_db = state_db
         self.job_id = job_id
         # batch_id -> (uid seed, its partial groups), None once the batch was pruned
         self._seeds: collections.OrderedDict[str, tuple[bytes, frozenset[str]] | None] = (
@@ -199,13 +83,13 @@ class Exporter:
 
     def count(self) -> int:
         """How many records an ``all`` export has."""
-        return int(self.st.scalar(q.EXPORT_COUNT_GROUPS, (self.job_id,)) or 0) + int(
-            self.st.scalar(q.EXPORT_COUNT_ORPHANS, (self.job_id,)) or 0
+        return int(self.state_db.scalar(q.EXPORT_COUNT_GROUPS, (self.job_id,)) or 0) + int(
+            self.state_db.scalar(q.EXPORT_COUNT_ORPHANS, (self.job_id,)) or 0
         )
 
     def check_job(self) -> None:
-        if self.st.fetchone(q.GET_JOB, (self.job_id,)) is None:
-            known = [r[0] for r in self.st.rows(q.EXPORT_RECENT_JOBS)]
+        if self.state_db.fetchone(q.GET_JOB, (self.job_id,)) is None:
+            known = [r[0] for r in self.state_db.rows(q.EXPORT_RECENT_JOBS)]
             raise ExportError(
                 f"no job {self.job_id!r} in the buffer's tables; known jobs (newest first): "
                 f"{', '.join(known) or 'none'}"
@@ -215,7 +99,9 @@ class Exporter:
     def _groups(self) -> Iterator[dict[str, Any]]:
         after = ""
         while True:
-            page = self.st.fetchall(q.EXPORT_GROUPS[self.st.backend], (self.job_id, after, PAGE))
+            page = self.state_db.fetchall(
+                q.EXPORT_GROUPS[self.state_db.backend], (self.job_id, after, PAGE)
+            )
             yield from page
             if len(page) < PAGE:
                 return
@@ -224,8 +110,8 @@ class Exporter:
     def _group_rows(self) -> Iterator[tuple]:
         gid, pk = "", -1 << 62
         while True:
-            page = self.st.rows(
-                q.EXPORT_GROUP_ROWS[self.st.backend], (self.job_id, gid, gid, pk, PAGE)
+            page = self.state_db.rows(
+                q.EXPORT_GROUP_ROWS[self.state_db.backend], (self.job_id, gid, gid, pk, PAGE)
             )
             yield from page
             if len(page) < PAGE:
@@ -235,22 +121,23 @@ class Exporter:
     def _orphans(self) -> Iterator[tuple]:
         pk = -1 << 62
         while True:
-            page = self.st.rows(q.EXPORT_ORPHAN_ROWS, (self.job_id, pk, PAGE))
+            page = self.state_db.rows(q.EXPORT_ORPHAN_ROWS, (self.job_id, pk, PAGE))
             yield from page
             if len(page) < PAGE:
                 return
             pk = int(page[-1][0])
 
     # -- records -----------------------------------------------------------------------------------
-    def records(self, what: str = "all") -> Iterator[str]:
-        """The export's lines (JSON text without the newline), groups in group_id order, then the
-        rejected rows without a group in step_pk order."""
+    def records(self, what: str = "all") -> Iterator[str | Iterator[str]]:
+        """The export's lines (JSON text without the newline; a dropped group's as an iterator of
+        pieces, to be written before the next record is asked for), groups in group_id order, then
+        the rejected rows without a group in step_pk order."""
         if what not in WHAT:
             raise ExportError(f"--what {what!r}: expected one of {', '.join(WHAT)}")
         extra = self._group_rows()
         pending = next(extra, None)
-        for g in self._groups():
-            gid = g["group_id"]
+        for group in self._groups():
+            gid = group["group_id"]
             accounted: list[tuple] = []
             while pending is not None and pending[0] <= gid:
                 if pending[0] == gid:
@@ -258,18 +145,18 @@ class Exporter:
                 pending = next(
                     extra, None
                 )  # a row of an undecided group (never rejected) is skipped
-            if what == "all" or (what == "served") == (g["status"] == SERVED):
-                yield self._group_record(g, accounted)
+            if what == "all" or (what == "served") == (group["status"] == SERVED):
+                yield self._group_record(group, accounted)
         if what != "served":
             for r in self._orphans():
                 yield self._orphan_record(r)
 
     def _rows(self, pks: list[int]) -> dict[int, tuple]:
-        return fetch_rows(self.src, pks, q.fetch_export_rows)
+        return fetch_rows(self.launcher_db, pks, q.fetch_export_rows)
 
     def _seed(self, batch_id: str) -> tuple[bytes, frozenset[str]] | None:
         if batch_id not in self._seeds:
-            r = self.st.fetchone(q.BATCH_SEED, (batch_id,))
+            r = self.state_db.fetchone(q.BATCH_SEED, (batch_id,))
             meta = json.loads(r["meta"]) if r is not None and r.get("meta") else {}
             self._seeds[batch_id] = (
                 (bytes.fromhex(r["seed"]), frozenset(meta.get("partial_groups") or ()))
@@ -280,43 +167,58 @@ class Exporter:
                 self._seeds.popitem(last=False)
         return self._seeds[batch_id]
 
-    def _group_record(self, g: dict[str, Any], accounted: list[tuple]) -> str:
-        gid, status, reason = g["group_id"], g["status"], g["reason"]
-        pks = [int(p) for p in (g["pks"] or "").split(",") if p]
+    def _group_record(self, group: dict[str, Any], accounted: list[tuple]) -> str | Iterator[str]:
+        gid, status = group["group_id"], group["status"]
+        pks = [int(p) for p in (group["pks"] or "").split(",") if p]
         extra = {int(r[1]): (r[2], r[3]) for r in accounted}
+        if status != SERVED:  # no items to rebuild: streamed, whatever its size
+            return self._dropped_record(group, pks, extra)
         rows = self._rows(sorted(set(pks) | set(extra)))
         outcomes: dict[int, tuple[str, str | None]] = {}
         items_json: str | None = None
         uids = None
-        if status == SERVED:
-            take = take_from_rows(gid, pks, {pk: rows[pk] for pk in pks if pk in rows})
-            for pk in take.served_pks:
-                outcomes[pk] = (SERVED, None)
-            for pk in take.incomplete_pks:
-                outcomes[pk] = (DROPPED, INCOMPLETE_IN_SERVED)
-            items_json, uids = self._items(take, rows, g["batch_id"])
-        else:
-            for pk in pks:
-                outcomes[pk] = (DROPPED, reason)
+        take = take_from_rows(gid, pks, {pk: rows[pk] for pk in pks if pk in rows})
+        for pk in take.served_pks:
+            outcomes[pk] = (SERVED, None)
+        for pk in take.incomplete_pks:
+            outcomes[pk] = (DROPPED, INCOMPLETE_IN_SERVED)
+        items_json, uids = self._items(take, rows, group["batch_id"])
         for pk, (outcome, why) in extra.items():
             outcomes[pk] = (REJECTED if outcome == REJECTED else DROPPED, why)
-        record = {
-            "format": FORMAT_VERSION,
-            "job_id": self.job_id,
-            "group_id": gid,
-            "status": status,
-            "reason": reason,
-            "batch_id": g["batch_id"],
-            "decided_at": _number(g["resolved_at"]),
-            "missing_step_pks": sorted(set(outcomes) - set(rows)),
-            "sessions": sessions_of(rows, outcomes),
-        }
-        if items_json is None:
-            return json.dumps(record, ensure_ascii=False)
+        record = self._head(group, sorted(set(outcomes) - set(rows)))
+        record["sessions"] = sessions_of(rows, outcomes)
         record["uids"] = uids
         # the items are spliced in as the trainer received them, byte for byte
         head = json.dumps(record, ensure_ascii=False)
         return head[:-1] + ',"items":[' + items_json + "]}"
+
+    def _head(self, group: dict[str, Any], missing: list[int]) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "job_id": self.job_id,
+            "group_id": group["group_id"],
+            "status": group["status"],
+            "reason": group["reason"],
+            "batch_id": group["batch_id"],
+            "decided_at": json_number(group["resolved_at"]),
+            "missing_step_pks": missing,
+        }
+
+    def _dropped_record(
+        self, group: dict[str, Any], pks: list[int], extra: dict[int, tuple[str, str | None]]
+    ) -> Iterator[str]:
+        """A dropped group's record in pieces: planned from its rows' metadata and text sizes,
+        then its steps fetched a few at a time (a group dropped as group_too_large is as large as
+        its launcher made it; the export never holds it whole)."""
+        outcomes = dict.fromkeys(pks, (DROPPED, group["reason"]))
+        for pk, (outcome, why) in extra.items():
+            outcomes[pk] = (REJECTED if outcome == REJECTED else DROPPED, why)
+        meta = fetch_rows(self.launcher_db, sorted(outcomes), q.fetch_export_sizes)
+        sizes = {pk: int(r[-1] or 0) for pk, r in meta.items()}
+        head = json.dumps(self._head(group, sorted(set(outcomes) - set(meta))), ensure_ascii=False)
+        yield head[:-1] + ', "sessions": '
+        yield from streamed_sessions(session_plan(meta), sizes, self._rows, outcomes)
+        yield "}"
 
     def _items(self, take: Any, rows: dict[int, tuple], batch_id: str | None) -> tuple[str, str]:
         """The served items of a group as JSON text, and whether their uids are the served ones."""
@@ -353,22 +255,22 @@ class Exporter:
             "status": REJECTED,
             "reason": reason,
             "batch_id": None,
-            "decided_at": _number(recorded_at),
+            "decided_at": json_number(recorded_at),
             "missing_step_pks": [] if pk in rows else [pk],
             "sessions": sessions_of(
                 rows, {pk: (REJECTED if outcome == REJECTED else DROPPED, reason)}
             ),
         }
         if rows:
-            record["group_id_text"] = _text(
+            record["group_id_text"] = text_of(
                 rows[pk][GID]
             )  # what the row held instead of a usable group_id
         return json.dumps(record, ensure_ascii=False)
 
 
 def export(
-    src: Database,
-    st: Database,
+    launcher_db: Database,
+    state_db: Database,
     job_id: str,
     path: str,
     *,
@@ -376,20 +278,22 @@ def export(
     progress_to: TextIO | None = None,
 ) -> Summary:
     """Write the job's records to ``path`` (gzip when it ends in .gz); returns what was written."""
-    ex = Exporter(src, st, job_id)
-    ex.check_job()
-    total = ex.count() if what == "all" else None
+    exporter = Exporter(launcher_db, state_db, job_id)
+    exporter.check_job()
+    total = exporter.count() if what == "all" else None
     progress = Progress(progress_to) if progress_to is not None else None
     summary = Summary()
     started = shown = time.monotonic()
     partial = path + ".partial"
     try:
         with _open_out(partial, gz=path.endswith(".gz")) as f:
-            for line in ex.records(what):
-                f.write(line)
+            for record in exporter.records(what):
+                for piece in [record] if isinstance(record, str) else record:
+                    f.write(piece)
+                    summary.bytes += len(piece)
                 f.write("\n")
                 summary.records += 1
-                summary.bytes += len(line) + 1
+                summary.bytes += 1
                 now = time.monotonic()
                 if progress is not None and now - shown >= 0.2:
                     shown = now
@@ -407,8 +311,9 @@ def export(
         raise
     if progress is not None:
         progress.show(
-            f"  export {bar(summary.records, total or summary.records)}  {summary.records} records  "
-            f"{summary.bytes / 1e6:7.1f} MB  {time.monotonic() - started:.1f} s",
+            f"  export {bar(summary.records, total or summary.records)}  "
+            f"{summary.records} records  {summary.bytes / 1e6:7.1f} MB  "
+            f"{time.monotonic() - started:.1f} s",
             force=True,
         )
         progress.end()
@@ -424,7 +329,7 @@ def read_export(path: str) -> Iterator[dict[str, Any]]:
     opener = gzip.open if gz else open
     n = 0
     try:
-        with opener(path, "rt", encoding="utf-8") as f:  # type: ignore[operator]
+        with opener(path, "rt", encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
@@ -456,14 +361,21 @@ def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, wh
             file=sys.stderr,
         )
         return 2
-    src = st = None
+    launcher_db = state_db = None
     try:
-        src = connect(db_url, readonly=True)
-        st = (
-            connect(state_db_url, readonly=True) if state_db_url and state_db_url != db_url else src
+        launcher_db = connect(db_url, readonly=True)
+        state_db = (
+            connect(state_db_url, readonly=True)
+            if state_db_url and state_db_url != db_url
+            else launcher_db
         )
         summary = export(
-            src, st, job_id, out, what=what, progress_to=sys.stderr if sys.stderr.isatty() else None
+            launcher_db,
+            state_db,
+            job_id,
+            out,
+            what=what,
+            progress_to=sys.stderr if sys.stderr.isatty() else None,
         )
     except ExportError as exc:
         print(f"rollout-buffer export: {exc}", file=sys.stderr)
@@ -477,9 +389,10 @@ def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, wh
         print(f"rollout-buffer export: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     finally:
-        for db in {id(d): d for d in (src, st) if d is not None}.values():
+        for db in {id(d): d for d in (launcher_db, state_db) if d is not None}.values():
             db.close()
     print(
-        f"exported {summary.records} records of job {job_id} to {out} ({summary.bytes / 1e6:.1f} MB)"
+        f"exported {summary.records} records of job {job_id} to {out} "
+        f"({summary.bytes / 1e6:.1f} MB)"
     )
     return 0

@@ -268,8 +268,7 @@ AUDIT = (
     "EXTRACT(EPOCH FROM clock_timestamp())); RETURN NULL; END $$",
     *(
         f"CREATE TRIGGER audit_{t} AFTER INSERT OR UPDATE OR DELETE ON rollout_buffer_{t} "
-        "FOR EACH ROW "
-        "EXECUTE FUNCTION audit_write()"
+        "FOR EACH ROW EXECUTE FUNCTION audit_write()"
         for t in ("groups", "rows", "batches", "jobs")
     ),
 )
@@ -408,8 +407,7 @@ def test_a_rolling_update_serves_everything_exactly_once(tmp_path, pg_url):
         assert served_groups(pg_url) == dict.fromkeys(want, "served")
         print(
             f"\nrolling update: the new instance owned the job {handover:.2f} s after SIGTERM to "
-            "the old one "
-            "(which gave its lease up)"
+            "the old one (which gave its lease up)"
         )
         assert "gave the lease up" in old.log()
 

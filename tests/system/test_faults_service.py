@@ -454,8 +454,9 @@ def test_an_ended_job_is_purged_and_selecting_it_again_serves_only_new_groups(
             return (
                 count(
                     lite_url,
-                    "SELECT COUNT(*) FROM rollout_buffer_jobs WHERE job_id = ? "
-                    "AND purged_at IS NOT NULL",
+                    "SELECT COUNT(*) FROM rollout_buffer_jobs WHERE job_id = ? AND purged_at IS "
+                    "NOT "
+                    "NULL",
                     ("jobA",),
                 )
                 == 1
