@@ -176,3 +176,34 @@ def test_the_schema_is_created_once_and_a_newer_one_is_refused(store):
     store.db.execute(q.PUT_META, ("schema_version", str(q.SCHEMA_VERSION + 1)))
     with pytest.raises(StorageError, match="upgrade rollout-buffer"):
         store.ensure_schema()
+
+
+def test_state_written_before_names_belongs_to_the_unnamed_buffer(db_url):
+    """A database at schema version 5 (before ROLLOUT_BUFFER_NAME) with an active job: after the
+    migration its job is the unnamed buffer's, active as before (the unnamed buffer's lease row
+    keeps its scope, "job"), and a named buffer has none of it and cannot take its job."""
+    db = connect(db_url)
+    try:
+        with db.transaction():
+            for ddl in q.STATE_DDL:
+                db.execute(ddl)
+            db.execute(q.PUT_META, ("schema_version", "1"))
+            for version in range(1, 5):
+                for ddl in q.MIGRATIONS[version]:
+                    db.execute(ddl)
+            db.execute(q.PUT_META, ("schema_version", "5"))
+            db.execute(
+                "INSERT INTO rollout_buffer_jobs (job_id, k, floor_pk, cursor_pk, low_water_pk, "
+                "active, started_at, updated_at) VALUES ('old-job', 4, 0, 17, 9, 1, 0, 0)"
+            )
+        unnamed, named = Store(db), Store(db, buffer="x")
+        unnamed.ensure_schema()
+        assert int(db.scalar(q.GET_META, ("schema_version",))) == q.SCHEMA_VERSION
+        row = unnamed.active_job()
+        assert row is not None and row["job_id"] == "old-job" and int(row["cursor_pk"]) == 17
+        assert named.active_job() is None and unnamed.job_buffer("old-job") == ""
+        with pytest.raises(JobOwned):
+            named.activate_job("old-job", 4, 0, 0, 0, [])
+        assert unnamed.active_job()["job_id"] == "old-job"
+    finally:
+        db.close()
