@@ -443,6 +443,46 @@ SETTINGS: tuple[Setting, ...] = (
         "read timeout for proxy notifications",
     ),
     Setting(
+        "pacing",
+        PREFIX + "PACING",
+        "off",
+        _choice("off", "gate"),
+        "gate: the launcher's --llm-base-url is the pacing gate, which holds the first model call "
+        "of a session of a group not admitted while the admission budget is spent (GET "
+        "/admission); off: every session starts at once",
+    ),
+    Setting(
+        "gate_port",
+        PREFIX + "GATE_PORT",
+        None,
+        _opt_int(1),
+        "the pacing gate's port on 127.0.0.1 (default BUFFER_SERVER_PORT + 1); keep it fixed so "
+        "that the launcher's sessions find it again after a restart",
+    ),
+    Setting(
+        "pacing_staleness",
+        PREFIX + "PACING_STALENESS",
+        None,
+        _opt_int(0),
+        "S of the admission budget (S + 1) x B: versions a group may lag behind the trainer's "
+        "(default: MAX_OFF_POLICY, else 1)",
+    ),
+    Setting(
+        "pacing_batch_groups",
+        PREFIX + "PACING_BATCH_GROUPS",
+        None,
+        _opt_int(1),
+        "B of the admission budget: groups the trainer takes a step (default: learned from the "
+        "groups it takes between idle gaps, 8 until then)",
+    ),
+    Setting(
+        "pacing_idle_gap_s",
+        PREFIX + "PACING_IDLE_GAP_SECONDS",
+        10.0,
+        _float(0.001),
+        "a gap between the trainer's polls longer than this ends a burst (how B is learned)",
+    ),
+    Setting(
         "advertise_url",
         PREFIX + "ADVERTISE_URL",
         None,
@@ -572,6 +612,11 @@ class Config:
     job_retention_s: float = 7 * 86400.0
     proxy_connect_timeout_s: float = 2.0
     proxy_read_timeout_s: float = 10.0
+    pacing: str = "off"
+    gate_port: int | None = None
+    pacing_staleness: int | None = None
+    pacing_batch_groups: int | None = None
+    pacing_idle_gap_s: float = 10.0
     advertise_url: str | None = None
     lease_s: float = 10.0
     buffer_name: str = ""
@@ -581,6 +626,11 @@ class Config:
     log_level: str = "INFO"
     threads: int = 16
     graceful_timeout_s: float = 60.0
+
+    @property
+    def gate_url(self) -> str:
+        """The pacing gate's base URL, as the launcher's --llm-base-url."""
+        return f"http://127.0.0.1:{self.gate_port or self.port + 1}/v1"
 
     def __post_init__(self) -> None:
         if self.storage_type not in ("sqlite", "postgres"):
@@ -703,6 +753,11 @@ class Config:
             raise ConfigError(
                 f"LLM_PROXY_HOST={values['proxy_host']!r} is set but LLM_PROXY_PORT is not: "
                 "expected both (or neither, to disable proxy notifications)"
+            )
+        if values.get("pacing") == "gate" and not values.get("proxy_host"):
+            raise ConfigError(
+                "ROLLOUT_BUFFER_PACING=gate forwards the launcher's model calls to the LLM proxy: "
+                "expected LLM_PROXY_HOST and LLM_PROXY_PORT to name it"
             )
         return cls(**values)
 
