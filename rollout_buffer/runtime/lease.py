@@ -384,7 +384,7 @@ class Lease:
             if not self.holds():
                 told = (self.problem or "").startswith("cannot renew")
                 self.problem = (
-                    f"cannot renew the lease for {now - self._failing_since:.0f} s "
+                    f"cannot renew the lease for {now - (self._failing_since or now):.0f} s "
                     f"({redact(str(exc))}): this owner stops deciding until it can"
                 )
                 if not told:
@@ -445,18 +445,20 @@ class Lease:
         if not sqlite and not h.released and h.expires_in <= 0:
             end_fenced(db, h)
         with db.transaction():
-            h = holder_of(
-                db.fetchone(sql.LEASE_LOCK[db.backend], (self.scope,)), self.clock()
-            )  # waits for fenced writes
-            why = self._why_free(h, sqlite) if h is not None else None
+            # waits for fenced writes
+            locked = holder_of(db.fetchone(sql.LEASE_LOCK[db.backend], (self.scope,)), self.clock())
+            why = self._why_free(locked, sqlite) if locked is not None else None
             taken = (
-                why is not None
+                locked is not None
+                and why is not None
                 and db.execute(
-                    sql.LEASE_TAKE[db.backend], (*self._me(), self.seconds, self.scope, h.epoch)
+                    sql.LEASE_TAKE[db.backend],
+                    (*self._me(), self.seconds, self.scope, locked.epoch),
                 )
                 == 1
             )
-        if taken:
+        if taken and locked is not None and why is not None:
+            h = locked
             self._won(
                 h.epoch + 1, started, 0.0 if h.released or h.expires_in > 0 else -h.expires_in, why
             )
