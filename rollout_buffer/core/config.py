@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import shlex
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -127,6 +128,13 @@ def _lease(raw: str) -> float:
     value = _float(0.0)(raw)
     if 0 < value < 1:
         raise ValueError("0 (no lease) or a number of seconds >= 1")
+    return value
+
+
+def _buffer_name(raw: str) -> str:
+    value = raw.strip()
+    if value and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", value):
+        raise ValueError("1-64 characters of A-Z a-z 0-9 . _ - (or empty: the unnamed buffer)")
     return value
 
 
@@ -491,6 +499,15 @@ SETTINGS: tuple[Setting, ...] = (
         "over when it expires; 0 = no lease (one instance only: a second one would not be fenced)",
     ),
     Setting(
+        "buffer_name",
+        PREFIX + "NAME",
+        None,
+        _buffer_name,
+        "this buffer's name: instances with the same name on one state database are one buffer "
+        "(one owner, the others standbys), with different names they are independent buffers; "
+        "unnamed, an instance refuses to start while another owns the database's unnamed buffer",
+    ),
+    Setting(
         "host_id",
         PREFIX + "HOST_ID",
         None,
@@ -602,6 +619,7 @@ class Config:
     pacing_idle_gap_s: float = 10.0
     advertise_url: str | None = None
     lease_s: float = 10.0
+    buffer_name: str = ""
     host_id: str | None = None
     token: str | None = None
     allowed_hosts: tuple[str, ...] = ()
@@ -639,6 +657,12 @@ class Config:
                 f"{PREFIX}STOP_GRACE_SECONDS={self.stop_grace_s}: gunicorn would KILL the worker "
                 "before the launcher is stopped"
             )
+        try:
+            _buffer_name(self.buffer_name)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{PREFIX}NAME={self.buffer_name!r} is invalid: expected {exc}"
+            ) from None
 
     @property
     def policy(self) -> Policy:

@@ -25,7 +25,7 @@ import sqlite3
 import threading
 import urllib.parse
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from rollout_buffer.core.errors import (
     ClosedError,
@@ -37,6 +37,7 @@ from rollout_buffer.core.errors import (
 from rollout_buffer.core.model import BadText
 from rollout_buffer.core.redact import redact
 from rollout_buffer.storage.queries import LAUNCHER_DDL, TABLE_WRITERS
+from rollout_buffer.storage.session import Session
 
 logger = logging.getLogger(__name__)
 
@@ -60,29 +61,17 @@ def _sqlite_text(raw: bytes) -> str:
 
 
 def connect(
-    url: str,
-    *,
-    readonly: bool = False,
-    statement_timeout_s: float | None = None,
-    lock_timeout_s: float | None = None,
-    durable: bool = False,
-    application_name: str | None = None,
+    url: str, *, readonly: bool = False, durable: bool = False, session: Session | None = None
 ) -> Database:
-    """Open a connection for the calling thread. The service passes statement and lock timeouts
-    (Postgres), so that a stuck statement or a table locked by someone else (ALTER TABLE, VACUUM
-    FULL, TRUNCATE) fails in seconds instead of hanging a poll or the loop. ``durable``: SQLite
-    commits survive a power loss too (synchronous=FULL), for the service's own few writes.
-    ``application_name`` (Postgres, unless the URL or PGAPPNAME names one) shows which process a
-    backend serves (pg_stat_activity)."""
+    """Open a connection for the calling thread. The service passes its ``session`` (Postgres:
+    statement, lock and idle-transaction timeouts, keepalives, its name; see session.py), so that a
+    stuck statement, a table locked by someone else (ALTER TABLE, VACUUM FULL, TRUNCATE) or a peer
+    that vanished fails in seconds instead of hanging a poll, the loop or a takeover. ``durable``:
+    SQLite commits survive a power loss too (synchronous=FULL), for the service's own few writes."""
     if url.startswith("sqlite://"):
         return SqliteDatabase(url, readonly=readonly, durable=durable)
     if url.startswith(("postgresql://", "postgres://")):
-        return PostgresDatabase(
-            url,
-            statement_timeout_s=statement_timeout_s,
-            lock_timeout_s=lock_timeout_s,
-            application_name=application_name,
-        )
+        return PostgresDatabase(url, session=session or Session())
     raise ConfigError(
         f"unsupported database URL {url!r}: expected sqlite:///path or postgresql://..."
     )
@@ -166,7 +155,7 @@ class Database:
         self._check()
         cur = self._run(sql, params)
         names = [d[0] for d in cur.description]
-        return [dict(zip(names, row)) for row in self._fetch(cur, "all", sql)]
+        return [dict(zip(names, row, strict=True)) for row in self._fetch(cur, "all", sql)]
 
     def fetchone(self, sql: str, params: Sequence[Any] = ()) -> dict[str, Any] | None:
         """The first result row as a dict, or None."""
@@ -175,7 +164,7 @@ class Database:
         row = self._fetch(cur, "one", sql)
         if row is None:
             return None
-        return dict(zip([d[0] for d in cur.description], row))
+        return dict(zip([d[0] for d in cur.description], row, strict=True))
 
     def scalar(self, sql: str, params: Sequence[Any] = ()) -> Any:
         """The first column of the first row, or None."""
@@ -260,7 +249,7 @@ class SqliteDatabase(Database):
                     self.path, timeout=SQLITE_BUSY_TIMEOUT_S, isolation_level=None
                 )
             self.conn.text_factory = _sqlite_text
-            self.conn.execute("PRAGMA busy_timeout=%d" % int(SQLITE_BUSY_TIMEOUT_S * 1000))
+            self.conn.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
             if not readonly:
                 mode = self.conn.execute("PRAGMA journal_mode").fetchone()[0]
                 if mode != "wal":
@@ -341,16 +330,9 @@ class PostgresDatabase(Database):
 
     backend = "postgres"
     _begin_read_sql = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
-    _translated: dict[str, str] = {}
+    _translated: ClassVar[dict[str, str]] = {}  # shared: every connection translates the same SQL
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        statement_timeout_s: float | None = None,
-        lock_timeout_s: float | None = None,
-        application_name: str | None = None,
-    ) -> None:
+    def __init__(self, url: str, *, session: Session) -> None:
         super().__init__()
         self.url = url
         try:
@@ -361,22 +343,7 @@ class PostgresDatabase(Database):
         self._psycopg = psycopg
         self._driver_errors = (psycopg.Error,)
         try:
-            params = conninfo_to_dict(url)
-            if application_name and not os.environ.get(
-                "PGAPPNAME"
-            ):  # the URL's or the environment's wins
-                params.setdefault("application_name", application_name)
-            # the timeouts go into the startup packet's options, next to any the URL carries
-            extra = [
-                f"-c {name}={int(value * 1000)}"
-                for name, value in (
-                    ("statement_timeout", statement_timeout_s),
-                    ("lock_timeout", lock_timeout_s),
-                )
-                if value
-            ]
-            if extra:
-                params["options"] = " ".join(filter(None, [params.get("options"), *extra]))
+            params = session.conninfo(conninfo_to_dict(url))
             # prepare_threshold=None: no server-side prepared statements, which break behind a
             # transaction-pooling PgBouncer (the next transaction may land on another server
             # connection)
