@@ -9,8 +9,9 @@ one (``--mode``, ``--llm-base-url``, ``--no-rebuild-table``, ...) is accepted an
 What it writes (SPEC §1-§2), INSERT only, never UPDATE or DELETE:
 
 * ``--groups`` prompt groups of ``--rl-group-size`` (K) sessions each. ``group_id`` is
-  ``uuid5(NAMESPACE_OID, f"{env_name}:{task_idx}")`` with ``task_idx = g + (rl_epoch - 1) * groups``:
-  unique within a job, the same across jobs of one epoch, as the launcher derives it.
+  ``uuid5(NAMESPACE_OID, f"{env_name}:{task_idx}")`` with
+  ``task_idx = g + (rl_epoch - 1) * groups``: unique within a job, the same across jobs of one
+  epoch, as the launcher derives it.
 * One ``job_environments`` row per scheduled session (``env_id`` = ``session_id``, a uuid4),
   all written at start.
 * A pool of ``--pool-size`` running sessions takes sessions in group order; each row goes to a
@@ -54,7 +55,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rollout_buffer.core.errors import RolloutBufferError
-from rollout_buffer.storage import db as dbmod
+from rollout_buffer.core.redact import redact
 from rollout_buffer.tools.from_export import ExportReplayer
 from rollout_buffer.tools.simulator import Simulator, Stop
 
@@ -157,8 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--from-export",
         metavar="FILE",
         default=None,
-        help="write the records of a `rollout-buffer export` file (JSONL, .gz or plain) back as this "
-        "job's rows, at --pace, instead of simulating (see rollout_buffer.tools.from_export)",
+        help="write the records of a `rollout-buffer export` file (JSONL, .gz or plain) back as "
+        "this job's rows, at --pace, instead of simulating (see rollout_buffer.tools.from_export)",
     )
     return p
 
@@ -177,7 +178,7 @@ def normalise_url(db_path: str, storage_type: str | None) -> str:
         return db_path
     if storage_type in ("postgres", "postgresql"):
         raise SystemExit(
-            f"simulate: --db-path {dbmod.redact(db_path)!r} is not a postgresql:// URL "
+            f"simulate: --db-path {redact(db_path)!r} is not a postgresql:// URL "
             "but --storage-type is postgres"
         )
     return "sqlite://" + os.path.abspath(db_path)
