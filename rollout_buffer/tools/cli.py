@@ -115,7 +115,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_settings(args: argparse.Namespace) -> int:
-    from rollout_buffer.core.config import settings_table
+    from rollout_buffer.core.settings import settings_table
 
     print(settings_table())
     return 0
@@ -149,8 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument(
         "--policies",
         action="store_true",
-        help="turn the training-data policies on (staleness, zero variance, over-sampling) and show "
-        "their counts",
+        help="turn the training-data policies on (staleness, zero variance, over-sampling) and "
+        "show their counts",
     )
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("stats", help="print GET /stats of a running service as a table")
