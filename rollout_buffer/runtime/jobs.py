@@ -20,7 +20,7 @@ from rollout_buffer.core.model import JOB_ENDED, RESTART_TRAINING, Decisions, Dr
 from rollout_buffer.core.redact import redact
 from rollout_buffer.core.redeliveries import Redeliveries
 from rollout_buffer.runtime.notifications import Outbox
-from rollout_buffer.storage import queries as q
+from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import Database
 from rollout_buffer.storage.reader import MIN_ID, Accounted, Reader, first_read_after
 from rollout_buffer.storage.store import Store
@@ -85,7 +85,7 @@ class JobState:
         if src is not None:
             with contextlib.suppress(StorageError):
                 s["lag_rows"] = int(
-                    src.scalar(q.COUNT_AFTER, (self.job_id, self.reader.max_seen)) or 0
+                    src.scalar(launcher_sql.COUNT_AFTER, (self.job_id, self.reader.max_seen)) or 0
                 )
         r = s["rows"]
         s["accounting_balanced"] = (
@@ -113,7 +113,7 @@ class Jobs:
         starts)."""
         if self._tables_seen:
             return True
-        if int(src.scalar(q.HAS_STEPS_TABLE[src.backend]) or 0):
+        if int(src.scalar(launcher_sql.HAS_STEPS_TABLE[src.backend]) or 0):
             self._tables_seen = True
             return True
         if not self._tables_warned:
@@ -145,7 +145,7 @@ class Jobs:
         acc.excluded.update(store.oversampled_sessions(job_id))
         accounted = None
         if (totals.decided or totals.accounted_rows) and self.launcher_tables_exist(src):
-            upto = int(src.scalar(q.MAX_JOB_ID, (job_id,)) or 0)
+            upto = int(src.scalar(launcher_sql.MAX_JOB_ID, (job_id,)) or 0)
             accounted = Accounted(
                 job_id, upto, store.row_pks_from(job_id, first_read_after(start_after))
             )
@@ -196,7 +196,7 @@ class Jobs:
         existing = store.get_job(job_id)
         tables = self.launcher_tables_exist(src)
         if restart_training:
-            floor = int(src.scalar(q.MAX_TERMINAL_ID, (job_id,)) or 0) if tables else 0
+            floor = int(src.scalar(launcher_sql.MAX_TERMINAL_ID, (job_id,)) or 0) if tables else 0
             start_after, low_water = floor, floor + 1
         elif existing is not None:
             floor = int(existing["floor_pk"])
@@ -230,7 +230,7 @@ class Jobs:
         decided = set(store.decided_groups(job_id))
         accounted = store.row_pks_from(job_id, 0)
         below: dict[str, tuple[list[int], set[str]]] = {}
-        for pk, gid, sid in src.rows(q.ROWS_AT_OR_BELOW, (job_id, floor)):
+        for pk, gid, sid in src.rows(launcher_sql.ROWS_AT_OR_BELOW, (job_id, floor)):
             if gid is None or str(gid) in decided or int(pk) in accounted:
                 continue
             pks, sids = below.setdefault(str(gid), ([], set()))

@@ -25,7 +25,7 @@ from rollout_buffer.launcher.launcher import Launcher
 from rollout_buffer.runtime.jobs import Jobs, JobState
 from rollout_buffer.runtime.lease import OWNER, Lease
 from rollout_buffer.runtime.notifications import Outbox
-from rollout_buffer.storage import queries as q
+from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.connections import LazyPair
 from rollout_buffer.storage.db import Database
 from rollout_buffer.storage.store import Store, steady_wall
@@ -41,7 +41,9 @@ def check_sequence(src: Database) -> None:
     committed by others, which the cursor would have passed (the row would never be read)."""
     if src.backend != "postgres":
         return
-    cache = src.scalar(q.HAS_STEPS_TABLE[src.backend]) and src.scalar(q.SEQUENCE_CACHE)
+    cache = src.scalar(launcher_sql.HAS_STEPS_TABLE[src.backend]) and src.scalar(
+        launcher_sql.SEQUENCE_CACHE
+    )
     if cache and int(cache) > 1:
         raise ConfigError(
             f"the sequence of session_steps.id caches {int(cache)} values per connection, so ids are not handed "
@@ -361,7 +363,7 @@ class Loop:
         if self.config.job_retention_s > 0:
             for job in store.ended_jobs(wall - self.config.job_retention_s):
                 if store.purge_step(job["job_id"]) == 0:
-                    upto = int(src.scalar(q.MAX_JOB_ID, (job["job_id"],)) or 0)
+                    upto = int(src.scalar(launcher_sql.MAX_JOB_ID, (job["job_id"],)) or 0)
                     read = max(
                         upto,
                         int(job["cursor_pk"]),

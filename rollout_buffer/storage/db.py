@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from rollout_buffer.core.errors import ConfigError
 from rollout_buffer.storage.database import Database
+from rollout_buffer.storage.launcher_sql import LAUNCHER_DDL
 from rollout_buffer.storage.postgres import PostgresDatabase, to_pyformat
-from rollout_buffer.storage.queries import LAUNCHER_DDL
 from rollout_buffer.storage.sqlite import SqliteDatabase, sqlite_path
 
 # The backends and the helpers callers use through this module, the shim's one public face.

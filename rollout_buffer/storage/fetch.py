@@ -13,14 +13,14 @@ from collections.abc import Callable
 
 from rollout_buffer.core.items import COMPLETED, MESSAGES, RESPONSE, SID
 from rollout_buffer.core.model import Take
-from rollout_buffer.storage import queries as q
+from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import Database
 
 FETCH_CHUNK = 900  # pks per body query (SQLite's default variable limit is far above)
 
 
 def fetch_rows(
-    src: Database, pks: list[int], query: Callable[[int, str], str] = q.fetch_bodies
+    src: Database, pks: list[int], query: Callable[[int, str], str] = launcher_sql.fetch_bodies
 ) -> dict[int, tuple]:
     """The body columns (queries.BODY_COLUMNS) of the given rows, by pk (``query``: the statement
     for n pks, ``fetch_bodies`` or one that selects more columns after those, as the export's)."""
@@ -28,7 +28,9 @@ def fetch_rows(
     for i in range(0, len(pks), FETCH_CHUNK):
         chunk = pks[i : i + FETCH_CHUNK]
         for r in src.rows(
-            query(len(chunk), src.backend), q.fetch_bodies_params(chunk, src.backend), binary=True
+            query(len(chunk), src.backend),
+            launcher_sql.fetch_bodies_params(chunk, src.backend),
+            binary=True,
         ):
             out[r[0]] = r
     return out
@@ -47,8 +49,8 @@ def fetch_takes(src: Database, takes: list[Take], cap: int) -> tuple[dict[int, t
         if not chunk:
             continue
         for r in src.rows(
-            q.fetch_bodies(len(chunk), src.backend),
-            q.fetch_bodies_params(chunk, src.backend),
+            launcher_sql.fetch_bodies(len(chunk), src.backend),
+            launcher_sql.fetch_bodies_params(chunk, src.backend),
             binary=True,
         ):
             gid = owner[r[0]]

@@ -16,7 +16,7 @@ from typing import Any
 from rollout_buffer.core.errors import DataError, IntegrityError, StorageError
 from rollout_buffer.core.redact import redact
 from rollout_buffer.storage.database import Database
-from rollout_buffer.storage.queries import TABLE_WRITERS
+from rollout_buffer.storage.launcher_sql import TABLE_WRITERS
 
 PG_CONNECT_TIMEOUT_S = 5
 

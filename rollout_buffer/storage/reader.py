@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from rollout_buffer.core.items import ingest_fields
 from rollout_buffer.core.model import Row
-from rollout_buffer.storage import queries as q
+from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import Database
 
 MIN_ID = -(2**63)  # the smallest id a BIGINT (or a SQLite INTEGER) holds
@@ -84,9 +84,11 @@ class Reader:
             window: list[tuple] = []
             if horizon is not None and self.cursor < self.max_seen:
                 window = db.rows(
-                    q.READ_WINDOW[db.backend], (self.job_id, self.cursor, self.max_seen)
+                    launcher_sql.READ_WINDOW[db.backend], (self.job_id, self.cursor, self.max_seen)
                 )
-            batch = db.rows(q.READ_AFTER[db.backend], (self.job_id, self.max_seen, self.batch))
+            batch = db.rows(
+                launcher_sql.READ_AFTER[db.backend], (self.job_id, self.max_seen, self.batch)
+            )
         drained = len(batch) < self.batch
         if horizon is None:
             self._staged = (batch, batch, drained, None)

@@ -51,6 +51,7 @@ from rollout_buffer.core.items import (
     weight_version,
 )
 from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
+from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage import queries as q
 from rollout_buffer.storage.db import Database, connect
 from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
@@ -60,7 +61,9 @@ WHAT = ("served", "dropped", "all")
 PAGE = 500
 SEED_CACHE = 1024
 # Positions of queries.EXPORT_EXTRA_COLUMNS after BODY_COLUMNS.
-ENV_NAME, LLM_MODEL, CUM_REWARD, TERMINAL = range(len(q.BODY_COLUMNS), len(q.BODY_COLUMNS) + 4)
+ENV_NAME, LLM_MODEL, CUM_REWARD, TERMINAL = range(
+    len(launcher_sql.BODY_COLUMNS), len(launcher_sql.BODY_COLUMNS) + 4
+)
 FORMAT_VERSION = 1
 
 
@@ -265,7 +268,7 @@ class Exporter:
                 yield self._orphan_record(r)
 
     def _rows(self, pks: list[int]) -> dict[int, tuple]:
-        return fetch_rows(self.src, pks, q.fetch_export_rows)
+        return fetch_rows(self.src, pks, launcher_sql.fetch_export_rows)
 
     def _seed(self, batch_id: str) -> tuple[bytes, frozenset[str]] | None:
         if batch_id not in self._seeds:

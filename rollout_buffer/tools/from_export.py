@@ -25,7 +25,7 @@ import math
 import uuid
 from typing import Any
 
-from rollout_buffer.storage.queries import INSERT_ENV, INSERT_STEP
+from rollout_buffer.storage.launcher_sql import INSERT_ENV, INSERT_STEP
 from rollout_buffer.tools.export import read_export
 from rollout_buffer.tools.simulator import Simulator
 from rollout_buffer.tools.workload import LLM_MODEL

@@ -22,7 +22,7 @@ from typing import Any
 
 from rollout_buffer.core.errors import IntegrityError, StorageError
 from rollout_buffer.storage import db as dbmod
-from rollout_buffer.storage.queries import INSERT_ENV, INSERT_STEP, LAUNCHER_DDL
+from rollout_buffer.storage.launcher_sql import INSERT_ENV, INSERT_STEP, LAUNCHER_DDL
 from rollout_buffer.tools.workload import LLM_MODEL, SYSTEM_PROMPTS, Group, Session, Text
 
 WEIGHT_VERSION_EVERY = 50  # weight_version = rows written // this

@@ -14,7 +14,7 @@ from support import Writer, assert_balanced, groups_of, now_text
 
 from rollout_buffer.storage import connections as service_mod
 from rollout_buffer.storage import db as db_mod
-from rollout_buffer.storage import queries as q
+from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import connect
 
 
@@ -190,7 +190,7 @@ def test_drain_256_groups_of_8_sessions_of_4_steps_exactly(db_url, harness_facto
     # interleave sessions as a worker pool would
     rows.sort(key=lambda r: (r[1], hash(r[0]) % 97))
     with db.transaction():
-        db.executemany(q.INSERT_STEP, rows)
+        db.executemany(launcher_sql.INSERT_STEP, rows)
     db.close()
     h = harness_factory(db_url, max_response_bytes=4 * 1024 * 1024)
     h.start(k=8, job="J")
