@@ -74,7 +74,7 @@ class Figures:
     def load(
         self, key: str, groups: int, sessions: int, steps: int, reward_sum: float, rewarded: int
     ) -> None:
-        """Sums recorded before a restart (store.JobTotals)."""
+        """Sums recorded before a restart (records.JobTotals)."""
         s = self.by.setdefault(key, Sums())
         s.groups += groups
         s.sessions += sessions

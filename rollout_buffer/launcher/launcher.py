@@ -26,7 +26,8 @@ from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
 from rollout_buffer.launcher.processes import terminate_group
 from rollout_buffer.launcher.supervisor import LauncherError, LaunchSpec, Supervisor, shown
-from rollout_buffer.storage.store import LauncherRecord, Store
+from rollout_buffer.storage.records import LauncherRecord
+from rollout_buffer.storage.store import Store
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,8 @@ from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.connections import LazyPair
 from rollout_buffer.storage.db import Database
-from rollout_buffer.storage.store import Store, steady_wall
+from rollout_buffer.storage.records import steady_wall
+from rollout_buffer.storage.store import Store
 
 logger = logging.getLogger(__name__)
 

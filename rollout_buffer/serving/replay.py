@@ -30,7 +30,7 @@ from rollout_buffer.core.model import Batch
 from rollout_buffer.runtime.jobs import JobState
 from rollout_buffer.storage.connections import Pair
 from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
-from rollout_buffer.storage.store import steady_wall
+from rollout_buffer.storage.records import steady_wall
 
 logger = logging.getLogger(__name__)
 
