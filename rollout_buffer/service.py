@@ -31,10 +31,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from rollout_buffer.core.body import Body
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError, ClosedError, LeaseLost, StorageError, bounded
 from rollout_buffer.core.history import History
-from rollout_buffer.core.items import Body
 from rollout_buffer.core.model import PollRequest
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher.launcher import Launcher, launch_spec

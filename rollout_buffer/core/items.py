@@ -9,8 +9,9 @@ the caller drops the whole group (a group with a hole must never reach the train
 uids are uuid4-shaped values derived from a per-batch random seed and the row's step_pk, so a
 replayed batch carries the very same uids.
 
-Owns: validating rows, building item JSON and deriving uids. It must not do I/O or decide: rows come
-in, bytes or :class:`Malformed` come out.
+Owns: building item JSON and deriving uids; checking each value is
+:mod:`~rollout_buffer.core.values`'. It must not do I/O or decide: rows come in, bytes or
+:class:`Malformed` come out.
 """
 
 from __future__ import annotations
@@ -18,13 +19,19 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
-from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime, timezone
+from collections.abc import Sequence
 from typing import Any
 
 from rollout_buffer.core.logconfig import EventLog
 from rollout_buffer.core.model import BadText, Take
+from rollout_buffer.core.values import (
+    History,
+    Malformed,
+    as_bytes,
+    cached_weight_version,
+    epoch,
+    finite,
+)
 
 logger = logging.getLogger(__name__)
 _events = EventLog(logger)  # a launcher that writes every step twice must not write a line per row
@@ -48,84 +55,6 @@ _events = EventLog(logger)  # a launcher that writes every step twice must not w
 
 _dumps_compact = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 _dumps_text = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
-
-
-class Malformed(Exception):
-    """A row that cannot be turned into an item; ``bad`` maps each such row's step_pk to its reason
-    (build_group fills it for the whole group)."""
-
-    def __init__(self, reason: str, bad: dict[int, str] | None = None) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.bad: dict[int, str] = dict(bad or {})
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"non-finite number {name}")
-
-
-# One decoder for every row: json.loads(..., parse_constant=...) would build a new one per call.
-_decode = json.JSONDecoder(parse_constant=_no_constants).decode
-
-
-_MAX_VERSION = 2**53
-
-
-def weight_version(env_state: Any) -> int:
-    """The policy version of env_state: 0 when absent or unusable, never an exception for that."""
-    if env_state is None:
-        return 0
-    if isinstance(env_state, str):
-        try:
-            env_state = _decode(env_state)
-        except ValueError:
-            raise Malformed("invalid_json_env_state") from None
-        except RecursionError:  # valid JSON nested deeper than the decoder's stack
-            raise Malformed("json_too_deep_env_state") from None
-    if env_state is None:
-        return 0
-    if not isinstance(env_state, dict):
-        raise Malformed("env_state_not_an_object")
-    wv = env_state.get("weight_version")
-    if isinstance(wv, bool) or wv is None:
-        return 0
-    if isinstance(wv, str):
-        try:
-            wv = float(wv.strip())
-        except ValueError:
-            return 0
-    if isinstance(wv, int) and abs(wv) <= _MAX_VERSION:
-        return wv
-    if isinstance(wv, float) and math.isfinite(wv) and abs(wv) <= _MAX_VERSION:
-        return int(wv)
-    return 0  # absent or unusable (not a number, or beyond what an average over items can hold)
-
-
-def epoch(created_at: Any) -> float:
-    """created_at as epoch seconds; naive values are UTC."""
-    if isinstance(created_at, datetime):
-        d = created_at
-    else:
-        try:
-            if isinstance(created_at, bytes):
-                created_at = created_at.decode()
-            d = datetime.fromisoformat(str(created_at).strip())
-        except ValueError:  # UnicodeDecodeError is one too
-            raise Malformed("invalid_created_at") from None
-    if d.tzinfo is None:
-        d = d.replace(tzinfo=timezone.utc)
-    return d.timestamp()
-
-
-def finite(x: Any, reason: str) -> float:
-    """A finite float or Malformed(reason)."""
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        raise Malformed(reason) from None
-    if not math.isfinite(v):
-        raise Malformed(reason)
-    return v
 
 
 _VARIANT = "89ab89ab89ab89ab"
@@ -164,111 +93,6 @@ class GroupItems:
         self.first_ts: float | None = None  # created_at of its earliest served row (epoch seconds)
 
 
-def _as_bytes(value: Any) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode("utf-8")
-    if isinstance(value, (bytearray, memoryview)):
-        return bytes(value)
-    raise Malformed("messages_not_text")
-
-
-# JSON's whitespace only: bytes.strip() would also drop \x0b and \x0c, which JSON forbids.
-_JSON_WS = b" \t\n\r"
-
-
-class _History:
-    """Validates a session's growing histories: each step's list usually extends the previous
-    one."""
-
-    __slots__ = ("empty", "prefix")
-
-    def __init__(self) -> None:
-        self.prefix: memoryview | None = None  # the previous valid list without its closing bracket
-        self.empty = True
-
-    def check(self, text: bytes) -> tuple[int, bool]:
-        """Validate ``text`` as a JSON list; returns (position of its closing bracket, is empty).
-
-        When ``text`` starts with the previous (valid) list minus its closing bracket, only the new
-        tail is parsed: prefix + tail is a valid list exactly when ``[`` + the tail's elements is a
-        non-empty valid list (or the tail is just the bracket). Otherwise the whole text is parsed.
-        """
-        end = len(text.rstrip(_JSON_WS)) - 1
-        prev = self.prefix
-        if prev is not None and text.startswith(prev):
-            tail = text[len(prev) :].strip(_JSON_WS)
-            if tail == b"]":
-                ok = True
-            elif self.empty:
-                ok = self._list(b"[" + tail) is not None and tail.endswith(b"]")
-            else:
-                items = self._list(b"[" + tail[1:]) if tail[:1] == b"," else None
-                ok = bool(items)
-            if ok:
-                self.prefix = memoryview(text)[:end]
-                self.empty = self.empty and tail == b"]"
-                return end, self.empty
-        value = self._list(text)
-        if value is None:
-            raise Malformed("messages_not_a_list")
-        self.prefix = memoryview(text)[:end]
-        self.empty = not value
-        return end, self.empty
-
-    @staticmethod
-    def _list(text: bytes) -> list | None:
-        try:
-            value = _decode(text.decode("utf-8"))
-        except ValueError:  # UnicodeDecodeError is one too
-            raise Malformed("invalid_json_messages") from None
-        except RecursionError:  # valid JSON nested deeper than the decoder's stack
-            raise Malformed("json_too_deep_messages") from None
-        return value if isinstance(value, list) else None
-
-
-# env_state texts repeat a lot ({"weight_version": 3}): parse each distinct short one once.
-_WV_CACHE: dict[str, int] = {}
-
-
-def cached_weight_version(env_state: Any) -> int:
-    """weight_version() with a cache of short env_state texts (raises Malformed as it does)."""
-    wv = _WV_CACHE.get(env_state) if isinstance(env_state, str) else None
-    if wv is None:
-        wv = weight_version(env_state)
-        if isinstance(env_state, str) and len(env_state) < 256:
-            if len(_WV_CACHE) > 4096:
-                _WV_CACHE.clear()
-            _WV_CACHE[env_state] = wv
-    return wv
-
-
-def ingest_fields(
-    step_id: Any, step_reward: Any, env_state: Any
-) -> tuple[int | None, float | None, int | None]:
-    """A row's (step_id, terminal-reward candidate, weight_version) at ingest, each None when the
-    value is unusable: ingest never rejects a row, its build does (with the reason). The version is
-    None (unknown until the build) also for an env_state too long to read at ingest ('')."""
-    try:
-        sid = int(step_id) if not isinstance(step_id, (bytes, BadText)) else None
-    except (TypeError, ValueError):
-        sid = None
-    try:
-        reward: float | None = finite(step_reward, "")
-    except Malformed:
-        reward = None
-    try:
-        wv: int | None = (
-            cached_weight_version(env_state)
-            if not isinstance(env_state, (bytes, BadText))
-            else None
-        )
-    except Malformed:
-        wv = None
-    return sid, reward, wv
-
-
 _ITEM_TAIL = (
     '%s{"role":"assistant","content":%s}],"reward":%r,"extra_info":{"timestamp":%r,"steps":%d,'
     '"finish_reason":"%s","session_id":%s,"env_id":%s,"group_id":%s,"weight_version":%d,'
@@ -301,6 +125,24 @@ def build_group(
     nothing was appended.
     """
     bad: dict[int, str] = {}
+    ordered = _in_order(take, rows, bad)
+    prepared, terminal = _validated(take, ordered, job_id, bad)
+    if bad:
+        raise Malformed(next(iter(bad.values())), bad)
+    return _append_items(take, prepared, terminal, seed, buf, flags)
+
+
+# A served row once validated: (session_id, step_id, step_pk, messages bytes, position of their
+# closing bracket, messages empty, the row, weight_version, step_reward, created_at epoch,
+# completed).
+_Prepared = tuple[str, int, int, bytes, int, bool, Sequence[Any], int, float, float, bool]
+
+
+def _in_order(
+    take: Take, rows: dict[int, Sequence[Any]], bad: dict[int, str]
+) -> list[tuple[str, int, int, Sequence[Any]]]:
+    """The served rows by (session_id, step_id, step_pk); a missing row or a step_id that is not
+    an integer goes into ``bad``."""
     ordered = []
     for sid, pks in take.completed.items():
         for pk in pks:
@@ -315,13 +157,25 @@ def build_group(
                 continue
             ordered.append((sid, step_id, pk, row))
     ordered.sort(key=lambda p: (p[0], p[1], p[2]))
+    return ordered
+
+
+def _validated(
+    take: Take,
+    ordered: list[tuple[str, int, int, Sequence[Any]]],
+    job_id: str,
+    bad: dict[int, str],
+) -> tuple[list[_Prepared], dict[str, tuple[int, int, float]]]:
+    """Validate every row (its messages against the session's previous step's), and find each
+    session's terminal reward (its last completed row's); a row that cannot become an item goes
+    into ``bad``."""
     prepared = []
     terminal: dict[str, tuple[int, int, float]] = {}
-    history: _History | None = None
+    history: History | None = None
     prev_sid = None
     for sid, step_id, pk, row in ordered:
         if sid != prev_sid:
-            prev_sid, history = sid, _History()
+            prev_sid, history = sid, History()
         assert history is not None
         try:
             if any(
@@ -334,14 +188,14 @@ def build_group(
                 raise Malformed("response_not_text")
             if str(row[GID]) != take.group_id or row[JOB] != job_id or not row[TRAINABLE]:
                 raise Malformed("row_changed")
-            text = _as_bytes(row[MESSAGES])
+            text = as_bytes(row[MESSAGES])
             end, empty = history.check(text)
             wv = cached_weight_version(row[ENV_STATE])
             step_reward = finite(row[STEP_REWARD], "non_finite_step_reward")
             ts = epoch(row[CREATED])
         except Malformed as exc:
             bad[pk] = exc.reason
-            history = _History()  # the next row is validated in full
+            history = History()  # the next row is validated in full
             continue
         completed = bool(row[COMPLETED])
         if completed:
@@ -349,8 +203,18 @@ def build_group(
             if sid not in terminal or key[:2] > terminal[sid][:2]:
                 terminal[sid] = key
         prepared.append((sid, step_id, pk, text, end, empty, row, wv, step_reward, ts, completed))
-    if bad:
-        raise Malformed(next(iter(bad.values())), bad)
+    return prepared, terminal
+
+
+def _append_items(
+    take: Take,
+    prepared: list[_Prepared],
+    terminal: dict[str, tuple[int, int, float]],
+    seed: bytes,
+    buf: bytearray,
+    flags: str,
+) -> GroupItems:
+    """Append the validated rows' items to ``buf``, as the JSON text json.dumps would give."""
     out = GroupItems(take.group_id, len(buf))
     gid_json = _dumps_compact(take.group_id)
     gid_bytes = gid_json.encode()
@@ -412,79 +276,3 @@ def build_group(
     out.session_rewards = [terminal[sid][2] for sid in sorted(terminal)]
     out.n_items = len(prepared)
     return out
-
-
-class Body(list):
-    """The chunks of a /get_rollout_data body (sent one after the other, never joined), how many
-    groups it carries, and what to run once it has been sent (or abandoned)."""
-
-    def __init__(
-        self, chunks: list[Any], groups: int = 0, on_close: Callable[[], None] | None = None
-    ) -> None:
-        super().__init__(chunks)
-        self.groups = groups
-        self._on_close = on_close
-
-    def close(self) -> None:
-        on_close, self._on_close = self._on_close, None
-        if on_close is not None:
-            on_close()
-
-
-def empty_body(meta_extra: dict[str, Any]) -> Body:
-    """A body with no item ("No data available to read")."""
-    return Body(response_chunks([], bytearray(), meta_extra))
-
-
-def _mean(values: list) -> float:
-    """The mean of finite numbers, never overflowing to inf (the body must stay valid JSON)."""
-    if not values:
-        return 0.0
-    n = len(values)
-    mean = math.fsum(v / n for v in values)
-    return max(-_FLOAT_MAX, min(_FLOAT_MAX, mean))
-
-
-_FLOAT_MAX = 1.7976931348623157e308
-
-
-def response_chunks(
-    groups: Sequence[GroupItems], buf: bytearray, meta_extra: dict[str, Any]
-) -> list[Any]:
-    """The /get_rollout_data JSON body as bytes-like chunks (success when there is an item)."""
-    rewards: list[float] = []
-    wvs: list[int] = []
-    for g in groups:
-        rewards.extend(g.rewards)
-        wvs.extend(g.weight_versions)
-    n = len(rewards)
-    meta = {
-        "total_samples": n,
-        "avg_reward": _mean(rewards),
-        "finished_groups": sorted(g.group_id for g in groups),
-        "avg_weight_version": _mean(wvs),
-        "max_weight_version": max(wvs) if wvs else 0,
-    }
-    meta.update(meta_extra)
-    message = f"Successfully read {n} items" if n else "No data available to read"
-    head = '{"success":%s,"message":%s,"data":{"data":[' % (
-        "true" if n else "false",
-        _dumps_compact(message),
-    )
-    tail = '],"meta_info":%s}}' % _dumps_compact(meta)
-    return [head.encode(), buf, tail.encode()] if buf else [head.encode(), tail.encode()]
-
-
-SEND_SLICE = 4 << 20
-
-
-def iter_bytes(chunks: Sequence[Any]) -> Iterator[bytes]:
-    """Yield the chunks as bytes (WSGI servers take only bytes), large buffers in 4 MiB slices: far
-    cheaper than one copy of a whole 256 MiB body, and the slices are freed as they are sent."""
-    for c in chunks:
-        if isinstance(c, bytes):
-            yield c
-        else:
-            view = memoryview(c)
-            for i in range(0, len(view), SEND_SLICE):
-                yield bytes(view[i : i + SEND_SLICE])

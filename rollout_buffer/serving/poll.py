@@ -20,10 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_buffer.core.body import Body, empty_body, response_chunks
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError, IntegrityError, LeaseLost, StorageError
 from rollout_buffer.core.history import History, PollStats
-from rollout_buffer.core.items import Body, GroupItems, empty_body, response_chunks
+from rollout_buffer.core.items import GroupItems
 from rollout_buffer.core.model import (
     REJECTED,
     Batch,

@@ -16,17 +16,12 @@ import threading
 import time
 from typing import Any
 
+from rollout_buffer.core.body import Body, response_chunks
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError, StorageError
-from rollout_buffer.core.items import (
-    Body,
-    GroupItems,
-    Malformed,
-    build_group,
-    item_flags,
-    response_chunks,
-)
+from rollout_buffer.core.items import GroupItems, build_group, item_flags
 from rollout_buffer.core.model import Batch
+from rollout_buffer.core.values import Malformed
 from rollout_buffer.runtime.jobs import JobState
 from rollout_buffer.storage.connections import Pair
 from rollout_buffer.storage.fetch import fetch_rows, take_from_rows

@@ -35,7 +35,7 @@ def to_pyformat(sql: str) -> str:
 
 def _tolerant_timestamps(conn: Any) -> None:
     """Load a timestamp Python cannot hold ('infinity', a year after 9999) as its text instead of
-    failing the whole query: the row is then rejected by items.epoch (invalid_created_at) and only
+    failing the whole query: the row is then rejected by values.epoch (invalid_created_at) and only
     its group is dropped, instead of every read that touches it failing for good."""
     from psycopg.types import datetime as pgdt
 

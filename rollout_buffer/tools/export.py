@@ -45,12 +45,10 @@ from rollout_buffer.core.items import (
     STEP,
     STEP_REWARD,
     TRUNCATED,
-    Malformed,
     build_group,
-    epoch,
-    weight_version,
 )
 from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
+from rollout_buffer.core.values import Malformed, epoch, weight_version
 from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage import queries as q
 from rollout_buffer.storage.db import Database, connect

@@ -1,0 +1,93 @@
+"""The /get_rollout_data body: the items built into one buffer, framed with meta_info, sent in
+slices.
+
+Owns: the body's chunks (never joined into one bytes object), its meta_info (averages that stay
+valid JSON), the empty answer, and yielding large buffers in slices a WSGI server takes. The items
+themselves are built by :mod:`~rollout_buffer.core.items`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from rollout_buffer.core.items import GroupItems
+
+# The same compact, NaN-refusing encoding the items use (items.py), for the envelope and meta_info.
+_dumps_compact = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+
+
+class Body(list):
+    """The chunks of a /get_rollout_data body (sent one after the other, never joined), how many
+    groups it carries, and what to run once it has been sent (or abandoned)."""
+
+    def __init__(
+        self, chunks: list[Any], groups: int = 0, on_close: Callable[[], None] | None = None
+    ) -> None:
+        super().__init__(chunks)
+        self.groups = groups
+        self._on_close = on_close
+
+    def close(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is not None:
+            on_close()
+
+
+def empty_body(meta_extra: dict[str, Any]) -> Body:
+    """A body with no item ("No data available to read")."""
+    return Body(response_chunks([], bytearray(), meta_extra))
+
+
+def _mean(values: list) -> float:
+    """The mean of finite numbers, never overflowing to inf (the body must stay valid JSON)."""
+    if not values:
+        return 0.0
+    n = len(values)
+    mean = math.fsum(v / n for v in values)
+    return max(-_FLOAT_MAX, min(_FLOAT_MAX, mean))
+
+
+_FLOAT_MAX = 1.7976931348623157e308
+
+
+def response_chunks(
+    groups: Sequence[GroupItems], buf: bytearray, meta_extra: dict[str, Any]
+) -> list[Any]:
+    """The /get_rollout_data JSON body as bytes-like chunks (success when there is an item)."""
+    rewards: list[float] = []
+    wvs: list[int] = []
+    for g in groups:
+        rewards.extend(g.rewards)
+        wvs.extend(g.weight_versions)
+    n = len(rewards)
+    meta = {
+        "total_samples": n,
+        "avg_reward": _mean(rewards),
+        "finished_groups": sorted(g.group_id for g in groups),
+        "avg_weight_version": _mean(wvs),
+        "max_weight_version": max(wvs) if wvs else 0,
+    }
+    meta.update(meta_extra)
+    message = f"Successfully read {n} items" if n else "No data available to read"
+    success = "true" if n else "false"
+    head = '{"success":' + success + ',"message":' + _dumps_compact(message) + ',"data":{"data":['
+    tail = '],"meta_info":' + _dumps_compact(meta) + "}}"
+    return [head.encode(), buf, tail.encode()] if buf else [head.encode(), tail.encode()]
+
+
+SEND_SLICE = 4 << 20
+
+
+def iter_bytes(chunks: Sequence[Any]) -> Iterator[bytes]:
+    """Yield the chunks as bytes (WSGI servers take only bytes), large buffers in 4 MiB slices: far
+    cheaper than one copy of a whole 256 MiB body, and the slices are freed as they are sent."""
+    for c in chunks:
+        if isinstance(c, bytes):
+            yield c
+        else:
+            view = memoryview(c)
+            for i in range(0, len(view), SEND_SLICE):
+                yield bytes(view[i : i + SEND_SLICE])
