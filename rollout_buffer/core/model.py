@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 # Group statuses in rollout_buffer_groups.
 SERVED = "served"
@@ -268,4 +268,4 @@ class RowKey(NamedTuple):
     step_pk: int
 
 
-NotifyKey = Union[GroupKey, RowKey]
+NotifyKey = GroupKey | RowKey

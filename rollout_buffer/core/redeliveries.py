@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import threading
 
+from rollout_buffer.core.model import Decisions
+
 
 class Redeliveries:
     """The active job's served groups waiting to be delivered again, in order, and their figures."""

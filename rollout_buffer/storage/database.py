@@ -90,7 +90,7 @@ class Database:
         self._check()
         cur = self._run(sql, params)
         names = [d[0] for d in cur.description]
-        return [dict(zip(names, row)) for row in self._fetch(cur, "all", sql)]
+        return [dict(zip(names, row, strict=True)) for row in self._fetch(cur, "all", sql)]
 
     def fetchone(self, sql: str, params: Sequence[Any] = ()) -> dict[str, Any] | None:
         """The first result row as a dict, or None."""
@@ -99,7 +99,7 @@ class Database:
         row = self._fetch(cur, "one", sql)
         if row is None:
             return None
-        return dict(zip([d[0] for d in cur.description], row))
+        return dict(zip([d[0] for d in cur.description], row, strict=True))
 
     def scalar(self, sql: str, params: Sequence[Any] = ()) -> Any:
         """The first column of the first row, or None."""

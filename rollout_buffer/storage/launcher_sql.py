@@ -48,8 +48,10 @@ LAUNCHER_DDL = {
     is_trainable INT NOT NULL DEFAULT 1,
     created_at TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP,
     UNIQUE (session_id, step_id, created_at))""",
-        "CREATE INDEX IF NOT EXISTS idx_job_environments_job_deleted_id ON job_environments(job_id, is_deleted, id)",
-        "CREATE INDEX IF NOT EXISTS idx_session_steps_job_trainable_id ON session_steps(job_id, is_trainable, id)",
+        "CREATE INDEX IF NOT EXISTS idx_job_environments_job_deleted_id ON "
+        "job_environments(job_id, is_deleted, id)",
+        "CREATE INDEX IF NOT EXISTS idx_session_steps_job_trainable_id ON session_steps(job_id, "
+        "is_trainable, id)",
     ),
     "postgres": (
         """CREATE TABLE IF NOT EXISTS job_environments (
@@ -83,8 +85,10 @@ LAUNCHER_DDL = {
     is_trainable SMALLINT NOT NULL DEFAULT 1,
     created_at TIMESTAMPTZ NOT NULL DEFAULT CURRENT_TIMESTAMP,
     UNIQUE (session_id, step_id, created_at))""",
-        "CREATE INDEX IF NOT EXISTS idx_job_environments_job_deleted_id ON job_environments(job_id, is_deleted, id)",
-        "CREATE INDEX IF NOT EXISTS idx_session_steps_job_trainable_id ON session_steps(job_id, is_trainable, id)",
+        "CREATE INDEX IF NOT EXISTS idx_job_environments_job_deleted_id ON "
+        "job_environments(job_id, is_deleted, id)",
+        "CREATE INDEX IF NOT EXISTS idx_session_steps_job_trainable_id ON session_steps(job_id, "
+        "is_trainable, id)",
     ),
 }
 

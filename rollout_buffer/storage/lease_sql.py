@@ -32,8 +32,9 @@ LEASE_INSERT = _by_backend(
 )
 # A takeover: a new owner and the next epoch, if nobody took it meanwhile.
 LEASE_TAKE = _by_backend(
-    "UPDATE rollout_buffer_lease SET owner = ?, owner_url = ?, owner_host = ?, owner_pid = ?, owner_start_ticks = ?, "
-    "epoch = epoch + 1, lease_until = {now} + ?, acquired_at = {now}, renewed_at = {now} WHERE scope = ? AND epoch = ?"
+    "UPDATE rollout_buffer_lease SET owner = ?, owner_url = ?, owner_host = ?, owner_pid = ?, "
+    "owner_start_ticks = ?, epoch = epoch + 1, lease_until = {now} + ?, acquired_at = {now}, "
+    "renewed_at = {now} WHERE scope = ? AND epoch = ?"
 )
 # The owner renews (no lock the fence waits for); renewed for -1 s it is given up (a graceful stop).
 LEASE_RENEW = _by_backend(

@@ -11,7 +11,7 @@ import contextlib
 import os
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from rollout_buffer.core.errors import DataError, IntegrityError, StorageError
 from rollout_buffer.core.redact import redact
@@ -68,7 +68,8 @@ class PostgresDatabase(Database):
 
     backend = "postgres"
     _begin_read_sql = "BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY"
-    _translated: dict[str, str] = {}
+    # One cache of translated statements for every connection of the process (the SQL is fixed).
+    _translated: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self,

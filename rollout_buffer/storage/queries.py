@@ -80,9 +80,12 @@ STATE_DDL = (
     instance_id TEXT PRIMARY KEY, host_id TEXT NOT NULL, url TEXT, role TEXT NOT NULL,
     seen_at DOUBLE PRECISION NOT NULL, launcher_report TEXT)""",
     # What startup and retention scan: undelivered notifications, batches by age.
-    "CREATE INDEX IF NOT EXISTS rollout_buffer_groups_unnotified ON rollout_buffer_groups (notified) WHERE notified = 0",
-    "CREATE INDEX IF NOT EXISTS rollout_buffer_rows_unnotified ON rollout_buffer_rows (notified) WHERE notified = 0",
-    "CREATE INDEX IF NOT EXISTS rollout_buffer_batches_created ON rollout_buffer_batches (created_at)",
+    "CREATE INDEX IF NOT EXISTS rollout_buffer_groups_unnotified ON rollout_buffer_groups "
+    "(notified) WHERE notified = 0",
+    "CREATE INDEX IF NOT EXISTS rollout_buffer_rows_unnotified ON rollout_buffer_rows (notified) "
+    "WHERE notified = 0",
+    "CREATE INDEX IF NOT EXISTS rollout_buffer_batches_created ON rollout_buffer_batches "
+    "(created_at)",
 )
 
 # Schema migrations: MIGRATIONS[v] brings a version-v schema to v + 1 (one transaction each).
@@ -116,8 +119,8 @@ MIGRATIONS = {
 # The buffer's tables and indexes that exist (CREATE INDEX IF NOT EXISTS waits for every open
 # write).
 STATE_OBJECTS = {
-    "postgres": "SELECT relname FROM pg_catalog.pg_class WHERE starts_with(relname, 'rollout_buffer_') "
-    "AND pg_catalog.pg_table_is_visible(oid)",
+    "postgres": "SELECT relname FROM pg_catalog.pg_class "
+    "WHERE starts_with(relname, 'rollout_buffer_') AND pg_catalog.pg_table_is_visible(oid)",
     "sqlite": "SELECT name FROM sqlite_master WHERE substr(name, 1, 15) = 'rollout_buffer_'",
 }
 # Read the schema version.
@@ -162,7 +165,8 @@ LAUNCHER_OWNER = "SELECT launcher_owner FROM rollout_buffer_jobs WHERE job_id = 
 # -- retention ----------------------------------------------------------------------------------
 # Batches recorded before a time, oldest first, a few at a time (past the replay window).
 PRUNE_BATCHES = (
-    "DELETE FROM rollout_buffer_batches WHERE batch_id IN (SELECT batch_id FROM rollout_buffer_batches "
+    "DELETE FROM rollout_buffer_batches WHERE batch_id IN (SELECT batch_id FROM "
+    "rollout_buffer_batches "
     "WHERE created_at < ? ORDER BY created_at LIMIT ?)"
 )
 # Ended jobs, not active since a time, whose decisions are still kept.
@@ -182,7 +186,8 @@ PURGE_ROWS = (
 )
 # A few of an ended job's batches.
 PURGE_BATCHES = (
-    "DELETE FROM rollout_buffer_batches WHERE batch_id IN (SELECT batch_id FROM rollout_buffer_batches "
+    "DELETE FROM rollout_buffer_batches WHERE batch_id IN (SELECT batch_id FROM "
+    "rollout_buffer_batches "
     "WHERE job_id = ? LIMIT ?)"
 )
 # A purged job reads after everything it had read: selected again, it never re-reads old rows as new
@@ -212,7 +217,8 @@ GROUP_PKS = "SELECT pks FROM rollout_buffer_groups WHERE job_id = ? AND group_id
 GROUP_TOTALS = (
     "SELECT status, reason, COUNT(*) AS n_groups, SUM(n_served) AS n_served, "
     "SUM(n_dropped) AS n_dropped, SUM(n_sessions) AS n_sessions, SUM(reward_sum) AS reward_sum, "
-    "SUM(n_rewarded) AS n_rewarded FROM rollout_buffer_groups WHERE job_id = ? GROUP BY status, reason"
+    "SUM(n_rewarded) AS n_rewarded FROM rollout_buffer_groups WHERE job_id = ? GROUP BY status, "
+    "reason"
 )
 # Groups dropped since the job's last served group, by reason (meta_info.filtered after a restart).
 FILTERED_SINCE_SERVED = (
@@ -234,7 +240,8 @@ MARK_GROUP_NOTIFIED = (
 # Record a rejected or late row (ignored if it is already recorded).
 INSERT_ROW = (
     "INSERT INTO rollout_buffer_rows (job_id, step_pk, outcome, reason, group_id, session_id, "
-    "notified, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job_id, step_pk) DO NOTHING"
+    "notified, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (job_id, step_pk) DO "
+    "NOTHING"
 )
 # Rows rejected / dropped one by one, per reason (accounting after a restart).
 ROW_TOTALS = (

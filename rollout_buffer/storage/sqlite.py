@@ -58,7 +58,7 @@ class SqliteDatabase(Database):
                     self.path, timeout=SQLITE_BUSY_TIMEOUT_S, isolation_level=None
                 )
             self.conn.text_factory = _sqlite_text
-            self.conn.execute("PRAGMA busy_timeout=%d" % int(SQLITE_BUSY_TIMEOUT_S * 1000))
+            self.conn.execute(f"PRAGMA busy_timeout={int(SQLITE_BUSY_TIMEOUT_S * 1000)}")
             if not readonly:
                 mode = self.conn.execute("PRAGMA journal_mode").fetchone()[0]
                 if mode != "wal":

@@ -59,7 +59,7 @@ def test_reader_cursor_waits_for_in_flight_transactions(pg_url):
         assert reader.cursor < held  # cannot move past a transaction that may still commit
         slow.commit()
         seen += read_ticks(reader, db, now)
-        assert sorted(seen) == sorted(later + [held]) and len(seen) == 4
+        assert sorted(seen) == sorted([*later, held]) and len(seen) == 4
         assert reader.cursor == max(later)
     finally:
         slow.close()
