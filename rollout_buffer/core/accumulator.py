@@ -19,6 +19,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from rollout_buffer.core.accounting import Counts
 from rollout_buffer.core.group import Group, Undecided
@@ -263,7 +264,7 @@ class Accumulator(Handover, Policies):
             low = self.undecided.low_water()
         return cursor + 1 if low is None else low
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters and gauges; the accounting identity holds in them."""
         with self.lock:
             now = self.clock()

@@ -19,7 +19,7 @@ from rollout_buffer.core.items import GroupItems
 _dumps_compact = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
 
-class Body(list):
+class Body(list[Any]):
     """The chunks of a /get_rollout_data body (sent one after the other, never joined), how many
     groups it carries, and what to run once it has been sent (or abandoned)."""
 
@@ -41,7 +41,7 @@ def empty_body(meta_extra: dict[str, Any]) -> Body:
     return Body(response_chunks([], bytearray(), meta_extra))
 
 
-def _mean(values: list) -> float:
+def _mean(values: list[float] | list[int]) -> float:
     """The mean of finite numbers, never overflowing to inf (the body must stay valid JSON)."""
     if not values:
         return 0.0

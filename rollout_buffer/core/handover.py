@@ -61,7 +61,8 @@ class Handover:
             while self.ready and (max_groups is None or len(takes) < max_groups):
                 g = self.ready.pop_next()
                 gid = g.group_id
-                completed, incomplete = {}, {}
+                completed: dict[str, tuple[int, ...]] = {}
+                incomplete: dict[str, tuple[int, ...]] = {}
                 for sid, pks in g.sessions.items():
                     (completed if sid in g.completed else incomplete)[sid] = tuple(pks)
                 g.taken = {sid: len(pks) for sid, pks in g.sessions.items()}

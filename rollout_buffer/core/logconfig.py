@@ -12,6 +12,7 @@ import logging.handlers
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from rollout_buffer.core.config import Config
 
@@ -61,7 +62,10 @@ class EventLog:
     a few lines a minute, never one per row."""
 
     def __init__(
-        self, logger: logging.Logger, window_s: float = 60.0, clock=time.monotonic
+        self,
+        logger: logging.Logger,
+        window_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.logger = logger
         self.window_s = window_s

@@ -148,7 +148,7 @@ class History:
         return end, self.empty
 
     @staticmethod
-    def _list(text: bytes) -> list | None:
+    def _list(text: bytes) -> list[Any] | None:
         try:
             value = _decode(text.decode("utf-8"))
         except ValueError:  # UnicodeDecodeError is one too

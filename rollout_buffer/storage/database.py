@@ -23,14 +23,16 @@ class Database:
 
     backend = "?"
     url: str
-    broken = (
-        False  # True once the server connection is gone (Postgres; a SQLite file does not go away)
-    )
 
     def __init__(self) -> None:
         self._closed = False
         self._in_tx = False
         self.thread_id = threading.get_ident()
+
+    @property
+    def broken(self) -> bool:
+        """True once the server connection is gone (Postgres; a SQLite file does not go away)."""
+        return False
 
     # -- subclass hooks -----------------------------------------------------------------
     def _run(
@@ -55,7 +57,8 @@ class Database:
         """Run a statement; returns the affected row count."""
         self._check()
         cur = self._run(sql, params)
-        return cur.rowcount
+        count: int = cur.rowcount
+        return count
 
     def executemany(self, sql: str, seq: Sequence[Sequence[Any]]) -> None:
         """Run a statement once per parameter tuple."""
@@ -79,11 +82,14 @@ class Database:
 
     _driver_errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
 
-    def rows(self, sql: str, params: Sequence[Any] = (), *, binary: bool = False) -> list[tuple]:
+    def rows(
+        self, sql: str, params: Sequence[Any] = (), *, binary: bool = False
+    ) -> list[tuple[Any, ...]]:
         """All result rows as tuples (the fast path); ``binary`` asks Postgres for binary results
         (bytea arrives as raw bytes instead of hex text)."""
         self._check()
-        return self._fetch(self._run(sql, params, binary=binary), "all", sql)
+        rows: list[tuple[Any, ...]] = self._fetch(self._run(sql, params, binary=binary), "all", sql)
+        return rows
 
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         """All result rows as dicts keyed by column name."""
@@ -151,7 +157,7 @@ class Database:
         """True when a trivial statement succeeds: the server is there and this connection works (so
         a failure just before was about the statement or its data, not the database)."""
         try:
-            return self.scalar("SELECT 1") == 1
+            return bool(self.scalar("SELECT 1") == 1)
         except StorageError:
             return False
 

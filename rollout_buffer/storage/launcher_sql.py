@@ -12,6 +12,7 @@ there is no connection here.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 # -- the launcher's tables (SPEC §2); created only by `rollout-buffer init-db` and tests ------
 
@@ -227,7 +228,7 @@ def fetch_bodies(n: int, backend: str) -> str:
     return f"SELECT {cols} FROM session_steps WHERE {where}"
 
 
-def fetch_bodies_params(pks: list[int], backend: str) -> list:
+def fetch_bodies_params(pks: list[int], backend: str) -> list[Any]:
     """The parameters of fetch_bodies(len(pks), backend)."""
     return [pks] if backend == "postgres" else pks
 

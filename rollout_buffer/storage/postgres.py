@@ -40,7 +40,9 @@ def _tolerant_timestamps(conn: Any) -> None:
     from psycopg.types import datetime as pgdt
 
     def tolerant(base: type) -> type:
-        class Tolerant(base):  # type: ignore[misc, valid-type]
+        # base is one of psycopg's loader classes, known only at run time: mypy cannot check a
+        # class derived from a variable.
+        class Tolerant(base):  # type: ignore[misc]
             def load(self, data: Any) -> Any:
                 try:
                     return super().load(data)
@@ -89,7 +91,7 @@ class PostgresDatabase(Database):
         self._psycopg = psycopg
         self._driver_errors = (psycopg.Error,)
         try:
-            params = conninfo_to_dict(url)
+            params: dict[str, Any] = conninfo_to_dict(url)
             if application_name and not os.environ.get(
                 "PGAPPNAME"
             ):  # the URL's or the environment's wins

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable
+from typing import Any
 
 from rollout_buffer.core.model import Row
 from rollout_buffer.core.values import ingest_fields
@@ -68,7 +69,7 @@ class Reader:
         self.first_read_of_tick = True
         self.caught_up = False
         self.drained = False  # the last read returned less than a batch: nothing more to read now
-        self._staged: tuple | None = None
+        self._staged: tuple[Any, ...] | None = None
         self._postgres = False
 
     def end_tick(self) -> None:
@@ -81,7 +82,7 @@ class Reader:
         # before the snapshot: a writer that has ended by now committed before it (or rolled back)
         horizon = db.table_writers()
         with db.read_snapshot():
-            window: list[tuple] = []
+            window: list[tuple[Any, ...]] = []
             if horizon is not None and self.cursor < self.max_seen:
                 window = db.rows(
                     launcher_sql.READ_WINDOW[db.backend], (self.job_id, self.cursor, self.max_seen)
@@ -145,8 +146,11 @@ class Accounted:
         self.group_pks: dict[str, set[int]] = {}
 
     def filter(
-        self, group_pks: Callable[[str], list[int]], decided: dict[str, str], rows: list[tuple]
-    ) -> list[tuple]:
+        self,
+        group_pks: Callable[[str], list[int]],
+        decided: dict[str, str],
+        rows: list[tuple[Any, ...]],
+    ) -> list[tuple[Any, ...]]:
         """The rows not accounted before the restart; ``group_pks(group_id)`` gives the pks a
         decided group's record accounted (asked once per group)."""
         if not rows or (rows[0][0] > self.upto_pk and not self.row_pks):

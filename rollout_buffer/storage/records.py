@@ -12,6 +12,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from rollout_buffer.core.figures import finite_sum
 from rollout_buffer.core.model import (
@@ -40,10 +41,10 @@ class JobTotals:
 
     decided: dict[str, str] = field(default_factory=dict)
     served_rows: int = 0
-    dropped: Counter = field(default_factory=Counter)
-    rejected: Counter = field(default_factory=Counter)
+    dropped: Counter[str] = field(default_factory=Counter)
+    rejected: Counter[str] = field(default_factory=Counter)
     groups_served: int = 0
-    groups_dropped: Counter = field(default_factory=Counter)
+    groups_dropped: Counter[str] = field(default_factory=Counter)
     # (outcome: "served" or a drop reason, groups, sessions, steps, reward_sum, sessions with a
     # reward)
     figures: list[tuple[str, int, int, int, float, int]] = field(default_factory=list)
@@ -77,7 +78,7 @@ class Unnotified:
     key: NotifyKey
 
 
-def group_record(job_id: str, d: Served | Drop, now: float) -> tuple:
+def group_record(job_id: str, d: Served | Drop, now: float) -> tuple[Any, ...]:
     """The one builder of a rollout_buffer_groups row (q.INSERT_GROUP's columns)."""
     figures = finite_sum(d.rewards)
     if isinstance(d, Served):

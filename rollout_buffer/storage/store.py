@@ -149,7 +149,8 @@ class Store:
             )
 
     def launcher_owner(self, job_id: str) -> str | None:
-        return self.db.scalar(q.LAUNCHER_OWNER, (job_id,))
+        owner: str | None = self.db.scalar(q.LAUNCHER_OWNER, (job_id,))
+        return owner
 
     def load_totals(self, job_id: str) -> JobTotals:
         """Every decided group of the job and the rows each outcome accounted."""
