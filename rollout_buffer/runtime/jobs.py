@@ -20,7 +20,7 @@ from rollout_buffer.core.model import JOB_ENDED, RESTART_TRAINING, Decisions, Dr
 from rollout_buffer.core.redact import redact
 from rollout_buffer.core.redeliveries import Redeliveries
 from rollout_buffer.runtime.notifications import Outbox
-from rollout_buffer.storage import launcher_sql
+from rollout_buffer.storage import source
 from rollout_buffer.storage.db import Database
 from rollout_buffer.storage.reader import MIN_ID, Accounted, Reader, first_read_after
 from rollout_buffer.storage.store import Store
@@ -84,9 +84,7 @@ class JobState:
         s["lag_rows"] = None
         if src is not None:
             with contextlib.suppress(StorageError):
-                s["lag_rows"] = int(
-                    src.scalar(launcher_sql.COUNT_AFTER, (self.job_id, self.reader.max_seen)) or 0
-                )
+                s["lag_rows"] = source.unread_rows(src, self.job_id, self.reader.max_seen)
         r = s["rows"]
         s["accounting_balanced"] = (
             r["read"] == r["served"] + r["dropped_total"] + r["rejected_total"] + r["pending"]
@@ -113,7 +111,7 @@ class Jobs:
         starts)."""
         if self._tables_seen:
             return True
-        if int(src.scalar(launcher_sql.HAS_STEPS_TABLE[src.backend]) or 0):
+        if source.steps_table_exists(src):
             self._tables_seen = True
             return True
         if not self._tables_warned:
@@ -145,7 +143,7 @@ class Jobs:
         acc.excluded.update(store.oversampled_sessions(job_id))
         accounted = None
         if (totals.decided or totals.accounted_rows) and self.launcher_tables_exist(src):
-            upto = int(src.scalar(launcher_sql.MAX_JOB_ID, (job_id,)) or 0)
+            upto = source.max_job_id(src, job_id)
             accounted = Accounted(
                 job_id, upto, store.row_pks_from(job_id, first_read_after(start_after))
             )
@@ -196,7 +194,7 @@ class Jobs:
         existing = store.get_job(job_id)
         tables = self.launcher_tables_exist(src)
         if restart_training:
-            floor = int(src.scalar(launcher_sql.MAX_TERMINAL_ID, (job_id,)) or 0) if tables else 0
+            floor = source.max_terminal_id(src, job_id) if tables else 0
             start_after, low_water = floor, floor + 1
         elif existing is not None:
             floor = int(existing["floor_pk"])
@@ -230,7 +228,7 @@ class Jobs:
         decided = set(store.decided_groups(job_id))
         accounted = store.row_pks_from(job_id, 0)
         below: dict[str, tuple[list[int], set[str]]] = {}
-        for pk, gid, sid in src.rows(launcher_sql.ROWS_AT_OR_BELOW, (job_id, floor)):
+        for pk, gid, sid in source.rows_at_or_below(src, job_id, floor):
             if gid is None or str(gid) in decided or int(pk) in accounted:
                 continue
             pks, sids = below.setdefault(str(gid), ([], set()))

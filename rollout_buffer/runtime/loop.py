@@ -25,7 +25,7 @@ from rollout_buffer.launcher.launcher import Launcher
 from rollout_buffer.runtime.jobs import Jobs, JobState
 from rollout_buffer.runtime.lease import OWNER, Lease
 from rollout_buffer.runtime.notifications import Outbox
-from rollout_buffer.storage import launcher_sql
+from rollout_buffer.storage import source
 from rollout_buffer.storage.connections import LazyPair
 from rollout_buffer.storage.db import Database
 from rollout_buffer.storage.records import steady_wall
@@ -42,9 +42,7 @@ def check_sequence(src: Database) -> None:
     committed by others, which the cursor would have passed (the row would never be read)."""
     if src.backend != "postgres":
         return
-    cache = src.scalar(launcher_sql.HAS_STEPS_TABLE[src.backend]) and src.scalar(
-        launcher_sql.SEQUENCE_CACHE
-    )
+    cache = source.sequence_cache(src)
     if cache and int(cache) > 1:
         raise ConfigError(
             f"the sequence of session_steps.id caches {int(cache)} values per connection, so ids are not handed "
@@ -364,7 +362,7 @@ class Loop:
         if self.config.job_retention_s > 0:
             for job in store.ended_jobs(wall - self.config.job_retention_s):
                 if store.purge_step(job["job_id"]) == 0:
-                    upto = int(src.scalar(launcher_sql.MAX_JOB_ID, (job["job_id"],)) or 0)
+                    upto = source.max_job_id(src, job["job_id"])
                     read = max(
                         upto,
                         int(job["cursor_pk"]),
