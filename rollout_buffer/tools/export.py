@@ -50,8 +50,8 @@ from rollout_buffer.core.items import (
 from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
 from rollout_buffer.core.values import Malformed, epoch, weight_version
 from rollout_buffer.storage import launcher_sql
-from rollout_buffer.storage import queries as q
 from rollout_buffer.storage.db import Database, connect
+from rollout_buffer.storage.exports import ExportPages
 from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
 from rollout_buffer.tools.progress import Progress, bar
 
@@ -162,7 +162,7 @@ def sessions_of(
     its terminal reward: the step_reward of its last completed row (None when it never
     completed)."""
     by_session: dict[str, list[tuple]] = collections.defaultdict(list)
-    for pk, r in rows.items():
+    for r in rows.values():
         by_session[_text(r[SID]) or ""].append(r)
     out = []
     for sid in sorted(by_session):
@@ -191,7 +191,7 @@ class Exporter:
 
     def __init__(self, src: Database, st: Database, job_id: str) -> None:
         self.src = src
-        self.st = st
+        self.pages = ExportPages(st, job_id, PAGE)
         self.job_id = job_id
         # batch_id -> (uid seed, its partial groups), None once the batch was pruned
         self._seeds: collections.OrderedDict[str, tuple[bytes, frozenset[str]] | None] = (
@@ -200,47 +200,15 @@ class Exporter:
 
     def count(self) -> int:
         """How many records an ``all`` export has."""
-        return int(self.st.scalar(q.EXPORT_COUNT_GROUPS, (self.job_id,)) or 0) + int(
-            self.st.scalar(q.EXPORT_COUNT_ORPHANS, (self.job_id,)) or 0
-        )
+        return self.pages.count()
 
     def check_job(self) -> None:
-        if self.st.fetchone(q.GET_JOB, (self.job_id,)) is None:
-            known = [r[0] for r in self.st.rows(q.EXPORT_RECENT_JOBS)]
+        if not self.pages.job_known():
+            known = self.pages.recent_jobs()
             raise ExportError(
                 f"no job {self.job_id!r} in the buffer's tables; known jobs (newest first): "
                 f"{', '.join(known) or 'none'}"
             )
-
-    # -- the two sorted streams --------------------------------------------------------------------
-    def _groups(self) -> Iterator[dict[str, Any]]:
-        after = ""
-        while True:
-            page = self.st.fetchall(q.EXPORT_GROUPS[self.st.backend], (self.job_id, after, PAGE))
-            yield from page
-            if len(page) < PAGE:
-                return
-            after = page[-1]["group_id"]
-
-    def _group_rows(self) -> Iterator[tuple]:
-        gid, pk = "", -1 << 62
-        while True:
-            page = self.st.rows(
-                q.EXPORT_GROUP_ROWS[self.st.backend], (self.job_id, gid, gid, pk, PAGE)
-            )
-            yield from page
-            if len(page) < PAGE:
-                return
-            gid, pk = page[-1][0], int(page[-1][1])
-
-    def _orphans(self) -> Iterator[tuple]:
-        pk = -1 << 62
-        while True:
-            page = self.st.rows(q.EXPORT_ORPHAN_ROWS, (self.job_id, pk, PAGE))
-            yield from page
-            if len(page) < PAGE:
-                return
-            pk = int(page[-1][0])
 
     # -- records -----------------------------------------------------------------------------------
     def records(self, what: str = "all") -> Iterator[str]:
@@ -248,9 +216,9 @@ class Exporter:
         rejected rows without a group in step_pk order."""
         if what not in WHAT:
             raise ExportError(f"--what {what!r}: expected one of {', '.join(WHAT)}")
-        extra = self._group_rows()
+        extra = self.pages.group_rows()
         pending = next(extra, None)
-        for g in self._groups():
+        for g in self.pages.groups():
             gid = g["group_id"]
             accounted: list[tuple] = []
             while pending is not None and pending[0] <= gid:
@@ -262,7 +230,7 @@ class Exporter:
             if what == "all" or (what == "served") == (g["status"] == SERVED):
                 yield self._group_record(g, accounted)
         if what != "served":
-            for r in self._orphans():
+            for r in self.pages.orphans():
                 yield self._orphan_record(r)
 
     def _rows(self, pks: list[int]) -> dict[int, tuple]:
@@ -270,7 +238,7 @@ class Exporter:
 
     def _seed(self, batch_id: str) -> tuple[bytes, frozenset[str]] | None:
         if batch_id not in self._seeds:
-            r = self.st.fetchone(q.BATCH_SEED, (batch_id,))
+            r = self.pages.batch_seed(batch_id)
             meta = json.loads(r["meta"]) if r is not None and r.get("meta") else {}
             self._seeds[batch_id] = (
                 (bytes.fromhex(r["seed"]), frozenset(meta.get("partial_groups") or ()))
@@ -408,8 +376,9 @@ def export(
         raise
     if progress is not None:
         progress.show(
-            f"  export {bar(summary.records, total or summary.records)}  {summary.records} records  "
-            f"{summary.bytes / 1e6:7.1f} MB  {time.monotonic() - started:.1f} s",
+            f"  export {bar(summary.records, total or summary.records)}  "
+            f"{summary.records} records  {summary.bytes / 1e6:7.1f} MB  "
+            f"{time.monotonic() - started:.1f} s",
             force=True,
         )
         progress.end()
@@ -481,6 +450,7 @@ def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, wh
         for db in {id(d): d for d in (src, st) if d is not None}.values():
             db.close()
     print(
-        f"exported {summary.records} records of job {job_id} to {out} ({summary.bytes / 1e6:.1f} MB)"
+        f"exported {summary.records} records of job {job_id} to {out} "
+        f"({summary.bytes / 1e6:.1f} MB)"
     )
     return 0
