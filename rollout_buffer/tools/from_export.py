@@ -25,7 +25,7 @@ import math
 import uuid
 from typing import Any
 
-from rollout_buffer.storage.launcher_sql import INSERT_ENV, INSERT_STEP
+from rollout_buffer.storage import launcher_writes
 from rollout_buffer.tools.export import read_export
 from rollout_buffer.tools.simulator import Simulator
 from rollout_buffer.tools.workload import LLM_MODEL
@@ -71,7 +71,8 @@ class ExportReplayer(Simulator):
         self.ensure_tables()
         if not a.quiet:
             print(
-                f"simulate: job {a.job_id}: writing back {a.from_export}, pace {a.pace}s -> {self.connect().safe_url}",
+                f"simulate: job {a.job_id}: writing back {a.from_export}, pace {a.pace}s -> "
+                f"{self.connect().safe_url}",
                 flush=True,
             )
         first = True
@@ -129,8 +130,7 @@ class ExportReplayer(Simulator):
         ]
 
         def insert(db: Any) -> None:
-            with db.transaction():
-                db.executemany(INSERT_ENV, rows)
+            launcher_writes.insert_sessions(db, rows)
 
         self.write(insert, "inserting job_environments")
 
@@ -138,8 +138,8 @@ class ExportReplayer(Simulator):
         a = self.args
 
         def insert(db: Any) -> None:
-            db.execute(
-                INSERT_STEP,
+            launcher_writes.insert_step(
+                db,
                 (
                     sid,
                     st.get("step_id"),

@@ -22,7 +22,7 @@ from typing import Any
 
 from rollout_buffer.core.errors import IntegrityError, StorageError
 from rollout_buffer.storage import db as dbmod
-from rollout_buffer.storage.launcher_sql import INSERT_ENV, INSERT_STEP, LAUNCHER_DDL
+from rollout_buffer.storage import launcher_writes
 from rollout_buffer.tools.workload import LLM_MODEL, SYSTEM_PROMPTS, Group, Session, Text
 
 WEIGHT_VERSION_EVERY = 50  # weight_version = rows written // this
@@ -104,22 +104,17 @@ class Simulator:
                 delay = min(delay * 2, 1.0)
 
     def tables_exist(self, db: dbmod.Database) -> bool:
-        try:
-            db.rows("SELECT 1 FROM session_steps WHERE 1 = 0")
-            db.rows("SELECT 1 FROM job_environments WHERE 1 = 0")
-            return True
-        except StorageError:
-            return False
+        return launcher_writes.tables_exist(db)
 
     def ensure_tables(self) -> None:
         db = self.connect()
         if self.tables_exist(db):
             return
-        for stmt in LAUNCHER_DDL[db.backend]:
-            try:
-                db.execute(stmt)
-            except StorageError as exc:  # another creator raced us: fine if the tables exist now
-                print(f"simulate: creating launcher tables: {exc}", file=sys.stderr, flush=True)
+
+        def failed(exc: StorageError) -> None:  # another creator raced us: fine if the tables exist
+            print(f"simulate: creating launcher tables: {exc}", file=sys.stderr, flush=True)
+
+        launcher_writes.create_tables(db, failed)
         if not self.tables_exist(db):
             time.sleep(0.2)
             if not self.tables_exist(db):
@@ -194,8 +189,7 @@ class Simulator:
                 )
 
         def insert(db: dbmod.Database) -> None:
-            with db.transaction():
-                db.executemany(INSERT_ENV, rows)
+            launcher_writes.insert_sessions(db, rows)
 
         self.write(insert, "inserting job_environments")
 
@@ -256,7 +250,7 @@ class Simulator:
                 1,
                 self.now(),
             )
-            db.execute(INSERT_STEP, row)
+            launcher_writes.insert_step(db, row)
 
         self.write(insert, f"inserting step {s.step} of session {s.session_id}")
         s.cum_reward = cum
@@ -294,8 +288,9 @@ class Simulator:
         self.write_environments()
         if not a.quiet:
             print(
-                f"simulate: job {a.job_id}: {a.groups} groups x K={a.rl_group_size}, max {a.max_steps} "
-                f"steps, pool {a.pool_size}, pace {a.pace}s -> {self.connect().safe_url}",
+                f"simulate: job {a.job_id}: {a.groups} groups x K={a.rl_group_size}, "
+                f"max {a.max_steps} steps, pool {a.pool_size}, pace {a.pace}s -> "
+                f"{self.connect().safe_url}",
                 flush=True,
             )
         queue = deque(s for gr in self.groups for s in gr.sessions)
