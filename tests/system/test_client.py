@@ -25,7 +25,6 @@ from servers import ROOT, serve
 from support import Writer, make_launcher_db, wait_until
 
 from rollout_buffer.client import BufferClient, BufferError, BufferUnavailable
-from rollout_buffer.core.errors import RolloutBufferError
 from rollout_buffer.storage.db import connect
 from rollout_buffer.tools.stats_table import format_stats
 
@@ -245,7 +244,7 @@ def test_4xx_raises_buffer_error_with_the_server_message(db_url: str, tmp_path: 
             client.get_rollout_data(max_groups="x")  # type: ignore[arg-type]
         assert info.value.status == 400
         assert "max_groups" in str(info.value) and "expected" in str(info.value)
-        assert isinstance(info.value, RolloutBufferError) and not isinstance(
+        assert isinstance(info.value, BufferError) and not isinstance(
             info.value, BufferUnavailable
         )
         with pytest.raises(BufferError) as info:
