@@ -21,8 +21,8 @@ def steps_table_exists(src: Database) -> bool:
 
 
 def sequence_cache(src: Database) -> Any:
-    """How many ids the sequence of session_steps.id caches per connection (Postgres; falsy when the
-    table does not exist yet)."""
+    """How many ids the sequence of session_steps.id caches per connection (Postgres only; falsy
+    when the table does not exist yet)."""
     return src.scalar(launcher_sql.HAS_STEPS_TABLE[src.backend]) and src.scalar(
         launcher_sql.SEQUENCE_CACHE
     )
