@@ -26,7 +26,6 @@ class Policies:
     its caller holds it."""
 
     # The accumulator's state these decisions read and change (set in Accumulator.__init__).
-    job_id: str
     k: int
     clock: Callable[[], float]
     policy: Policy
