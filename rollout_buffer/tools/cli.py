@@ -108,16 +108,17 @@ def _count(text: str) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Write every decided group of a job as JSONL (see README "Export format")."""
+    """Write every decided group of a job as JSONL (the format: docs/operations.md, "Export")."""
     from rollout_buffer.tools.export import main_export
 
     return main_export(args.db, args.state_db, args.job, args.out, args.what)
 
 
 def cmd_settings(args: argparse.Namespace) -> int:
-    from rollout_buffer.core.settings import settings_table
+    """Print docs/settings.md (the page is this command's output, committed)."""
+    from rollout_buffer.tools.settings_page import settings_page
 
-    print(settings_table())
+    sys.stdout.write(settings_page())
     return 0
 
 
@@ -184,7 +185,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="served groups, dropped groups and rejected rows, or all",
     )
     s.set_defaults(func=cmd_export)
-    s = sub.add_parser("settings", help="print every setting as a markdown table")
+    s = sub.add_parser(
+        "settings", help="print the settings page (docs/settings.md): every setting, as markdown"
+    )
     s.set_defaults(func=cmd_settings)
     args = p.parse_args(argv)
     return args.func(args)

@@ -1,4 +1,4 @@
-"""Configuration: typed, strict, read once; the README's settings table is generated from it."""
+"""Configuration: typed, strict, read once; the docs' settings page is generated from it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ConfigError
 from rollout_buffer.core.settings import settings_table
 from rollout_buffer.launcher.launcher import launch_spec
+from rollout_buffer.tools import cli
+from rollout_buffer.tools.settings_page import REGENERATE
 
 
 def test_defaults_without_aievobox_root(tmp_path, monkeypatch):
@@ -101,12 +103,16 @@ def test_launcher_cmd_is_split_like_a_shell():
     )
 
 
-def test_readme_settings_table_is_current():
-    with open(
-        os.path.join(os.path.dirname(__file__), "..", "..", "README.md"), encoding="utf-8"
-    ) as fh:
-        readme = fh.read()
-    assert settings_table() in readme, "regenerate the README table with `rollout-buffer settings`"
+def test_the_settings_page_is_the_settings_commands_output(capsys):
+    assert cli.main(["settings"]) == 0
+    printed = capsys.readouterr().out
+    assert settings_table() in printed  # the page holds every setting
+    page = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "settings.md")
+    with open(page, encoding="utf-8") as fh:
+        committed = fh.read()
+    assert printed == committed, (
+        f"docs/settings.md is out of date: regenerate it with `{REGENERATE}`"
+    )
 
 
 def test_an_unknown_setting_is_named_without_its_value():
