@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rollout_buffer.core.logconfig import EventLog
@@ -112,7 +112,7 @@ def item_flags(partial: bool, redelivered: bool) -> str:
 
 def build_group(
     take: Take,
-    rows: dict[int, Sequence[Any]],
+    rows: Mapping[int, Sequence[Any]],
     seed: bytes,
     job_id: str,
     buf: bytearray,
@@ -139,7 +139,7 @@ _Prepared = tuple[str, int, int, bytes, int, bool, Sequence[Any], int, float, fl
 
 
 def _in_order(
-    take: Take, rows: dict[int, Sequence[Any]], bad: dict[int, str]
+    take: Take, rows: Mapping[int, Sequence[Any]], bad: dict[int, str]
 ) -> list[tuple[str, int, int, Sequence[Any]]]:
     """The served rows by (session_id, step_id, step_pk); a missing row or a step_id that is not
     an integer goes into ``bad``."""

@@ -270,13 +270,22 @@ class Launcher:
         )
         return pid
 
+    def want_relaunch(self, job_id: str) -> None:
+        """The job's launcher was stopped for this owner (handed over): a fresh one is due here once
+        its incomplete groups are dropped."""
+        self.relaunch_for = job_id
+
+    def cancel_relaunch(self) -> None:
+        """A fresh launcher could not be started: not retried (the error was logged)."""
+        self.relaunch_for = None
+
     def start_for(self, store: Store, js: Any) -> int | None:
         """/start_rollout and a relaunch: start the job's launcher (none with LAUNCHER=none); the
         loop's view of the previous one's end (``js``: the JobState) starts over with it."""
         if not self.managed:
             return None
         pid = self.start(store, js.job_id, js.k)
-        js.launcher_finished_tick, js.launcher_drop_done = None, False
+        js.launcher_started()
         return pid
 
     def resume_restart(self, store: Store, job_id: str, k: int, row: dict[str, Any]) -> bool:

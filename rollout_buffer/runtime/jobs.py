@@ -39,6 +39,7 @@ class JobState:
         acc: Accumulator,
         reader: Reader,
         accounted: Accounted | None,
+        redeliveries: Redeliveries | None = None,
     ) -> None:
         self.job_id = job_id
         self.k = k
@@ -55,7 +56,27 @@ class JobState:
             None  # (cursor, low-water, trainer version, rows version) saved
         )
         self.saved_marker: tuple | None = None
-        self.redeliveries = Redeliveries()  # served groups to deliver again, ahead of ready ones
+        # served groups to deliver again, ahead of ready ones
+        self.redeliveries = redeliveries if redeliveries is not None else Redeliveries()
+
+    # -- the loop's view of the launcher and of the saved cursor (only the owner's methods write)
+    def launcher_finished(self, tick: int) -> None:
+        """The launcher was seen finished at this tick: its incomplete groups are dropped once the
+        reader caught up after it."""
+        self.launcher_finished_tick = tick
+
+    def no_launcher_drop(self) -> None:
+        """No (further) ``launcher_exited`` drop for the launcher seen finished: it was done, or the
+        finished launcher is not this job's (until its own is spawned)."""
+        self.launcher_drop_done = True
+
+    def launcher_started(self) -> None:
+        """A launcher of this job was spawned: the view of the previous one's end starts over."""
+        self.launcher_finished_tick, self.launcher_drop_done = None, False
+
+    def cursor_saved(self, at: float, marker: tuple, saved: tuple) -> None:
+        """The loop saved (or found current) the durable cursor at ``at``."""
+        self.cursor_saved_at, self.saved_marker, self.saved_cursor = at, marker, saved
 
     def ready_count(self) -> int:
         """Groups a poll could be given now: queued redeliveries and ready groups."""
@@ -106,6 +127,12 @@ class Jobs:
         self._tables_seen = False
         self._tables_warned = False
 
+    def drop(self) -> JobState | None:
+        """Forget the active job (this instance lost it; callers hold the serve lock); returns
+        it."""
+        js, self.current = self.current, None
+        return js
+
     def launcher_tables_exist(self, src: Database) -> bool:
         """True once session_steps exists (a fresh database has it only after the launcher
         starts)."""
@@ -148,11 +175,8 @@ class Jobs:
                 job_id, upto, store.row_pks_from(job_id, first_read_after(start_after))
             )
         reader = Reader(job_id, start_after, self.config.ingest_batch, clock=self.clock)
-        js = JobState(job_id, k, floor_pk, acc, reader, accounted)
-        js.redeliveries = Redeliveries(
-            store.redelivery_queue(job_id), store.redelivery_totals(job_id)
-        )
-        return js
+        redeliveries = Redeliveries(store.redelivery_queue(job_id), store.redelivery_totals(job_id))
+        return JobState(job_id, k, floor_pk, acc, reader, accounted, redeliveries)
 
     def resume(self, src: Database, store: Store) -> dict | None:
         """At start: make the stored active job current again. Returns its stored row, or None."""
@@ -213,8 +237,8 @@ class Jobs:
         if tombstones:
             self.outbox.notify(job_id, Decisions(drops=tombstones))
             logger.warning(
-                "restart_training: job %s reads after id %s; %d groups with rows at or below it are "
-                "dropped",
+                "restart_training: job %s reads after id %s; %d groups with rows at or below it "
+                "are dropped",
                 job_id,
                 floor,
                 len(tombstones),

@@ -42,6 +42,7 @@ from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost, StorageError
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
+from rollout_buffer.runtime.threads import Runtime
 from rollout_buffer.storage import lease_sql as sql
 from rollout_buffer.storage.connections import service_connect
 from rollout_buffer.storage.db import Database, sqlite_path
@@ -107,6 +108,8 @@ def _holder(row: dict[str, Any] | None, now: float) -> Holder | None:
 class Lease:
     """This instance's part in the lease: its role, its epoch, and the thread that keeps them."""
 
+    name = "rollout-buffer-lease"  # its thread's, as a worker of the runtime
+
     def __init__(
         self,
         config: Config,
@@ -147,28 +150,32 @@ class Lease:
         self._pruned_at = float("-inf")
         self._failing_since: float | None = None
         self._leaving = False
-        self._stop = threading.Event()
-        self._wake = threading.Event()
+        self.wake = threading.Event()  # a worker of the runtime: set to step now
+        self.stopping = threading.Event()  # set by the runtime on stop
         self.decided = threading.Event()  # set once the first step has read or taken the lease
-        self._thread: threading.Thread | None = None
+        self._runtime: Runtime | None = None  # used alone: a runtime of its own
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
+        """Used alone (tests, tools): run the lease's thread in a runtime of its own. (The service
+        runs it in its runtime, then calls give_up.)"""
         if self.enabled:
-            self._thread = threading.Thread(
-                target=self._run, name="rollout-buffer-lease", daemon=True
-            )
-            self._thread.start()
+            if self._runtime is None:
+                self._runtime = Runtime()
+                self._runtime.add(self)
+            self._runtime.start(monitor=False)
 
     def stop(self, timeout: float = 10.0, release: bool = True) -> None:
-        """Stop the thread; an owner gives the lease up (a standby takes it at once) unless
+        """Used alone: stop the thread, then :meth:`give_up`."""
+        if self._runtime is not None:
+            self._runtime.stop_worker(self, timeout)
+        self.give_up(release)
+
+    def give_up(self, release: bool = True) -> None:
+        """(The thread stopped.) An owner gives the lease up (a standby takes it at once) unless
         ``release`` is False; leave the instances."""
         if not self.enabled:
             return
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
         with (
             contextlib.suppress(StorageError),
             service_connect(
@@ -191,7 +198,20 @@ class Lease:
             self._lock_fd = None
 
     def nudge(self) -> None:
-        self._wake.set()
+        self.wake.set()
+
+    # -- the loop's view of the job's state (only these methods write it) -------------------------
+    def state_loaded(self) -> None:
+        """The loop loads the job's state under the current epoch (its bootstrap follows)."""
+        self.state_epoch = self.epoch
+
+    def state_dropped(self) -> None:
+        """The loop dropped the job's state: no epoch has it loaded."""
+        self.state_epoch = None
+
+    def report_launcher(self, report: str | None) -> None:
+        """What the loop saw of a launcher recorded on this host (kept in this instance's row)."""
+        self.report = report
 
     def leaving(self) -> None:
         """The service is stopping: a standby no longer takes the job and stops counting as one (an
@@ -315,17 +335,18 @@ class Lease:
             }
         return set()
 
-    # -- the thread ------------------------------------------------------------------------------
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                wait = self._step()
-            except Exception:
-                logger.exception("the lease thread failed a step (retrying)")
-                self._close()
-                wait = RETRY_S
-            self._wake.wait(wait)
-            self._wake.clear()
+    # -- the worker (its own thread and connection) --------------------------------------------
+    def tick(self) -> float:
+        """One step: renew (an owner) or try to take the lease; returns the wait before the next."""
+        try:
+            return self._step()
+        except Exception:
+            logger.exception("the lease thread failed a step (retrying)")
+            self._close()
+            return RETRY_S
+
+    def close(self) -> None:
+        """(The lease's thread, as it ends.) Its connection is its own."""
         self._close()
 
     def _step(self) -> float:

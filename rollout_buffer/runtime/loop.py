@@ -20,11 +20,13 @@ from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost, StorageError
 from rollout_buffer.core.history import History
 from rollout_buffer.core.model import LAUNCHER_EXITED, LauncherState
-from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher.launcher import Launcher
+from rollout_buffer.runtime.health import Health
 from rollout_buffer.runtime.jobs import Jobs, JobState
 from rollout_buffer.runtime.lease import OWNER, Lease
+from rollout_buffer.runtime.locks import LOCK_WAIT_S, Locks
 from rollout_buffer.runtime.notifications import Outbox
+from rollout_buffer.runtime.signals import Signals
 from rollout_buffer.storage import source
 from rollout_buffer.storage.connections import LazyPair
 from rollout_buffer.storage.db import Database
@@ -45,94 +47,17 @@ def check_sequence(src: Database) -> None:
     cache = source.sequence_cache(src)
     if cache and int(cache) > 1:
         raise ConfigError(
-            f"the sequence of session_steps.id caches {int(cache)} values per connection, so ids are not handed "
-            "out in commit order and rows could be skipped; fix it with: ALTER TABLE session_steps ALTER COLUMN "
-            "id SET CACHE 1 (or ALTER SEQUENCE <its sequence> CACHE 1), then the service recovers by itself"
+            f"the sequence of session_steps.id caches {int(cache)} values per connection, so ids "
+            "are not handed out in commit order and rows could be skipped; fix it with: ALTER "
+            "TABLE session_steps ALTER COLUMN id SET CACHE 1 (or ALTER SEQUENCE <its sequence> "
+            "CACHE 1), then the service recovers by itself"
         )
 
 
-class Health:
-    """Whether background work against the database is failing, and since when."""
-
-    def __init__(self, config: Config, clock: Callable[[], float]) -> None:
-        self.config = config
-        self.clock = clock
-        self.failing_since: float | None = None
-        self.last_error: str | None = None
-        self._logged_at = 0.0
-
-    def failed(self, exc: BaseException) -> None:
-        now = self.clock()
-        if self.failing_since is None:
-            self.failing_since = now
-        self.last_error = redact(
-            f"{type(exc).__name__}: {exc}"
-        )  # /health shows it, unauthenticated
-        if now - self._logged_at > 30.0:
-            self._logged_at = now
-            if isinstance(exc, (StorageError, ConfigError)):
-                logger.error("background work failed (retrying): %s", exc)
-            else:
-                logger.exception("background tick failed (retrying)", exc_info=exc)
-
-    def ok(self) -> None:
-        if self.failing_since is not None:
-            logger.info("database reachable again after %.1f s", self.clock() - self.failing_since)
-        self.failing_since = None
-        self.last_error = None
-
-    def problem(self) -> str | None:
-        """An error message when background work has been failing too long, else None."""
-        since = self.failing_since
-        if since is not None and self.clock() - since >= self.config.db_unhealthy_after_s:
-            return self.last_error or "database unreachable"
-        return None
-
-
-class ReadySignal:
-    """Wakes long-polls: the loop notifies it when groups become ready; stop and shutdown interrupt
-    it.
-
-    A waiting poll holds no lock of the service and burns no CPU: it sleeps on this condition
-    (in short slices, so a gunicorn shutdown seen through ``should_stop`` ends it promptly)."""
-
-    SLICE_S = 0.25
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._interrupts = 0
-        self.closed = False
-
-    def notify(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-
-    def interrupt(self, close: bool = False) -> None:
-        """Answer every waiting poll now (``/stop_rollout``, shutdown)."""
-        with self._cond:
-            self._interrupts += 1
-            self.closed = self.closed or close
-            self._cond.notify_all()
-
-    def wait(
-        self, ready: Callable[[], bool], timeout: float, should_stop: Callable[[], bool]
-    ) -> None:
-        """Return once ``ready()``, after ``timeout``, on an interrupt, or when
-        ``should_stop()``."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            seen = self._interrupts
-            while (
-                not ready() and not self.closed and seen == self._interrupts and not should_stop()
-            ):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._cond.wait(min(left, self.SLICE_S))
-
-
 class Loop:
-    """The background thread: one tick every interval, or sooner when nudged."""
+    """The ingest loop, a worker of the runtime: one tick every interval, or sooner when nudged."""
+
+    name = "rollout-buffer-loop"
 
     def __init__(
         self,
@@ -142,58 +67,60 @@ class Loop:
         outbox: Outbox,
         launcher: Launcher,
         health: Health,
-        tick_lock: threading.Lock,
-        serve_lock: threading.Lock,
+        locks: Locks,
+        signals: Signals,
+        on_reset: Callable[[], None],
         clock: Callable[[], float] = time.monotonic,
         history: History | None = None,
         lease: Lease | None = None,
-        on_reset: Callable[[], None] = lambda: None,
-        start_lock: threading.Lock | None = None,
     ) -> None:
         self.config = config
         self.lease = lease  # None: no lease, this instance always owns the job
         self.on_reset = on_reset  # serving forgets what it knew of the job's polls
-        self.start_lock = (
-            start_lock or threading.Lock()
-        )  # /start_rollout's: a relaunch never races one
         self.history = history or History()  # the status page's ingest rate
         self.jobs = jobs
         self.outbox = outbox
         self.launcher = launcher
         self.health = health
-        self.tick_lock = tick_lock
-        self.serve_lock = serve_lock
+        self.locks = locks
+        self.signals = signals
         self.clock = clock
-        self.bootstrapped = threading.Event()
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.wake = signals.wake  # a nudge from anyone: a tick now
+        self.stopping = threading.Event()
         self._conns = LazyPair(config, lease.fence if lease is not None else None)
         self._watched_at = float("-inf")
-        self.ready_signal = ReadySignal()
         self._tick_no = 0
         self._ticks_done = 0
         self._tick_done = threading.Condition()
         self._last_tick_end: float | None = None
         self._housekept_at = float("-inf")
         self._started_at = clock()
+        self.interval = config.ingest_interval_s
+        if config.ttl_s > 0:
+            self.interval = min(self.interval, config.ttl_s / 10.0, 10.0)
 
-    # -- thread ------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._stop.clear()
+    # -- the worker ------------------------------------------------------------------------------
+    def tick(self) -> float:
+        """One round, then the wait before the next (missed ticks are skipped, never burst)."""
+        started = self.clock()
+        try:
+            self.round()
+        except Exception as exc:  # the loop must survive anything: /health says what failed
+            self.health.failed(exc)
+        self._last_tick_end = self.clock()
+        with self._tick_done:
+            self._ticks_done += 1
+            self._tick_done.notify_all()
+        return max(0.0, self.interval - (self.clock() - started))
+
+    def close(self) -> None:
+        """(The loop's thread, as it ends.) Its connections are its own."""
+        self._conns.close()
+
+    def mark_started(self) -> None:
+        """The service starts the loop now: a tick that does not come from here on is stuck."""
         self._started_at = self.clock()
-        self._thread = threading.Thread(target=self._run, name="rollout-buffer-loop", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.error(
-                    "background thread %s still alive after %.0f s", self._thread.name, timeout
-                )
+        self._last_tick_end = None
 
     def tick_age(self) -> float:
         """Seconds since the last tick completed (since the start before the first one)."""
@@ -210,20 +137,10 @@ class Loop:
         age = self.tick_age()
         if age <= self.stale_after:
             return None
-        return f"the background loop has not completed a tick for {age:.0f} s (a statement may be stuck on a lock)"
-
-    @property
-    def alive(self) -> bool:
-        """True while the loop thread runs."""
-        return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
-
-    def nudge(self) -> None:
-        """Ask for a tick now."""
-        self._wake.set()
+        return (
+            f"the background loop has not completed a tick for {age:.0f} s (a statement may be "
+            "stuck on a lock)"
+        )
 
     def sync(self, timeout: float = 10.0) -> bool:
         """Wait until a full tick has run after this call (tests, CLI). Only the loop thread touches
@@ -232,43 +149,24 @@ class Loop:
             target = self._ticks_done + 2
             deadline = time.monotonic() + timeout
             while self._ticks_done < target:
-                self._wake.set()
+                self.wake.set()
                 left = deadline - time.monotonic()
-                if left <= 0 or self._stop.is_set():
+                if left <= 0 or self.stopping.is_set():
                     return False
                 self._tick_done.wait(min(left, 0.05))
         return True
 
-    def _run(self) -> None:
-        interval = self.config.ingest_interval_s
-        if self.config.ttl_s > 0:
-            interval = min(interval, self.config.ttl_s / 10.0, 10.0)
-        while not self._stop.is_set():
-            started = self.clock()
-            try:
-                self.tick()
-            except Exception as exc:  # the loop must survive anything
-                self.health.failed(exc)
-            self._last_tick_end = self.clock()
-            with self._tick_done:
-                self._ticks_done += 1
-                self._tick_done.notify_all()
-            # skip missed ticks rather than bursting
-            self._wake.wait(max(0.0, interval - (self.clock() - started)))
-            self._wake.clear()
-        self._conns.close()
-
     # -- one tick ------------------------------------------------------------------------------
-    def tick(self) -> None:
+    def round(self) -> None:
         """One round (loop thread only): bootstrap, record the outbox, ingest, TTL, launcher,
         cursor."""
-        with self.tick_lock:
+        with self.locks.ticking():
             self._tick_no += 1
             try:
                 if not self._owned():
                     return
                 pair = self._conns.get()
-                if not self.bootstrapped.is_set():
+                if not self.signals.bootstrapped.is_set():
                     self._bootstrap(pair.src, pair.store)
                 self.outbox.flush(pair.store)
                 js = self.jobs.current
@@ -305,28 +203,26 @@ class Loop:
         if lease.role != OWNER:
             self._standby_tick()
             return False
-        lease.state_epoch = lease.epoch  # the bootstrap below loads the job under this epoch
+        lease.state_loaded()  # the bootstrap below loads the job under this epoch
         return True
 
     def _drop_state(self) -> bool:
         """Forget the job (the owner has it, in the database); False when a poll holds the serve
         lock."""
         assert self.lease is not None
-        if not self.serve_lock.acquire(timeout=8.0):
-            return False
-        try:
-            js, self.jobs.current = self.jobs.current, None
-            self.bootstrapped.clear()
-            self.lease.state_epoch = None
+        with self.locks.try_serving(LOCK_WAIT_S) as taken:
+            if not taken:
+                return False
+            js = self.jobs.drop()
+            self.signals.bootstrapped.clear()
+            self.lease.state_dropped()
             unrecorded = self.outbox.discard()
             self.on_reset()
             self.launcher.let_go()
-        finally:
-            self.serve_lock.release()
-        self.ready_signal.interrupt()  # waiting polls answer now, as a standby answers
+        self.signals.ready.interrupt()  # waiting polls answer now, as a standby answers
         logger.warning(
-            "dropped the in-memory state of job %s: this instance does not own it now (%d unrecorded "
-            "decisions left to the owner)",
+            "dropped the in-memory state of job %s: this instance does not own it now (%d "
+            "unrecorded decisions left to the owner)",
             js.job_id if js else None,
             unrecorded,
         )
@@ -347,7 +243,7 @@ class Loop:
         except StorageError:
             self._conns.close()
             return  # the lease thread reports the database
-        self.lease.report = self.launcher.watch_here(row, owner_host)
+        self.lease.report_launcher(self.launcher.watch_here(row, owner_host))
 
     def _housekeeping(self, src: Database, store: Store) -> None:
         """Every HOUSEKEEPING_S: check the source's sequence, and retention in small steps."""
@@ -391,24 +287,24 @@ class Loop:
             if self.launcher.resume_restart(store, js.job_id, js.k, row):
                 pass
             elif state is LauncherState.HANDED_OVER and self.launcher.managed:
-                js.launcher_finished_tick = (
+                js.launcher_finished(
                     self._tick_no
                 )  # stopped for this owner: drop, then a fresh one
-                self.launcher.relaunch_for = js.job_id
+                self.launcher.want_relaunch(js.job_id)
             elif state is not None and (state.finished or state is LauncherState.RESTART_PENDING):
-                js.launcher_finished_tick = (
+                js.launcher_finished(
                     self._tick_no
                 )  # it ended before the crash: drop after catch-up
             elif self.launcher.adopt(store, js.job_id, row) is False:
-                js.launcher_finished_tick = self._tick_no
+                js.launcher_finished(self._tick_no)
         self.outbox.resend_unnotified(store)
-        self.bootstrapped.set()
+        self.signals.bootstrapped.set()
         if self.lease is not None:
             self.lease.resumed()
 
     def _ingest(self, src, store: Store, js: JobState) -> None:
         if not self.jobs.launcher_tables_exist(src):
-            js.reader.caught_up = True  # nothing can have been written
+            js.reader.nothing_to_read()  # nothing can have been written
             return
         deadline = self.clock() + 1.0
         while True:
@@ -430,11 +326,11 @@ class Loop:
             js.reader.advance()  # only now: a failure above re-reads these rows next tick
             if plan is not None:
                 if plan.newly_ready:
-                    self.ready_signal.notify()
+                    self.signals.ready.notify()
                 self.outbox.act(store, js.job_id, plan)
             # drained, not caught_up: on Postgres the safe cursor only moves between ticks, so
             # waiting for caught_up here re-read the window in a busy loop for the whole second.
-            if js.reader.drained or self.clock() > deadline or self._stop.is_set():
+            if js.reader.drained or self.clock() > deadline or self.stopping.is_set():
                 break
         js.reader.end_tick()
 
@@ -460,14 +356,14 @@ class Loop:
             ]
             self.launcher.check_elsewhere(store, js.job_id, reports)
         if self.launcher.finished() and js.launcher_finished_tick is None:
-            js.launcher_finished_tick = self._tick_no
+            js.launcher_finished(self._tick_no)
         if (
             js.launcher_finished_tick is not None
             and not js.launcher_drop_done
             and self._tick_no > js.launcher_finished_tick
             and js.reader.caught_up
         ):
-            js.launcher_drop_done = True
+            js.no_launcher_drop()
             plan = js.acc.drop_all(LAUNCHER_EXITED, include_ready=False, partial=True)
             if plan.drops:
                 logger.warning(
@@ -483,18 +379,20 @@ class Loop:
         """After a takeover: the job's launcher was lost with its owner (and its incomplete groups
         are dropped): a fresh one, as /start_rollout would start, so the job goes on. Not while a
         /start_rollout is in progress (it starts one itself): never waits for its lock."""
-        if not self.start_lock.acquire(blocking=False):
-            return
-        try:
-            pid = self.launcher.start_for(store, js)
-        except ApiError as exc:
-            logger.error("could not start a fresh launcher for job %s: %s", js.job_id, exc.message)
-            self.launcher.relaunch_for = None
-            return
-        finally:
-            self.start_lock.release()
+        with self.locks.try_starting() as taken:
+            if not taken:
+                return
+            try:
+                pid = self.launcher.start_for(store, js)
+            except ApiError as exc:
+                logger.error(
+                    "could not start a fresh launcher for job %s: %s", js.job_id, exc.message
+                )
+                self.launcher.cancel_relaunch()
+                return
         logger.warning(
-            "started a fresh launcher for job %s (pid %s): the previous one was lost with its owner",
+            "started a fresh launcher for job %s (pid %s): the previous one was lost with its "
+            "owner",
             js.job_id,
             pid,
         )
@@ -511,9 +409,9 @@ class Loop:
         marker = (js.reader.cursor, js.acc.changes, js.acc.trainer_version)
         if marker == js.saved_marker or not self.outbox.empty():
             return  # idle: no O(groups) low-water scan, nothing to write
-        if not self.serve_lock.acquire(blocking=False):
-            return  # a poll is deciding groups; save next time
-        try:
+        with self.locks.try_serving() as taken:
+            if not taken:
+                return  # a poll is deciding groups; save next time
             if not self.outbox.empty():
                 return  # a poll queued decisions meanwhile: they must be recorded first
             # Never past the reader's safe cursor: on Postgres a row below the smallest pending pk
@@ -527,8 +425,4 @@ class Loop:
             )
             if cur != js.saved_cursor:
                 store.save_cursor(js.job_id, *cur)
-                js.saved_cursor = cur
-            js.cursor_saved_at = now
-            js.saved_marker = marker
-        finally:
-            self.serve_lock.release()
+            js.cursor_saved(now, marker, cur)

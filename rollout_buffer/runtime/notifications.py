@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
 
+from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import StorageError
 from rollout_buffer.core.logconfig import EventLog
 from rollout_buffer.core.model import (
@@ -25,7 +25,7 @@ from rollout_buffer.core.model import (
     RowKey,
 )
 from rollout_buffer.runtime.proxy import ProxyNotifier
-from rollout_buffer.storage.db import Database
+from rollout_buffer.storage.connections import state_connection
 from rollout_buffer.storage.store import Store
 
 logger = logging.getLogger(__name__)
@@ -34,13 +34,9 @@ logger = logging.getLogger(__name__)
 class Outbox:
     """Records plans and queues their notifications; keeps the plans it could not record yet."""
 
-    def __init__(
-        self,
-        notifier: ProxyNotifier,
-        connect_state: Callable[[], contextlib.AbstractContextManager[Database]],
-    ) -> None:
+    def __init__(self, *, notifier: ProxyNotifier, config: Config) -> None:
         self.notifier = notifier
-        self._connect_state = connect_state
+        self.config = config  # for the notifier thread's own short connection (on_delivered)
         self._lock = threading.Lock()
         self._queue: list[tuple[str, Decisions]] = []
         self.events = EventLog(logger)  # per kind of event: the first line, then a summary a minute
@@ -152,8 +148,8 @@ class Outbox:
     ) -> None:
         """Notifier thread: the proxy cleared these sessions; remember it durably (best effort)."""
         try:
-            with self._connect_state() as st:
-                Store(st).mark_notified(keys)
+            with state_connection(self.config) as state:
+                Store(state).mark_notified(keys)
         except StorageError as exc:
             logger.warning(
                 "could not record a delivered clear_sessions (%s); it will be sent again after "

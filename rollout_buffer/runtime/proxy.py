@@ -22,6 +22,7 @@ from typing import Any
 import requests
 
 from rollout_buffer.core.errors import RolloutBufferError
+from rollout_buffer.runtime.threads import Runtime, StillRunning
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,9 @@ class _Entry:
 
 
 class ProxyNotifier:
-    """Delivers clear_sessions notifications to the LLM proxy from one background thread.
+    """Delivers clear_sessions notifications to the LLM proxy from one background thread (a worker
+    of the service's runtime; used alone, ``start()`` and ``stop()`` run it in a runtime of its
+    own).
 
     ``notify()`` never blocks on the network and never raises: it coalesces ids into a
     pending map and wakes the thread. The thread sends one POST per reason (split into
@@ -114,12 +117,18 @@ class ProxyNotifier:
         self._last_warn_at: float | None = None
         self._warned_since = 0  # failures since the last WARNING line
 
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._lifecycle = threading.Lock()  # serialises start()/stop()
-        self._thread: threading.Thread | None = None
+        self.wake = threading.Event()  # a notify: send now (unless a backoff is running)
+        self.stopping = threading.Event()  # set by the runtime on stop
+        self._retry_at: float | None = None  # the end of the running backoff (monotonic)
+        self._lifecycle = threading.Lock()  # serialises start()/stop() when used alone
+        self._runtime: Runtime | None = None  # used alone: a runtime of its own
         self._session: requests.Session | None = None
         self._warned_disabled = False
+
+    def deliver_to(self, on_delivered: DeliveredCallback) -> None:
+        """Call ``on_delivered`` once every session of a reason was acknowledged (the outbox marks
+        its records delivered); set once, before the thread starts."""
+        self.on_delivered = on_delivered
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -129,7 +138,8 @@ class ProxyNotifier:
         return self.base_url is not None
 
     def start(self) -> None:
-        """Start the notifier thread; idempotent. Starts nothing when no proxy is configured.
+        """Used alone: start the notifier thread; idempotent. Starts nothing when no proxy is
+        configured.
 
         A stopped notifier may be started again (pending ids are kept), unless its old
         thread is still stuck, which raises :class:`ProxyNotifierError`.
@@ -137,48 +147,43 @@ class ProxyNotifier:
         with self._lifecycle:
             if not self.enabled:
                 return
-            if self._thread is not None:
-                if not self._stop.is_set():
-                    return  # already running
-                if self._thread.is_alive():
-                    raise ProxyNotifierError(
-                        f"cannot restart proxy notifier {self.name!r}: its previous thread is still alive"
-                    )
-            self._stop.clear()
-            self._wake.set()  # deliver whatever was notified before start() at once
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            self._thread.start()
+            if self._runtime is None:
+                self._runtime = Runtime()
+                self._runtime.add(self)
+            try:
+                self._runtime.start(monitor=False)
+            except StillRunning as exc:
+                raise ProxyNotifierError(
+                    f"cannot restart proxy notifier {self.name!r}: its previous thread is still "
+                    "alive"
+                ) from exc
             logger.info("proxy notifier started, url=%s", self.url)
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread and close its session; idempotent. Pending ids stay pending."""
+        """Used alone: stop the thread and close its session; idempotent. Pending ids stay
+        pending."""
         with self._lifecycle:
-            thread = self._thread
-            if thread is None or self._stop.is_set():
+            runtime = self._runtime
+            if runtime is None or self.stopping.is_set():
                 return
-            self._stop.set()
-            self._wake.set()
-            thread.join(timeout)
-            if thread.is_alive():
-                logger.error(
-                    "proxy notifier thread %r still alive %.1fs after stop(); "
-                    "abandoning it (daemon)",
-                    self.name,
-                    timeout,
-                )
+            runtime.stop_worker(self, timeout)
             session = self._session
             if session is not None:
-                session.close()  # idempotent; the thread closes it too on the way out
-            stats = self.pending()
-            if stats["sessions"]:
-                logger.info(
-                    "proxy notifier stopped with %d session(s) still pending (%s); "
-                    "they are re-sent after a restart",
-                    stats["sessions"],
-                    stats["reasons"],
-                )
-            else:
-                logger.info("proxy notifier stopped")
+                session.close()  # idempotent: a thread stuck in a POST gives up sooner
+            self.log_stopped()
+
+    def log_stopped(self) -> None:
+        """Say what a stop leaves pending (re-sent after a restart)."""
+        stats = self.pending()
+        if stats["sessions"]:
+            logger.info(
+                "proxy notifier stopped with %d session(s) still pending (%s); "
+                "they are re-sent after a restart",
+                stats["sessions"],
+                stats["reasons"],
+            )
+        else:
+            logger.info("proxy notifier stopped")
 
     # ------------------------------------------------------------------ callers' side
 
@@ -210,7 +215,7 @@ class ProxyNotifier:
                 return
             with self._lock:
                 self._pending.setdefault(str(reason), _Entry()).merge(sessions, groups, keys)
-            self._wake.set()
+            self.wake.set()
         except Exception:  # a caller's bad argument must not break a poll
             logger.exception("proxy notify(%r) failed; notification not queued", reason)
 
@@ -237,26 +242,37 @@ class ProxyNotifier:
 
     # ------------------------------------------------------------------ the thread
 
-    def _run(self) -> None:
-        session = requests.Session()
-        # No urllib3 Retry: POST is not retried by it anyway, and our loop below is the retry
-        # (with backoff that stop() can interrupt).
-        self._session = session
+    def tick(self) -> float:
+        """(The notifier's thread.) Send everything pending; returns the wait before the next
+        attempt: the backoff after a failure, else the idle wait. A notify during a backoff wakes
+        the thread, which then waits out the rest of it: new ids never cut a backoff short."""
+        now = time.monotonic()
+        if self._retry_at is not None and now < self._retry_at:
+            return self._retry_at - now
+        # No urllib3 Retry: POST is not retried by it anyway, and this tick is the retry (with a
+        # backoff that a stop interrupts).
+        if self._session is None:
+            self._session = requests.Session()
+        delay: float | None
         try:
-            while not self._stop.is_set():
-                delay: float | None
-                try:
-                    delay = self._tick(session)
-                except Exception:
-                    logger.exception("proxy notifier tick failed")
-                    delay = self._backoff_delay()
-                if delay is not None:
-                    # Backoff waits on stop, not wake: new notifies must not cut a backoff short.
-                    self._stop.wait(delay)
-                else:
-                    self._wake.wait(self.IDLE_WAIT_S)
-            # One final attempt, only if the proxy answered last time: a dead proxy must not
-            # delay shutdown. Anything left stays pending for the caller to re-send.
+            delay = self._tick(self._session)
+        except Exception:
+            logger.exception("proxy notifier tick failed")
+            delay = self._backoff_delay()
+        if delay is None:
+            self._retry_at = None
+            return self.IDLE_WAIT_S
+        self._retry_at = time.monotonic() + delay
+        return delay
+
+    def close(self) -> None:
+        """(The notifier's thread, as it stops.) One final attempt, only if the proxy answered last
+        time: a dead proxy must not delay shutdown. Anything left stays pending for the caller to
+        re-send."""
+        session, self._session = self._session, None
+        if session is None:
+            return
+        try:
             if self._last_answered:
                 try:
                     self._tick(session)
@@ -264,10 +280,11 @@ class ProxyNotifier:
                     logger.exception("proxy notifier final flush failed")
         finally:
             session.close()
+        self._retry_at = None
 
     def _tick(self, session: requests.Session) -> float | None:
-        """Send everything pending. Returns a backoff delay after a failure, else None."""
-        self._wake.clear()  # before the swap: a notify after this point wakes the next wait
+        """Send everything pending. Returns a backoff delay after a failure, else None. (The runtime
+        clears ``wake`` before the tick: a notify from here on wakes the next wait.)"""
         with self._lock:
             if not self._pending:
                 return None
@@ -314,14 +331,15 @@ class ProxyNotifier:
     ) -> bool:
         """One POST; True on any 2xx (3xx included among the failures). Records and logs
         (rate-limited) failures."""
+        assert self.url is not None  # (the thread runs only with a proxy configured)
         body = {"session_ids": session_ids, "reason": reason, "group_ids": group_ids}
         try:
             # a redirect is not the proxy clearing anything (an auth gateway's login page would
-            # answer
-            # 200 to the GET it turns into): never followed, it counts as a failure and is retried
+            # answer 200 to the GET it turns into): never followed, it counts as a failure and is
+            # retried
             resp = session.post(
                 self.url,
-                json=body,  # type: ignore[arg-type]
+                json=body,
                 timeout=(self.connect_timeout, self.read_timeout),
                 allow_redirects=False,
             )

@@ -263,7 +263,8 @@ def fetch_narrowed(
         # narrow only a failure about a value read; a locked, slow or lost database is a 503
         if not exc.about_data or not pair.src.answers():
             raise
-    rows, too_large, unreadable = {}, set(), {}
+    rows, too_large = {}, set()
+    unreadable: dict[str, Exception] = {}
     for t in takes:  # one group at a time, to find the poison
         try:
             r, big = fetch_takes(pair.src, [t], cap)

@@ -10,43 +10,37 @@ outside the serve lock and bounded in number. It must not ingest or decide anyth
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import threading
 import time
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from rollout_buffer.core.body import Body, empty_body, response_chunks
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError, IntegrityError, LeaseLost, StorageError
 from rollout_buffer.core.history import History, PollStats
-from rollout_buffer.core.items import GroupItems
 from rollout_buffer.core.model import (
-    REJECTED,
-    Batch,
     Decisions,
-    Drop,
     PollRequest,
-    RowEvent,
-    Served,
     Take,
 )
+from rollout_buffer.runtime.health import Health
 from rollout_buffer.runtime.jobs import Jobs, JobState
-from rollout_buffer.runtime.loop import Health, Loop
+from rollout_buffer.runtime.locks import LOCK_WAIT_S, Locks
 from rollout_buffer.runtime.notifications import Outbox
+from rollout_buffer.runtime.signals import Signals
 from rollout_buffer.serving import redelivery
 from rollout_buffer.serving.draft import Draft, Shape
+from rollout_buffer.serving.plan import plan_poll
 from rollout_buffer.serving.prebuilt import Prebuilder
 from rollout_buffer.serving.replay import Replayer, RequestIds
 from rollout_buffer.storage.connections import LazyPair, Pair
+from rollout_buffer.storage.db import Database
 
 logger = logging.getLogger(__name__)
 
-SERVE_LOCK_WAIT_S = 8.0  # a poll behind a stuck one answers 503 rather than hang
 MAX_BUILD_FAILURES = (
     3  # a group whose build fails unexpectedly this often is dropped (build_failed)
 )
@@ -61,6 +55,15 @@ class Uncertain:
     takes: list[Take]
 
 
+class Guard(Protocol):
+    """Whether this instance may serve (the lease): ``check`` raises LeaseLost on a standby, and
+    ``fence`` is the first statement of a transaction that records a decision."""
+
+    def check(self, wait_s: float, sure: bool = True) -> None: ...
+
+    def fence(self, db: Database) -> None: ...
+
+
 class Serving:
     """Answers polls for the active job."""
 
@@ -70,36 +73,33 @@ class Serving:
         *,
         jobs: Jobs,
         outbox: Outbox,
-        loop: Loop,
+        signals: Signals,
         health: Health,
-        serve_lock: threading.Lock,
+        locks: Locks,
+        guard: Guard | None = None,
         history: History | None = None,
-        connection: Callable[[], LazyPair] | None = None,
     ) -> None:
         self.config = config
         self.history = history or History()  # the status page's last batches and serve rate
         self.jobs = jobs
         self.outbox = outbox
-        self.loop = loop
+        self.signals = signals
         self.health = health
-        self.serve_lock = serve_lock
+        self.locks = locks
+        self.guard = guard  # None: no lease, this instance always serves
         self.stats = PollStats()
         self._uncertain: Uncertain | None = None
         self._rids = RequestIds(config)
         self._waiting_lock = threading.Lock()
         self._waiting = 0
-        self.should_stop: Callable[[], bool] = lambda: False  # gunicorn's "worker is shutting down"
-        self.guard: Callable[[], None] = lambda: (
-            None
-        )  # raises when this instance may not serve (a standby)
         self._failures: dict[tuple[str, str], int] = {}
         self.replayer = Replayer(config, self._rids)
         self.prebuilt = Prebuilder(
             config,
             jobs=jobs,
-            loop=loop,
-            serve_lock=serve_lock,
-            connection=connection or (lambda: LazyPair(config)),
+            signals=signals,
+            locks=locks,
+            fence=guard.fence if guard is not None else None,
             failed=self._failed,
             release=self._release,
             ready=self._may_prebuild,
@@ -110,16 +110,21 @@ class Serving:
         uncertain (the next poll settles it first: its groups must not be built into a draft
         meanwhile)."""
         if (
-            not self.loop.bootstrapped.is_set()
+            not self.signals.bootstrapped.is_set()
             or self.health.problem()
             or self._uncertain is not None
         ):
             return False
         try:
-            self.guard()
+            self._check_guard()
         except Exception:
             return False
         return True
+
+    def _check_guard(self) -> None:
+        """Raise LeaseLost when this instance may not serve (a standby)."""
+        if self.guard is not None:
+            self.guard.check(2.0)
 
     def get_rollout_data(self, conns: LazyPair, poll: PollRequest) -> Body:
         """Serve ready groups (or replay the batch bound to request_id); the caller sends the body
@@ -151,21 +156,19 @@ class Serving:
         self, conns: LazyPair, wait_s: float, min_groups: int, request_id: str | None
     ) -> None:
         """Wait for ready groups; at most MAX_WAITING_POLLS wait at once (the others answer now)."""
-        if not self.loop.bootstrapped.is_set():
+        if not self.signals.bootstrapped.is_set():
             return  # _poll answers 503 while loading
         js = self.jobs.current
         if js is None or self.available(js) >= min_groups:
             return
         if request_id is not None:
-            if not self._rids.loaded(js.job_id) and self.serve_lock.acquire(
-                timeout=SERVE_LOCK_WAIT_S
-            ):
-                try:
-                    self._rids.load(conns.get().store, js.job_id)
-                except StorageError:
-                    return  # _poll answers 503
-                finally:
-                    self.serve_lock.release()
+            if not self._rids.loaded(js.job_id):
+                with self.locks.try_serving(LOCK_WAIT_S) as taken:
+                    try:
+                        if taken:
+                            self._rids.load(conns.get().store, js.job_id)
+                    except StorageError:
+                        return  # _poll answers 503
             if self._rids.may_be_bound(js.job_id, request_id):
                 return  # possibly a retry of an answered poll: its replay is due at once
         with self._waiting_lock:
@@ -173,10 +176,9 @@ class Serving:
                 return
             self._waiting += 1
         try:
-            self.loop.ready_signal.wait(
+            self.signals.ready.wait(
                 lambda: self.jobs.current is not js or self.available(js) >= min_groups,
                 wait_s,
-                self.should_stop,
             )
         finally:
             with self._waiting_lock:
@@ -195,18 +197,18 @@ class Serving:
         """This instance lost the job: what it remembered of its polls may be stale once it owns it
         again."""
         self._uncertain = None
-        self.prebuilt.draft = None  # its groups go with the job's state
+        self.prebuilt.forget()  # its groups go with the job's state
         self._failures.clear()
         self._rids.forget()
 
     def _poll(self, conns: LazyPair, poll: PollRequest) -> Body:
-        self.guard()
-        if not self.loop.bootstrapped.is_set():
+        self._check_guard()
+        if not self.signals.bootstrapped.is_set():
             # Until the active job is resumed from the database, "no data" would be a lie: a trainer
             # would drop its request_id and the batch bound to it (already marked served) would be
             # lost.
-            self.loop.nudge()
-            if not self.loop.bootstrapped.wait(2.0):
+            self.signals.nudge()
+            if not self.signals.bootstrapped.wait(2.0):
                 raise ApiError(
                     503,
                     "the service is still loading its state from the database: "
@@ -226,27 +228,31 @@ class Serving:
             or (not js.in_flight() and not self._rids.may_be_bound(js.job_id, request_id))
         ):
             # nothing to serve and nothing to replay: answered from memory, no database touched
-            self.loop.nudge()
+            self.signals.nudge()
             return empty_body({"job_session": js.job_id})
-        if not self.prebuilt.poll_acquires(self.serve_lock, SERVE_LOCK_WAIT_S):
-            raise ApiError(
-                503,
-                "another poll has been holding the serving lock for over "
-                f"{SERVE_LOCK_WAIT_S:.0f} s (the database may be stuck); retry",
-                retry_after=2,
-            )
-        replay = None
+        with self.locks.serving(holder="another poll"):
+            js, body, replay = self._under_serve_lock(conns, poll)
+        if body is not None:
+            return body
+        return self.replayer.replay(conns.get(), js, *replay)
+
+    def _under_serve_lock(self, conns: LazyPair, poll: PollRequest) -> tuple[JobState, Any, Any]:
+        """(Serve lock held.) Settle an uncertain COMMIT, then serve (the body), or find the batch
+        bound to the request_id (replayed by the caller, outside the lock)."""
+        request_id = poll.request_id
         try:
             js = self.jobs.current
             assert js is not None
             pair = conns.get()
             if self._uncertain is not None:
                 self._reconcile(pair, js)
+            replay = None
             if request_id is not None:
                 self._rids.load(pair.store, js.job_id)
                 replay = pair.store.batch_for_request(js.job_id, request_id)
             if replay is None:
-                return self._serve(pair, js, poll)
+                return js, self._serve(pair, js, poll), None
+            return js, None, replay
         except LeaseLost:
             raise  # answered as a standby answers (307 to the owner)
         except IntegrityError as exc:
@@ -260,9 +266,6 @@ class Serving:
         except StorageError as exc:
             logger.error("serving failed: %s", exc)
             raise ApiError(503, f"the database is unreachable: {exc}", retry_after=3) from exc
-        finally:
-            self.serve_lock.release()
-        return self.replayer.replay(conns.get(), js, *replay)
 
     # -- serve -------------------------------------------------------------------------------------
     def _serve(self, pair: Pair, js: JobState, poll: PollRequest) -> Body:
@@ -288,7 +291,7 @@ class Serving:
         if d.built_version > js.acc.rows_version:
             js.acc.set_versions(rows=d.built_version)
         built = d.built
-        plan = self._plan(js, d.seed, request_id, built, d.refused, d.stats)
+        plan = plan_poll(js, d.seed, request_id, built, d.refused, d.stats, self.outbox.events)
         chunks: list[Any] = []
         if built:
             assert plan.batch is not None and plan.batch.meta is not None
@@ -307,7 +310,7 @@ class Serving:
             plan.batch = dataclasses.replace(plan.batch, n_bytes=sum(map(len, chunks)))
         self._record(pair, js, plan, d.done)
         if leftover:
-            self.loop.nudge()
+            self.signals.nudge()
         if not built:
             return empty_body({"job_session": js.job_id})
         logger.debug(
@@ -326,69 +329,6 @@ class Serving:
             build_s=time.perf_counter() - started,
         )
         return Body(chunks, len(built), on_close=lambda: self.history.sent(entry))
-
-    def _plan(
-        self,
-        js: JobState,
-        seed: bytes,
-        request_id: str | None,
-        built: list[tuple[Take, GroupItems]],
-        refused: list[tuple[Take, str, dict[int, str]]],
-        stats: dict[str, dict],
-    ) -> Decisions:
-        """The one decision of a poll: its batch, served groups, refused groups and their bad
-        rows."""
-        plan, job_id = Decisions(), js.job_id
-        for t, reason, bad in refused:
-            if t.redelivered:  # it stays served: only its redelivery fails
-                plan.redelivered[t.group_id] = reason
-                continue
-            plan.drops.append(
-                Drop(
-                    t.group_id,
-                    reason,
-                    [pk for pk in t.all_pks if pk not in bad],
-                    t.sessions,
-                    t.rewards,
-                )
-            )
-            plan.rows.extend(
-                RowEvent(pk, REJECTED, why, t.group_id, None) for pk, why in bad.items()
-            )
-            self.outbox.events.event(
-                f"group refused when served ({reason})",
-                logging.WARNING,
-                "group %s of job %s dropped (%s)%s",
-                t.group_id,
-                job_id,
-                reason,
-                f": malformed rows {bad}" if bad else "",
-            )
-        if built:
-            batch_id = uuid.uuid4().hex
-            filtered = collections.Counter(js.acc.filtered_since_batch())
-            filtered.update(d.reason for d in plan.drops)
-            meta = {
-                "group_stats": [stats[t.group_id] for t, _ in built],
-                "filtered": dict(filtered),
-                "partial_groups": sorted(t.group_id for t, _ in built if t.partial),
-                "redelivered": [t.group_id for t, _ in built if t.redelivered],
-            }
-            plan.batch = Batch(
-                batch_id,
-                job_id,
-                request_id,
-                seed,
-                [t.group_id for t, _ in built],
-                sum(g.n_items for _, g in built),
-                0,
-                meta,
-            )
-            plan.served = [
-                Served(t, batch_id, tuple(g.session_rewards)) for t, g in built if not t.redelivered
-            ]
-            plan.redelivered.update((gid, None) for gid in meta["redelivered"])
-        return plan
 
     def _failed(self, js: JobState, t: Take, exc: Exception) -> bool:
         """Count an unexpected build failure of a group; True once it has failed MAX_BUILD_FAILURES

@@ -21,53 +21,53 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import LeaseLost, StorageError
 from rollout_buffer.core.model import Take
+from rollout_buffer.runtime.jobs import Jobs
+from rollout_buffer.runtime.locks import Locks
+from rollout_buffer.runtime.signals import Signals
 from rollout_buffer.serving.draft import Draft, Shape
 from rollout_buffer.storage.connections import LazyPair
+from rollout_buffer.storage.db import Database
 
 logger = logging.getLogger(__name__)
 
 
 class Prebuilder:
-    """The prebuilt draft and the thread that builds it."""
+    """The prebuilt draft, and the worker (of the runtime) that builds it."""
+
+    name = "rollout-buffer-prebuild"
+    IDLE_S = 0.05  # after an interrupt (stop_rollout, a role change): never spin
+    YIELD_S = 0.01  # a poll runs or waits: it serves what is ready
+    FAILED_S = 0.5  # after a failed build
 
     def __init__(
         self,
         config: Config,
         *,
-        jobs: Any,
-        loop: Any,
-        serve_lock: threading.Lock,
-        connection: Callable[[], LazyPair],
+        jobs: Jobs,
+        signals: Signals,
+        locks: Locks,
+        fence: Callable[[Database], None] | None,
         failed: Callable[[Any, Take, Exception], bool],
         release: Callable[[Any, Any, list[Take]], None],
         ready: Callable[[], bool],
     ) -> None:
         self.config = config
         self.enabled = config.prebuild
-        self.jobs, self.loop, self.serve_lock = jobs, loop, serve_lock
-        self._connection, self._failed, self._release, self._ready = (
-            connection,
-            failed,
-            release,
-            ready,
-        )
+        self.jobs, self.signals, self.locks, self._fence = jobs, signals, locks, fence
+        self._failed, self._release, self._ready = failed, release, ready
         self.draft: Draft | None = None  # read and replaced only under the serve lock
         self.shape = Shape()  # the last poll's; before any, the upstream client's: {}
         self.counts = {"builds": 0, "claims": 0, "discards": 0}
         self.building = False  # set under the serve lock, read by polls without it
-        self._count = threading.Lock()
-        self.polls_waiting = (
-            0  # polls waiting for the serve lock: the builder starts nothing meanwhile
-        )
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
+        self._conns: LazyPair | None = None  # the worker thread's own
 
     # -- under the serve lock (serving) ----------------------------------------------------------
     def claim(self, js: Any, shape: Shape, policy: Any) -> tuple[Draft | None, list[Take]]:
@@ -98,16 +98,9 @@ class Prebuilder:
             self.counts["discards"] += 1
         return d
 
-    def poll_acquires(self, lock: threading.Lock, timeout: float) -> bool:
-        """A poll takes the serve lock; while it waits, the builder starts no new build (a stream of
-        ready groups must never keep a poll behind extension after extension)."""
-        with self._count:
-            self.polls_waiting += 1
-        try:
-            return lock.acquire(timeout=timeout)
-        finally:
-            with self._count:
-                self.polls_waiting -= 1
+    def forget(self) -> None:
+        """(Serve lock held.) The job's state is gone: its draft goes with it, uncounted."""
+        self.draft = None
 
     def groups(self, js: Any) -> int:
         """Groups the draft holds for this job, built or refused (a poll must come for them: they
@@ -141,20 +134,7 @@ class Prebuilder:
         )
         return {"enabled": self.enabled, "draft": draft, **self.counts}
 
-    # -- the thread --------------------------------------------------------------------------------
-    def start(self) -> None:
-        if self.enabled and self._thread is None and not self._stop.is_set():
-            self._thread = threading.Thread(
-                target=self._run, name="rollout-buffer-prebuild", daemon=True
-            )
-            self._thread.start()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self.loop.ready_signal.interrupt()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
+    # -- the worker ------------------------------------------------------------------------------
     def _wanted(self) -> bool:
         """(Cheap, no lock.) Groups wait, and there is no draft or one that may be extended."""
         js, d = self.jobs.current, self.draft
@@ -167,37 +147,36 @@ class Prebuilder:
             )
         )
 
-    def _run(self) -> None:
-        conns: LazyPair | None = None
-        while not self._stop.is_set():
-            self.loop.ready_signal.wait(self._wanted, 1.0, self._stop.is_set)
-            if self._stop.is_set() or not self._wanted() or not self._ready():
-                time.sleep(0.05)  # an interrupt (stop_rollout, a role change) must not spin
-                continue
-            if self.polls_waiting or not self.serve_lock.acquire(blocking=False):
-                time.sleep(0.01)  # a poll is running: it serves what is ready
-                continue
+    def tick(self) -> float:
+        """Wait (holding no lock) for groups to build; build or extend the draft if no poll runs or
+        waits; returns the wait before the next round."""
+        self.signals.ready.wait(self._wanted, 1.0, self.stopping)
+        if self.stopping.is_set() or not self._wanted() or not self._ready():
+            return self.IDLE_S
+        if self.locks.serve_waiters:
+            return self.YIELD_S  # never keep a poll behind extension after extension
+        with self.locks.try_serving() as taken:
+            if not taken:
+                return self.YIELD_S
             try:
-                conns = conns or self._connection()
-                self._build(conns)
+                if self._conns is None:
+                    self._conns = LazyPair(self.config, self._fence)
+                self._build(self._conns)
             except Exception as exc:
                 if isinstance(exc, (LeaseLost, StorageError)):
-                    logger.debug(
-                        "prebuild skipped: %s", exc
-                    )  # a standby, or the database: polls say so
+                    # a standby, or the database: polls say so
+                    logger.debug("prebuild skipped: %s", exc)
                 else:
                     logger.exception("building a response ahead of the poll failed")
-                conns = self._close(conns)
-                time.sleep(0.5)
-            finally:
-                self.serve_lock.release()
-        self._close(conns)
+                self.close()
+                return self.FAILED_S
+        return 0.0
 
-    @staticmethod
-    def _close(conns: LazyPair | None) -> None:
+    def close(self) -> None:
+        """(The worker's thread.) Close its connections."""
+        conns, self._conns = self._conns, None
         if conns is not None:
             conns.close()
-        return None
 
     def _build(self, conns: LazyPair) -> None:
         """(Serve lock held.) Build or extend the draft for the last shape."""

@@ -19,19 +19,18 @@ redelivered group never passes through the accumulator's ready queue.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
-from rollout_buffer.core.errors import ApiError, LeaseLost, StorageError, bounded
+from rollout_buffer.core.errors import ApiError, LeaseLost, StorageError
 from rollout_buffer.core.model import Decisions, Take
+from rollout_buffer.runtime.locks import Locks
 from rollout_buffer.storage.connections import Pair
 from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
 
 logger = logging.getLogger(__name__)
 
 ROWS_MISSING = "rows_missing"  # a row of the group is gone from session_steps: it cannot be rebuilt
-LOCK_WAIT_S = 8.0
 
 
 def take(pair: Pair, js: Any, want: int) -> list[Take]:
@@ -104,14 +103,14 @@ def redeliver(
     pair: Pair,
     js: Any,
     skip: list[str],
-    serve_lock: threading.Lock,
+    locks: Locks,
     settle: Callable[[Pair, Any], None],
     on_queued: Callable[[], None],
 ) -> dict[str, Any]:
     """Queue again every served group of the active job that ``skip`` does not name; returns the
     /start_rollout answer's ``redelivery``. Holds the serve lock: no poll is building meanwhile
     (``settle`` first settles a poll whose COMMIT is uncertain, so the store is the whole truth)."""
-    with bounded(serve_lock, "a poll", LOCK_WAIT_S):
+    with locks.serving():
         try:
             settle(pair, js)
             queue, cancelled = pair.store.queue_redeliveries(js.job_id, set(skip))
@@ -135,5 +134,10 @@ def redeliver(
             js.job_id,
         )
     return {
-        "redelivery": {"queued": len(queue), "cancelled": cancelled, "skip_instance_ids": len(skip)}
+        "redelivery": {
+            "queued": len(queue),
+            "cancelled": cancelled,
+            "skip_instance_ids": len(skip),
+            "groups": queue,  # named, so the trainer can log what it will be given again
+        }
     }

@@ -109,14 +109,14 @@ class Replayer:
             raise ApiError(
                 410,
                 f"request_id {batch.request_id!r} was answered {age:.0f} s ago, beyond the "
-                f"replay window of {self.config.replay_retention_s:.0f} s; its batch cannot be sent "
-                "again. Use a fresh request_id for new data.",
+                f"replay window of {self.config.replay_retention_s:.0f} s; its batch cannot be "
+                "sent again. Use a fresh request_id for new data.",
                 batch_id=batch.batch_id,
             )
         with self._replay_lock:
-            r = self._replaying.get(batch.batch_id)
-            builder = r is None
-            if builder:
+            existing = self._replaying.get(batch.batch_id)
+            builder = existing is None
+            if existing is None:
                 if len(self._replaying) >= MAX_REPLAYS:
                     raise ApiError(
                         429,
@@ -124,7 +124,8 @@ class Replayer:
                         "request_id shortly",
                         retry_after=2,
                     )
-                r = self._replaying[batch.batch_id] = _Replay()
+                existing = self._replaying[batch.batch_id] = _Replay()
+            r = existing
             r.refs += 1
         if builder:
             try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from rollout_buffer.core.model import Row
 from rollout_buffer.core.values import ingest_fields
@@ -27,6 +27,9 @@ def first_read_after(start_after: int) -> int:
     there can be: a row written with an id of 0 or below (by hand, into an identity column) is read
     and accounted like any other, never skipped for good."""
     return MIN_ID if start_after == 0 else start_after
+
+
+RowT = TypeVar("RowT", bound=tuple[Any, ...])  # a row read, whatever its tuple type
 
 
 class Reader:
@@ -135,6 +138,11 @@ class Reader:
             self.seen = {pk for pk in self.seen if pk > self.cursor}
         self.caught_up = drained and self.cursor >= self.max_seen
 
+    def nothing_to_read(self) -> None:
+        """The launcher's table does not exist yet: nothing can have been written, so the reader is
+        caught up."""
+        self.caught_up = True
+
 
 class Accounted:
     """After a restart: which re-read rows were already accounted before it (skip them)."""
@@ -146,11 +154,8 @@ class Accounted:
         self.group_pks: dict[str, set[int]] = {}
 
     def filter(
-        self,
-        group_pks: Callable[[str], list[int]],
-        decided: dict[str, str],
-        rows: list[tuple[Any, ...]],
-    ) -> list[tuple[Any, ...]]:
+        self, group_pks: Callable[[str], list[int]], decided: dict[str, str], rows: list[RowT]
+    ) -> list[RowT]:
         """The rows not accounted before the restart; ``group_pks(group_id)`` gives the pks a
         decided group's record accounted (asked once per group)."""
         if not rows or (rows[0][0] > self.upto_pk and not self.row_pks):

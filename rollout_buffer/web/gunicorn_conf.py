@@ -95,10 +95,7 @@ def post_fork(server, worker) -> None:
 def post_worker_init(worker) -> None:
     """The app is loaded in this worker: start the service (background thread, notifier)."""
     service = worker.wsgi.extensions["rollout_buffer"]
-    service.serving.should_stop = lambda: (
-        not worker.alive
-    )  # SIGTERM: waiting long-polls answer at once
-    service.start()
+    service.start(host=worker)  # SIGTERM (worker.alive turns False): waiting long-polls answer
 
 
 def worker_abort(worker) -> None:

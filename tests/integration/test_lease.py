@@ -57,6 +57,13 @@ def leases(db_url: str, tmp_path) -> Iterator[Any]:
         lease.stop()
 
 
+def pause(lease: Lease) -> None:
+    """The lease's thread stops renewing (a paused process) and the lease is kept as it is; a
+    later start() resumes it."""
+    assert lease._runtime is not None  # started alone, in a runtime of its own
+    lease._runtime.stop_worker(lease, 5)
+
+
 def lease_row(url: str) -> dict[str, Any]:
     db = connect(url)
     try:
@@ -164,9 +171,7 @@ def test_an_expired_lease_is_taken_over_and_the_old_owner_turns_standby(url, lea
     a = owned(leases("a", host_id="host-a"))
     b = leases("b", host_id="host-b")
     wait_until(lambda: b.role == STANDBY, 10, "b is a standby")
-    a._stop.set()  # the owner's thread stops renewing (a paused process), the process lives on
-    a._wake.set()
-    a._thread.join(5)
+    pause(a)  # the owner's thread stops renewing (a paused process), the process lives on
     t0 = time.monotonic()
     owned(b)
     took = time.monotonic() - t0
@@ -175,7 +180,6 @@ def test_an_expired_lease_is_taken_over_and_the_old_owner_turns_standby(url, lea
     with pytest.raises(LeaseLost):
         record_drop(url, a, "late")
     # the old owner's renewal finds the new epoch and it turns standby
-    a._stop.clear()
     a.start()
     wait_until(lambda: a.role == STANDBY, 10, "the old owner turns standby")
     assert a.holder is not None and a.holder.instance == "b"
@@ -197,9 +201,7 @@ def test_a_takeover_waits_for_a_decision_that_passed_the_fence(url, leases):
                 "n_dropped, pks, clear_sessions, notified, resolved_at) VALUES ('job1', 'in-flight', "
                 "'dropped', 'incomplete_group_ttl', NULL, 0, 1, '1', '[]', 1, 0)"
             )
-            a._stop.set()
-            a._wake.set()
-            a._thread.join(5)  # no more renewals: the lease ends while this transaction is open
+            pause(a)  # no more renewals: the lease ends while this transaction is open
             wait_until(
                 lambda: lease_row(url)["lease_until"] < time.time(), 10, "the lease has ended"
             )
@@ -275,9 +277,7 @@ def test_an_advertised_url_that_answers_as_another_instance_is_reported_and_come
             "other", host_id="host-o", lease_s=6.0
         )  # correctly configured (no URL to check)
         wait_until(lambda: other.role == STANDBY, 10, "a second standby")
-        right._stop.set()  # the owner stops renewing: its lease ends
-        right._wake.set()
-        right._thread.join(5)
+        pause(right)  # the owner stops renewing: its lease ends
         owned(other)  # the correctly configured standby goes first ...
         assert wrong.role == STANDBY
         other.stop()

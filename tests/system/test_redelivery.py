@@ -54,7 +54,12 @@ def test_a_checkpoint_of_six_batches_of_ten_gets_batches_seven_to_ten_again_and_
     writer.group("new2", 2, steps=2)
     harness.settle()
     r = harness.start(k=2, restart_training=False, skip_instance_ids=checkpoint)
-    assert r["redelivery"] == {"queued": 8, "cancelled": 0, "skip_instance_ids": 12}
+    assert r["redelivery"] == {
+        "queued": 8,
+        "cancelled": 0,
+        "skip_instance_ids": 12,
+        "groups": lost,
+    }
 
     again = harness.poll(
         max_groups=8
@@ -145,10 +150,20 @@ def test_a_second_crash_requeues_and_a_later_checkpoint_cancels(harness, writer)
     assert finished(got) == all_groups[16:18]
     # the trainer crashed again: its checkpoint holds the first 17 groups now
     r = harness.start(k=2, restart_training=False, skip_instance_ids=all_groups[:17])
-    assert r["redelivery"] == {"queued": 3, "cancelled": 0, "skip_instance_ids": 17}
+    assert r["redelivery"] == {
+        "queued": 3,
+        "cancelled": 0,
+        "skip_instance_ids": 17,
+        "groups": all_groups[17:],
+    }
     # and once more before polling: its checkpoint holds 18 (one queued group is cancelled)
     r = harness.start(k=2, restart_training=False, skip_instance_ids=all_groups[:18])
-    assert r["redelivery"] == {"queued": 2, "cancelled": 1, "skip_instance_ids": 18}
+    assert r["redelivery"] == {
+        "queued": 2,
+        "cancelled": 1,
+        "skip_instance_ids": 18,
+        "groups": all_groups[18:],
+    }
     assert finished(harness.poll()) == all_groups[18:]
     assert harness.poll()["success"] is False
     s = harness.stats()["redelivery"]

@@ -779,7 +779,7 @@ def test_start_stop_twenty_times_leaks_no_threads_or_fds(db_url, tmp_path):
             finally:
                 writer.close()
                 h.stop()
-            assert not h.service.loop.alive
+            assert not h.service.runtime.alive()
             assert not any(
                 t.name.startswith("rollout-buffer") and t.is_alive() for t in threading.enumerate()
             )

@@ -1,0 +1,190 @@
+"""``/start_rollout`` and ``/stop_rollout``: selecting the job, its launcher, and redelivery.
+
+Owns: the answers of both calls. ``start`` waits (bounded) for the loop's bootstrap, takes the
+start lock, then the tick and serve locks to swap the job (settling an uncertain poll and the
+prebuilt draft first), starts the job's launcher, and queues served groups again when a call that
+begins no new job brings a checkpoint's skip list. ``stop`` takes no lock of the service and no
+database: a stuck database or a /start_rollout in progress must not keep a launcher running past
+its grace. It must not serve a poll or ingest a row.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from rollout_buffer.core.config import Config
+from rollout_buffer.core.errors import ApiError, LeaseLost, StorageError
+from rollout_buffer.launcher.launcher import Launcher
+from rollout_buffer.launcher.supervisor import Supervisor
+from rollout_buffer.runtime.health import Health
+from rollout_buffer.runtime.jobs import Jobs
+from rollout_buffer.runtime.lease import Lease
+from rollout_buffer.runtime.locks import LOCK_WAIT_S, Locks
+from rollout_buffer.runtime.signals import Signals
+from rollout_buffer.serving.poll import Serving
+from rollout_buffer.serving.redelivery import redeliver
+from rollout_buffer.storage.connections import LazyPair
+
+logger = logging.getLogger(__name__)
+
+
+class Rollouts:
+    """Answers /start_rollout and /stop_rollout."""
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        jobs: Jobs,
+        launcher: Launcher,
+        supervisor: Supervisor,
+        lease: Lease,
+        locks: Locks,
+        signals: Signals,
+        serving: Serving,
+        health: Health,
+    ) -> None:
+        self.config = config
+        self.jobs = jobs
+        self.launcher = launcher
+        self.supervisor = supervisor
+        self.lease = lease
+        self.locks = locks
+        self.signals = signals
+        self.serving = serving
+        self.health = health
+
+    def start(
+        self,
+        conns: LazyPair,
+        *,
+        k: int,
+        restart_training: bool,
+        job_session: str | None,
+        skip: list[str] | None = None,
+    ) -> tuple[int, dict[str, Any]]:
+        """Select the job, start its launcher (or redeliver: see _redeliver). Returns (status,
+        body)."""
+        self.lease.check(10.0)  # LeaseLost on a standby: answered with 307 (app.standby_answer)
+        if not self.signals.bootstrapped.is_set():
+            # Before the active job is resumed and its launcher adopted, "not running" would be a
+            # lie.
+            self.signals.nudge()
+            if not self.signals.bootstrapped.wait(10.0):
+                raise ApiError(
+                    503,
+                    "the service is still loading its state from the database: "
+                    f"{self.health.last_error or 'still starting'}",
+                    retry_after=2,
+                )
+        with self.locks.starting():
+            return self._start(conns, k, restart_training, job_session, skip or [])
+
+    def _start(
+        self,
+        conns: LazyPair,
+        k: int,
+        restart_training: bool,
+        job_session: str | None,
+        skip: list[str],
+    ) -> tuple[int, dict[str, Any]]:
+        js = self.jobs.current
+        pid = self.launcher.running_pid()  # here, or on another host
+        if pid is not None:
+            if js is not None and job_session not in (None, js.job_id):
+                raise ApiError(
+                    409,
+                    f"the launcher of job {js.job_id!r} is still running (pid "
+                    f"{pid}); POST /stop_rollout first or name that job",
+                    job_session=js.job_id,
+                    pid=pid,
+                )
+            return 200, {
+                "message": "AIEvoBox is already running",
+                "pid": pid,
+                "job_session": js.job_id if js else None,
+                **self._redeliver(conns, js, skip),
+            }
+        same = (
+            js is not None and js.job_id == job_session and not restart_training
+        )  # no new job: redeliver
+        job_id = job_session or uuid.uuid4().hex
+        if self.launcher.managed:
+            self.launcher.preflight(job_id, k)
+        pair = conns.get()
+        with self.locks.ticking(timeout=LOCK_WAIT_S), self.locks.serving():
+            try:
+                self.serving.settle(
+                    pair, self.jobs.current
+                )  # its prebuilt draft's groups go back first
+                js = self.jobs.select(pair.src, pair.store, job_id, k, restart_training)
+            except StorageError as exc:
+                raise (
+                    exc
+                    if isinstance(exc, LeaseLost)
+                    else ApiError(503, f"the database is unreachable: {exc}", retry_after=3)
+                ) from exc
+            if self.launcher.managed:
+                # Until its own launcher runs, the finished one the loop sees is not this job's:
+                # no launcher_exited drop for it (reset once the launcher is spawned).
+                js.no_launcher_drop()
+        self.signals.nudge()
+        pid = self.launcher.start_for(
+            pair.store, js
+        )  # (None when it runs elsewhere: LAUNCHER=none)
+        logger.info(
+            "rollout started: job %s, K=%s, restart_training=%s, launcher pid %s",
+            job_id,
+            k,
+            restart_training,
+            pid,
+        )
+        return 200, {
+            "message": "Rollout started",
+            "pid": pid,
+            "job_session": job_id,
+            "k": k,
+            "restart_training": restart_training,
+            "floor_pk": js.floor_pk,
+            "launcher": self.config.launcher_kind,
+            **(self._redeliver(conns, js, skip) if same else {}),
+        }
+
+    def _redeliver(self, conns: LazyPair, js: Any, skip: list[str]) -> dict[str, Any]:
+        """A call that began no new job, with a checkpoint's skip list: queue served groups
+        again."""
+        if js is None or not skip:
+            return {}
+        return redeliver(
+            conns.get(),
+            js,
+            skip,
+            self.locks,
+            self.serving.settle,
+            self.signals.ready.notify,
+        )
+
+    def stop(self) -> dict[str, Any]:
+        """Stop the launcher (idempotent); the job stays selected and ready groups stay servable.
+
+        Takes no service lock and no database (the supervisor's lock makes it safe): a stuck
+        database or a /start_rollout in progress must not keep the launcher running past its
+        grace."""
+        self.lease.check(2.0, sure=False)
+        before = self.supervisor.state()
+        self.signals.ready.interrupt()  # waiting polls answer now, with whatever is ready
+        self.supervisor.stop("requested")
+        self.signals.nudge()
+        js = self.jobs.current
+        message = "Launcher stopped" if before["running"] else "No launcher running"
+        if self.launcher.stop_elsewhere():  # (recorded by the loop: no database here)
+            message = (
+                "Launcher on another host recorded as stopped: an instance on its host stops it"
+            )
+        return {
+            "message": message,
+            "job_session": js.job_id if js else None,
+            "launcher": self.launcher.summary(),
+        }
