@@ -24,12 +24,12 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from rollout_buffer.core.body import Body
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ClosedError, StorageError
 from rollout_buffer.core.history import History
 from rollout_buffer.core.model import PollRequest
 from rollout_buffer.core.redact import redact
+from rollout_buffer.core.response import Body
 from rollout_buffer.launcher.launcher import Launcher, launch_spec
 from rollout_buffer.launcher.supervisor import LaunchSpec, Supervisor
 from rollout_buffer.runtime.health import Health
@@ -86,6 +86,7 @@ class Service:
             locks=self.locks,
             guard=self.lease,
             history=self.history,
+            launcher_status=self.launcher.status,
         )
         self.loop = Loop(
             config,
@@ -228,6 +229,9 @@ class Service:
             "job_session": js.job_id if js else None,
             "database": "ok" if problem is None else problem,
             "launcher": self.launcher.summary(),
+            # running, restarting, exited (with its exit code), stopped...: health stays 200 when
+            # it has exited, as the service itself works; a trainer reads it here and in meta_info
+            "launcher_state": self.launcher.status(),
             "proxy_notifications": self.notifier.pending(),
         }
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fakes.fake_proxy import FakeProxy
 from support import Harness, Writer, fresh_pg_schema, make_config, make_launcher_db, require_pg
 
 from rollout_buffer.tools.runner import SCRUB_NAMES, SCRUB_PREFIXES
@@ -78,3 +79,23 @@ def harness_factory(tmp_path) -> Iterator[Any]:
 @pytest.fixture
 def harness(db_url: str, harness_factory: Any) -> Harness:
     return harness_factory(db_url)
+
+
+@pytest.fixture
+def fake_proxy() -> Iterator[FakeProxy]:
+    """A real HTTP server standing in for the LLM proxy; it records every clear_sessions call."""
+    with FakeProxy() as p:
+        yield p
+
+
+@pytest.fixture
+def proxied(db_url: str, harness_factory: Any, fake_proxy: FakeProxy) -> Any:
+    """Start a service on the test's backend that notifies ``fake_proxy``, with config
+    overrides."""
+
+    def build(**overrides: Any) -> Harness:
+        return harness_factory(
+            db_url, proxy_host="127.0.0.1", proxy_port=fake_proxy.port, **overrides
+        )
+
+    return build

@@ -39,6 +39,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import hostile_rows
 import requests
 from fakes.fake_proxy import FakeProxy
 from servers import ROOT, Server, log_tail
@@ -80,6 +81,7 @@ class Settings:
     ttl_s: float = 12.0
     p_malformed: float = 0.25
     p_incomplete: float = 0.2
+    p_hostile: float = 0.12  # hostile versions, ids and control characters (hostile_rows.py)
     p_hold: float = 0.12
     kinds: tuple[str, ...] | None = (
         None  # malformed kinds to draw from (default: all of the backend)
@@ -182,15 +184,20 @@ def _spoil(s: Settings, rng: random.Random, row: dict[str, Any], kind: str) -> N
 
 
 def _group_sessions(
-    s: Settings, rng: random.Random, gid: str
+    s: Settings, rng: random.Random, gid: str, hostile: str | None = None
 ) -> tuple[str, list[list[dict[str, Any]]]]:
-    """(kind, the rows of each session of one group, in step order)."""
+    """(kind, the rows of each session of one group, in step order); ``hostile`` forces that
+    hostile kind."""
     roll = rng.random()
     kind = "complete"
     if roll < s.p_malformed:
         kind = rng.choice(s.kinds or MALFORMED_KINDS[s.backend])
     elif roll < s.p_malformed + s.p_incomplete:
         kind = "incomplete"
+    if s.p_malformed + s.p_incomplete <= roll < s.p_malformed + s.p_incomplete + s.p_hostile:
+        hostile = hostile or rng.choice(hostile_rows.KINDS)  # a complete group, made hostile below
+    if hostile is not None:
+        kind = "complete"
     n_sessions = s.k
     n_complete = s.k
     if kind == "incomplete" or (kind != "complete" and rng.random() < 0.3):
@@ -213,6 +220,9 @@ def _group_sessions(
         # never the completed row: the group must be complete but for the one bad row
         victim = rng.randrange(len(sessions[0]) - 1)
         _spoil(s, rng, sessions[0][victim], kind)
+    if hostile is not None:
+        hostile_rows.spoil(rng, sessions, hostile)
+        return hostile, sessions
     if kind == "complete" and rng.random() < 0.2:  # a non-trainable row is never read nor served
         extra = _row(s, rng, gid, sessions[0][0]["session_id"], 99, completed=False)
         extra["is_trainable"] = 0
@@ -240,10 +250,14 @@ def make_plan(
     stream: list[dict[str, Any]] = []
     kinds: dict[str, str] = {}
     gids = [f"g{writer}-{i:02d}-{rng.getrandbits(24):06x}" for i in range(s.groups_per_writer)]
+    # every hostile kind in every run (when the writer has groups enough), whatever the draws
+    forced = dict(
+        zip(gids[1::2], hostile_rows.KINDS if s.p_hostile and writer == 0 else (), strict=False)
+    )
     for a in range(0, len(gids), 2):
         pair = []
         for gid in gids[a : a + 2]:
-            kinds[gid], sessions = _group_sessions(s, rng, gid)
+            kinds[gid], sessions = _group_sessions(s, rng, gid, forced.get(gid))
             pair += sessions
         stream += _merge(rng, pair)
     if writer == 0:  # the same group id in another job: must never be read for ours
@@ -426,6 +440,10 @@ class Group:
     def problems(self) -> list[str]:
         return [f"step_pk {r.pk}: {p}" for r in self.rows if (p := r.problem()) is not None]
 
+    def implausible(self) -> bool:
+        """A row's weight version cannot be true (hostile_rows.py): dropped, never served."""
+        return hostile_rows.implausible([r.env_state for r in self.rows])
+
 
 def groups_of(rows: list[Row]) -> dict[str, Group]:
     """Groups by group_id; a row with NULL group_id belongs to the group its session's other rows
@@ -586,7 +604,8 @@ class Trainer:
     def next_request(self) -> tuple[str, dict[str, Any]]:
         if self.pending is None:
             body: dict[str, Any] = {
-                "request_id": uuid.UUID(int=self.rng.getrandbits(128), version=4).hex
+                "request_id": uuid.UUID(int=self.rng.getrandbits(128), version=4).hex,
+                "current_weight_version": hostile_rows.TRAINER_VERSION,
             }
             mg = self.rng.choice([None, None, 1, 2, 5])
             if mg is not None:
@@ -766,6 +785,7 @@ class Run:
             "LLM_PROXY_PORT": str(self.proxy.port),
             "ROLLOUT_BUFFER_PROXY_CONNECT_TIMEOUT_SECONDS": "1",
             "ROLLOUT_BUFFER_PROXY_READ_TIMEOUT_SECONDS": "2",
+            **hostile_rows.SERVICE_ENV,
         }
         self.srv = Server(self.url, self.workdir / "srv", env=env, name="faults")
         self._start_server()
@@ -944,7 +964,9 @@ class Run:
         good = {
             g
             for g, grp in groups.items()
-            if len(grp.completed_sessions()) >= self.s.k and not grp.problems()
+            if len(grp.completed_sessions()) >= self.s.k
+            and not grp.problems()
+            and not grp.implausible()
         }
         others = set(groups) - good
         self.out.counts.update(
@@ -997,6 +1019,10 @@ class Run:
             p.append(f"group {gid} was served but should not have been: {why[:3]}")
         for gid in sorted(others):
             dec = decided.get(gid)
+            grp = groups[gid]
+            complete = len(grp.completed_sessions()) >= self.s.k and not grp.problems()
+            if complete and grp.implausible() and (dec or (None, None))[1] != "implausible_version":
+                p.append(f"group {gid} with a version that cannot be true was decided as {dec}")
             if dec is None or dec[0] != "dropped" or not dec[1]:
                 grp = groups[gid]
                 p.append(
@@ -1019,6 +1045,12 @@ class Run:
                 )
         self._check_stats(len(rows))
         self._check_proxy(groups, others)
+        assert self.srv is not None
+        log_file = self.srv.workdir / "logs" / "rollout_buffer.log"
+        for text in (self.srv.log(), log_file.read_text() if log_file.exists() else ""):
+            p += [
+                f"a row forged a log line: {ln[:200]!r}" for ln in hostile_rows.forged_lines(text)
+            ]
         reasons: dict[str, int] = {}
         for gid in others:
             if gid in decided:

@@ -14,6 +14,7 @@ import json
 import os
 import pty
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -265,6 +266,18 @@ def wait_until(
             what = what() if callable(what) else what
             pytest.fail(f"{what} not reached within {timeout} s (last value {value!r})")
         time.sleep(0.02)
+
+
+def run_module(module: str, *argv: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """``python -m module argv...`` from the repository root, its output captured as text."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run(
+        [sys.executable, "-m", module, *argv],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def run_on_a_terminal(

@@ -108,7 +108,28 @@ def get_rollout_data(
         body["request_id"] = request_id or uuid.uuid4().hex
     elif request_id is not None:
         body["request_id"] = request_id
-    return (yield from call(conn, "POST", "/get_rollout_data", body, wait_s=wait_s))
+    doc = yield from call(conn, "POST", "/get_rollout_data", body, wait_s=wait_s)
+    _warn_launcher_exited(conn, doc)
+    return doc
+
+
+def _warn_launcher_exited(conn: Connection, doc: dict[str, Any]) -> None:
+    """Once per launcher: the server says it has exited, so no new group will come."""
+    data = doc.get("data")
+    meta = data.get("meta_info") if isinstance(data, dict) else None
+    launcher = meta.get("launcher") if isinstance(meta, dict) else None
+    if not isinstance(meta, dict) or not isinstance(launcher, dict):
+        return
+    seen = (meta.get("job_session"), launcher.get("pid"))
+    if launcher.get("state") == "exited" and seen != conn.exited_launcher:
+        conn.exited_launcher = seen
+        logger.warning(
+            "the launcher of job %s exited with code %s: no new groups will come until a "
+            "/start_rollout starts another (its log: %s on the server)",
+            seen[0],
+            launcher.get("exit_code"),
+            launcher.get("log_path"),
+        )
 
 
 def _next_batch(

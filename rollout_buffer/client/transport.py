@@ -172,6 +172,7 @@ class Connection:
             raise ValueError(f"retries={retries!r}: expected an integer >= 0")
         urls = url.split(",") if isinstance(url, str) else list(url)
         self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
+        self.exited_launcher: Any = None  # the exited launcher last warned about (once each)
         if not self.urls:
             raise ValueError(f"url={url!r}: expected a URL or a list of URLs")
         self._next = 0  # the URL tried first

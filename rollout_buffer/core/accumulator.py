@@ -45,6 +45,7 @@ from rollout_buffer.core.model import (
 )
 from rollout_buffer.core.policies import Policies
 from rollout_buffer.core.ready import ReadyQueue
+from rollout_buffer.core.versions import Versions
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,7 @@ class Accumulator(Handover, Policies):
         # with over-sampling, a served group's late rows are its other sessions' (a served session
         # writes nothing after its completed row), whether they come while it is built or after
         self._late_served = OVERSAMPLED if self.policy.oversample else LATE_SERVED
-        self.trainer_version: int | None = None  # the last current_weight_version a poll sent
-        self.rows_version = 0  # the largest weight_version of an ingested row
+        self.versions = Versions(self.policy.max_version_jump)  # no single row moves the current
         self.counts = Counts()
         self.taken: dict[str, Group] = {}  # handed to a poll, not yet decided
         self.decided: dict[str, str] = {}  # group_id -> served | dropped
@@ -95,18 +95,24 @@ class Accumulator(Handover, Policies):
     # -- versions ---------------------------------------------------------------------------------
     @property
     def current_version(self) -> int:
-        """The job's current version: the larger of the trainer's last and the rows' largest."""
-        t = self.trainer_version
-        return self.rows_version if t is None else max(t, self.rows_version)
+        """The job's current version (:mod:`~rollout_buffer.core.versions` owns the rule)."""
+        return self.versions.current
+
+    @property
+    def trainer_version(self) -> int | None:
+        return self.versions.trainer
+
+    @property
+    def rows_version(self) -> int:
+        return self.versions.rows
 
     def set_versions(self, trainer: int | None = None, rows: int | None = None) -> None:
-        """A poll's current_weight_version (the last one wins), or the stored ones after a
-        restart."""
-        with self.lock:
-            if trainer is not None:
-                self.trainer_version = trainer
-            if rows is not None:
-                self.rows_version = max(self.rows_version, rows)
+        """A poll's current_weight_version (the last one wins); with ``rows``, the stored ones
+        after a restart."""
+        if rows is None and trainer is not None:
+            self.versions.report(trainer)
+        else:
+            self.versions.restore(trainer, rows)
 
     # -- ingest -------------------------------------------------------------------------------
     def ingest(self, rows: Iterable[Row]) -> Decisions:
@@ -120,8 +126,6 @@ class Accumulator(Handover, Policies):
                 pk, sid, gid, completed = r[0], r[1], r[2], r[3]
                 step_id, reward, wv = (r[4], r[5], r[6]) if len(r) > 4 else (None, None, 0)
                 self.counts.rows_read += 1
-                if wv is not None and wv > self.rows_version:
-                    self.rows_version = wv
                 if isinstance(gid, (int, float)) and not isinstance(gid, bool):
                     gid = str(gid)  # a number (an untyped column) names its group as its text does
                 if not isinstance(sid, str) or isinstance(sid, BadText) or not sid:

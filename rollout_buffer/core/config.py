@@ -60,6 +60,7 @@ class Config:
     restart_max: int = 3
     restart_backoff_s: float = 2.0
     stop_grace_s: float = 10.0
+    launch_grace_s: float = 3.0
     max_response_bytes: int = 256 * 1024 * 1024
     max_group_bytes: int = 1024 * 1024 * 1024
     max_waiting_polls: int = 8
@@ -70,6 +71,7 @@ class Config:
     oversample: int = 0
     min_group_size: int | None = None
     serve_order: str = "ready"
+    max_version_jump: int | None = 1000
     max_request_bytes: int = 1024 * 1024
     ingest_interval_s: float = 0.2
     ingest_batch: int = 20000
@@ -127,6 +129,7 @@ class Config:
             self.oversample,
             self.min_group_size,
             self.serve_order,
+            self.max_version_jump,
         )
 
     @property

@@ -53,7 +53,7 @@ _events = EventLog(logger)  # a launcher that writes every step twice must not w
     TRAINABLE,
 ) = range(13)
 
-_dumps_compact = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+dumps_compact = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 _dumps_text = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
 
 
@@ -95,9 +95,19 @@ class GroupItems:
 
 _ITEM_TAIL = (
     '%s{"role":"assistant","content":%s}],"reward":%r,"extra_info":{"timestamp":%r,"steps":%d,'
-    '"finish_reason":"%s","session_id":%s,"env_id":%s,"group_id":%s,"weight_version":%d,'
+    '"finish_reason":"%s","session_id":%s,"env_id":%s,"group_id":%s,"rollout_group_key":%s,'
+    '"weight_version":%d,'
     '"truncated":%s,"step_pk":%d,"is_session_completed":%s,"step_reward":%r,"terminal_reward":%r%s}}'
 )
+
+
+def rollout_group_key(group_id: str, seq: int = 0) -> str:
+    """``"<group_id>:<n>"``, what the upstream client (Safactory ``feature/os``) groups by: n counts
+    the groups of that id decided in the job, from 0. A group id is decided at most once per job
+    (its decision is the tombstone that turns later rows into late rows, SPEC §3), so n is 0 and the
+    key is the same whenever the group's items are built again (a replay, a redelivery)."""
+    return f"{group_id}:{seq}"
+
 
 # Extra keys of extra_info (JSON text that follows the last key): a group served short at the TTL,
 # a served group delivered again after the trainer restarted from a checkpoint (redelivery.py).
@@ -110,39 +120,13 @@ def item_flags(partial: bool, redelivered: bool) -> str:
     return (PARTIAL_FLAG if partial else "") + (REDELIVERED_FLAG if redelivered else "")
 
 
-def build_group(
-    take: Take,
-    rows: Mapping[int, Sequence[Any]],
-    seed: bytes,
-    job_id: str,
-    buf: bytearray,
-    flags: str = "",
-) -> GroupItems:
-    """Append the items of one served group to ``buf``, sorted by (session_id, step_id, step_pk);
-    ``flags`` (e.g. PARTIAL_FLAG) is appended to every item's extra_info.
-
-    Raises Malformed whose ``bad`` maps every row that cannot become an item to its reason; then
-    nothing was appended.
-    """
+def _validated(
+    take: Take, rows: Mapping[int, Sequence[Any]], job_id: str
+) -> tuple[list[tuple[Any, ...]], dict[str, tuple[int, int, float]]]:
+    """The group's rows in item order, each with what its item needs, and each session's terminal
+    (step_id, step_pk, step_reward); raises Malformed naming every row that cannot become an item
+    (validated apart from the formatting: nothing is appended unless every row is good)."""
     bad: dict[int, str] = {}
-    ordered = _in_order(take, rows, bad)
-    prepared, terminal = _validated(take, ordered, job_id, bad)
-    if bad:
-        raise Malformed(next(iter(bad.values())), bad)
-    return _append_items(take, prepared, terminal, seed, buf, flags)
-
-
-# A served row once validated: (session_id, step_id, step_pk, messages bytes, position of their
-# closing bracket, messages empty, the row, weight_version, step_reward, created_at epoch,
-# completed).
-_Prepared = tuple[str, int, int, bytes, int, bool, Sequence[Any], int, float, float, bool]
-
-
-def _in_order(
-    take: Take, rows: Mapping[int, Sequence[Any]], bad: dict[int, str]
-) -> list[tuple[str, int, int, Sequence[Any]]]:
-    """The served rows by (session_id, step_id, step_pk); a missing row or a step_id that is not
-    an integer goes into ``bad``."""
     ordered = []
     for sid, pks in take.completed.items():
         for pk in pks:
@@ -157,18 +141,6 @@ def _in_order(
                 continue
             ordered.append((sid, step_id, pk, row))
     ordered.sort(key=lambda p: (p[0], p[1], p[2]))
-    return ordered
-
-
-def _validated(
-    take: Take,
-    ordered: list[tuple[str, int, int, Sequence[Any]]],
-    job_id: str,
-    bad: dict[int, str],
-) -> tuple[list[_Prepared], dict[str, tuple[int, int, float]]]:
-    """Validate every row (its messages against the session's previous step's), and find each
-    session's terminal reward (its last completed row's); a row that cannot become an item goes
-    into ``bad``."""
     prepared = []
     terminal: dict[str, tuple[int, int, float]] = {}
     history: History | None = None
@@ -203,20 +175,29 @@ def _validated(
             if sid not in terminal or key[:2] > terminal[sid][:2]:
                 terminal[sid] = key
         prepared.append((sid, step_id, pk, text, end, empty, row, wv, step_reward, ts, completed))
+    if bad:
+        raise Malformed(next(iter(bad.values())), bad)
     return prepared, terminal
 
 
-def _append_items(
+def build_group(
     take: Take,
-    prepared: list[_Prepared],
-    terminal: dict[str, tuple[int, int, float]],
+    rows: Mapping[int, Sequence[Any]],
     seed: bytes,
+    job_id: str,
     buf: bytearray,
-    flags: str,
+    flags: str = "",
 ) -> GroupItems:
-    """Append the validated rows' items to ``buf``, as the JSON text json.dumps would give."""
+    """Append the items of one served group to ``buf``, sorted by (session_id, step_id, step_pk);
+    ``flags`` (e.g. PARTIAL_FLAG) is appended to every item's extra_info.
+
+    Raises Malformed whose ``bad`` maps every row that cannot become an item to its reason; then
+    nothing was appended.
+    """
+    prepared, terminal = _validated(take, rows, job_id)
     out = GroupItems(take.group_id, len(buf))
-    gid_json = _dumps_compact(take.group_id)
+    gid_json = dumps_compact(take.group_id)
+    key_json = dumps_compact(rollout_group_key(take.group_id))
     gid_bytes = gid_json.encode()
     seen_steps: set[tuple[str, int]] = set()
     prev_sid = None
@@ -235,7 +216,7 @@ def _append_items(
         seen_steps.add((sid, step_id))
         if sid != prev_sid:
             prev_sid = sid
-            sid_json = _dumps_compact(sid)
+            sid_json = dumps_compact(sid)
         reward = terminal[sid][2]
         response = row[RESPONSE]
         if not isinstance(response, str):
@@ -260,6 +241,7 @@ def _append_items(
                 sid_json,
                 sid_json,
                 gid_json,
+                key_json,
                 wv,
                 "true" if truncated else "false",
                 pk,

@@ -1,8 +1,10 @@
 """Logging handlers, configured only at entry points (gunicorn hooks, the CLI), before the app is
 built.
 
-Owns: the handlers, the log file's rotation and the rate limit of lines per kind of event. It must
-not configure anything on import: only entry points call it.
+Owns: the handlers, the log file's rotation, the rate limit of lines per kind of event, and the
+rule that one record is one line of its own: row data (a group_id, an exception's message) can hold
+newlines and other control characters, and a log line must never be forged from it. It must not
+configure anything on import: only entry points call it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import logging
 import logging.handlers
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +21,43 @@ from rollout_buffer.core.config import Config
 
 FORMAT = "%(asctime)s [%(levelname)s] %(name)s: %(message)s"
 _configured: set[str] = set()
+# C0 and C1 controls, DEL, and the Unicode line and paragraph separators: whatever a terminal, a
+# log viewer or a line-splitting reader may take as the end of a line or a command
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+CONTINUATION = "  | "  # begins every line of a traceback: no real record begins so
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    code = ord(char)
+    return _NAMED.get(char) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character written as a Python escape (a newline as \\n)."""
+    return _CONTROLS.sub(_escape, text)
+
+
+class OneLineFormatter(logging.Formatter):
+    """Every record's message is one line: its control characters (the message's own, and those of
+    its arguments: row data) are escaped. A traceback or stack keeps its lines, each escaped and
+    begun with ``CONTINUATION``, so no line of it can pass for a record in the log's format."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.message = escape_controls(record.getMessage())
+        if self.usesTime():
+            record.asctime = self.formatTime(record, self.datefmt)
+        line = self.formatMessage(record)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        extra = [record.exc_text, record.stack_info and self.formatStack(record.stack_info)]
+        for text in extra:
+            if text:
+                line += "".join(
+                    "\n" + CONTINUATION + escape_controls(part) for part in text.split("\n")
+                )
+        return line
 
 
 def configure_logging(config: Config, *, console: bool = True) -> str | None:
@@ -40,7 +80,7 @@ def configure_logging(config: Config, *, console: bool = True) -> str | None:
     if key in _configured:
         return path
     _configured.add(key)
-    formatter = logging.Formatter(FORMAT)
+    formatter = OneLineFormatter(FORMAT)
     if path:
         fh = logging.handlers.RotatingFileHandler(
             path, maxBytes=50 * 1024 * 1024, backupCount=5, encoding="utf-8"

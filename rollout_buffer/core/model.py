@@ -40,6 +40,7 @@ GROUP_TOO_LARGE = "group_too_large"  # its rows alone exceed ROLLOUT_BUFFER_MAX_
 # Training-data policies (issue 10): groups the trainer would throw away, dropped at the source.
 STALE = "stale"  # current version - min weight_version > max_off_policy
 ZERO_VARIANCE = "zero_variance"  # its sessions' terminal rewards are all equal (within epsilon)
+IMPLAUSIBLE_VERSION = "implausible_version"  # a row version that cannot be true (core.versions)
 OVERSAMPLED = "oversampled"  # rows of a session beyond the first K completed of its group
 
 
@@ -77,6 +78,7 @@ class Policy:
     oversample: int = 0  # extra sessions per group; the first K completed are served
     min_group_size: int | None = None  # at the TTL, serve a group with at least this many completed
     serve_order: str = "ready"  # ready | oldest_version | newest_version
+    max_version_jump: int | None = 1000  # a version this far above the current one is implausible
 
     def stale(self, current: int, min_wv: int, max_off_policy: int | None = None) -> bool:
         """The upstream client's rule: current - min(weight_version of the items) >

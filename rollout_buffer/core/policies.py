@@ -19,6 +19,7 @@ from rollout_buffer.core.accounting import Counts
 from rollout_buffer.core.group import Group, Undecided
 from rollout_buffer.core.model import OVERSAMPLED, ROW_DROPPED, TTL, Decisions, Policy, RowEvent
 from rollout_buffer.core.ready import ReadyQueue
+from rollout_buffer.core.versions import Versions
 
 
 class Policies:
@@ -35,6 +36,7 @@ class Policies:
     counts: Counts
     session_group: dict[str, str]
     undecided: Undecided
+    versions: Versions
 
     if TYPE_CHECKING:
         # What the accumulator's other parts own.
@@ -47,7 +49,11 @@ class Policies:
         """(Lock held.) A group has K completed sessions, or is served short at the TTL: choose its
         sessions (over-sampling), apply the policies, and queue it or drop it."""
         self._choose(g, out)
-        reason = g.refusal(self.policy, self.current_version)
+        reason = None
+        if self.policy.max_off_policy is not None:  # a version that cannot be true goes first
+            served = g.chosen if g.chosen is not None else g.completed
+            reason = self.versions.judge(g.group_id, [g.min_version(served)])
+        reason = reason or g.refusal(self.policy, self.current_version)
         if reason is not None:
             self._drop(g, reason, out)
             return
@@ -108,7 +114,10 @@ class Policies:
         """(Lock held.) An incomplete group that cannot wait any longer: ready short of K when it
         has the minimum group size (ROLLOUT_BUFFER_MIN_GROUP_SIZE), else dropped with ``reason``."""
         least = self.policy.min_group_size
-        if least is not None and least < self.k and len(g.completed) >= least:
+        # ready once, under a smaller K (K raised since): it had a whole group, and over-sampling
+        # may have dropped the sessions that could complete it; served short, never a TTL drop
+        was_ready = g.ready_at is not None
+        if was_ready or (least is not None and least < self.k and len(g.completed) >= least):
             del self.pending[g.group_id]
             g.partial = True
             self._became_ready(g, out)

@@ -174,6 +174,14 @@ SETTINGS: tuple[Setting, ...] = (
         "seconds between TERM and KILL when stopping the launcher",
     ),
     Setting(
+        "launch_grace_s",
+        PREFIX + "LAUNCH_GRACE_S",
+        3.0,
+        number(0.0),
+        "seconds /start_rollout waits for a launcher that exits at once (its answer is then an "
+        "error with the exit code and the log's last lines); 0 = answer at once",
+    ),
+    Setting(
         "max_response_bytes",
         PREFIX + "MAX_RESPONSE_BYTES",
         256 * 1024 * 1024,
@@ -254,6 +262,15 @@ SETTINGS: tuple[Setting, ...] = (
         "which ready groups go first: ready (first ready), oldest_version or newest_version (by "
         "the min "
         "weight_version of their items)",
+    ),
+    Setting(
+        "max_version_jump",
+        PREFIX + "MAX_VERSION_JUMP",
+        1000,
+        optional_integer(0),
+        "once the current version is known, a group with a version more than this above it "
+        "(or below 0) is dropped as implausible_version; row data moves the current version "
+        "only when two complete groups agree (unset: no bound)",
     ),
     Setting(
         "max_request_bytes",

@@ -25,6 +25,7 @@ from rollout_buffer.core.model import LauncherState
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
 from rollout_buffer.launcher.processes import terminate_group
+from rollout_buffer.launcher.report import hints, log_tail, status
 from rollout_buffer.launcher.supervisor import LauncherError, LaunchSpec, Supervisor, shown
 from rollout_buffer.storage.records import LauncherRecord
 from rollout_buffer.storage.store import Store
@@ -196,21 +197,44 @@ class Launcher:
                 "pid": e.pid,
                 "state": "ended"
                 if self.ended_elsewhere
-                else "unknown: it runs on another host; an instance there reports it, or stops it when it is not the owner's",
+                else "unknown: it runs on another host; an instance there reports it, or stops it "
+                "when it is not the owner's",
             }
         )
         return out
 
+    def status(self) -> dict[str, Any]:
+        """The launcher in a word (``report.status``): every poll's meta_info and /health."""
+        elsewhere = None
+        if self.elsewhere is not None:
+            elsewhere = "exited" if self.ended_elsewhere else "running_elsewhere"
+        return status(self.supervisor.state(), managed=self.managed, elsewhere=elsewhere)
+
+    def early_exit(self, pid: int) -> dict[str, Any] | None:
+        """Wait up to ROLLOUT_BUFFER_LAUNCH_GRACE_S (no lock held) for the launcher just started to
+        fail. If it exited nonzero (or was killed): its exit code, its log's last lines, what its
+        flags say, and whether the restart policy starts it again. An exit 0 is a launcher that
+        had little to do: no failure."""
+        exited, code = self.supervisor.wait_exit(pid, self.config.launch_grace_s)
+        state = self.supervisor.state()
+        if not exited or code == 0 or state["stopped_by"]:  # (a /stop_rollout, a shutdown)
+            return None
+        argv = state["argv"] or []
+        return {
+            "exit_code": code,
+            "log_tail": log_tail(state["log_path"]),
+            "log_path": state["log_path"],
+            "argv": argv,
+            "hints": hints(self.config.launcher_kind, argv),
+            "will_restart": state["will_restart"],
+        }
+
     def running_pid(self) -> int | None:
         """The pid of the job's launcher while it runs here, or may still run on another host."""
         state = self.supervisor.state()
-        return (
-            state["pid"]
-            if state["running"]
-            else self.elsewhere.pid
-            if self.runs_elsewhere()
-            else None
-        )  # type: ignore[union-attr]
+        if state["running"]:
+            return int(state["pid"])
+        return self.elsewhere.pid if self.elsewhere is not None and self.runs_elsewhere() else None
 
     def runs_elsewhere(self) -> bool:
         """A launcher of the job may still run on another host (so /start_rollout must not start
@@ -331,9 +355,9 @@ class Launcher:
             )
             self.ended_elsewhere = False
             logger.warning(
-                "the launcher of job %s (pid %s) runs on host %s, not here: it is left alone, its rows "
-                "are served, and a fresh one starts here once an instance on that host reports it "
-                "gone",
+                "the launcher of job %s (pid %s) runs on host %s, not here: it is left alone, its "
+                "rows are served, and a fresh one starts here once an instance on that host "
+                "reports it gone",
                 job_id,
                 row["launcher_pid"],
                 host,

@@ -10,53 +10,27 @@ The launcher runs in its own session (so its own process group), which lets
 :meth:`Supervisor.stop` signal the launcher and everything it forked at once and check that
 the whole group is gone.
 
-Owns: the launcher process: starting it, watching it, restarting it by policy, stopping its group,
-adopting one after a restart. It must not know about jobs, groups or the buffer's tables
-(launcher.py records its identity).
+Owns: the launcher process (``spawn`` makes it from a :class:`LaunchSpec`): watching it, restarting
+it by policy, stopping its group, adopting one after a restart. It must not know about jobs, groups
+or the buffer's tables (launcher.py records its identity).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
-from rollout_buffer.core.errors import RolloutBufferError
-from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import processes, procfs
+from rollout_buffer.launcher.spawn import LauncherError, LaunchSpec, preflight, shown, spawn
 
 logger = logging.getLogger(__name__)
 
 RESTART_POLICIES = ("never", "on-failure")
-LOG_MIN_FREE_BYTES = 1 << 20  # less free space in the launcher log directory refuses a start
-
-
-class LauncherError(RolloutBufferError):
-    """The launcher could not be started."""
-
-
-@dataclass(frozen=True)
-class LaunchSpec:
-    """How to run the launcher: an argv list (never a shell string), its cwd, environment
-    (``None`` inherits ours) and the file its stdout and stderr are appended to."""
-
-    argv: tuple[str, ...]
-    cwd: str | None
-    env: dict[str, str] | None
-    log_path: str
-
-
-def shown(argv: Sequence[str]) -> list[str]:
-    """An argv as it may be shown in logs and answers: database URLs without their password (the
-    process itself gets the real one)."""
-    return [redact(str(a)) for a in argv]
 
 
 class Supervisor:
@@ -210,6 +184,27 @@ class Supervisor:
             logger.info("launcher event: %s", event)
         return events
 
+    def wait_exit(self, pid: int, timeout: float) -> tuple[bool, int | None]:
+        """Wait up to ``timeout`` seconds (holding no lock) for the launcher ``pid`` we started to
+        exit; ``(exited, exit_code)``. An exit is recorded (and the restart policy applied) here as
+        :meth:`poll` would, so the state says so at once; its events still go to the next poll."""
+        with self._lock:
+            proc = self._proc if self._pid == pid else None
+        if proc is None:  # not our child (adopted), or replaced: nothing of it to wait on
+            return False, None
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False, None
+        orphan_pgid = None
+        with self._lock:
+            if self._running and not self._stopping and self._proc is proc:
+                orphan_pgid = self._pgid
+                self._on_exit(code)
+        if orphan_pgid is not None:
+            self._kill_orphans(orphan_pgid)
+        return True, code
+
     def stop(self, reason: str = "requested") -> dict[str, Any] | None:
         """Stop the launcher and its whole process group; idempotent.
 
@@ -281,81 +276,12 @@ class Supervisor:
 
     # -- internals (callers hold the lock unless noted) --------------------------------
 
-    @staticmethod
-    def preflight(spec: LaunchSpec) -> None:
-        """Raise LauncherError for what would surely make the spawn fail (no argv, a missing cwd or
-        executable, a log directory that cannot be made), before anything else changes."""
-        if not spec.argv:
-            raise LauncherError("launcher argv is empty")
-        if spec.cwd is not None and not os.path.isdir(spec.cwd):
-            raise LauncherError(f"launcher cwd {spec.cwd!r} does not exist or is not a directory")
-        exe = spec.argv[0]
-        path = (spec.env or os.environ).get("PATH")
-        found = (
-            shutil.which(exe, path=path)
-            if os.sep not in exe
-            else (exe if os.access(os.path.join(spec.cwd or "", exe), os.X_OK) else None)
-        )
-        if found is None:
-            raise LauncherError(
-                f"cannot start launcher: executable {exe!r} not found or not executable"
-            )
-        log_dir = os.path.dirname(spec.log_path) or "."
-        try:
-            os.makedirs(log_dir, exist_ok=True)
-            st = os.statvfs(log_dir)
-        except OSError as exc:
-            raise LauncherError(
-                f"cannot create the launcher log directory for {spec.log_path!r}: {exc}"
-            ) from exc
-        if st.f_bavail * st.f_frsize < LOG_MIN_FREE_BYTES:  # its output would fail, and it with it
-            raise LauncherError(
-                f"the launcher log directory {log_dir!r} has {st.f_bavail * st.f_frsize} bytes "
-                "free (the disk is full); free some space and start again"
-            )
+    #: Raises LauncherError for what would surely make the spawn fail (see spawn.preflight).
+    preflight = staticmethod(preflight)
 
     def _spawn(self, spec: LaunchSpec) -> int:
         """Start the process for ``spec`` and record it as running; return its pid."""
-        self.preflight(spec)
-        try:
-            processes.rotate_log(spec.log_path)
-            log = open(
-                spec.log_path, "ab", buffering=0
-            )  # unbuffered: a full disk fails here, not at close
-            try:
-                log.write(
-                    f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting launcher: {shown(spec.argv)}\n".encode()
-                )
-            except OSError:
-                log.close()
-                raise
-        except OSError as exc:
-            raise LauncherError(f"cannot write the launcher log {spec.log_path!r}: {exc}") from exc
-        try:
-            proc = subprocess.Popen(
-                list(spec.argv),
-                cwd=spec.cwd,
-                env=spec.env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                close_fds=True,
-            )
-        except FileNotFoundError as exc:
-            raise LauncherError(
-                f"cannot start launcher: executable {spec.argv[0]!r} not found ({exc})"
-            ) from exc
-        except PermissionError as exc:
-            raise LauncherError(
-                f"cannot start launcher: permission denied for {spec.argv[0]!r} "
-                f"(is it executable?) ({exc})"
-            ) from exc
-        except OSError as exc:
-            raise LauncherError(f"cannot start launcher {spec.argv[0]!r}: {exc}") from exc
-        finally:
-            # The child holds its own copy of the descriptor.
-            log.close()
+        proc = spawn(spec)
         self._proc = proc
         self._adopted = False
         self._ever_started = True

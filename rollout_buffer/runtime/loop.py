@@ -19,7 +19,7 @@ from collections.abc import Callable
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost, StorageError
 from rollout_buffer.core.history import History
-from rollout_buffer.core.model import LAUNCHER_EXITED, LauncherState
+from rollout_buffer.core.model import LAUNCHER_EXITED, SERVED, LauncherState
 from rollout_buffer.launcher.launcher import Launcher
 from rollout_buffer.runtime.health import Health
 from rollout_buffer.runtime.jobs import Jobs, JobState
@@ -314,11 +314,12 @@ class Loop:
                 rows = js.accounted.filter(
                     lambda gid: store.group_pks(js.job_id, gid), js.acc.decided, rows
                 )
-                if len(rows) < len(
-                    read
-                ):  # accounted before a restart, maybe after the versions were saved
-                    js.acc.set_versions(
-                        rows=max((r.wv for r in read if r.wv is not None), default=0)
+                if len(rows) < len(read):  # accounted before a restart, maybe after the last save
+                    decided = js.acc.decided
+                    js.acc.versions.recount(
+                        (r.group_id, r.wv)
+                        for r in read
+                        if isinstance(r.group_id, str) and decided.get(r.group_id) == SERVED
                     )
             plan = js.acc.ingest(rows) if rows else None
             if rows:

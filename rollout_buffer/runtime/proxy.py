@@ -5,6 +5,10 @@
 daemon thread owns the ``requests.Session`` and does all network I/O, so a dead or hung proxy can
 never slow down a poll (the original called it synchronously inside the poll, SPEC §7.6).
 
+A proxy without the endpoint (404 or 405, ``proxy_answers``) is logged once, and from then on its
+notifications are dropped (counted) instead of retried forever; other 4xx answers are tried
+``rejected_tries`` times in a row, then their sessions are given up (counted as rejected).
+
 Owns: the pending map of sessions to clear, coalescing and retries, and the one thread that calls
 the proxy. It must not block a caller on the network, nor know about groups beyond their ids and
 keys.
@@ -16,17 +20,26 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import requests
 
 from rollout_buffer.core.errors import RolloutBufferError
+from rollout_buffer.runtime.clear_sessions import (
+    ABSENT,
+    ABSENT_WARNING,
+    CLEAR_PATH,
+    DELIVERED,
+    REJECTED,
+    RETRY,
+    Entry,
+    merge_into,
+    outcome,
+    sessions_per_reason,
+)
 from rollout_buffer.runtime.threads import Runtime, StillRunning
 
 logger = logging.getLogger(__name__)
-
-CLEAR_PATH = "/admin/clear_sessions"
 
 #: Called after every session of one reason was acknowledged by the proxy:
 #: ``on_delivered(reason, session_ids, group_ids, keys)``.
@@ -35,30 +48,6 @@ DeliveredCallback = Callable[[str, list[str], list[str], list[Any]], None]
 
 class ProxyNotifierError(RolloutBufferError):
     """The proxy notifier cannot be started: its previous thread is still running."""
-
-
-@dataclass
-class _Entry:
-    """What is waiting to be sent for one reason; ids are sets so repeats are stored once."""
-
-    sessions: set[str] = field(default_factory=set)
-    groups: set[str] = field(default_factory=set)
-    keys: list[Any] = field(default_factory=list)
-    # Hashable keys already in ``keys``: repeated notifies must not grow memory (SPEC §3 "bounded").
-    seen_keys: set[Any] = field(default_factory=set)
-
-    def merge(self, sessions: Iterable[str], groups: Iterable[str], keys: Iterable[Any]) -> None:
-        """Add ids and keys, keeping each distinct id and hashable key once."""
-        self.sessions.update(sessions)
-        self.groups.update(groups)
-        for key in keys:
-            try:
-                if key in self.seen_keys:
-                    continue
-                self.seen_keys.add(key)
-            except TypeError:  # unhashable token: keep it, we cannot dedupe it
-                pass
-            self.keys.append(key)
 
 
 class ProxyNotifier:
@@ -77,6 +66,8 @@ class ProxyNotifier:
 
     #: At most one failure WARNING per this many seconds while the proxy stays unreachable.
     WARN_INTERVAL_S = 60.0
+    #: After a 404/405, notifications are dropped for this long; then the next one is sent again.
+    ABSENT_RECHECK_S = 600.0
     #: How long the idle thread sleeps when nothing wakes it (a safety net, not a poll).
     IDLE_WAIT_S = 5.0
 
@@ -91,6 +82,7 @@ class ProxyNotifier:
         on_delivered: DeliveredCallback | None = None,
         name: str = "rollout-buffer-proxy",
         max_ids_per_request: int = 5000,
+        rejected_tries: int = 5,
     ) -> None:
         if max_ids_per_request < 1:
             raise ValueError(f"max_ids_per_request must be >= 1, got {max_ids_per_request!r}")
@@ -103,19 +95,29 @@ class ProxyNotifier:
         self.on_delivered = on_delivered
         self.name = name
         self.max_ids_per_request = int(max_ids_per_request)
+        # a 4xx other than 404/405 may be a proxy's passing mood or a request it will never take:
+        # tried this many times in a row, then the request's sessions are given up
+        self.rejected_tries = max(1, int(rejected_tries))
 
         self._lock = threading.Lock()  # guards _pending, _inflight and the counters below
-        self._pending: dict[str, _Entry] = {}
-        self._inflight: dict[str, _Entry] = {}  # taken by the thread, not yet acknowledged
+        self._pending: dict[str, Entry] = {}
+        self._inflight: dict[str, Entry] = {}  # taken by the thread, not yet acknowledged
         self._failures = 0
         self._delivered_calls = 0
         self._last_error: str | None = None
+        # "unknown" until the proxy answers; "present" once it cleared something; "absent" after a
+        # 404/405 (for the life of this process: its notifications are dropped from then on)
+        self._clear_endpoint = "unknown"
+        self._dropped_sessions = 0  # not sent: the proxy has no clear endpoint
+        self._rejected_sessions = 0  # given up after rejected_tries 4xx answers in a row
 
         # Owned by the notifier thread only (no lock needed).
         self._fail_streak = 0
         self._last_answered: bool | None = None  # None: no attempt yet
         self._last_warn_at: float | None = None
         self._warned_since = 0  # failures since the last WARNING line
+        self._rejected_streak = 0  # 4xx answers (other than 404/405) in a row
+        self._recheck_at = 0.0  # (monotonic) when a proxy without the endpoint is asked again
 
         self.wake = threading.Event()  # a notify: send now (unless a backoff is running)
         self.stopping = threading.Event()  # set by the runtime on stop
@@ -214,7 +216,7 @@ class ProxyNotifier:
             if not sessions and not groups and not keys:
                 return
             with self._lock:
-                self._pending.setdefault(str(reason), _Entry()).merge(sessions, groups, keys)
+                self._pending.setdefault(str(reason), Entry()).merge(sessions, groups, keys)
             self.wake.set()
         except Exception:  # a caller's bad argument must not break a poll
             logger.exception("proxy notify(%r) failed; notification not queued", reason)
@@ -222,15 +224,7 @@ class ProxyNotifier:
     def pending(self) -> dict[str, Any]:
         """Counters for /health and stats: pending (including in-flight) sessions per reason."""
         with self._lock:
-            reasons: dict[str, int] = {}
-            for reason in self._pending.keys() | self._inflight.keys():
-                waiting = self._pending.get(reason)
-                flying = self._inflight.get(reason)
-                if waiting is not None and flying is not None:
-                    reasons[reason] = len(waiting.sessions | flying.sessions)
-                else:
-                    entry = waiting if waiting is not None else flying
-                    reasons[reason] = len(entry.sessions)  # type: ignore[union-attr]
+            reasons = sessions_per_reason(self._pending, self._inflight)
             return {
                 "sessions": sum(reasons.values()),
                 "reasons": reasons,
@@ -238,6 +232,9 @@ class ProxyNotifier:
                 "delivered_calls": self._delivered_calls,
                 "last_error": self._last_error,
                 "enabled": self.enabled,
+                "clear_endpoint": self._clear_endpoint,
+                "dropped_sessions": self._dropped_sessions,
+                "rejected_sessions": self._rejected_sessions,
             }
 
     # ------------------------------------------------------------------ the thread
@@ -295,24 +292,53 @@ class ProxyNotifier:
                 entry = batch[reason]
                 all_ids = sorted(entry.sessions)
                 groups = sorted(entry.groups)
-                keys = list(entry.keys)
+                given_up = 0
                 for start in range(0, max(len(all_ids), 1), self.max_ids_per_request):
                     chunk = all_ids[start : start + self.max_ids_per_request]
-                    if not self._post(session, reason, chunk, groups):
+                    result = (
+                        ABSENT
+                        if self._clear_endpoint == ABSENT and time.monotonic() < self._recheck_at
+                        else self._post(session, reason, chunk, groups)
+                    )
+                    if result == RETRY or (
+                        result == REJECTED and self._rejected_streak < self.rejected_tries
+                    ):
                         return self._backoff_delay()
+                    if result == REJECTED:
+                        given_up += len(chunk)
+                        self._rejected_streak = 0
                     with self._lock:
                         entry.sessions.difference_update(chunk)
+                        if result == ABSENT:
+                            self._dropped_sessions += len(chunk)
+                        elif result == REJECTED:
+                            self._rejected_sessions += len(chunk)
                 with self._lock:
                     del self._inflight[reason]
-                logger.info(
-                    "proxy cleared %d session(s), %d group(s), reason=%s",
-                    len(all_ids),
-                    len(groups),
-                    reason,
-                )
+                if given_up:
+                    # not marked delivered: the records stay unconfirmed, so a restart (after the
+                    # proxy's configuration is fixed, say) sends them once more
+                    logger.error(
+                        "proxy rejected clear_sessions %d times in a row (%s): giving up %d "
+                        "session(s) of reason=%s",
+                        self.rejected_tries,
+                        self._last_error,
+                        given_up,
+                        reason,
+                    )
+                    continue
+                if self._clear_endpoint != ABSENT:
+                    logger.info(
+                        "proxy cleared %d session(s), %d group(s), reason=%s",
+                        len(all_ids),
+                        len(groups),
+                        reason,
+                    )
+                # Absent: marked as handled too, so a restart does not send them to a proxy that
+                # cannot take them, and the records do not pile up across jobs.
                 if self.on_delivered is not None:
                     try:
-                        self.on_delivered(reason, all_ids, groups, keys)
+                        self.on_delivered(reason, all_ids, groups, list(entry.keys))
                     except Exception:
                         logger.exception("proxy on_delivered callback failed for reason=%s", reason)
             return None
@@ -320,23 +346,19 @@ class ProxyNotifier:
             # Whatever was not acknowledged goes back to pending (merged with newer notifies).
             with self._lock:
                 leftover, self._inflight = self._inflight, {}
-                for reason, entry in leftover.items():
-                    if entry.sessions or entry.groups or entry.keys:
-                        self._pending.setdefault(reason, _Entry()).merge(
-                            entry.sessions, entry.groups, entry.keys
-                        )
+                merge_into(self._pending, leftover)
 
     def _post(
         self, session: requests.Session, reason: str, session_ids: list[str], group_ids: list[str]
-    ) -> bool:
-        """One POST; True on any 2xx (3xx included among the failures). Records and logs
-        (rate-limited) failures."""
+    ) -> str:
+        """One POST; what it came to (``clear_sessions.outcome``). Records and logs (rate-limited)
+        failures."""
         assert self.url is not None  # (the thread runs only with a proxy configured)
         body = {"session_ids": session_ids, "reason": reason, "group_ids": group_ids}
+        status: int | None = None
         try:
-            # a redirect is not the proxy clearing anything (an auth gateway's login page would
-            # answer 200 to the GET it turns into): never followed, it counts as a failure and is
-            # retried
+            # A redirect is not the proxy clearing anything (an auth gateway's login page would
+            # answer 200 to the GET it turns into): never followed, it is a failure and retried.
             resp = session.post(
                 self.url,
                 json=body,
@@ -344,19 +366,40 @@ class ProxyNotifier:
                 allow_redirects=False,
             )
             try:
-                ok = 200 <= resp.status_code < 300
-                error = None if ok else f"HTTP {resp.status_code} from {self.url}"
+                status = resp.status_code
             finally:
                 resp.close()  # the body is ignored
+            error = f"HTTP {status} from {self.url}"
         except requests.RequestException as exc:
-            ok, error = False, f"{type(exc).__name__}: {exc}"
-        if ok:
+            error = f"{type(exc).__name__}: {exc}"
+        result = outcome(status)
+        if result == DELIVERED:
             self._on_success()
+        elif result == ABSENT:
+            self._on_absent(status)
         else:
-            self._on_failure(error or "unknown error", len(session_ids), reason)
-        return ok
+            if result == REJECTED:
+                self._rejected_streak += 1
+            self._on_failure(error, len(session_ids), reason)
+        return result
+
+    def _on_absent(self, status: int | None) -> None:
+        """The proxy has no clear endpoint: said once, loudly; nothing is sent until the recheck (a
+        404 may also come from a proxy being deployed behind its gateway)."""
+        first = self._clear_endpoint != ABSENT
+        with self._lock:
+            self._clear_endpoint = ABSENT
+            self._last_error = f"HTTP {status} from {self.url}: no clear_sessions endpoint"
+        self._fail_streak = 0
+        self._last_answered = True
+        self._recheck_at = time.monotonic() + self.ABSENT_RECHECK_S
+        if first:
+            logger.warning(ABSENT_WARNING, status, self.url, self.ABSENT_RECHECK_S)
 
     def _on_success(self) -> None:
+        self._rejected_streak = 0
+        if self._clear_endpoint == ABSENT:
+            logger.warning("the LLM proxy at %s clears sessions again", self.url)
         if self._fail_streak:
             logger.info(
                 "proxy reachable again at %s after %d failed attempt(s)",
@@ -370,6 +413,7 @@ class ProxyNotifier:
         with self._lock:
             self._delivered_calls += 1
             self._last_error = None
+            self._clear_endpoint = "present"
 
     def _on_failure(self, error: str, n_sessions: int, reason: str) -> None:
         self._fail_streak += 1

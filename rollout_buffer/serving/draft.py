@@ -36,6 +36,9 @@ from rollout_buffer.storage.connections import Pair
 from rollout_buffer.storage.fetch import FETCH_CHUNK, fetch_takes
 
 TAKE_STEP = 64  # groups taken from the queues at a time
+# what a group's wait_s and age_s may take in meta_info once served: they are measured when the
+# poll serves it, after its size was counted (any age up to about 3,000 years fits)
+WIDEST_SECONDS = 99_999_999_999.999
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ def json_len(value: str) -> int:
 
 
 def group_stats_of(t: Take, g: GroupItems, now: float) -> dict[str, Any]:
-    """meta_info.group_stats of a group as it is built: wait since ready (``now`` on the
+    """meta_info.group_stats of a group served at ``now``: wait since ready (``now`` on the
     accumulator's monotonic clock), age since its first served row was written (wall clock)."""
     wait = None if t.ready_at is None else now - t.ready_at
     age = None if g.first_ts is None else time.time() - g.first_ts
@@ -75,7 +78,6 @@ class Draft:
         self.sizes: dict[str, int] = {}  # group_id -> what it adds to meta_info
         self.meta_size = 1024  # the head and meta_info; grows with each built group
         self.spent = 0  # bytes built and refused (a poll builds about a budget, whatever it keeps)
-        self.built_version = 0  # the largest weight_version of the rows built
         self.full = False
         self.leftover: list[Take] = []  # taken but not built (the budget): back to the queue
         self.retry: list[Take] = []  # failed for an unexpected reason: back to the queue
@@ -124,6 +126,13 @@ class Draft:
             for t, reason, _ in self.refused
             if reason == STALE and t.min_wv is not None
         )
+
+    def stamp(self, now: float) -> None:
+        """Measure the built groups' wait_s and age_s as they are served (``now`` on the
+        accumulator's monotonic clock): the same figures whether the draft was built by this poll
+        or before it."""
+        for t, g in self.built:
+            self.stats[t.group_id] = group_stats_of(t, g, now)
 
     def fit_request_id(self, request_id: str | None) -> None:
         """A poll's request_id is written twice in meta_info: groups that no longer fit come off the
@@ -216,14 +225,20 @@ class Draft:
             del self.buf[start:]
             (self.refused.append((t, BUILD_FAILED, {})) if failed(t, exc) else self.retry.append(t))
             return current
-        # versions not read at ingest (a long env_state) count once built
-        self.built_version = max(self.built_version, max(g.weight_versions, default=0))
-        current = max(current, self.built_version)
+        # every version of its rows, also those not read at ingest (a long env_state): one that
+        # cannot be true drops it, the others count toward the agreement on the current version
+        verdict = None if t.redelivered else js.acc.versions.judge(t.group_id, g.weight_versions)
+        # only a staleness bound makes a version matter enough to drop a group for it
+        judged = policy.max_off_policy is not None or self.shape.max_off_policy is not None
+        implausible = verdict if judged else None
+        current = js.acc.current_version
         # again just before it is served: a group can go stale while it waits (a redelivered group
         # keeps its first verdict)
         reason = (
             None
             if t.redelivered
+            else implausible
+            if implausible is not None
             else STALE
             if policy.stale(current, min(g.weight_versions, default=0), self.shape.max_off_policy)
             else ZERO_VARIANCE
@@ -239,7 +254,8 @@ class Draft:
         st = self.stats[t.group_id] = group_stats_of(t, g, js.acc.clock())
         # the body is buf plus a head and a meta_info tail that lists the group ids twice
         # (finished_groups, group_stats), its figures and maybe partial_groups and redelivered
-        size = 3 * json_len(t.group_id) + len(json.dumps(st, separators=(",", ":"))) + 3
+        widest = dict(st, wait_s=WIDEST_SECONDS, age_s=WIDEST_SECONDS)  # stamped when served
+        size = 3 * json_len(t.group_id) + len(json.dumps(widest, separators=(",", ":"))) + 3
         if self.built and self.spent + len(self.buf) + self.meta_size + size > self.budget:
             del self.buf[g.start :]  # does not fit: it goes back, first, for the next poll
             self.leftover.append(t)

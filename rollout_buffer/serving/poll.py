@@ -14,10 +14,10 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rollout_buffer.core.body import Body, empty_body, response_chunks
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError, IntegrityError, LeaseLost, StorageError
 from rollout_buffer.core.history import History, PollStats
@@ -26,6 +26,7 @@ from rollout_buffer.core.model import (
     PollRequest,
     Take,
 )
+from rollout_buffer.core.response import Body, empty_body, response_chunks
 from rollout_buffer.runtime.health import Health
 from rollout_buffer.runtime.jobs import Jobs, JobState
 from rollout_buffer.runtime.locks import LOCK_WAIT_S, Locks
@@ -78,6 +79,7 @@ class Serving:
         locks: Locks,
         guard: Guard | None = None,
         history: History | None = None,
+        launcher_status: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.config = config
         self.history = history or History()  # the status page's last batches and serve rate
@@ -87,6 +89,9 @@ class Serving:
         self.health = health
         self.locks = locks
         self.guard = guard  # None: no lease, this instance always serves
+        # the launcher in a word (Launcher.status) in every answer's meta_info: a trainer polling a
+        # job whose launcher has exited is told so, not only /stats
+        self.launcher_status = launcher_status
         self.stats = PollStats()
         self._uncertain: Uncertain | None = None
         self._rids = RequestIds(config)
@@ -229,7 +234,7 @@ class Serving:
         ):
             # nothing to serve and nothing to replay: answered from memory, no database touched
             self.signals.nudge()
-            return empty_body({"job_session": js.job_id})
+            return empty_body(self._meta(js))
         with self.locks.serving(holder="another poll"):
             js, body, replay = self._under_serve_lock(conns, poll)
         if body is not None:
@@ -267,6 +272,13 @@ class Serving:
             logger.error("serving failed: %s", exc)
             raise ApiError(503, f"the database is unreachable: {exc}", retry_after=3) from exc
 
+    def _meta(self, js: JobState) -> dict[str, Any]:
+        """What every answer's meta_info says of the job: its id, its launcher's state."""
+        meta: dict[str, Any] = {"job_session": js.job_id}
+        if self.launcher_status is not None:
+            meta["launcher"] = self.launcher_status()
+        return meta
+
     # -- serve -------------------------------------------------------------------------------------
     def _serve(self, pair: Pair, js: JobState, poll: PollRequest) -> Body:
         started = time.perf_counter()
@@ -283,13 +295,12 @@ class Serving:
                 pair, js, policy, self.config.max_group_bytes, lambda t, e: self._failed(js, t, e)
             )
             d.fit_request_id(request_id)
+            d.stamp(js.acc.clock())
         except BaseException:
             redelivery.release(js, d.taken)
             raise
         leftover = d.give_back()
         self._release(pair, js, leftover)
-        if d.built_version > js.acc.rows_version:
-            js.acc.set_versions(rows=d.built_version)
         built = d.built
         plan = plan_poll(js, d.seed, request_id, built, d.refused, d.stats, self.outbox.events)
         chunks: list[Any] = []
@@ -299,7 +310,7 @@ class Serving:
                 [g for _, g in built],
                 d.buf,
                 {
-                    "job_session": js.job_id,
+                    **self._meta(js),
                     "batch_id": plan.batch.batch_id,
                     "request_id": request_id,
                     "replayed": False,
@@ -312,7 +323,7 @@ class Serving:
         if leftover:
             self.signals.nudge()
         if not built:
-            return empty_body({"job_session": js.job_id})
+            return empty_body(self._meta(js))
         logger.debug(
             "served %d groups (%d bytes) of job %s; %d left ready",
             len(built),
@@ -421,8 +432,11 @@ class Serving:
             return
         if u.plan.batch is not None:
             committed = pair.store.batch_exists(u.plan.batch.batch_id)
-        else:
+        elif u.plan.drops:
             committed = pair.store.group_decision(js.job_id, u.plan.drops[0].group_id) is not None
+        else:  # only redeliveries that failed: the COMMIT happened if one left the stored queue
+            queued = set(pair.store.redelivery_queue(js.job_id))
+            committed = any(gid not in queued for gid in u.plan.redelivered)
         if committed:
             logger.warning(
                 "a serving commit of job %s reported an error but happened (%d groups); settling "

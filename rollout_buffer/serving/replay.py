@@ -16,11 +16,11 @@ import threading
 import time
 from typing import Any
 
-from rollout_buffer.core.body import Body, response_chunks
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ApiError, StorageError
 from rollout_buffer.core.items import GroupItems, build_group, item_flags
 from rollout_buffer.core.model import Batch
+from rollout_buffer.core.response import Body, response_chunks
 from rollout_buffer.core.values import Malformed
 from rollout_buffer.runtime.jobs import JobState
 from rollout_buffer.storage.connections import Pair
@@ -166,6 +166,15 @@ class Replayer:
         for gid in batch.group_ids:
             pks = pair.store.group_pks(js.job_id, gid)
             rows = fetch_rows(pair.src, pks)
+            if len(rows) < len(pks):  # pruned from session_steps: never a group short of a row
+                raise ApiError(
+                    410,
+                    f"the batch of request_id {batch.request_id!r} cannot be sent again whole: "
+                    f"{len(pks) - len(rows)} of the {len(pks)} rows of one of its groups are no "
+                    "longer in session_steps (was the launcher's table pruned?). Use a fresh "
+                    "request_id for new data.",
+                    batch_id=batch.batch_id,
+                )
             try:
                 groups.append(
                     build_group(

@@ -3,9 +3,10 @@
 Owns: the answers of both calls. ``start`` waits (bounded) for the loop's bootstrap, takes the
 start lock, then the tick and serve locks to swap the job (settling an uncertain poll and the
 prebuilt draft first), starts the job's launcher, and queues served groups again when a call that
-begins no new job brings a checkpoint's skip list. ``stop`` takes no lock of the service and no
-database: a stuck database or a /start_rollout in progress must not keep a launcher running past
-its grace. It must not serve a poll or ingest a row.
+begins no new job brings a checkpoint's skip list; then, holding no lock, it waits out the launch
+grace for a launcher that fails at once, and answers its failure instead. ``stop`` takes no lock
+of the service and no database: a stuck database or a /start_rollout in progress must not keep a
+launcher running past its grace. It must not serve a poll or ingest a row.
 """
 
 from __future__ import annotations
@@ -80,7 +81,37 @@ class Rollouts:
                     retry_after=2,
                 )
         with self.locks.starting():
-            return self._start(conns, k, restart_training, job_session, skip or [])
+            status, body = self._start(conns, k, restart_training, job_session, skip or [])
+        if body.get("message") == "Rollout started" and body.get("pid") is not None:
+            self._said_if_it_exits_at_once(body)  # (no lock held while it waits)
+        return status, body
+
+    def _said_if_it_exits_at_once(self, body: dict[str, Any]) -> None:
+        """A launcher that fails within the launch grace makes /start_rollout an error (500: the
+        client does not retry it) naming its exit code and showing its log's last lines; "Rollout
+        started" sent a trainer polling forever. With a restart due (on-failure), the answer stays
+        200, with a warning and the same details (``launcher_exit``)."""
+        early = self.launcher.early_exit(body["pid"])
+        if early is None:
+            return
+        job_id = body["job_session"]
+        said = (
+            f"the launcher exited with code {early['exit_code']} within "
+            f"{self.config.launch_grace_s:g} s of its start"
+        )
+        logger.error("%s (job %s, log: %s)", said, job_id, early["log_path"])
+        if early["will_restart"]:
+            body["warning"] = f"{said}; the restart policy starts it again (see launcher_exit)"
+            body["launcher_exit"] = early
+            return
+        raise ApiError(
+            500,
+            f"{said}; see log_tail and hints. Job {job_id!r} stays selected: POST /start_rollout "
+            "again starts a new launcher for it",
+            job_session=job_id,
+            pid=body["pid"],
+            **early,
+        )
 
     def _start(
         self,

@@ -19,17 +19,19 @@ what a table means.
 
 from __future__ import annotations
 
-from rollout_buffer.core.errors import ConfigError
+from rollout_buffer.core.errors import ConfigError, StorageError
 from rollout_buffer.storage.database import Database
 from rollout_buffer.storage.launcher_sql import LAUNCHER_DDL
 from rollout_buffer.storage.postgres import PostgresDatabase, to_pyformat
 from rollout_buffer.storage.sqlite import SqliteDatabase, sqlite_path
 
-# The backends and the helpers callers use through this module, the shim's one public face.
+# The backends, the helpers and the error callers use through this module (every driver error
+# becomes a StorageError), the shim's one public face.
 __all__ = [
     "Database",
     "PostgresDatabase",
     "SqliteDatabase",
+    "StorageError",
     "connect",
     "create_launcher_tables",
     "sqlite_path",

@@ -242,3 +242,16 @@ def fetch_export_rows(n: int, backend: str) -> str:
     """Export: fetch_bodies' columns (items are built from them) plus EXPORT_EXTRA_COLUMNS."""
     head, sep, tail = fetch_bodies(n, backend).partition(" FROM session_steps ")
     return f"{head}, {', '.join(EXPORT_EXTRA_COLUMNS)}{sep}{tail}"
+
+
+_TEXT_COLUMNS = ("messages", "response", "env_state")
+
+
+@lru_cache(maxsize=128)
+def fetch_export_sizes(n: int, backend: str) -> str:
+    """Export: fetch_bodies' columns with NULL for the texts, plus their length in characters: a
+    dropped group is planned (sessions and step order) without holding its texts, then streamed."""
+    cols = ", ".join("NULL" if c in _TEXT_COLUMNS else c for c in BODY_COLUMNS)
+    size = " + ".join(f"COALESCE(LENGTH({c}), 0)" for c in _TEXT_COLUMNS)
+    where = "id = ANY(?)" if backend == "postgres" else f"id IN ({', '.join('?' * n)})"
+    return f"SELECT {cols}, {size} FROM session_steps WHERE {where}"

@@ -22,46 +22,34 @@ import collections
 import contextlib
 import gzip
 import json
-import math
 import os
 import sys
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
 from typing import IO, Any, TextIO
 
 from rollout_buffer.core.errors import RolloutBufferError
-from rollout_buffer.core.items import (
-    COMPLETED,
-    CREATED,
-    ENV_STATE,
-    GID,
-    MESSAGES,
-    PARTIAL_FLAG,
-    RESPONSE,
-    SID,
-    STEP,
-    STEP_REWARD,
-    TRUNCATED,
-    build_group,
-)
+from rollout_buffer.core.items import GID, PARTIAL_FLAG, build_group
 from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
-from rollout_buffer.core.values import Malformed, epoch, weight_version
+from rollout_buffer.core.values import Malformed
 from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import Database, connect
 from rollout_buffer.storage.exports import ExportPages
 from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
+from rollout_buffer.tools.export_steps import (
+    json_number,
+    session_plan,
+    sessions_of,
+    streamed_sessions,
+    text_of,
+)
 from rollout_buffer.tools.progress import Progress, bar
 
 WHAT = ("served", "dropped", "all")
 PAGE = 500
 SEED_CACHE = 1024
-# Positions of queries.EXPORT_EXTRA_COLUMNS after BODY_COLUMNS.
-ENV_NAME, LLM_MODEL, CUM_REWARD, TERMINAL = range(
-    len(launcher_sql.BODY_COLUMNS), len(launcher_sql.BODY_COLUMNS) + 4
-)
 FORMAT_VERSION = 1
 
 
@@ -81,109 +69,6 @@ def _open_out(path: str, gz: bool) -> IO[str]:
     if gz:
         return gzip.open(path, "wt", encoding="utf-8", newline="\n")
     return open(path, "w", encoding="utf-8", newline="\n")
-
-
-def _number(v: Any) -> Any:
-    """A JSON number, or the text of a value that is not a finite one ('nan', 'inf', ...)."""
-    if v is None:
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return str(v)
-    if not math.isfinite(f):
-        return str(f)
-    return int(v) if isinstance(v, int) and not isinstance(v, bool) else f
-
-
-def _text(v: Any) -> str | None:
-    if v is None:
-        return None
-    if isinstance(v, (bytes, bytearray, memoryview)):
-        return bytes(v).decode("utf-8", "replace")
-    if isinstance(v, datetime):
-        return v.isoformat(sep=" ")
-    return str(v)
-
-
-def _messages(raw: Any) -> dict[str, Any]:
-    """{"messages": list} when the stored history is a JSON list, else {"messages": None,
-    "messages_text": raw}."""
-    text = _text(raw)
-    try:
-        value = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
-        if isinstance(value, list):
-            return {"messages": value}
-    except (TypeError, ValueError, RecursionError):
-        pass
-    return {"messages": None, "messages_text": text}
-
-
-def _wv(env_state: Any) -> int | None:
-    try:
-        return weight_version(env_state)
-    except Malformed:
-        return None
-
-
-def step_record(row: Sequence[Any], outcome: str, reason: str | None) -> dict[str, Any]:
-    """One launcher row as an export step."""
-    try:
-        ts: float | None = epoch(row[CREATED])
-    except Malformed:
-        ts = None
-    out: dict[str, Any] = {"step_pk": int(row[0]), "step_id": _number(row[STEP])}
-    out.update(_messages(row[MESSAGES]))
-    out.update(
-        {
-            "response": _text(row[RESPONSE]),
-            "step_reward": _number(row[STEP_REWARD]),
-            "reward": _number(row[CUM_REWARD]),
-            "weight_version": _wv(row[ENV_STATE]),
-            "env_state": _text(row[ENV_STATE]),
-            "truncated": bool(row[TRUNCATED]),
-            "terminal": bool(row[TERMINAL]),
-            "completed": bool(row[COMPLETED]),
-            "created_at": _text(row[CREATED]),
-            "timestamp": ts,
-            "env_name": _text(row[ENV_NAME]),
-            "llm_model": _text(row[LLM_MODEL]),
-            "outcome": outcome,
-            "reason": reason,
-        }
-    )
-    return out
-
-
-def sessions_of(
-    rows: dict[int, tuple], outcomes: dict[int, tuple[str, str | None]]
-) -> list[dict[str, Any]]:
-    """The sessions of some rows, sorted by session_id, their steps by (step_id, step_pk), each with
-    its terminal reward: the step_reward of its last completed row (None when it never
-    completed)."""
-    by_session: dict[str, list[tuple]] = collections.defaultdict(list)
-    for r in rows.values():
-        by_session[_text(r[SID]) or ""].append(r)
-    out = []
-    for sid in sorted(by_session):
-
-        def order(r: tuple) -> tuple:
-            try:
-                return (0, int(r[STEP]), int(r[0]))
-            except (TypeError, ValueError):
-                return (1, 0, int(r[0]))
-
-        steps = sorted(by_session[sid], key=order)
-        done = [r for r in steps if r[COMPLETED]]
-        out.append(
-            {
-                "session_id": sid,
-                "completed": bool(done),
-                "terminal_reward": _number(done[-1][STEP_REWARD]) if done else None,
-                "steps": [step_record(r, *outcomes[int(r[0])]) for r in steps],
-            }
-        )
-    return out
 
 
 class Exporter:
@@ -211,9 +96,10 @@ class Exporter:
             )
 
     # -- records -----------------------------------------------------------------------------------
-    def records(self, what: str = "all") -> Iterator[str]:
-        """The export's lines (JSON text without the newline), groups in group_id order, then the
-        rejected rows without a group in step_pk order."""
+    def records(self, what: str = "all") -> Iterator[str | Iterator[str]]:
+        """The export's lines (JSON text without the newline; a dropped group's as an iterator of
+        pieces, to be written before the next record is asked for), groups in group_id order, then
+        the rejected rows without a group in step_pk order."""
         if what not in WHAT:
             raise ExportError(f"--what {what!r}: expected one of {', '.join(WHAT)}")
         extra = self.pages.group_rows()
@@ -249,43 +135,58 @@ class Exporter:
                 self._seeds.popitem(last=False)
         return self._seeds[batch_id]
 
-    def _group_record(self, g: dict[str, Any], accounted: list[tuple]) -> str:
-        gid, status, reason = g["group_id"], g["status"], g["reason"]
+    def _group_record(self, g: dict[str, Any], accounted: list[tuple]) -> str | Iterator[str]:
+        gid, status = g["group_id"], g["status"]
         pks = [int(p) for p in (g["pks"] or "").split(",") if p]
         extra = {int(r[1]): (r[2], r[3]) for r in accounted}
+        if status != SERVED:  # no items to rebuild: streamed, whatever its size
+            return self._dropped_record(g, pks, extra)
         rows = self._rows(sorted(set(pks) | set(extra)))
         outcomes: dict[int, tuple[str, str | None]] = {}
         items_json: str | None = None
         uids = None
-        if status == SERVED:
-            take = take_from_rows(gid, pks, {pk: rows[pk] for pk in pks if pk in rows})
-            for pk in take.served_pks:
-                outcomes[pk] = (SERVED, None)
-            for pk in take.incomplete_pks:
-                outcomes[pk] = (DROPPED, INCOMPLETE_IN_SERVED)
-            items_json, uids = self._items(take, rows, g["batch_id"])
-        else:
-            for pk in pks:
-                outcomes[pk] = (DROPPED, reason)
+        take = take_from_rows(gid, pks, {pk: rows[pk] for pk in pks if pk in rows})
+        for pk in take.served_pks:
+            outcomes[pk] = (SERVED, None)
+        for pk in take.incomplete_pks:
+            outcomes[pk] = (DROPPED, INCOMPLETE_IN_SERVED)
+        items_json, uids = self._items(take, rows, g["batch_id"])
         for pk, (outcome, why) in extra.items():
             outcomes[pk] = (REJECTED if outcome == REJECTED else DROPPED, why)
-        record = {
-            "format": FORMAT_VERSION,
-            "job_id": self.job_id,
-            "group_id": gid,
-            "status": status,
-            "reason": reason,
-            "batch_id": g["batch_id"],
-            "decided_at": _number(g["resolved_at"]),
-            "missing_step_pks": sorted(set(outcomes) - set(rows)),
-            "sessions": sessions_of(rows, outcomes),
-        }
-        if items_json is None:
-            return json.dumps(record, ensure_ascii=False)
+        record = self._head(g, sorted(set(outcomes) - set(rows)))
+        record["sessions"] = sessions_of(rows, outcomes)
         record["uids"] = uids
         # the items are spliced in as the trainer received them, byte for byte
         head = json.dumps(record, ensure_ascii=False)
         return head[:-1] + ',"items":[' + items_json + "]}"
+
+    def _head(self, g: dict[str, Any], missing: list[int]) -> dict[str, Any]:
+        return {
+            "format": FORMAT_VERSION,
+            "job_id": self.job_id,
+            "group_id": g["group_id"],
+            "status": g["status"],
+            "reason": g["reason"],
+            "batch_id": g["batch_id"],
+            "decided_at": json_number(g["resolved_at"]),
+            "missing_step_pks": missing,
+        }
+
+    def _dropped_record(
+        self, g: dict[str, Any], pks: list[int], extra: dict[int, tuple[str, str | None]]
+    ) -> Iterator[str]:
+        """A dropped group's record in pieces: planned from its rows' metadata and text sizes,
+        then its steps fetched a few at a time (a group dropped as group_too_large is as large as
+        its launcher made it; the export never holds it whole)."""
+        outcomes = dict.fromkeys(pks, (DROPPED, g["reason"]))
+        for pk, (outcome, why) in extra.items():
+            outcomes[pk] = (REJECTED if outcome == REJECTED else DROPPED, why)
+        meta = fetch_rows(self.src, sorted(outcomes), launcher_sql.fetch_export_sizes)
+        sizes = {pk: int(r[-1] or 0) for pk, r in meta.items()}
+        head = json.dumps(self._head(g, sorted(set(outcomes) - set(meta))), ensure_ascii=False)
+        yield head[:-1] + ', "sessions": '
+        yield from streamed_sessions(session_plan(meta), sizes, self._rows, outcomes)
+        yield "}"
 
     def _items(self, take: Any, rows: dict[int, tuple], batch_id: str | None) -> tuple[str, str]:
         """The served items of a group as JSON text, and whether their uids are the served ones."""
@@ -322,14 +223,14 @@ class Exporter:
             "status": REJECTED,
             "reason": reason,
             "batch_id": None,
-            "decided_at": _number(recorded_at),
+            "decided_at": json_number(recorded_at),
             "missing_step_pks": [] if pk in rows else [pk],
             "sessions": sessions_of(
                 rows, {pk: (REJECTED if outcome == REJECTED else DROPPED, reason)}
             ),
         }
         if rows:
-            record["group_id_text"] = _text(
+            record["group_id_text"] = text_of(
                 rows[pk][GID]
             )  # what the row held instead of a usable group_id
         return json.dumps(record, ensure_ascii=False)
@@ -354,11 +255,13 @@ def export(
     partial = path + ".partial"
     try:
         with _open_out(partial, gz=path.endswith(".gz")) as f:
-            for line in ex.records(what):
-                f.write(line)
+            for record in ex.records(what):
+                for piece in [record] if isinstance(record, str) else record:
+                    f.write(piece)
+                    summary.bytes += len(piece)
                 f.write("\n")
                 summary.records += 1
-                summary.bytes += len(line) + 1
+                summary.bytes += 1
                 now = time.monotonic()
                 if progress is not None and now - shown >= 0.2:
                     shown = now

@@ -14,6 +14,12 @@ flags, env_name and llm_model. Rows that arrived after their group was decided (
 are left out: in a new job they would have joined the group before its decision, so the same
 groups come back. ``created_at`` is the time of writing.
 
+A row the target database cannot hold as it is is still written when it can be: Postgres text
+cannot hold NUL, so there each NUL becomes U+FFFD (the row is *changed*). A row the database
+refuses (a value of the wrong type, say a SQLite step_id that is text) is *skipped*, and the next
+one is written. Each changed or skipped row is reported on stderr with its reason, and counted
+in the final line (``changed_rows``, ``skipped_rows``).
+
 It must not read or write the buffer's tables: it reads the export file and INSERTs launcher rows,
 as a launcher does.
 """
@@ -22,15 +28,18 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import uuid
 from typing import Any
 
+from rollout_buffer.core.errors import IntegrityError, StorageError
 from rollout_buffer.storage import launcher_writes
 from rollout_buffer.tools.export import read_export
 from rollout_buffer.tools.simulator import Simulator
 from rollout_buffer.tools.workload import LLM_MODEL
 
 LATE = "late_rows_"
+NUL, REPLACEMENT = "\x00", "\ufffd"
 
 
 def _number(v: Any, backend: str) -> Any:
@@ -50,6 +59,17 @@ def _number(v: Any, backend: str) -> Any:
     return f
 
 
+def without_nul(values: dict[str, Any], backend: str) -> list[str]:
+    """On Postgres (its text cannot hold NUL): replace NUL in the text values, in place; returns the
+    names of the values changed."""
+    if backend != "postgres":
+        return []
+    changed = [k for k, v in values.items() if isinstance(v, str) and NUL in v]
+    for k in changed:
+        values[k] = values[k].replace(NUL, REPLACEMENT)
+    return changed
+
+
 def _messages_text(step: dict[str, Any]) -> str:
     if step.get("messages") is None:
         return step.get("messages_text") or ""
@@ -64,6 +84,8 @@ class ExportReplayer(Simulator):
         self.records = 0
         self.sessions = 0
         self.group_ids: set[str] = set()
+        self.changed_rows = 0
+        self.skipped_rows = 0
 
     def run(self) -> None:
         a = self.args
@@ -97,71 +119,123 @@ class ExportReplayer(Simulator):
             gid = record.get("group_id")
             if gid is not None:
                 self.group_ids.add(gid)
-            self._environments(record, sessions)
+            held = {"group_id": gid}
+            nul_in_gid = without_nul(held, self.backend())  # the same id for all its rows
+            self._environments(record, held["group_id"], sessions)
             for i in range(max(len(steps) for _, steps in sessions)):
                 for sid, steps in sessions:
                     if i < len(steps):
                         if a.pace > 0 and not first:
                             self.pause(a.pace)
                         first = False
-                        self._step(sid, gid, steps[i])
+                        self._step(sid, gid, held["group_id"], steps[i], nul_in_gid)
                         self.progress()
 
+    def backend(self) -> str:
+        return str(self.connect().backend)
+
     def _environments(
-        self, record: dict[str, Any], sessions: list[tuple[str, list[dict[str, Any]]]]
+        self,
+        record: dict[str, Any],
+        gid: str | None,
+        sessions: list[tuple[str, list[dict[str, Any]]]],
     ) -> None:
         a, created = self.args, self.now()
+        # json.dumps writes a NUL as \u0000: the parameters keep the exported group_id as it was
         params = json.dumps(
             {"replayed_from": record.get("job_id"), "group_id": record.get("group_id")}
         )
+        names = [steps[0].get("env_name") or "replay" for _, steps in sessions]
+        if self.backend() == "postgres":
+            names = [n.replace(NUL, REPLACEMENT) if isinstance(n, str) else n for n in names]
         rows = [
-            (
-                a.job_id,
-                sid,
-                steps[0].get("env_name") or "replay",
-                params,
-                None,
-                record.get("group_id"),
-                0,
-                0,
-                created,
-            )
-            for sid, steps in sessions
+            (a.job_id, sid, name, params, None, gid, 0, 0, created)
+            for (sid, _), name in zip(sessions, names, strict=True)
         ]
 
         def insert(db: Any) -> None:
             launcher_writes.insert_sessions(db, rows)
 
-        self.write(insert, "inserting job_environments")
-
-    def _step(self, sid: str, gid: str | None, st: dict[str, Any]) -> None:
-        a = self.args
-
-        def insert(db: Any) -> None:
-            launcher_writes.insert_step(
-                db,
-                (
-                    sid,
-                    st.get("step_id"),
-                    st.get("env_name") or "replay",
-                    st.get("llm_model") or LLM_MODEL,
-                    gid,
-                    a.job_id,
-                    _messages_text(st),
-                    st.get("response") or "",
-                    _number(st.get("step_reward"), db.backend),
-                    _number(st.get("reward"), db.backend),
-                    st.get("env_state"),
-                    int(bool(st.get("terminal"))),
-                    int(bool(st.get("truncated"))),
-                    int(bool(st.get("completed"))),
-                    1,
-                    self.now(),
-                ),
+        try:
+            self.write(insert, "inserting job_environments")
+        except (IntegrityError, StorageError) as exc:
+            if not (exc.about_data or isinstance(exc, IntegrityError)):
+                raise
+            # only the listing of its sessions: its steps are still written (or reported)
+            print(
+                f"simulate: job_environments of group {json.dumps(record.get('group_id'))} "
+                f"skipped: the database refused them: {exc}",
+                file=sys.stderr,
+                flush=True,
             )
 
-        self.write(insert, f"inserting step {st.get('step_id')} of session {sid}")
+    def _step(
+        self,
+        sid: str,
+        exported_gid: str | None,
+        gid: str | None,
+        st: dict[str, Any],
+        why: list[str],
+    ) -> None:
+        """Write one step (``gid``: the exported group id as the database can hold it; ``why``:
+        the names of the values already changed for it)."""
+        a, backend = self.args, self.backend()
+        text = {
+            "env_name": st.get("env_name") or "replay",
+            "llm_model": st.get("llm_model") or LLM_MODEL,
+            "messages": _messages_text(st),
+            "response": st.get("response") or "",
+            "env_state": st.get("env_state"),
+        }
+        changed = why + without_nul(text, backend)
+        row = (
+            sid,
+            st.get("step_id"),
+            text["env_name"],
+            text["llm_model"],
+            gid,
+            a.job_id,
+            text["messages"],
+            text["response"],
+            _number(st.get("step_reward"), backend),
+            _number(st.get("reward"), backend),
+            text["env_state"],
+            int(bool(st.get("terminal"))),
+            int(bool(st.get("truncated"))),
+            int(bool(st.get("completed"))),
+            1,
+            self.now(),
+        )
+
+        def insert(db: Any) -> None:
+            launcher_writes.insert_step(db, row)
+
+        try:
+            self.write(insert, f"inserting step {st.get('step_id')} of session {sid}")
+        except (IntegrityError, StorageError) as exc:
+            if not (exc.about_data or isinstance(exc, IntegrityError)):
+                raise  # the database, not this row: stop as before
+            self.skipped_rows += 1
+            self._report(st, exported_gid, "skipped", f"the database refused it: {exc}")
+            return
         self.rows += 1
+        if changed:
+            self.changed_rows += 1
+            self._report(
+                st,
+                exported_gid,
+                "changed",
+                f"NUL replaced by U+FFFD in {', '.join(changed)} (Postgres text cannot hold NUL)",
+            )
+
+    def _report(self, st: dict[str, Any], gid: str | None, what: str, why: str) -> None:
+        """One line per changed or skipped row, naming it as the export does (its step_pk there)."""
+        print(
+            f"simulate: row step_pk={st.get('step_pk')} (group {json.dumps(gid)}, step "
+            f"{json.dumps(st.get('step_id'))}) {what}: {why}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def progress_line(self, rate: float) -> str:
         return (
@@ -182,6 +256,8 @@ class ExportReplayer(Simulator):
                 "completed_sessions": None,
                 "failed_sessions": None,
                 "truncated_sessions": None,
+                "changed_rows": self.changed_rows,
+                "skipped_rows": self.skipped_rows,
             }
         )
         return out

@@ -90,7 +90,7 @@ class Simulator:
             except IntegrityError:
                 raise
             except StorageError as exc:
-                if attempt == WRITE_ATTEMPTS:
+                if exc.about_data or attempt == WRITE_ATTEMPTS:  # a value refused is refused again
                     raise
                 print(
                     f"simulate: {what} failed (attempt {attempt}/{WRITE_ATTEMPTS}), retrying in "

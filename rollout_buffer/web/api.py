@@ -22,9 +22,9 @@ from urllib.parse import urlsplit
 
 from flask import Blueprint, Response, current_app, g, request
 
-from rollout_buffer.core.body import iter_bytes
 from rollout_buffer.core.errors import ApiError
 from rollout_buffer.core.model import PollRequest
+from rollout_buffer.core.response import iter_bytes
 from rollout_buffer.service import Service
 from rollout_buffer.serving.redelivery import parse_skip
 from rollout_buffer.storage.connections import LazyPair

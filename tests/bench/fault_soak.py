@@ -43,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--kinds", default="", help="comma-separated malformed kinds to draw from (default: all)"
     )
+    ap.add_argument(
+        "--hostile",
+        type=float,
+        default=faultlib.Settings.p_hostile,
+        help="share of groups with hostile versions, ids or control characters "
+        "(tests/hostile_rows.py; 0: none)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the work directories")
     args = ap.parse_args(argv)
     kinds = tuple(k for k in args.kinds.split(",") if k) or None
@@ -56,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             k=args.k,
             ttl_s=args.ttl,
             kinds=kinds,
+            p_hostile=args.hostile,
         )
         workdir = Path(tempfile.mkdtemp(prefix=f"fault-soak-{s.seed}-"))
         try:

@@ -65,7 +65,7 @@ def test_item_matches_the_row_exactly(harness, writer):
     )
     item = harness.poll()["data"]["data"][0]
     assert item["instance_id"] == "gx"
-    assert item["messages"] == msgs + [{"role": "assistant", "content": "final → answer"}]
+    assert item["messages"] == [*msgs, {"role": "assistant", "content": "final → answer"}]
     assert item["reward"] == 0.75
     assert isinstance(item["uid"], str) and len(item["uid"]) == 36 and item["uid"][14] == "4"
     assert item["extra_info"] == {
@@ -75,6 +75,7 @@ def test_item_matches_the_row_exactly(harness, writer):
         "session_id": "sess-1",
         "env_id": "sess-1",
         "group_id": "gx",
+        "rollout_group_key": "gx:0",
         "weight_version": 7,
         "truncated": True,
         "step_pk": pk,
@@ -400,10 +401,14 @@ def test_a_blob_group_id_is_rejected_and_a_numeric_one_names_its_group(lite_url,
     h.start(k=2)
     conn = sqlite3.connect(lite_url[len("sqlite://") :])
     cols = (
-        "session_id, step_id, env_name, llm_model, group_id, job_id, messages, response, step_reward, reward, "
-        "env_state, is_terminal, is_truncated, is_session_completed, is_trainable, created_at"
+        "session_id, step_id, env_name, llm_model, group_id, job_id, messages, response, "
+        "step_reward, reward, env_state, is_terminal, is_truncated, is_session_completed, "
+        "is_trainable, created_at"
     )
-    sql = f"INSERT INTO session_steps ({cols}) VALUES (?, 1, 'e', 'm', ?, 'job1', '[]', 'r', 1, 1, NULL, 1, 0, 1, 1, ?)"
+    sql = (
+        f"INSERT INTO session_steps ({cols}) "
+        "VALUES (?, 1, 'e', 'm', ?, 'job1', '[]', 'r', 1, 1, NULL, 1, 0, 1, 1, ?)"
+    )
     with conn:
         for sid, gid in (("b1", b"g-blob"), ("b2", b"g-blob"), ("n1", 42), ("n2", "42")):
             conn.execute(sql, (sid, gid, now_text()))
@@ -482,7 +487,10 @@ def test_growing_history_is_validated_even_when_only_its_tail_is_new(harness, wr
 def test_growing_history_with_valid_tails_is_served_exactly(harness, writer):
     harness.start(k=1)
     h1 = '[ {"role": "user", "content": "q"} ]'
-    h2 = '[ {"role": "user", "content": "q"} ,\n {"role": "assistant", "content": "a1"}, {"role": "user", "content": "o1"}]'
+    h2 = (
+        '[ {"role": "user", "content": "q"} ,\n {"role": "assistant", "content": "a1"}, '
+        '{"role": "user", "content": "o1"}]'
+    )
     h3 = h2[:-1] + "\t]"
     for i, h in enumerate((h1, h2, h3), start=1):
         writer.step(
@@ -496,7 +504,7 @@ def test_growing_history_with_valid_tails_is_served_exactly(harness, writer):
         )
     items = harness.poll()["data"]["data"]
     assert [i["messages"] for i in items] == [
-        json.loads(h) + [{"role": "assistant", "content": f"r{n}"}]
+        [*json.loads(h), {"role": "assistant", "content": f"r{n}"}]
         for n, h in enumerate((h1, h2, h3), start=1)
     ]
 
@@ -512,10 +520,14 @@ def test_invalid_utf8_text_drops_its_group_instead_of_failing_every_poll(lite_ur
     w.group("ok1", 1, steps=1)
     conn = sqlite3.connect(lite_url[len("sqlite://") :])
     cols = (
-        "session_id, step_id, env_name, llm_model, group_id, job_id, messages, response, step_reward, reward, "
-        "env_state, is_terminal, is_truncated, is_session_completed, is_trainable, created_at"
+        "session_id, step_id, env_name, llm_model, group_id, job_id, messages, response, "
+        "step_reward, reward, env_state, is_terminal, is_truncated, is_session_completed, "
+        "is_trainable, created_at"
     )
-    sql = f"INSERT INTO session_steps ({cols}) VALUES (?, 1, 'e', 'm', {{gid}}, 'job1', '[]', {{resp}}, 1, 1, NULL, 1, 0, 1, 1, ?)"
+    sql = (
+        f"INSERT INTO session_steps ({cols}) VALUES "
+        "(?, 1, 'e', 'm', {gid}, 'job1', '[]', {resp}, 1, 1, NULL, 1, 0, 1, 1, ?)"
+    )
     with conn:
         conn.execute(
             sql.format(gid="'badresp'", resp="CAST(? AS TEXT)"), ("s-bad", b"caf\xe9", now_text())
@@ -602,7 +614,7 @@ def test_the_byte_budget_covers_the_whole_body(db_url, harness_factory):
     w = Writer(db_url)
     for g in range(40):
         w.step(
-            "group-with-a-rather-long-identifier-%03d" % g,
+            f"group-with-a-rather-long-identifier-{g:03d}",
             f"s{g}",
             1,
             completed=True,

@@ -113,6 +113,9 @@ def test_delivers_sorted_unique_ids_one_post_per_reason(fake: FakeProxy, make_no
         "delivered_calls": 2,
         "last_error": None,
         "enabled": True,
+        "clear_endpoint": "present",
+        "dropped_sessions": 0,
+        "rejected_sessions": 0,
     }
 
 
@@ -216,7 +219,7 @@ def test_hung_proxy_never_blocks_notify_and_stop_is_prompt(make_notifier) -> Non
 
 def test_non_2xx_is_a_failure_and_retried(make_notifier, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
-    with FakeProxy(script=[500, 404, 503]) as fake:
+    with FakeProxy(script=[500, 429, 503]) as fake:
         rec = Recorder()
         notifier = make_notifier(base_url=fake.url, on_delivered=rec)
         notifier.start()
@@ -233,6 +236,76 @@ def test_non_2xx_is_a_failure_and_retried(make_notifier, caplog: pytest.LogCaptu
     warnings = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]
     assert len(warnings) == 1, "failures are logged at most once per minute"
     assert "500" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("status", [404, 405])
+def test_a_proxy_without_the_clear_endpoint_is_said_once_and_not_retried(
+    make_notifier, status: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The upstream rl/llm_proxy.py answers 404: retrying it forever only burnt requests and kept
+    every notification pending. Said once; later notifications are dropped, counted, never sent,
+    and marked handled so a restart does not send them again."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    with FakeProxy(status=status) as fake:
+        rec = Recorder()
+        notifier = make_notifier(base_url=fake.url, on_delivered=rec)
+        notifier.start()
+        notifier.notify("job_ended", ["s1", "s2"], ["g1"], keys=["k1"])
+        assert wait_until(lambda: notifier.pending().get("clear_endpoint") == "absent")
+        notifier.notify("incomplete_group_ttl", ["s3"], ["g2"], keys=["k2"])
+        assert wait_until(lambda: notifier.pending().get("dropped_sessions") == 3)
+        stats = notifier.pending()
+        assert len(fake.calls) == 1, "a proxy without the endpoint is asked once"
+        assert stats["sessions"] == 0 and stats["reasons"] == {}
+        assert str(status) in stats["last_error"]
+        assert sorted(call[0] for call in rec.calls) == ["incomplete_group_ttl", "job_ended"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "no clear_sessions endpoint" in warnings[0], warnings
+
+
+def test_other_4xx_answers_are_tried_a_bounded_number_of_times(make_notifier) -> None:
+    """A 400 or 403 is the proxy refusing this request: retried forever, it would stay pending and
+    be sent every backoff for the life of the service. Given up after rejected_tries, counted; the
+    next request is tried afresh, and 429 (come back later) is still retried until it passes."""
+    with FakeProxy(status=403) as fake:
+        rec = Recorder()
+        notifier = make_notifier(base_url=fake.url, on_delivered=rec)  # rejected_tries=5
+        notifier.start()
+        notifier.notify("job_ended", ["s1", "s2"], ["g1"], keys=["k1"])
+        assert wait_until(lambda: notifier.pending().get("rejected_sessions") == 2)
+        assert len(fake.calls) == 5
+        stats = notifier.pending()
+        assert stats["sessions"] == 0 and stats["clear_endpoint"] == "unknown"
+        assert not rec.calls, "given up, not delivered: a restart sends it once more"
+        fake.status = 200
+        fake.script = [429, 429, 429, 429]
+        notifier.notify("job_ended", ["s3"], ["g2"], keys=["k2"])
+        assert wait_until(lambda: rec.calls)
+        assert len(fake.calls) == 10 and notifier.pending()["clear_endpoint"] == "present"
+        assert rec.calls[0][1] == ["s3"] and notifier.pending()["rejected_sessions"] == 2
+
+
+def test_a_proxy_without_the_clear_endpoint_is_asked_again_later(make_notifier) -> None:
+    """A 404 can also come from a gateway while the proxy behind it is being deployed: after
+    ABSENT_RECHECK_S the next notification is sent again, and delivered once the proxy takes it."""
+    with FakeProxy(status=404) as fake:
+        rec = Recorder()
+        notifier = make_notifier(base_url=fake.url, on_delivered=rec)
+        notifier.ABSENT_RECHECK_S = 0.3
+        notifier.start()
+        notifier.notify("job_ended", ["s1"], ["g1"], keys=["k1"])
+        assert wait_until(lambda: notifier.pending().get("clear_endpoint") == "absent")
+        fake.status = 200
+        notifier.notify("job_ended", ["s2"], ["g2"], keys=["k2"])  # dropped: within the recheck
+        assert wait_until(lambda: notifier.pending()["dropped_sessions"] == 2)
+
+        def delivered_again() -> bool:
+            notifier.notify("job_ended", ["s3"], ["g3"], keys=["k3"])
+            return notifier.pending()["clear_endpoint"] == "present"
+
+        assert wait_until(delivered_again)
+        assert {"s3"} <= {s for call in fake.calls for s in call["session_ids"]}
+        assert "s2" not in {s for call in fake.calls for s in call["session_ids"]}
 
 
 @pytest.mark.parametrize("status", [301, 302, 303, 307])
@@ -285,6 +358,9 @@ def test_disabled_without_proxy_url(make_notifier, caplog: pytest.LogCaptureFixt
         "delivered_calls": 0,
         "last_error": None,
         "enabled": False,
+        "clear_endpoint": "unknown",
+        "dropped_sessions": 0,
+        "rejected_sessions": 0,
     }
     notifier.stop()
     warnings = [r for r in caplog.records if r.name == LOGGER and r.levelno == logging.WARNING]

@@ -244,9 +244,7 @@ def test_4xx_raises_buffer_error_with_the_server_message(db_url: str, tmp_path: 
             client.get_rollout_data(max_groups="x")  # type: ignore[arg-type]
         assert info.value.status == 400
         assert "max_groups" in str(info.value) and "expected" in str(info.value)
-        assert isinstance(info.value, BufferError) and not isinstance(
-            info.value, BufferUnavailable
-        )
+        assert isinstance(info.value, BufferError) and not isinstance(info.value, BufferUnavailable)
         with pytest.raises(BufferError) as info:
             client.start_rollout(num_repeat_per_sample=0)
         assert info.value.status == 400 and "num_repeat_per_sample" in str(info.value)

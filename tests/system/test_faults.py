@@ -3,7 +3,8 @@ not instances.
 
 One seeded scenario per backend (see tests/faultlib.py for what it does and checks): writers
 committing out of order, a retrying trainer, kill -9 of the real gunicorn service at random
-points, malformed rows, a proxy that goes down or hangs. The seed is fixed for CI; set
+points, malformed rows, hostile rows (versions that cannot be true, ids and text with control
+characters: tests/hostile_rows.py), a proxy that goes down or hangs. The seed is fixed for CI; set
 ``RBTEST_FAULT_SEED`` to run another one, or run ``tests/bench/fault_soak.py`` for many.
 """
 

@@ -7,7 +7,6 @@ The restart tests (kill -9 of a real gunicorn) are in test_policies_restart.py."
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,19 +38,14 @@ def cleared_groups(proxy: FakeProxy, reason: str) -> set[str]:
 
 
 @pytest.fixture
-def proxy() -> Iterator[FakeProxy]:
-    with FakeProxy() as p:
-        yield p
+def proxy(fake_proxy: FakeProxy) -> FakeProxy:
+    return fake_proxy
 
 
 @pytest.fixture
-def make(db_url: str, harness_factory: Any, proxy: FakeProxy):
+def make(proxied: Any) -> Any:
     """A started service on the test's backend, notifying the fake proxy, with policy overrides."""
-
-    def build(**overrides: Any) -> Harness:
-        return harness_factory(db_url, proxy_host="127.0.0.1", proxy_port=proxy.port, **overrides)
-
-    return build
+    return proxied
 
 
 def wv(v: int) -> dict:
@@ -85,9 +79,9 @@ def test_staleness_off_serves_every_version(make, writer):
 def test_staleness_drops_at_ready_by_the_rows_version_bound_and_one_past(make, writer, proxy):
     h = make(max_off_policy=2)
     h.start(k=2)
-    writer.group(
-        "newest", 2, env_state=wv(5)
-    )  # the rows' version is now 5, whatever the trainer sends ({})
+    # two complete groups report 5: the rows' version is now 5, whatever the trainer sends ({})
+    writer.group("newest", 2, env_state=wv(5))
+    writer.group("newest2", 2, env_state=wv(5))
     writer.group("at_bound", 2, env_state=wv(3))  # 5 - 3 = 2: kept
     stale = writer.group("one_past", 2, env_state=wv(2))  # 5 - 2 = 3 > 2: stale
     h.settle()
@@ -97,7 +91,7 @@ def test_staleness_drops_at_ready_by_the_rows_version_bound_and_one_past(make, w
     assert proxy.wait_for(lambda p: cleared(p, "stale") == set(stale))
     assert cleared_groups(proxy, "stale") == {"one_past"}
     doc = h.poll()
-    assert sorted(groups_of(doc)) == ["at_bound", "newest"]
+    assert sorted(groups_of(doc)) == ["at_bound", "newest", "newest2"]
     assert doc["data"]["meta_info"]["filtered"] == {"stale": 1}
     upstream_accepts(doc)
     # its late rows are late rows of a dropped group
@@ -140,7 +134,7 @@ def test_a_poll_overrides_max_off_policy_and_the_trainer_version_is_the_last_sen
     # checkpoint)
     h.poll(current_weight_version=4)
     assert h.stats()["versions"]["trainer"] == 4
-    assert h.stats()["versions"]["current"] == 9  # the rows' largest version still counts
+    assert h.stats()["versions"]["current"] == 4  # row data never overrides the trainer's word
     assert_balanced(h.stats())
 
 
@@ -152,19 +146,24 @@ def test_a_long_env_state_is_not_read_at_ingest_and_its_version_counts_once_buil
     h.start(k=2)
     pad = "x" * 5000
     writer.group("short", 2, env_state=wv(5))
+    writer.group("short2", 2, env_state=wv(5))  # two groups agree: the rows' version is 5
     writer.group("old-long", 2, env_state={"weight_version": 2, "pad": pad})
     writer.group("new-long", 2, env_state={"weight_version": 9, "pad": pad})
     h.settle()
     s = h.stats()
-    assert s["versions"]["rows"] == 5 and s["groups"]["ready"] == 3 and s["groups"]["dropped"] == {}
+    assert s["versions"]["rows"] == 5 and s["groups"]["ready"] == 4 and s["groups"]["dropped"] == {}
     doc = h.poll()
-    assert [x["group_id"] for x in doc["data"]["meta_info"]["group_stats"]] == ["short", "new-long"]
+    assert [x["group_id"] for x in doc["data"]["meta_info"]["group_stats"]] == [
+        "short",
+        "short2",
+        "new-long",
+    ]
     assert {i["extra_info"]["weight_version"] for i in groups_of(doc)["new-long"]} == {9}
     assert doc["data"]["meta_info"]["filtered"] == {
         "stale": 1
     }  # old-long: 5 - 2 > 1, judged when built
     s = h.stats()
-    assert s["versions"]["rows"] == 9  # the built rows' version counts from now on
+    assert s["versions"]["rows"] == 5  # one group at 9 does not move it; a second one would
     assert_balanced(s)
 
 
@@ -252,7 +251,7 @@ def test_bad_policy_fields_in_a_poll_are_400(make, body):
     r = h.client.post("/get_rollout_data", json=body)
     assert r.status_code == 400
     doc = r.get_json()
-    assert doc["success"] is False and list(body)[0] in doc["error"]
+    assert doc["success"] is False and next(iter(body)) in doc["error"]
 
 
 # -- zero variance
@@ -570,11 +569,10 @@ def test_group_figures_in_meta_info_stats_and_metrics(make, writer):
         'rollout_buffer_group_steps_per_session{job_session="job1",outcome="served",reason=""} 3.0'
         in text
     )
-    assert (
-        'rollout_buffer_group_terminal_reward_mean{job_session="job1",outcome="dropped",reason="zero_variance"} 1.0'
-        in text
-    )
-    assert 'rollout_buffer_weight_version{job_session="job1",kind="current"} 4' in text
+    mean = "rollout_buffer_group_terminal_reward_mean"
+    assert f'{mean}{{job_session="job1",outcome="dropped",reason="zero_variance"}} 1.0' in text
+    # one group never moves the current version (two must agree)
+    assert 'rollout_buffer_weight_version{job_session="job1",kind="current"} 0' in text
 
 
 def test_a_replayed_batch_carries_the_same_figures_and_partial_flags(make, writer):
@@ -601,6 +599,7 @@ def test_every_policy_on_keeps_the_accounting_and_the_upstream_contract(make, wr
         serve_order="oldest_version",
     )
     h.start(k=3)
+    h.poll(current_weight_version=7)  # the trainer's version: one group alone never moves it
     writer.group("ok", 4, complete=3, env_state=wv(7))
     writer.group("stale", 4, complete=3, env_state=wv(2))
     for i in range(3):

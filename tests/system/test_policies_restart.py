@@ -69,9 +69,9 @@ def test_policies_hold_after_kill_9_and_restart(db_url, tmp_path):
             )  # a third session: over-sampled
             w.session("new", "new-a", 2, reward=0.25, env_state={"weight_version": 5})
             w.session("new", "new-b", 2, reward=0.75, env_state={"weight_version": 5})
-            w.group("stale", 2, env_state={"weight_version": 3})  # 5 - 3 > 1
-            for s in ("a", "b"):
+            for s in ("a", "b"):  # with "new", two complete groups agree on 5
                 w.session("flat", f"flat-{s}", 2, reward=0.5, env_state={"weight_version": 5})
+            w.group("stale", 2, env_state={"weight_version": 3})  # 5 - 3 > 1
             wait_until(
                 lambda: stats(srv)["groups"]["dropped"] == {"stale": 1, "zero_variance": 1},
                 15,
@@ -273,10 +273,11 @@ def test_postgres_the_first_k_chosen_before_a_kill_9_stay_chosen_when_a_smaller_
 
 
 def test_postgres_versions_of_rows_accounted_before_a_kill_9_still_count(pg_url, tmp_path):
-    """The rows' largest version is saved with the cursor, about once a second. Rows accounted
-    after the last save (a group served just before a kill -9) are read again after the restart
-    but skipped as accounted: their version must still count, or a group that was stale before
-    the crash is served after it. The job's row is locked meanwhile so that no save can happen."""
+    """The version complete groups agree on is saved with the cursor, about once a second. Rows
+    accounted after the last save (groups served just before a kill -9) are read again after the
+    restart but skipped as accounted: their groups must still count, or a group that was stale
+    before the crash is served after it. The job's row is locked meanwhile so that no save can
+    happen."""
     make_launcher_db(pg_url)
     srv = Server(pg_url, tmp_path / "srv", env={"ROLLOUT_BUFFER_MAX_OFF_POLICY": "1"})
     w, locker = Writer(pg_url, job="J"), Writer(pg_url, job="J")
@@ -289,16 +290,24 @@ def test_postgres_versions_of_rows_accounted_before_a_kill_9_still_count(pg_url,
         )
         assert r.status_code == 200, r.text
         w.group("a", 2, env_state={"weight_version": 5})
-        wait_until(lambda: stats(srv).get("groups", {}).get("ready") == 1, 15, "a ready")
-        assert [s["group_id"] for s in poll(srv)["data"]["meta_info"]["group_stats"]] == ["a"]
+        w.group("a2", 2, env_state={"weight_version": 5})  # two groups agree on 5
+        wait_until(lambda: stats(srv).get("groups", {}).get("ready") == 2, 15, "a, a2 ready")
+        assert [s["group_id"] for s in poll(srv)["data"]["meta_info"]["group_stats"]] == [
+            "a",
+            "a2",
+        ]
         wait_until(
             lambda: stored_versions(pg_url) == (None, 5), 10, "the versions saved with the cursor"
         )
         locker.db.execute("BEGIN")
         locker.db.rows("SELECT 1 FROM rollout_buffer_jobs WHERE job_id = 'J' FOR NO KEY UPDATE")
         w.group("new", 2, env_state={"weight_version": 9})
-        wait_until(lambda: stats(srv).get("groups", {}).get("ready") == 1, 15, "new ready")
-        assert [s["group_id"] for s in poll(srv)["data"]["meta_info"]["group_stats"]] == ["new"]
+        w.group("new2", 2, env_state={"weight_version": 9})
+        wait_until(lambda: stats(srv).get("groups", {}).get("ready") == 2, 15, "new, new2 ready")
+        assert [s["group_id"] for s in poll(srv)["data"]["meta_info"]["group_stats"]] == [
+            "new",
+            "new2",
+        ]
         pgid = srv.proc.pid
         srv.stop(signal.SIGKILL)
         wait_until(lambda: not procfs.group_members(pgid), 5, "every server process gone")

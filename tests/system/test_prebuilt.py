@@ -5,6 +5,7 @@ so what it checks is the claimed draft, not a poll that happened to build on its
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 
 from servers import (
@@ -88,6 +89,22 @@ def test_a_prebuilt_response_is_what_an_unbuilt_poll_would_serve(harness, writer
     s = harness.stats()
     assert s["groups"]["served"] == 6 and s["groups"]["in_flight"] == 0
     assert_balanced(s)
+
+
+def test_a_prebuilt_group_reports_its_wait_and_age_until_it_is_served(harness, writer):
+    """A group's figures are measured when it is served, whichever path built it: a group that
+    waited in the draft reports that wait, not the few milliseconds before its build."""
+    started = time.monotonic()
+    with_a_draft(harness, writer, 3, 1)
+    time.sleep(0.5)  # the group waits in the draft: wait_s and age_s must include this
+    before = harness.stats()["prebuilt"]["claims"]
+    doc = harness.poll(max_groups=1)
+    waited = time.monotonic() - started  # since before its rows were written
+    assert harness.stats()["prebuilt"]["claims"] == before + 1  # served from the draft
+    [st] = doc["data"]["meta_info"]["group_stats"]
+    assert waited >= st["age_s"] >= st["wait_s"] >= 0.5, (
+        st
+    )  # its rows were written before it was ready
 
 
 def test_a_draft_of_another_shape_is_discarded_and_its_groups_served_once(harness, writer):

@@ -8,6 +8,7 @@ tick: only the service's own loop thread (every 20 ms in tests) can have done th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -158,7 +159,9 @@ def test_launcher_exit0_is_reported_and_a_new_start_runs_a_new_one(
 ):
     marker = tmp_path / "starts"
     h = harness_factory(
-        lite_url, launcher_cmd=fake_cmd("exit0", "--marker", str(marker), "--sleep", "0.2")
+        lite_url,
+        launcher_cmd=fake_cmd("exit0", "--marker", str(marker), "--sleep", "0.2"),
+        launch_grace_s=0.0,  # answered before it exits, to see it run
     )
     first = h.start(k=2, job="jobX")["pid"]
     assert launcher(h)["running"] is True
@@ -194,6 +197,7 @@ def test_launcher_exit1_with_policy_never_is_not_restarted(harness_factory, lite
         launcher_cmd=fake_cmd("exit1", "--marker", str(marker)),
         restart_policy="never",
         restart_backoff_s=0.05,
+        launch_grace_s=0.0,  # (an exit within the grace is a 500: tests/integration/test_stack.py)
     )
     pid = h.start(k=2)["pid"]
     lc = wait_until(
@@ -282,7 +286,7 @@ def test_plain_ignore_term_launcher_is_killed(harness_factory, lite_url, tmp_pat
     )
     pid = h.start(k=2)["pid"]
     wait_until(lambda: lines(marker), what="launcher up")
-    status, body = post(h, "/stop_rollout")
+    status, _body = post(h, "/stop_rollout")
     assert status == 200
     assert launcher(h)["exit_code"] == -9
     assert group_members(pid) == [] and not alive(pid)
@@ -294,7 +298,9 @@ def test_new_jobs_groups_are_not_dropped_for_the_previous_launchers_exit(
     # Between selecting a job and spawning its launcher, the loop still sees the previous launcher
     # as finished. Ticks that land in that window must not drop the new job's incomplete groups as
     # launcher_exited once its own launcher is running.
-    h = harness_factory(lite_url, launcher_cmd=fake_cmd("exit0", "--sleep", "0.5"), ttl_s=0.0)
+    h = harness_factory(
+        lite_url, launcher_cmd=fake_cmd("exit0", "--sleep", "0.5"), ttl_s=0.0, launch_grace_s=0.0
+    )
     h.start(k=2, job="old")
     wait_until(lambda: launcher(h)["finished"], what="old launcher exit")
     w = Writer(lite_url, job="new")
@@ -581,9 +587,9 @@ def test_ttl_drops_idle_groups_in_the_background(harness_factory, db_url, writer
         lambda p: proxy_sessions(p, "incomplete_group_ttl", delivered=True) == set(idle)
     )
     assert proxy_groups(proxy, "incomplete_group_ttl") == {"g-idle"}
-    assert [c["session_ids"] for c in proxy.calls if c["reason"] == "incomplete_group_ttl"][
-        0
-    ] == sorted(idle)
+    assert next(
+        c["session_ids"] for c in proxy.calls if c["reason"] == "incomplete_group_ttl"
+    ) == sorted(idle)
 
     # A late row for the dropped group is discarded, counted and its session cleared.
     writer.step("g-idle", idle[0], 3)
@@ -739,10 +745,9 @@ def _fds() -> dict[int, str]:
     """Open file descriptors of this process and what they point at."""
     out = {}
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        # (the descriptor listdir itself used is already closed: OSError)
+        with contextlib.suppress(OSError):
             out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass  # the descriptor listdir itself used, already closed
     return out
 
 
@@ -921,8 +926,9 @@ def test_a_blob_session_in_an_idle_group_is_recorded_and_cleared_and_serving_goe
     conn = sqlite3.connect(lite_url[len("sqlite://") :])
     with conn:
         conn.execute(
-            "INSERT INTO session_steps (session_id, step_id, env_name, llm_model, group_id, job_id, "
-            "messages, response, created_at) VALUES (?, 1, 'e', 'm', 'g-idle', 'job1', '[]', 'r', "
+            "INSERT INTO session_steps (session_id, step_id, env_name, llm_model, group_id, "
+            "job_id, messages, response, created_at) VALUES (?, 1, 'e', 'm', 'g-idle', 'job1', "
+            "'[]', 'r', "
             "'2026-01-01 00:00:00')",
             (b"blob-session",),
         )

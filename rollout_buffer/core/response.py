@@ -1,22 +1,20 @@
-"""The /get_rollout_data body: the items built into one buffer, framed with meta_info, sent in
-slices.
+"""The /get_rollout_data body around the items: its envelope, its meta_info figures, and its bytes.
 
-Owns: the body's chunks (never joined into one bytes object), its meta_info (averages that stay
-valid JSON), the empty answer, and yielding large buffers in slices a WSGI server takes. The items
-themselves are built by :mod:`~rollout_buffer.core.items`.
+The items are JSON text already (:func:`~rollout_buffer.core.items.build_group` appends them to one
+buffer); this module wraps them in ``{"success", "message", "data": {"data": [...], "meta_info"}}``
+without copying the buffer, and hands the body to the WSGI server in slices.
+
+Owns: the body's chunks and their close hook, the meta_info figures every answer carries, and the
+slicing. It must not build items or do I/O.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from rollout_buffer.core.items import GroupItems
-
-# The same compact, NaN-refusing encoding the items use (items.py), for the envelope and meta_info.
-_dumps_compact = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+from rollout_buffer.core.items import GroupItems, dumps_compact
 
 
 class Body(list[Any]):
@@ -73,8 +71,8 @@ def response_chunks(
     meta.update(meta_extra)
     message = f"Successfully read {n} items" if n else "No data available to read"
     success = "true" if n else "false"
-    head = '{"success":' + success + ',"message":' + _dumps_compact(message) + ',"data":{"data":['
-    tail = '],"meta_info":' + _dumps_compact(meta) + "}}"
+    head = f'{{"success":{success},"message":{dumps_compact(message)},"data":{{"data":['
+    tail = f'],"meta_info":{dumps_compact(meta)}}}}}'
     return [head.encode(), buf, tail.encode()] if buf else [head.encode(), tail.encode()]
 
 
