@@ -203,8 +203,9 @@ class Service:
         restart_training: bool,
         job_session: str | None,
         skip: list[str] | None = None,
-    ) -> tuple[int, dict[str, Any]]:
-        """Select the job, start its launcher (or redeliver). Returns (status, body)."""
+    ) -> dict[str, Any]:
+        """Select the job, start its launcher (or redeliver). Returns the answer's body; a refusal
+        is a RequestError (Conflict, Unavailable, OperationFailed)."""
         return self.rollouts.start(
             conns, k=k, restart_training=restart_training, job_session=job_session, skip=skip
         )

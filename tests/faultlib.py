@@ -23,6 +23,7 @@ the service is built inside.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -98,8 +99,8 @@ class Settings:
 def rerun_hint(s: Settings) -> str:
     return (
         f"seed={s.seed} backend={s.backend}; rerun: RBTEST_FAULT_SEED={s.seed} python -m pytest "
-        f"tests/test_faults.py -k {s.backend}   or   python tests/bench/fault_soak.py --seed {s.seed} "
-        f"--backend {s.backend} --groups {s.groups_per_writer} --kills {s.kills}"
+        f"tests/test_faults.py -k {s.backend}   or   python tests/bench/fault_soak.py "
+        f"--seed {s.seed} --backend {s.backend} --groups {s.groups_per_writer} --kills {s.kills}"
     )
 
 
@@ -108,7 +109,7 @@ def rerun_hint(s: Settings) -> str:
 
 
 def _hex_id(rng: random.Random) -> str:
-    return "%032x" % rng.getrandbits(128)  # 32 chars: session_id is VARCHAR(36) on Postgres
+    return f"{rng.getrandbits(128):032x}"  # 32 chars: session_id is VARCHAR(36) on Postgres
 
 
 def _created_at(rng: random.Random, offset_s: float) -> str:
@@ -380,8 +381,8 @@ def _text(value: Any) -> Any:
 def read_rows(url: str, backend: str, job: str = JOB) -> list[Row]:
     """Every trainable row of the job, read with the raw driver so that no bad value is hidden."""
     cols = (
-        "id, session_id, step_id, group_id, messages, response, step_reward, env_state, is_truncated, "
-        "is_session_completed"
+        "id, session_id, step_id, group_id, messages, response, step_reward, env_state, "
+        "is_truncated, is_session_completed"
     )
     if backend == "sqlite":
         conn = sqlite3.connect(url[len("sqlite://") :], timeout=30)
@@ -486,7 +487,7 @@ def expected_items(g: Group) -> list[dict[str, Any]]:
                 "finish_reason": "length" if r.truncated else "stop",
                 "weight_version": int(env.get("weight_version", 0)),
                 "timestamp": _epoch(r.created_at),
-                "messages": json.loads(r.messages) + [{"role": "assistant", "content": r.response}],
+                "messages": [*json.loads(r.messages), {"role": "assistant", "content": r.response}],
             }
         )
     return out
@@ -498,10 +499,11 @@ def compare_items(gid: str, got: list[dict[str, Any]], want: list[dict[str, Any]
     want_pks = [w["step_pk"] for w in want]
     if got_pks != want_pks:
         return [
-            f"group {gid}: served step_pks {got_pks}, expected {want_pks} (in (session, step, pk) order)"
+            f"group {gid}: served step_pks {got_pks}, expected {want_pks} "
+            "(in (session, step, pk) order)"
         ]
     out = []
-    for item, w in zip(got, want):
+    for item, w in zip(got, want, strict=True):  # (their step_pks are equal: same length)
         x = item["extra_info"]
         checks = {
             "instance_id": (item.get("instance_id"), gid),
@@ -517,7 +519,8 @@ def compare_items(gid: str, got: list[dict[str, Any]], want: list[dict[str, Any]
         for name, (a, b) in checks.items():
             if a != b:
                 out.append(
-                    f"group {gid} step_pk {w['step_pk']}: {name} is {str(a)[:120]}, expected {str(b)[:120]}"
+                    f"group {gid} step_pk {w['step_pk']}: {name} is {str(a)[:120]}, expected "
+                    f"{str(b)[:120]}"
                 )
         ts = x.get("timestamp")
         if not isinstance(ts, (int, float)) or not math.isclose(ts, w["timestamp"], abs_tol=1e-3):
@@ -562,7 +565,8 @@ class StateReader:
     def decisions(self, job: str = JOB) -> dict[str, tuple[str, str | None, str]]:
         """{group_id: (status, reason, clear_sessions)}."""
         rows = self.query(
-            "SELECT group_id, status, reason, clear_sessions FROM rollout_buffer_groups WHERE job_id = ?",
+            "SELECT group_id, status, reason, clear_sessions FROM rollout_buffer_groups "
+            "WHERE job_id = ?",
             (job,),
         )
         return {g: (st, reason, cs) for g, st, reason, cs in rows}
@@ -734,7 +738,8 @@ class Outcome:
 
     def summary(self) -> str:
         return (
-            f"{self.settings.backend} seed {self.settings.seed}: {self.seconds:.1f} s, kills {self.kills}, "
+            f"{self.settings.backend} seed {self.settings.seed}: {self.seconds:.1f} s, kills "
+            f"{self.kills}, "
             f"proxy {self.proxy_modes}, {self.counts}"
         )
 
@@ -807,7 +812,7 @@ class Run:
         # the fault schedule, all drawn before anything runs
         must = ["in_poll", "after_build"] + (["in_hold"] if self.s.backend == "postgres" else [])
         modes = must + [
-            self.rng.choice(["idle", "in_poll", "after_build"] + must[2:])
+            self.rng.choice(["idle", "in_poll", "after_build", *must[2:]])
             for _ in range(self.s.kills - len(must))
         ]
         self.rng.shuffle(modes)
@@ -889,7 +894,8 @@ class Run:
             while time.monotonic() < end and not held:
                 held = bool(
                     self.state.query(
-                        "SELECT 1 FROM pg_stat_activity WHERE application_name = ? AND state = 'idle in transaction' "
+                        "SELECT 1 FROM pg_stat_activity WHERE application_name = ? AND state = "
+                        "'idle in transaction' "
                         "AND now() - xact_start > interval '2.5 seconds'",
                         (self.app_name,),
                     )
@@ -979,9 +985,14 @@ class Run:
         while time.monotonic() < deadline:
             doc = trainer.poll()
             decided = self.state.decisions()
-            if good <= set(trainer.served) and others <= set(decided) and trainer.pending is None:
-                if doc is not None and not doc.get("success"):
-                    break
+            if (
+                good <= set(trainer.served)
+                and others <= set(decided)
+                and trainer.pending is None
+                and doc is not None
+                and not doc.get("success")
+            ):
+                break
             time.sleep(gaps.uniform(0.02, 0.2) if doc is None or not doc.get("success") else 0)
         self._check(rows, groups, good, others)
 
@@ -1006,7 +1017,8 @@ class Run:
             p += compare_items(gid, got[0][1], expected_items(groups[gid]))
             if decided.get(gid, ("?",))[0] != "served":
                 p.append(
-                    f"group {gid} reached the trainer but rollout_buffer_groups says {decided.get(gid)}"
+                    f"group {gid} reached the trainer but rollout_buffer_groups says "
+                    f"{decided.get(gid)}"
                 )
         for gid in sorted(set(served) - good):
             grp = groups.get(gid)
@@ -1026,7 +1038,8 @@ class Run:
             if dec is None or dec[0] != "dropped" or not dec[1]:
                 grp = groups[gid]
                 p.append(
-                    f"group {gid} ({grp.problems()[:2] or 'incomplete'}) is not dropped with a reason: "
+                    f"group {gid} ({grp.problems()[:2] or 'incomplete'}) is not dropped with a "
+                    "reason: "
                     f"rollout_buffer_groups has {dec[:2] if dec else 'nothing'}"
                 )
         pks = [
@@ -1040,7 +1053,8 @@ class Run:
         for rid, group_ids in self.state.batches():
             if rid and rid not in trainer.received:
                 p.append(
-                    f"batch for request_id {rid} (groups {group_ids}) was recorded but never reached the "
+                    f"batch for request_id {rid} (groups {group_ids}) was recorded but never "
+                    "reached the "
                     f"trainer, which retried that id until it got an answer"
                 )
         self._check_stats(len(rows))
@@ -1114,8 +1128,11 @@ class Run:
         if not times:
             return "commit times unknown"
         times.sort()
-        gap = max((b - a for a, b in zip(times, times[1:])), default=0.0)
-        return f"rows committed over {times[-1] - times[0]:.1f} s, largest gap {gap:.1f} s, TTL {self.s.ttl_s} s"
+        gap = max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+        return (
+            f"rows committed over {times[-1] - times[0]:.1f} s, largest gap {gap:.1f} s, "
+            f"TTL {self.s.ttl_s} s"
+        )
 
     def report(self) -> str:
         log = self.srv.log() if self.srv is not None else ""

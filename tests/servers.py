@@ -316,7 +316,8 @@ def assert_exactly_once(trainer: Trainer, expected: dict[str, int]) -> None:
     twice = {g: len(v) for g, v in trainer.served.items() if len(v) != 1}
     assert not twice, f"groups served more than once: {twice}"
     assert set(trainer.served) == set(expected), (
-        f"missing {sorted(set(expected) - set(trainer.served))}, extra {sorted(set(trainer.served) - set(expected))}"
+        f"missing {sorted(set(expected) - set(trainer.served))}, extra "
+        f"{sorted(set(trainer.served) - set(expected))}"
     )
     sizes = {g: len(v[0]) for g, v in trainer.served.items()}
     assert sizes == expected

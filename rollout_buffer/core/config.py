@@ -86,6 +86,7 @@ class Config:
     lease_s: float = 10.0
     host_id: str | None = None
     token: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
     log_level: str = "INFO"
     threads: int = 16
     graceful_timeout_s: float = 60.0

@@ -1,14 +1,12 @@
 """Exception hierarchy: every error this package raises on purpose is a RolloutBufferError.
 
-Owns: the exception classes, and :func:`bounded` (a lock waited for at most a few seconds, else a
-503). It must not import anything of the package.
+Owns: the exception classes, a refused request by its meaning (Invalid, Conflict, Expired,
+Overloaded, Unavailable, OperationFailed), never by an HTTP status: the web layer maps them. It
+must not import anything of the package.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 
@@ -53,27 +51,38 @@ class ClosedError(RolloutBufferError):
     """The object was used after it was closed."""
 
 
-class ApiError(RolloutBufferError):
-    """The request could not be served."""
+class RequestError(RolloutBufferError):
+    """A request the service cannot carry out, said by its meaning: the web layer alone turns the
+    kind into an HTTP status (rollout_buffer.web.errors). ``context`` goes into the answer as it
+    is: the field at fault, the job, ``retry_after`` (seconds after which a retry may succeed)."""
 
-    def __init__(self, status: int, message: str, **context: Any) -> None:
+    def __init__(self, message: str, **context: Any) -> None:
         super().__init__(message)
-        self.status = status
         self.message = message
         self.context = context
 
 
-@contextlib.contextmanager
-def bounded(lock: threading.Lock, holder: str, wait_s: float) -> Iterator[None]:
-    """Hold ``lock``, waiting at most ``wait_s``: a request behind a stuck one answers 503, never
-    hangs."""
-    if not lock.acquire(timeout=wait_s):
-        raise ApiError(
-            503,
-            f"{holder} has been busy for over {wait_s:.0f} s (the database may be stuck); retry",
-            retry_after=2,
-        )
-    try:
-        yield
-    finally:
-        lock.release()
+class Invalid(RequestError):
+    """The request itself is wrong (a field of the wrong type or out of range)."""
+
+
+class Conflict(RequestError):
+    """The request contradicts the job's state (another job's launcher still runs)."""
+
+
+class Expired(RequestError):
+    """What the request names is no longer kept (a request_id beyond the replay window)."""
+
+
+class Overloaded(RequestError):
+    """Too many requests of this kind are in progress; retry after ``retry_after``."""
+
+
+class Unavailable(RequestError):
+    """The service cannot answer now (database unreachable, still loading, a lock held too long);
+    the same request may succeed after ``retry_after``."""
+
+
+class OperationFailed(RequestError):
+    """The service failed at something it must be able to do (start the launcher, rebuild a
+    recorded batch); retrying the same request will not help without an operator."""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_buffer.core.hosts import parse_allowed_hosts
 from rollout_buffer.core.parsers import (
     boolean,
     choice,
@@ -375,6 +376,16 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         optional_text,
         "when set, every endpoint but /health needs 'Authorization: Bearer <token>'",
+    ),
+    Setting(
+        "allowed_hosts",
+        PREFIX + "ALLOWED_HOSTS",
+        None,
+        parse_allowed_hosts,
+        "without a token: host names (comma-separated, no port) by which a browser page may "
+        "start, poll or stop, besides localhost, loopback addresses and the "
+        "ROLLOUT_BUFFER_ADVERTISE_URL host; a browser's request by another Host gets a 403 (DNS "
+        "rebinding). Trainers and tools send no browser headers and are not affected",
     ),
     Setting(
         "log_level",

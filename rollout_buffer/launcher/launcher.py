@@ -12,27 +12,27 @@ launcher means for them (``launcher_exited`` drops) is the loop's decision."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
-import os
 import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError, StorageError
+from rollout_buffer.core.errors import OperationFailed, StorageError
 from rollout_buffer.core.model import LauncherState
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
+from rollout_buffer.launcher.command import launch_spec
 from rollout_buffer.launcher.processes import terminate_group
+from rollout_buffer.launcher.records import recorded, state_to_record, still_running
 from rollout_buffer.launcher.report import hints, log_tail, status
-from rollout_buffer.launcher.supervisor import LauncherError, LaunchSpec, Supervisor, shown
+from rollout_buffer.launcher.supervisor import LauncherError, Supervisor, shown
 from rollout_buffer.storage.records import LauncherRecord
 from rollout_buffer.storage.store import Store
 
 logger = logging.getLogger(__name__)
 
-LAUNCHER_ENV_DROP = ("ROLLOUT_BUFFER_TOKEN",)
 SUMMARY_KEYS = (
     "running",
     "pid",
@@ -49,109 +49,6 @@ SUMMARY_KEYS = (
 )
 
 
-def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
-    """The launcher command for a job, from configuration only (argv list, never a shell).
-
-    With over-sampling the launcher runs K + N sessions per group (its --rl-group-size and
-    ``{k}``); the buffer serves the first K of each group to complete."""
-    c = config
-    k += c.oversample
-    # the service's own secrets stay with the service: the launcher needs none of them
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV_DROP}
-    env["PYTHONUNBUFFERED"] = "1"
-    log_path = os.path.join(c.run_dir, f"launcher-{job_id}.log")
-    kind = c.launcher_kind
-    if kind == "command":
-        subs = {"job_id": job_id, "k": str(k), "db_url": c.db_url, "storage_type": c.storage_type}
-        argv = [
-            a.format(**subs) for a in (c.launcher_cmd or ())
-        ]  # templates are validated by Config
-        if "--job-id" not in argv:
-            argv += ["--job-id", job_id]
-        if "--rl-group-size" not in argv:
-            argv += ["--rl-group-size", str(k)]
-        return LaunchSpec(tuple(argv), c.aievobox_root or None, env, log_path)
-    if kind == "simulate":
-        argv = [
-            sys.executable,
-            "-m",
-            "rollout_buffer.simulate",
-            "--db-path",
-            c.db_url,
-            "--storage-type",
-            c.storage_type,
-            "--job-id",
-            job_id,
-            "--rl-group-size",
-            str(k),
-            "--pool-size",
-            str(c.pool_size),
-            "--rl-epoch",
-            str(c.rl_epoch),
-        ]
-        argv += list(c.simulate_args or ())
-        env["PYTHONPATH"] = os.pathsep.join(
-            p
-            for p in (
-                os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                env.get("PYTHONPATH"),
-            )
-            if p
-        )
-        return LaunchSpec(tuple(argv), None, env, log_path)
-    root = c.aievobox_root or "."
-    if c.env_config:
-        env_args = ["--env-config", c.env_config]
-    elif c.env_root:
-        env_args = ["--env-root", c.env_root]
-    else:
-        raise ApiError(
-            500,
-            "the AIEvoBox launcher needs AIEVOBOX_ENV_CONFIG or AIEVOBOX_ENV_ROOT; neither is set",
-        )
-    proxy = (
-        f"http://{c.proxy_host}:{c.proxy_port}/v1" if c.proxy_host else "http://127.0.0.1:8000/v1"
-    )
-    argv = [
-        "python3",
-        os.path.join(root, "launcher.py"),
-        "--mode",
-        c.aievobox_mode,
-        "--db-path",
-        c.db_url,
-        "--storage-type",
-        c.storage_type,
-        *env_args,
-        "--llm-base-url",
-        proxy,
-        "--llm-model",
-        c.rl_model,
-        "--llm-temperature",
-        str(c.llm_temperature),
-        "--max-steps",
-        str(c.max_steps),
-        "--message-cut",
-        str(c.message_cut),
-        "--pool-size",
-        str(c.pool_size),
-        "--multiplier",
-        str(c.multiplier),
-        "--job-id",
-        job_id,
-        "--no-rebuild-table",
-        "--rl-use-session-suffix-url",
-        "--rl-group-size",
-        str(k),
-        "--rl-epoch",
-        str(c.rl_epoch),
-        "--env-transport",
-        c.env_transport,
-        "--env-http-timeout-s",
-        "600",
-    ]
-    return LaunchSpec(tuple(argv), root, env, log_path)
-
-
 class Launcher:
     """The active job's launcher process and its durable record."""
 
@@ -162,17 +59,14 @@ class Launcher:
         self.supervisor = supervisor
         self.instance_id = instance_id  # recorded as the launcher's owner
         self.host_id = host_id or config.host_id or procfs.host_id()
-        self.elsewhere: LauncherRecord | None = (
-            None  # the job's launcher, recorded running on another host
-        )
+        # the job's launcher, recorded running on another host
+        self.elsewhere: LauncherRecord | None = None
         self.ended_elsewhere = False  # ... and since reported gone or recorded stopped
-        self.relaunch_for: str | None = (
-            None  # a job whose launcher was lost with its owner: start a fresh one
-        )
+        # a job whose launcher was lost with its owner: start a fresh one
+        self.relaunch_for: str | None = None
         self._stop_due = False  # /stop_rollout of a launcher elsewhere, not recorded yet
-        self._released: list[
-            subprocess.Popen[bytes]
-        ] = []  # our children another owner took over (reaped)
+        # our children another owner took over (reaped)
+        self._released: list[subprocess.Popen[bytes]] = []
 
     @property
     def managed(self) -> bool:
@@ -186,15 +80,15 @@ class Launcher:
         """What /health and /stats show of it (``elsewhere``: one on another host, not supervised
         here)."""
         state = self.supervisor.state()
-        out = {k: state.get(k) for k in SUMMARY_KEYS}
+        out = {key: state.get(key) for key in SUMMARY_KEYS}
         out["host"] = self.host_id if state.get("pid") else None
-        e = self.elsewhere
+        remote = self.elsewhere
         out["elsewhere"] = (
             None
-            if e is None
+            if remote is None
             else {
-                "host": e.host,
-                "pid": e.pid,
+                "host": remote.host,
+                "pid": remote.pid,
                 "state": "ended"
                 if self.ended_elsewhere
                 else "unknown: it runs on another host; an instance there reports it, or stops it "
@@ -243,10 +137,12 @@ class Launcher:
 
     def record(self, store: Store, job_id: str, state: LauncherState) -> None:
         """Store the current process identity with the job, in the given state."""
-        s = self.supervisor.state()
+        current = self.supervisor.state()
         store.save_launcher(
             job_id,
-            LauncherRecord(s["pid"], s["pgid"], s["start_ticks"], state, self.host_id),
+            LauncherRecord(
+                current["pid"], current["pgid"], current["start_ticks"], state, self.host_id
+            ),
             self.instance_id,
         )
 
@@ -258,8 +154,7 @@ class Launcher:
             self.supervisor.preflight(spec)
         except LauncherError as exc:
             logger.error("cannot start the launcher for job %s: %s", job_id, redact(str(exc)))
-            raise ApiError(
-                500,
+            raise OperationFailed(
                 f"the launcher could not be started: {redact(str(exc))}; the active job is "
                 "unchanged",
                 job_session=job_id,
@@ -273,17 +168,15 @@ class Launcher:
             pid = self.supervisor.start(spec)
         except LauncherError as exc:
             logger.error("cannot start the launcher for job %s: %s", job_id, redact(str(exc)))
-            raise ApiError(
-                500,
+            raise OperationFailed(
                 f"the launcher could not be started: {redact(str(exc))}",
                 job_session=job_id,
                 argv=shown(spec.argv),
             ) from exc
         try:
             self.record(store, job_id, LauncherState.RUNNING)
-        except (
-            StorageError
-        ):  # LeaseLost above all: not ours to run, and unrecorded it would be lost
+        except StorageError:
+            # LeaseLost above all: not ours to run, and unrecorded it would be lost
             self.supervisor.stop("requested")
             raise
         self.elsewhere, self.ended_elsewhere, self.relaunch_for, self._stop_due = (
@@ -303,13 +196,13 @@ class Launcher:
         """A fresh launcher could not be started: not retried (the error was logged)."""
         self.relaunch_for = None
 
-    def start_for(self, store: Store, js: Any) -> int | None:
+    def start_for(self, store: Store, job_state: Any) -> int | None:
         """/start_rollout and a relaunch: start the job's launcher (none with LAUNCHER=none); the
-        loop's view of the previous one's end (``js``: the JobState) starts over with it."""
+        loop's view of the previous one's end (``job_state``: the JobState) starts over with it."""
         if not self.managed:
             return None
-        pid = self.start(store, js.job_id, js.k)
-        js.launcher_started()
+        pid = self.start(store, job_state.job_id, job_state.k)
+        job_state.launcher_started()
         return pid
 
     def resume_restart(self, store: Store, job_id: str, k: int, row: dict[str, Any]) -> bool:
@@ -329,7 +222,7 @@ class Launcher:
         )
         try:
             self.start(store, job_id, k)
-        except ApiError as exc:
+        except OperationFailed as exc:
             logger.error("could not restart the launcher of job %s: %s", job_id, exc.message)
             self.record(store, job_id, LauncherState.EXITED)
             return False
@@ -346,13 +239,7 @@ class Launcher:
             return None
         host = row.get("launcher_host")
         if host is not None and host != self.host_id:
-            self.elsewhere = LauncherRecord(
-                row["launcher_pid"],
-                row["launcher_pgid"],
-                row["launcher_start_ticks"],
-                LauncherState.RUNNING,
-                host,
-            )
+            self.elsewhere = recorded(row, LauncherState.RUNNING)
             self.ended_elsewhere = False
             logger.warning(
                 "the launcher of job %s (pid %s) runs on host %s, not here: it is left alone, its "
@@ -384,32 +271,29 @@ class Launcher:
                 job_id,
             )
             store.save_launcher(
-                job_id,
-                LauncherRecord(
-                    row["launcher_pid"],
-                    row["launcher_pgid"],
-                    row["launcher_start_ticks"],
-                    LauncherState.EXITED,
-                    host,
-                ),
-                row.get("launcher_owner"),
+                job_id, recorded(row, LauncherState.EXITED), row.get("launcher_owner")
             )
             if self.managed:
                 self.relaunch_for = job_id
         else:
-            self.record(
-                store, job_id, LauncherState.RUNNING
-            )  # ours now: the previous owner must not stop it
+            # ours now: the previous owner must not stop it
+            self.record(store, job_id, LauncherState.RUNNING)
         return adopted
 
     def check_elsewhere(self, store: Store, job_id: str, reports: list[str | None]) -> None:
         """(Owner) The launcher on another host is gone once an instance there reports it so:
         recorded as exited, and a fresh one is due here (``relaunch_for``)."""
-        e = self.elsewhere
-        if e is None or self.ended_elsewhere or f"{e.pid}:{e.start_ticks}:gone" not in reports:
+        remote = self.elsewhere
+        if (
+            remote is None
+            or self.ended_elsewhere
+            or f"{remote.pid}:{remote.start_ticks}:gone" not in reports
+        ):
             return
         store.save_launcher(
-            job_id, LauncherRecord(e.pid, e.pgid, e.start_ticks, LauncherState.EXITED, e.host), None
+            job_id,
+            dataclasses.replace(remote, state=LauncherState.EXITED),
+            None,
         )
         self.ended_elsewhere = True
         self.relaunch_for = job_id if self.managed else None
@@ -417,8 +301,8 @@ class Launcher:
             "the launcher of job %s (pid %s on host %s) is gone, as an instance there reports: its "
             "incomplete groups are dropped and a fresh launcher starts here",
             job_id,
-            e.pid,
-            e.host,
+            remote.pid,
+            remote.host,
         )
 
     def stop_elsewhere(self) -> bool:
@@ -457,10 +341,7 @@ class Launcher:
             int(row["launcher_pgid"]),
             row["launcher_start_ticks"],
         )
-        st = procfs.stat(pid)
-        alive = bool(
-            st and st.alive and st.pgrp == pgid and (ticks is None or st.start_ticks == int(ticks))
-        )
+        alive = still_running(pid, pgid, ticks)
         running = LauncherState.parse(row.get("launcher_state")) is LauncherState.RUNNING
         if alive and (not running or owner_host not in (None, self.host_id)):
             logger.warning(
@@ -485,40 +366,28 @@ class Launcher:
     def check(self, store: Store, job_id: str) -> None:
         """Act on the supervisor's events (exits, restarts): record each new state; and a stop of a
         launcher on another host (/stop_rollout), until it is recorded."""
-        e = self.elsewhere
-        if self._stop_due and e is not None:
+        remote = self.elsewhere
+        if self._stop_due and remote is not None:
             store.save_launcher(
                 job_id,
-                LauncherRecord(
-                    e.pid, e.pgid, e.start_ticks, LauncherState.STOPPED_REQUESTED, e.host
-                ),
+                dataclasses.replace(remote, state=LauncherState.STOPPED_REQUESTED),
                 None,
             )
             self._stop_due = False
-        for ev in self.supervisor.poll():
-            kind = ev.get("event")
+        for event in self.supervisor.poll():
+            kind = event.get("event")
             state = self.supervisor.state()
             if kind in ("exited", "restarted", "gave_up"):
-                if state["running"]:
-                    label = LauncherState.RUNNING
-                elif state["will_restart"]:
-                    label = LauncherState.RESTART_PENDING
-                elif state["stopped_by"] == "shutdown":
-                    label = LauncherState.STOPPED_SHUTDOWN
-                elif state["stopped_by"]:
-                    label = LauncherState.STOPPED_REQUESTED
-                else:
-                    label = LauncherState.EXITED
-                self.record(store, job_id, label)
+                self.record(store, job_id, state_to_record(state))
             if (
                 kind == "exited"
-                and ev.get("exit_code") not in (0, None)
-                and not ev.get("stopped_by")
+                and event.get("exit_code") not in (0, None)
+                and not event.get("stopped_by")
             ):
                 logger.error(
                     "launcher of job %s exited with code %s (log: %s)",
                     job_id,
-                    ev.get("exit_code"),
+                    event.get("exit_code"),
                     state.get("log_path"),
                 )
 

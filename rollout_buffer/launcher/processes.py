@@ -104,8 +104,8 @@ def rotate_log(path: str, max_bytes: int = LOG_MAX_BYTES, keep: int = LOG_KEEP) 
         for i in range(keep - 1, 0, -1):
             if os.path.exists(f"{path}.{i}"):
                 os.replace(f"{path}.{i}", f"{path}.{i + 1}")
-        with open(path, "rb") as src, open(f"{path}.1", "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
+        with open(path, "rb") as source, open(f"{path}.1", "wb") as target:
+            shutil.copyfileobj(source, target, 1 << 20)
         os.truncate(path, 0)
     except OSError as exc:
         logger.warning("could not rotate %s: %s", path, exc)

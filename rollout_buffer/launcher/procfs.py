@@ -48,8 +48,8 @@ def stat(pid: int) -> ProcStat | None:
 
 def alive(pid: int) -> bool:
     """True if the process exists and is not a zombie."""
-    s = stat(pid)
-    return s is not None and s.alive
+    process = stat(pid)
+    return process is not None and process.alive
 
 
 def live() -> Iterator[ProcStat]:
@@ -60,25 +60,25 @@ def live() -> Iterator[ProcStat]:
         return
     for entry in entries:
         if entry.isdigit():
-            s = stat(int(entry))
-            if s is not None and s.alive:
-                yield s
+            process = stat(int(entry))
+            if process is not None and process.alive:
+                yield process
 
 
 def group_members(pgid: int) -> list[int]:
     """The pids of live processes whose process group is ``pgid``."""
-    return [s.pid for s in live() if s.pgrp == pgid]
+    return [process.pid for process in live() if process.pgrp == pgid]
 
 
 def children(ppid: int) -> list[int]:
     """The pids of live processes whose parent is ``ppid``."""
-    return [s.pid for s in live() if s.ppid == ppid]
+    return [process.pid for process in live() if process.ppid == ppid]
 
 
 def start_ticks(pid: int) -> int | None:
     """The process's start time in clock ticks since boot, or None if it is gone."""
-    s = stat(pid)
-    return s.start_ticks if s else None
+    process = stat(pid)
+    return process.start_ticks if process else None
 
 
 def ticks_to_epoch(ticks: int) -> float | None:
@@ -103,16 +103,16 @@ def host_id() -> str:
     except OSError:
         boot = "noboot"
     try:
-        ns = str(os.stat("/proc/self/ns/pid").st_ino)
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
     except OSError:
-        ns = "nons"
-    return f"{socket.gethostname()}/{boot}/{ns}"
+        namespace = "nons"
+    return f"{socket.gethostname()}/{boot}/{namespace}"
 
 
 def cmdline(pid: int) -> list[str]:
     """The process's argv ([] when it is gone)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
+            return [arg.decode("utf-8", "replace") for arg in f.read().split(b"\0") if arg]
     except OSError:
         return []

@@ -39,7 +39,7 @@ from typing import Any
 import requests
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost, StorageError
+from rollout_buffer.core.errors import ConfigError, LeaseLost, StorageError, Unavailable
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
 from rollout_buffer.runtime.threads import Runtime
@@ -237,8 +237,8 @@ class Lease:
         if self.role != OWNER:
             raise LeaseLost("this instance is not the owner of the job")
         if sure and not self.holds():
-            raise ApiError(
-                503, self.problem or "this instance cannot renew its lease; retry", retry_after=2
+            raise Unavailable(
+                self.problem or "this instance cannot renew its lease; retry", retry_after=2
             )
 
     def fence(self, db: Database) -> None:

@@ -27,7 +27,7 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from rollout_buffer.core.errors import ApiError, RolloutBufferError
+from rollout_buffer.core.errors import RolloutBufferError, Unavailable
 
 LOCK_WAIT_S = 8.0  # the longest a request waits for the loop, a poll or a /start_rollout
 
@@ -39,12 +39,11 @@ class LockOrderError(RolloutBufferError):
     """A thread waited for a lock while holding a later one in the lock order (see locks.py)."""
 
 
-class LockBusy(ApiError):
-    """A lock was not free within the wait: the request answers 503 and may be retried."""
+class LockBusy(Unavailable):
+    """A lock was not free within the wait: the request is refused (a 503) and may be retried."""
 
     def __init__(self, holder: str, wait_s: float) -> None:
         super().__init__(
-            503,
             f"{holder} has been busy for over {wait_s:.0f} s (the database may be stuck); retry",
             retry_after=2,
         )

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost, StorageError
+from rollout_buffer.core.errors import ConfigError, LeaseLost, OperationFailed, StorageError
 from rollout_buffer.core.history import History
 from rollout_buffer.core.model import LAUNCHER_EXITED, SERVED, LauncherState
 from rollout_buffer.launcher.launcher import Launcher
@@ -385,7 +385,7 @@ class Loop:
                 return
             try:
                 pid = self.launcher.start_for(store, js)
-            except ApiError as exc:
+            except OperationFailed as exc:
                 logger.error(
                     "could not start a fresh launcher for job %s: %s", js.job_id, exc.message
                 )

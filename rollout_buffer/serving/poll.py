@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError, IntegrityError, LeaseLost, StorageError
+from rollout_buffer.core.errors import IntegrityError, LeaseLost, StorageError, Unavailable
 from rollout_buffer.core.history import History, PollStats
 from rollout_buffer.core.model import (
     Decisions,
@@ -214,8 +214,7 @@ class Serving:
             # lost.
             self.signals.nudge()
             if not self.signals.bootstrapped.wait(2.0):
-                raise ApiError(
-                    503,
+                raise Unavailable(
                     "the service is still loading its state from the database: "
                     f"{self.health.last_error or 'starting'}",
                     retry_after=1,
@@ -226,7 +225,7 @@ class Serving:
         request_id = poll.request_id
         problem = self.health.problem()
         if problem:
-            raise ApiError(503, f"the database is unreachable: {problem}", retry_after=3)
+            raise Unavailable(f"the database is unreachable: {problem}", retry_after=3)
         # (with an id: a poll in flight may be binding this very id, so it is waited for)
         if not self.available(js) and (
             request_id is None
@@ -262,15 +261,14 @@ class Serving:
             raise  # answered as a standby answers (307 to the owner)
         except IntegrityError as exc:
             logger.error("serving hit a conflicting decision: %s", exc)
-            raise ApiError(
-                503,
+            raise Unavailable(
                 "another instance decided some of these groups meanwhile; they were "
                 "settled from its record. Retry.",
                 retry_after=1,
             ) from exc
         except StorageError as exc:
             logger.error("serving failed: %s", exc)
-            raise ApiError(503, f"the database is unreachable: {exc}", retry_after=3) from exc
+            raise Unavailable(f"the database is unreachable: {exc}", retry_after=3) from exc
 
     def _meta(self, js: JobState) -> dict[str, Any]:
         """What every answer's meta_info says of the job: its id, its launcher's state."""

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from rollout_buffer.core.errors import ApiError, LeaseLost, StorageError
+from rollout_buffer.core.errors import Invalid, LeaseLost, StorageError, Unavailable
 from rollout_buffer.core.model import Decisions, Take
 from rollout_buffer.runtime.locks import Locks
 from rollout_buffer.storage.connections import Pair
@@ -90,8 +90,7 @@ def parse_skip(value: Any) -> list[str] | None:
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(v, str) or type(v) is int for v in value):
-        raise ApiError(
-            400,
+        raise Invalid(
             "skip_instance_ids must be a list of group ids (strings or integers): "
             f"got {type(value).__name__}",
             field="skip_instance_ids",
@@ -117,8 +116,7 @@ def redeliver(
         except LeaseLost:
             raise
         except StorageError as exc:
-            raise ApiError(
-                503,
+            raise Unavailable(
                 f"the database is unreachable: {exc}; the groups to deliver again were not "
                 "recorded, retry",
                 retry_after=3,

@@ -17,7 +17,13 @@ import time
 from typing import Any
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError, StorageError
+from rollout_buffer.core.errors import (
+    Expired,
+    OperationFailed,
+    Overloaded,
+    StorageError,
+    Unavailable,
+)
 from rollout_buffer.core.items import GroupItems, build_group, item_flags
 from rollout_buffer.core.model import Batch
 from rollout_buffer.core.response import Body, response_chunks
@@ -106,8 +112,7 @@ class Replayer:
         """The body of a recorded batch again (same items, same uids), or 410/429/503."""
         age = self._rids.age(batch.request_id or "", recorded_at)
         if age > self.config.replay_retention_s:
-            raise ApiError(
-                410,
+            raise Expired(
                 f"request_id {batch.request_id!r} was answered {age:.0f} s ago, beyond the "
                 f"replay window of {self.config.replay_retention_s:.0f} s; its batch cannot be "
                 "sent again. Use a fresh request_id for new data.",
@@ -118,8 +123,7 @@ class Replayer:
             builder = existing is None
             if existing is None:
                 if len(self._replaying) >= MAX_REPLAYS:
-                    raise ApiError(
-                        429,
+                    raise Overloaded(
                         f"{MAX_REPLAYS} batches are being replayed already; retry this "
                         "request_id shortly",
                         retry_after=2,
@@ -135,14 +139,14 @@ class Replayer:
             r.done.set()
         elif not r.done.wait(REPLAY_WAIT_S):
             self._unref(batch.batch_id, r)
-            raise ApiError(
-                503, "the batch of this request_id is still being rebuilt; retry", retry_after=2
+            raise Unavailable(
+                "the batch of this request_id is still being rebuilt; retry", retry_after=2
             )
         if r.error is not None:
             self._unref(batch.batch_id, r)
             if isinstance(r.error, StorageError):
-                raise ApiError(
-                    503, f"the database is unreachable: {r.error}", retry_after=3
+                raise Unavailable(
+                    f"the database is unreachable: {r.error}", retry_after=3
                 ) from r.error
             raise r.error
         logger.info("replayed batch %s for request_id %s", batch.batch_id, batch.request_id)
@@ -167,8 +171,7 @@ class Replayer:
             pks = pair.store.group_pks(js.job_id, gid)
             rows = fetch_rows(pair.src, pks)
             if len(rows) < len(pks):  # pruned from session_steps: never a group short of a row
-                raise ApiError(
-                    410,
+                raise Expired(
                     f"the batch of request_id {batch.request_id!r} cannot be sent again whole: "
                     f"{len(pks) - len(rows)} of the {len(pks)} rows of one of its groups are no "
                     "longer in session_steps (was the launcher's table pruned?). Use a fresh "
@@ -187,7 +190,7 @@ class Replayer:
                     )
                 )
             except Malformed as exc:  # pragma: no cover - rows are immutable
-                raise ApiError(500, f"batch {batch.batch_id} cannot be rebuilt: {exc}") from exc
+                raise OperationFailed(f"batch {batch.batch_id} cannot be rebuilt: {exc}") from exc
         # the figures, filtered and partial groups are sent as recorded (the rows cannot give them
         # again)
         return response_chunks(

@@ -16,7 +16,13 @@ import uuid
 from typing import Any
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError, LeaseLost, StorageError
+from rollout_buffer.core.errors import (
+    Conflict,
+    LeaseLost,
+    OperationFailed,
+    StorageError,
+    Unavailable,
+)
 from rollout_buffer.launcher.launcher import Launcher
 from rollout_buffer.launcher.supervisor import Supervisor
 from rollout_buffer.runtime.health import Health
@@ -65,26 +71,25 @@ class Rollouts:
         restart_training: bool,
         job_session: str | None,
         skip: list[str] | None = None,
-    ) -> tuple[int, dict[str, Any]]:
-        """Select the job, start its launcher (or redeliver: see _redeliver). Returns (status,
-        body)."""
+    ) -> dict[str, Any]:
+        """Select the job, start its launcher (or redeliver: see _redeliver). Returns the answer's
+        body; a refusal is a RequestError (Conflict, Unavailable, OperationFailed)."""
         self.lease.check(10.0)  # LeaseLost on a standby: answered with 307 (app.standby_answer)
         if not self.signals.bootstrapped.is_set():
             # Before the active job is resumed and its launcher adopted, "not running" would be a
             # lie.
             self.signals.nudge()
             if not self.signals.bootstrapped.wait(10.0):
-                raise ApiError(
-                    503,
+                raise Unavailable(
                     "the service is still loading its state from the database: "
                     f"{self.health.last_error or 'still starting'}",
                     retry_after=2,
                 )
         with self.locks.starting():
-            status, body = self._start(conns, k, restart_training, job_session, skip or [])
+            body = self._start(conns, k, restart_training, job_session, skip or [])
         if body.get("message") == "Rollout started" and body.get("pid") is not None:
             self._said_if_it_exits_at_once(body)  # (no lock held while it waits)
-        return status, body
+        return body
 
     def _said_if_it_exits_at_once(self, body: dict[str, Any]) -> None:
         """A launcher that fails within the launch grace makes /start_rollout an error (500: the
@@ -104,8 +109,7 @@ class Rollouts:
             body["warning"] = f"{said}; the restart policy starts it again (see launcher_exit)"
             body["launcher_exit"] = early
             return
-        raise ApiError(
-            500,
+        raise OperationFailed(
             f"{said}; see log_tail and hints. Job {job_id!r} stays selected: POST /start_rollout "
             "again starts a new launcher for it",
             job_session=job_id,
@@ -120,19 +124,18 @@ class Rollouts:
         restart_training: bool,
         job_session: str | None,
         skip: list[str],
-    ) -> tuple[int, dict[str, Any]]:
+    ) -> dict[str, Any]:
         js = self.jobs.current
         pid = self.launcher.running_pid()  # here, or on another host
         if pid is not None:
             if js is not None and job_session not in (None, js.job_id):
-                raise ApiError(
-                    409,
+                raise Conflict(
                     f"the launcher of job {js.job_id!r} is still running (pid "
                     f"{pid}); POST /stop_rollout first or name that job",
                     job_session=js.job_id,
                     pid=pid,
                 )
-            return 200, {
+            return {
                 "message": "AIEvoBox is already running",
                 "pid": pid,
                 "job_session": js.job_id if js else None,
@@ -155,7 +158,7 @@ class Rollouts:
                 raise (
                     exc
                     if isinstance(exc, LeaseLost)
-                    else ApiError(503, f"the database is unreachable: {exc}", retry_after=3)
+                    else Unavailable(f"the database is unreachable: {exc}", retry_after=3)
                 ) from exc
             if self.launcher.managed:
                 # Until its own launcher runs, the finished one the loop sees is not this job's:
@@ -172,7 +175,7 @@ class Rollouts:
             restart_training,
             pid,
         )
-        return 200, {
+        return {
             "message": "Rollout started",
             "pid": pid,
             "job_session": job_id,

@@ -124,72 +124,76 @@ def cmd_settings(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rollout-buffer`` command."""
-    p = argparse.ArgumentParser(prog="rollout-buffer", description=__doc__)
-    p.add_argument("--version", action="version", version=f"rollout-buffer {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser(
+    parser = argparse.ArgumentParser(prog="rollout-buffer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"rollout-buffer {__version__}")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    command = sub.add_parser(
         "serve", help="run the service under gunicorn (settings from the environment)"
     )
-    s.add_argument("--host", help="bind address (ROLLOUT_BUFFER_HOST, default 0.0.0.0)")
-    s.add_argument("--port", type=int, help="port (BUFFER_SERVER_PORT, default 18889)")
-    s.set_defaults(func=cmd_serve)
-    s = sub.add_parser("init-db", help="create the launcher's tables if missing")
-    s.add_argument(
+    command.add_argument("--host", help="bind address (ROLLOUT_BUFFER_HOST, default 0.0.0.0)")
+    command.add_argument("--port", type=int, help="port (BUFFER_SERVER_PORT, default 18889)")
+    command.set_defaults(func=cmd_serve)
+    command = sub.add_parser("init-db", help="create the launcher's tables if missing")
+    command.add_argument(
         "--db", required=True, help="sqlite:///abs/path, sqlite://rel/path or postgresql://..."
     )
-    s.set_defaults(func=cmd_init_db)
-    s = sub.add_parser(
+    command.set_defaults(func=cmd_init_db)
+    command = sub.add_parser(
         "demo", help="one-command demo: SQLite, server, simulated launcher, a polling trainer"
     )
-    s.add_argument("--dir", help="work directory (default: a new temporary directory)")
-    s.add_argument("--groups", type=int, default=24, help="prompt groups the simulator runs")
-    s.add_argument("--k", type=int, default=4, help="sessions per group")
-    s.add_argument("--port", type=int, default=0, help="port (default: a free one)")
-    s.add_argument("--pace", type=float, default=0.02, help="simulator seconds between rows")
-    s.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
-    s.add_argument(
+    command.add_argument("--dir", help="work directory (default: a new temporary directory)")
+    command.add_argument("--groups", type=int, default=24, help="prompt groups the simulator runs")
+    command.add_argument("--k", type=int, default=4, help="sessions per group")
+    command.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+    command.add_argument("--pace", type=float, default=0.02, help="simulator seconds between rows")
+    command.add_argument(
+        "--timeout", type=float, default=300.0, help="give up after this many seconds"
+    )
+    command.add_argument(
         "--policies",
         action="store_true",
         help="turn the training-data policies on (staleness, zero variance, over-sampling) and "
         "show their counts",
     )
-    s.set_defaults(func=cmd_demo)
-    s = sub.add_parser("stats", help="print GET /stats of a running service as a table")
-    s.add_argument("url", nargs="?", default="http://127.0.0.1:18889")
-    s.add_argument("--token", help="bearer token (default $ROLLOUT_BUFFER_TOKEN)")
-    s.add_argument("--json", action="store_true", help="print the raw JSON")
-    s.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
-    s.add_argument(
+    command.set_defaults(func=cmd_demo)
+    command = sub.add_parser("stats", help="print GET /stats of a running service as a table")
+    command.add_argument("url", nargs="?", default="http://127.0.0.1:18889")
+    command.add_argument("--token", help="bearer token (default $ROLLOUT_BUFFER_TOKEN)")
+    command.add_argument("--json", action="store_true", help="print the raw JSON")
+    command.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
+    command.add_argument(
         "--interval", type=_positive, default=2.0, help="seconds between refreshes with --watch"
     )
-    s.add_argument(
+    command.add_argument(
         "--count",
         type=_count,
         default=0,
         help="with --watch: stop after this many refreshes (0 = never)",
     )
-    s.set_defaults(func=cmd_stats)
-    s = sub.add_parser(
+    command.set_defaults(func=cmd_stats)
+    command = sub.add_parser(
         "export", help="write every served and dropped group of a job as JSONL (.gz: gzipped)"
     )
-    s.add_argument("--db", required=True, help="the launcher database URL (as AIEVOBOX_DB_URL)")
-    s.add_argument(
+    command.add_argument(
+        "--db", required=True, help="the launcher database URL (as AIEVOBOX_DB_URL)"
+    )
+    command.add_argument(
         "--state-db", help="the buffer's state database, when ROLLOUT_BUFFER_STATE_DB_URL is set"
     )
-    s.add_argument("--job", required=True, help="the job (job_session)")
-    s.add_argument("--out", required=True, help="output file; gzipped when it ends in .gz")
-    s.add_argument(
+    command.add_argument("--job", required=True, help="the job (job_session)")
+    command.add_argument("--out", required=True, help="output file; gzipped when it ends in .gz")
+    command.add_argument(
         "--what",
         choices=("served", "dropped", "all"),
         default="all",
         help="served groups, dropped groups and rejected rows, or all",
     )
-    s.set_defaults(func=cmd_export)
-    s = sub.add_parser(
+    command.set_defaults(func=cmd_export)
+    command = sub.add_parser(
         "settings", help="print the settings page (docs/settings.md): every setting, as markdown"
     )
-    s.set_defaults(func=cmd_settings)
-    args = p.parse_args(argv)
+    command.set_defaults(func=cmd_settings)
+    args = parser.parse_args(argv)
     return args.func(args)
 
 

@@ -91,10 +91,10 @@ class Checker:
         self.groups.append(gid)
         self.items += len(items)
         by_session: dict[str, set[float]] = collections.defaultdict(set)
-        for it in items:
-            extra = it.get("extra_info") or {}
+        for item in items:
+            extra = item.get("extra_info") or {}
             sid = extra.get("session_id")
-            reward = it.get("reward")
+            reward = item.get("reward")
             if sid is None or reward is None:
                 self.problems.append(f"group {gid}: an item lacks extra_info.session_id or reward")
                 continue
@@ -104,19 +104,19 @@ class Checker:
             self.problems.append(
                 f"group {gid}: {len(by_session)} distinct sessions, expected K={self.k}"
             )
-        for sid, rs in by_session.items():
-            if len(rs) != 1:
+        for sid, rewards in by_session.items():
+            if len(rewards) != 1:
                 self.problems.append(
-                    f"group {gid}: session {sid} has items with different rewards {sorted(rs)}"
+                    f"group {gid}: session {sid} has items with different rewards {sorted(rewards)}"
                 )
-            self.session_rewards.append(next(iter(rs)))
+            self.session_rewards.append(next(iter(rewards)))
         self.sessions += len(by_session)
 
 
-def _reasons(d: Any) -> str:
-    if not isinstance(d, dict) or not d:
+def _reasons(counts: Any) -> str:
+    if not isinstance(counts, dict) or not counts:
         return "none"
-    return ", ".join(f"{k} {v}" for k, v in sorted(d.items()))
+    return ", ".join(f"{reason} {count}" for reason, count in sorted(counts.items()))
 
 
 def launcher_summary(log_path: str | None) -> dict[str, Any] | None:
@@ -149,8 +149,8 @@ def run_demo(args: argparse.Namespace) -> int:
     timeout = float(getattr(args, "timeout", 300.0))
     if groups < 1 or k < 1 or pace < 0 or timeout <= 0:
         print(
-            f"rollout-buffer demo: invalid arguments groups={groups} k={k} pace={pace} timeout={timeout}: "
-            "expected groups >= 1, k >= 1, pace >= 0, timeout > 0",
+            f"rollout-buffer demo: invalid arguments groups={groups} k={k} pace={pace} "
+            f"timeout={timeout}: expected groups >= 1, k >= 1, pace >= 0, timeout > 0",
             file=sys.stderr,
         )
         return 2
@@ -172,7 +172,8 @@ def run_demo(args: argparse.Namespace) -> int:
     init_database(db_url)
 
     print(
-        f"rollout-buffer demo: {groups} groups x K={k} sessions, simulated launcher (pace {pace:g} s/row)"
+        f"rollout-buffer demo: {groups} groups x K={k} sessions, simulated launcher "
+        f"(pace {pace:g} s/row)"
     )
     print(f"  work dir {workdir}")
     print(f"  server   {url}  (log {server_log})")
@@ -220,13 +221,14 @@ def run_demo(args: argparse.Namespace) -> int:
             if not got or now - stats_at >= POLL_INTERVAL_S:
                 stats = client.stats()
                 stats_at = now
-                g = stats.get("groups") or {}
-                r = stats.get("rows") or {}
-                rate = (r.get("read") or 0) / max(elapsed, 1e-6)
+                group_counts = stats.get("groups") or {}
+                row_counts = stats.get("rows") or {}
+                rate = (row_counts.get("read") or 0) / max(elapsed, 1e-6)
                 progress.show(
-                    f"  {elapsed:6.1f} s  groups {len(checker.groups):4d}  items {checker.items:6d}  "
-                    f"{rate:8.0f} rows/s  pending {g.get('pending', 0):3d}  "
-                    f"dropped {g.get('dropped_total', 0):3d}"
+                    f"  {elapsed:6.1f} s  groups {len(checker.groups):4d}  "
+                    f"items {checker.items:6d}  {rate:8.0f} rows/s  "
+                    f"pending {group_counts.get('pending', 0):3d}  "
+                    f"dropped {group_counts.get('dropped_total', 0):3d}"
                 )
                 if not got and _finished(stats):
                     progress.show(progress.last_text, force=True)
@@ -284,10 +286,10 @@ def _summary(
     timeout: float,
     policies: bool = False,
 ) -> int:
-    g = stats.get("groups") or {}
-    r = stats.get("rows") or {}
+    group_counts = stats.get("groups") or {}
+    row_counts = stats.get("rows") or {}
     balanced = stats.get("accounting_balanced")
-    served_by_server = g.get("served")
+    served_by_server = group_counts.get("served")
     problems = list(checker.problems)
     if timed_out:
         problems.append(
@@ -296,33 +298,37 @@ def _summary(
     if not checker.groups:
         problems.append("no group was served")
     if balanced is not True:
-        problems.append(f"accounting not balanced in /stats: rows {r}")
-    sim = launcher_summary((stats.get("launcher") or {}).get("log_path"))
-    by_policy = {k: v for k, v in (g.get("dropped") or {}).items() if k in POLICY_REASONS}
+        problems.append(f"accounting not balanced in /stats: rows {row_counts}")
+    simulated = launcher_summary((stats.get("launcher") or {}).get("log_path"))
+    by_policy = {
+        k: v for k, v in (group_counts.get("dropped") or {}).items() if k in POLICY_REASONS
+    }
     if (
-        sim is not None
+        simulated is not None
         and not timed_out
         and not policies
-        and sim.get("complete_groups") != len(checker.groups)
+        and simulated.get("complete_groups") != len(checker.groups)
     ):
         problems.append(
-            f"the simulator completed {sim.get('complete_groups')} groups, the trainer received "
-            f"{len(checker.groups)}"
+            f"the simulator completed {simulated.get('complete_groups')} groups, "
+            f"the trainer received {len(checker.groups)}"
         )
     if (
-        sim is not None
+        simulated is not None
         and not timed_out
         and policies
-        and sim.get("complete_groups", 0) > len(checker.groups) + sum(by_policy.values())
+        and simulated.get("complete_groups", 0) > len(checker.groups) + sum(by_policy.values())
     ):
         # over-sampling serves a group once K of its K+1 sessions completed: more may be served
         problems.append(
-            f"the simulator completed {sim.get('complete_groups')} groups, the trainer received "
-            f"{len(checker.groups)} and {sum(by_policy.values())} were dropped by a policy"
+            f"the simulator completed {simulated.get('complete_groups')} groups, "
+            f"the trainer received {len(checker.groups)} and {sum(by_policy.values())} were "
+            "dropped by a policy"
         )
     if served_by_server is not None and served_by_server != len(checker.groups):
         problems.append(
-            f"/stats says {served_by_server} groups served, the trainer received {len(checker.groups)}"
+            f"/stats says {served_by_server} groups served, the trainer received "
+            f"{len(checker.groups)}"
         )
     avg = sum(checker.rewards) / len(checker.rewards) if checker.rewards else 0.0
     avg_s = (
@@ -334,15 +340,21 @@ def _summary(
         ("groups served", f"{len(checker.groups)}"),
         ("items (steps)", f"{checker.items}"),
         ("sessions", f"{checker.sessions}"),
-        ("dropped groups", f"{g.get('dropped_total', 0)}  ({_reasons(g.get('dropped'))})"),
-        ("rejected rows", f"{r.get('rejected_total', 0)}  ({_reasons(r.get('rejected'))})"),
+        (
+            "dropped groups",
+            f"{group_counts.get('dropped_total', 0)}  ({_reasons(group_counts.get('dropped'))})",
+        ),
+        (
+            "rejected rows",
+            f"{row_counts.get('rejected_total', 0)}  ({_reasons(row_counts.get('rejected'))})",
+        ),
         *(
             [
                 (
                     "policies",
                     f"stale {by_policy.get('stale', 0)} groups, zero_variance "
                     f"{by_policy.get('zero_variance', 0)} groups, oversampled "
-                    f"{(r.get('dropped') or {}).get('oversampled', 0)} rows",
+                    f"{(row_counts.get('dropped') or {}).get('oversampled', 0)} rows",
                 )
             ]
             if policies
@@ -350,18 +362,19 @@ def _summary(
         ),
         (
             "rows read",
-            f"{r.get('read', 0)}  (served {r.get('served', 0)}, dropped {r.get('dropped_total', 0)}, "
-            f"pending {r.get('pending', 0)})",
+            f"{row_counts.get('read', 0)}  (served {row_counts.get('served', 0)}, "
+            f"dropped {row_counts.get('dropped_total', 0)}, "
+            f"pending {row_counts.get('pending', 0)})",
         ),
         ("avg reward", f"{avg:.3f} per item, {avg_s:.3f} per session"),
         ("wall time", f"{wall:.1f} s"),
         (
             "simulator",
             "-"
-            if sim is None
-            else f"{sim.get('sessions')} sessions ({sim.get('completed_sessions')} "
-            f"completed, {sim.get('failed_sessions')} crashed), {sim.get('complete_groups')} complete "
-            "groups",
+            if simulated is None
+            else f"{simulated.get('sessions')} sessions ({simulated.get('completed_sessions')} "
+            f"completed, {simulated.get('failed_sessions')} crashed), "
+            f"{simulated.get('complete_groups')} complete groups",
         ),
         ("database", db_path),
         ("logs", f"{logs}  (server: {server_log})"),
@@ -372,8 +385,8 @@ def _summary(
     out.write("\nsummary\n")
     for label, value in rows:
         out.write(f"  {label:<{width}}  {value}\n")
-    for p in problems[:20]:
-        out.write(f"  ! {p}\n")
+    for problem in problems[:20]:
+        out.write(f"  ! {problem}\n")
     if len(problems) > 20:
         out.write(f"  ! ... and {len(problems) - 20} more\n")
     out.flush()

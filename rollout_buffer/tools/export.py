@@ -74,9 +74,9 @@ def _open_out(path: str, gz: bool) -> IO[str]:
 class Exporter:
     """Streams one job's records from a source (launcher) and a state connection."""
 
-    def __init__(self, src: Database, st: Database, job_id: str) -> None:
-        self.src = src
-        self.pages = ExportPages(st, job_id, PAGE)
+    def __init__(self, launcher_db: Database, state_db: Database, job_id: str) -> None:
+        self.launcher_db = launcher_db
+        self.pages = ExportPages(state_db, job_id, PAGE)
         self.job_id = job_id
         # batch_id -> (uid seed, its partial groups), None once the batch was pruned
         self._seeds: collections.OrderedDict[str, tuple[bytes, frozenset[str]] | None] = (
@@ -104,8 +104,8 @@ class Exporter:
             raise ExportError(f"--what {what!r}: expected one of {', '.join(WHAT)}")
         extra = self.pages.group_rows()
         pending = next(extra, None)
-        for g in self.pages.groups():
-            gid = g["group_id"]
+        for group in self.pages.groups():
+            gid = group["group_id"]
             accounted: list[tuple] = []
             while pending is not None and pending[0] <= gid:
                 if pending[0] == gid:
@@ -113,14 +113,14 @@ class Exporter:
                 pending = next(
                     extra, None
                 )  # a row of an undecided group (never rejected) is skipped
-            if what == "all" or (what == "served") == (g["status"] == SERVED):
-                yield self._group_record(g, accounted)
+            if what == "all" or (what == "served") == (group["status"] == SERVED):
+                yield self._group_record(group, accounted)
         if what != "served":
             for r in self.pages.orphans():
                 yield self._orphan_record(r)
 
     def _rows(self, pks: list[int]) -> dict[int, tuple]:
-        return fetch_rows(self.src, pks, launcher_sql.fetch_export_rows)
+        return fetch_rows(self.launcher_db, pks, launcher_sql.fetch_export_rows)
 
     def _seed(self, batch_id: str) -> tuple[bytes, frozenset[str]] | None:
         if batch_id not in self._seeds:
@@ -135,12 +135,12 @@ class Exporter:
                 self._seeds.popitem(last=False)
         return self._seeds[batch_id]
 
-    def _group_record(self, g: dict[str, Any], accounted: list[tuple]) -> str | Iterator[str]:
-        gid, status = g["group_id"], g["status"]
-        pks = [int(p) for p in (g["pks"] or "").split(",") if p]
+    def _group_record(self, group: dict[str, Any], accounted: list[tuple]) -> str | Iterator[str]:
+        gid, status = group["group_id"], group["status"]
+        pks = [int(p) for p in (group["pks"] or "").split(",") if p]
         extra = {int(r[1]): (r[2], r[3]) for r in accounted}
         if status != SERVED:  # no items to rebuild: streamed, whatever its size
-            return self._dropped_record(g, pks, extra)
+            return self._dropped_record(group, pks, extra)
         rows = self._rows(sorted(set(pks) | set(extra)))
         outcomes: dict[int, tuple[str, str | None]] = {}
         items_json: str | None = None
@@ -150,40 +150,40 @@ class Exporter:
             outcomes[pk] = (SERVED, None)
         for pk in take.incomplete_pks:
             outcomes[pk] = (DROPPED, INCOMPLETE_IN_SERVED)
-        items_json, uids = self._items(take, rows, g["batch_id"])
+        items_json, uids = self._items(take, rows, group["batch_id"])
         for pk, (outcome, why) in extra.items():
             outcomes[pk] = (REJECTED if outcome == REJECTED else DROPPED, why)
-        record = self._head(g, sorted(set(outcomes) - set(rows)))
+        record = self._head(group, sorted(set(outcomes) - set(rows)))
         record["sessions"] = sessions_of(rows, outcomes)
         record["uids"] = uids
         # the items are spliced in as the trainer received them, byte for byte
         head = json.dumps(record, ensure_ascii=False)
         return head[:-1] + ',"items":[' + items_json + "]}"
 
-    def _head(self, g: dict[str, Any], missing: list[int]) -> dict[str, Any]:
+    def _head(self, group: dict[str, Any], missing: list[int]) -> dict[str, Any]:
         return {
             "format": FORMAT_VERSION,
             "job_id": self.job_id,
-            "group_id": g["group_id"],
-            "status": g["status"],
-            "reason": g["reason"],
-            "batch_id": g["batch_id"],
-            "decided_at": json_number(g["resolved_at"]),
+            "group_id": group["group_id"],
+            "status": group["status"],
+            "reason": group["reason"],
+            "batch_id": group["batch_id"],
+            "decided_at": json_number(group["resolved_at"]),
             "missing_step_pks": missing,
         }
 
     def _dropped_record(
-        self, g: dict[str, Any], pks: list[int], extra: dict[int, tuple[str, str | None]]
+        self, group: dict[str, Any], pks: list[int], extra: dict[int, tuple[str, str | None]]
     ) -> Iterator[str]:
         """A dropped group's record in pieces: planned from its rows' metadata and text sizes,
         then its steps fetched a few at a time (a group dropped as group_too_large is as large as
         its launcher made it; the export never holds it whole)."""
-        outcomes = dict.fromkeys(pks, (DROPPED, g["reason"]))
+        outcomes = dict.fromkeys(pks, (DROPPED, group["reason"]))
         for pk, (outcome, why) in extra.items():
             outcomes[pk] = (REJECTED if outcome == REJECTED else DROPPED, why)
-        meta = fetch_rows(self.src, sorted(outcomes), launcher_sql.fetch_export_sizes)
+        meta = fetch_rows(self.launcher_db, sorted(outcomes), launcher_sql.fetch_export_sizes)
         sizes = {pk: int(r[-1] or 0) for pk, r in meta.items()}
-        head = json.dumps(self._head(g, sorted(set(outcomes) - set(meta))), ensure_ascii=False)
+        head = json.dumps(self._head(group, sorted(set(outcomes) - set(meta))), ensure_ascii=False)
         yield head[:-1] + ', "sessions": '
         yield from streamed_sessions(session_plan(meta), sizes, self._rows, outcomes)
         yield "}"
@@ -237,8 +237,8 @@ class Exporter:
 
 
 def export(
-    src: Database,
-    st: Database,
+    launcher_db: Database,
+    state_db: Database,
     job_id: str,
     path: str,
     *,
@@ -246,16 +246,16 @@ def export(
     progress_to: TextIO | None = None,
 ) -> Summary:
     """Write the job's records to ``path`` (gzip when it ends in .gz); returns what was written."""
-    ex = Exporter(src, st, job_id)
-    ex.check_job()
-    total = ex.count() if what == "all" else None
+    exporter = Exporter(launcher_db, state_db, job_id)
+    exporter.check_job()
+    total = exporter.count() if what == "all" else None
     progress = Progress(progress_to) if progress_to is not None else None
     summary = Summary()
     started = shown = time.monotonic()
     partial = path + ".partial"
     try:
         with _open_out(partial, gz=path.endswith(".gz")) as f:
-            for record in ex.records(what):
+            for record in exporter.records(what):
                 for piece in [record] if isinstance(record, str) else record:
                     f.write(piece)
                     summary.bytes += len(piece)
@@ -297,7 +297,7 @@ def read_export(path: str) -> Iterator[dict[str, Any]]:
     opener = gzip.open if gz else open
     n = 0
     try:
-        with opener(path, "rt", encoding="utf-8") as f:  # type: ignore[operator]
+        with opener(path, "rt", encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
@@ -329,14 +329,21 @@ def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, wh
             file=sys.stderr,
         )
         return 2
-    src = st = None
+    launcher_db = state_db = None
     try:
-        src = connect(db_url, readonly=True)
-        st = (
-            connect(state_db_url, readonly=True) if state_db_url and state_db_url != db_url else src
+        launcher_db = connect(db_url, readonly=True)
+        state_db = (
+            connect(state_db_url, readonly=True)
+            if state_db_url and state_db_url != db_url
+            else launcher_db
         )
         summary = export(
-            src, st, job_id, out, what=what, progress_to=sys.stderr if sys.stderr.isatty() else None
+            launcher_db,
+            state_db,
+            job_id,
+            out,
+            what=what,
+            progress_to=sys.stderr if sys.stderr.isatty() else None,
         )
     except ExportError as exc:
         print(f"rollout-buffer export: {exc}", file=sys.stderr)
@@ -350,7 +357,7 @@ def main_export(db_url: str, state_db_url: str | None, job_id: str, out: str, wh
         print(f"rollout-buffer export: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     finally:
-        for db in {id(d): d for d in (src, st) if d is not None}.values():
+        for db in {id(d): d for d in (launcher_db, state_db) if d is not None}.values():
             db.close()
     print(
         f"exported {summary.records} records of job {job_id} to {out} "

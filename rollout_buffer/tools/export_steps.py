@@ -108,7 +108,7 @@ def _not_reencodable(value: list) -> str | None:
     return None
 
 
-def _wv(env_state: Any) -> int | None:
+def _weight_version(env_state: Any) -> int | None:
     try:
         return weight_version(env_state)
     except Malformed:
@@ -128,7 +128,7 @@ def step_record(row: Sequence[Any], outcome: str, reason: str | None) -> dict[st
             "response": text_of(row[RESPONSE]),
             "step_reward": json_number(row[STEP_REWARD]),
             "reward": json_number(row[CUM_REWARD]),
-            "weight_version": _wv(row[ENV_STATE]),
+            "weight_version": _weight_version(row[ENV_STATE]),
             "env_state": text_of(row[ENV_STATE]),
             "truncated": bool(row[TRUNCATED]),
             "terminal": bool(row[TERMINAL]),

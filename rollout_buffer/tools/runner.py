@@ -118,16 +118,16 @@ class ServerProcess:
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         last = "no answer yet"
-        with requests.Session() as s:
+        with requests.Session() as session:
             while time.monotonic() < deadline:
                 code = self.proc.poll()
                 if code is not None:
                     return f"the server exited with code {code}"
                 try:
-                    r = s.get(self.url + "/health", timeout=(1, 2))
-                    if r.status_code == 200:
+                    answer = session.get(self.url + "/health", timeout=(1, 2))
+                    if answer.status_code == 200:
                         return None
-                    last = f"HTTP {r.status_code}: {r.text[:200]}"
+                    last = f"HTTP {answer.status_code}: {answer.text[:200]}"
                 except requests.RequestException as exc:
                     last = type(exc).__name__
                 time.sleep(0.05)

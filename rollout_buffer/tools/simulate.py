@@ -80,88 +80,92 @@ _rate, _nonneg_float = _bounded(float, 0.0, 1.0), _bounded(float, 0.0)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    parser = argparse.ArgumentParser(
         prog="python -m rollout_buffer.simulate",
         description="Simulated AIEvoBox launcher: writes launcher rows (one per step) into "
         "session_steps and job_environments. Unknown launcher flags are ignored.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
     )  # an unknown launcher flag must never be taken for a prefix of ours
-    g = p.add_argument_group("the original launcher's flags")
-    g.add_argument(
+    original = parser.add_argument_group("the original launcher's flags")
+    original.add_argument(
         "--db-path",
         required=True,
         help="database URL: sqlite:///abs/path, sqlite://rel/path or postgresql://... "
         "(a bare file path is taken as SQLite)",
     )
-    g.add_argument(
+    original.add_argument(
         "--storage-type",
         choices=("sqlite", "postgres", "postgresql"),
         default=None,
         help="backend; must agree with --db-path (the URL decides)",
     )
-    g.add_argument("--job-id", required=True, help="job_id of every row")
-    g.add_argument("--rl-group-size", type=_pos_int, default=8, help="sessions per group (K)")
-    g.add_argument(
+    original.add_argument("--job-id", required=True, help="job_id of every row")
+    original.add_argument(
+        "--rl-group-size", type=_pos_int, default=8, help="sessions per group (K)"
+    )
+    original.add_argument(
         "--max-steps",
         type=_pos_int,
         default=6,
         help="step cap: sessions have 1..max-steps steps (random per session)",
     )
-    g.add_argument("--pool-size", type=_pos_int, default=16, help="concurrently running sessions")
-    g.add_argument(
+    original.add_argument(
+        "--pool-size", type=_pos_int, default=16, help="concurrently running sessions"
+    )
+    original.add_argument(
         "--rl-epoch",
         type=int,
         default=1,
         help="epoch: shifts the task index (and so the group ids) by (epoch-1)*groups",
     )
-    s = p.add_argument_group("simulator knobs")
-    s.add_argument("--groups", type=_pos_int, default=32, help="prompt groups G")
-    s.add_argument(
+    knobs = parser.add_argument_group("simulator knobs")
+    knobs.add_argument("--groups", type=_pos_int, default=32, help="prompt groups G")
+    knobs.add_argument(
         "--fail-rate",
         type=_rate,
         default=0.05,
         help="fraction of sessions that crash after 0..n-1 rows, never completing",
     )
-    s.add_argument(
+    knobs.add_argument(
         "--flat-rate",
         type=_rate,
         default=0.0,
         help="fraction of groups whose sessions all end with the same reward (zero variance)",
     )
-    s.add_argument(
+    knobs.add_argument(
         "--truncate-rate",
         type=_rate,
         default=0.1,
         help="fraction of sessions that hit the step cap and end truncated",
     )
-    s.add_argument(
+    knobs.add_argument(
         "--pace",
         type=_nonneg_float,
         default=0.02,
         help="seconds to sleep between rows (0 = as fast as possible)",
     )
-    s.add_argument(
+    knobs.add_argument(
         "--prompt-bytes",
         type=_pos_int,
         default=600,
         help="approximate size of the first user prompt",
     )
-    s.add_argument(
+    knobs.add_argument(
         "--seed",
         type=int,
         default=None,
         help="random seed for the run's shape (session ids are always fresh uuid4s)",
     )
-    s.add_argument("--quiet", action="store_true", help="print only the final SIMULATE line")
-    s.add_argument(
+    knobs.add_argument("--quiet", action="store_true", help="print only the final SIMULATE line")
+    knobs.add_argument(
         "--from-export",
         metavar="FILE",
         default=None,
         help="write the records of a `rollout-buffer export` file (JSONL, .gz or plain) back as "
         "this job's rows, at --pace, instead of simulating (see rollout_buffer.tools.from_export)",
     )
-    return p
+    return parser
 
 
 def normalise_url(db_path: str, storage_type: str | None) -> str:

@@ -130,58 +130,57 @@ class Simulator:
 
     # -- planning ---------------------------------------------------------------------------
     def plan(self) -> None:
-        a, rng = self.args, self.rng
-        offset = max(a.rl_epoch - 1, 0) * a.groups
-        for g in range(a.groups):
-            gr = Group(g, offset + g)
-            gr.task = f"Task {gr.task_idx}: " + self.text.words(a.prompt_bytes - 20)
+        args, rng = self.args, self.rng
+        offset = max(args.rl_epoch - 1, 0) * args.groups
+        for index in range(args.groups):
+            group = Group(index, offset + index)
+            group.task = f"Task {group.task_idx}: " + self.text.words(args.prompt_bytes - 20)
             rewards: set[float] = set()
-            while len(rewards) < a.rl_group_size and len(rewards) < 10000:
+            while len(rewards) < args.rl_group_size and len(rewards) < 10000:
                 rewards.add(round(rng.random(), 4))  # distinct terminal rewards within the group
             reward_list = sorted(rewards)
             rng.shuffle(reward_list)
-            if rng.random() < getattr(a, "flat_rate", 0.0):
-                reward_list = reward_list[
-                    :1
-                ]  # every session of the group ends with the same reward
-            for k in range(a.rl_group_size):
-                s = Session(gr, str(uuid.uuid4()))
-                s.terminal_reward = reward_list[k % len(reward_list)]
-                natural = rng.randint(1, a.max_steps)
-                if rng.random() < a.fail_rate:
-                    s.completes = False
-                    s.rows_planned = rng.randint(0, natural - 1)
-                elif rng.random() < a.truncate_rate:
-                    s.truncated = True
-                    s.rows_planned = a.max_steps
+            if rng.random() < getattr(args, "flat_rate", 0.0):
+                # every session of the group ends with the same reward
+                reward_list = reward_list[:1]
+            for k in range(args.rl_group_size):
+                session = Session(group, str(uuid.uuid4()))
+                session.terminal_reward = reward_list[k % len(reward_list)]
+                natural = rng.randint(1, args.max_steps)
+                if rng.random() < args.fail_rate:
+                    session.completes = False
+                    session.rows_planned = rng.randint(0, natural - 1)
+                elif rng.random() < args.truncate_rate:
+                    session.truncated = True
+                    session.rows_planned = args.max_steps
                 else:
-                    s.rows_planned = natural
-                gr.sessions.append(s)
-            self.groups.append(gr)
+                    session.rows_planned = natural
+                group.sessions.append(session)
+            self.groups.append(group)
 
     def write_environments(self) -> None:
-        a = self.args
+        args = self.args
         created = self.now()
         rows = []
-        for gr in self.groups:
+        for group in self.groups:
             params = json.dumps(
                 {
-                    "task_idx": gr.task_idx,
-                    "env_num": a.rl_group_size,
-                    "max_steps": a.max_steps,
+                    "task_idx": group.task_idx,
+                    "env_num": args.rl_group_size,
+                    "max_steps": args.max_steps,
                     "split": "train",
                     "simulated": True,
                 }
             )
-            for s in gr.sessions:
+            for session in group.sessions:
                 rows.append(
                     (
-                        a.job_id,
-                        s.session_id,
-                        gr.env_name,
+                        args.job_id,
+                        session.session_id,
+                        group.env_name,
                         params,
-                        f"aievobox/{gr.env_name}:latest",
-                        gr.group_id,
+                        f"aievobox/{group.env_name}:latest",
+                        group.group_id,
                         0,
                         0,
                         created,
@@ -194,69 +193,69 @@ class Simulator:
         self.write(insert, "inserting job_environments")
 
     # -- running ----------------------------------------------------------------------------
-    def start(self, s: Session) -> None:
+    def start(self, session: Session) -> None:
         self.sessions_started += 1
-        gr = s.group
-        s.history = [
-            {"role": "system", "content": SYSTEM_PROMPTS[gr.env_name]},
-            {"role": "user", "content": gr.task},
+        group = session.group
+        session.history = [
+            {"role": "system", "content": SYSTEM_PROMPTS[group.env_name]},
+            {"role": "user", "content": group.task},
         ]
 
-    def finish(self, s: Session) -> None:
-        if s.completes:
+    def finish(self, session: Session) -> None:
+        if session.completes:
             self.completed_sessions += 1
-            s.group.completed += 1
-            if s.truncated:
+            session.group.completed += 1
+            if session.truncated:
                 self.truncated_sessions += 1
         else:
             self.failed_sessions += 1
-        s.history = []
+        session.history = []
 
-    def write_step(self, s: Session) -> None:
-        a, rng, gr = self.args, self.rng, s.group
-        s.step += 1
-        last = s.step == s.rows_planned and s.completes
+    def write_step(self, session: Session) -> None:
+        args, rng, group = self.args, self.rng, session.group
+        session.step += 1
+        last = session.step == session.rows_planned and session.completes
         response = (
-            f"Thought: step {s.step}. "
+            f"Thought: step {session.step}. "
             + self.text.words(rng.uniform(40, 160))
-            + f"\nAction: act_{s.step}"
+            + f"\nAction: act_{session.step}"
         )
         if last:
-            step_reward = s.terminal_reward
+            step_reward = session.terminal_reward
         else:
             step_reward = 0.0 if rng.random() < 0.85 else round(rng.uniform(0.0, 0.05), 4)
-        cum = s.cum_reward + step_reward
+        cumulative = session.cum_reward + step_reward
         env_state = json.dumps({"weight_version": self.rows // WEIGHT_VERSION_EVERY})
-        messages = json.dumps(s.history, ensure_ascii=False)
+        messages = json.dumps(session.history, ensure_ascii=False)
         flag = 1 if last else 0
 
         def insert(db: dbmod.Database) -> None:
             # a fresh timestamp per attempt: (session_id, step_id, created_at) is unique
             row = (
-                s.session_id,
-                s.step,
-                gr.env_name,
+                session.session_id,
+                session.step,
+                group.env_name,
                 LLM_MODEL,
-                gr.group_id,
-                a.job_id,
+                group.group_id,
+                args.job_id,
                 messages,
                 response,
                 step_reward,
-                cum,
+                cumulative,
                 env_state,
                 flag,
-                1 if (last and s.truncated) else 0,
+                1 if (last and session.truncated) else 0,
                 flag,
                 1,
                 self.now(),
             )
             launcher_writes.insert_step(db, row)
 
-        self.write(insert, f"inserting step {s.step} of session {s.session_id}")
-        s.cum_reward = cum
+        self.write(insert, f"inserting step {session.step} of session {session.session_id}")
+        session.cum_reward = cumulative
         self.rows += 1
-        s.history.append({"role": "assistant", "content": response})
-        s.history.append(
+        session.history.append({"role": "assistant", "content": response})
+        session.history.append(
             {"role": "user", "content": "Observation: " + self.text.words(rng.uniform(40, 200))}
         )
 
@@ -280,65 +279,67 @@ class Simulator:
         )
 
     def run(self) -> None:
-        a, rng = self.args, self.rng
+        args, rng = self.args, self.rng
         self.check_stop()
         self.ensure_tables()
         self.check_stop()
         self.plan()
         self.write_environments()
-        if not a.quiet:
+        if not args.quiet:
             print(
-                f"simulate: job {a.job_id}: {a.groups} groups x K={a.rl_group_size}, "
-                f"max {a.max_steps} steps, pool {a.pool_size}, pace {a.pace}s -> "
+                f"simulate: job {args.job_id}: {args.groups} groups x K={args.rl_group_size}, "
+                f"max {args.max_steps} steps, pool {args.pool_size}, pace {args.pace}s -> "
                 f"{self.connect().safe_url}",
                 flush=True,
             )
-        queue = deque(s for gr in self.groups for s in gr.sessions)
+        queue = deque(session for group in self.groups for session in group.sessions)
         active: list[Session] = []
 
         def fill() -> None:
-            while queue and len(active) < a.pool_size:
-                s = queue.popleft()
-                self.start(s)
-                if s.rows_planned == 0:  # crashed before its first step
-                    self.finish(s)
+            while queue and len(active) < args.pool_size:
+                session = queue.popleft()
+                self.start(session)
+                if session.rows_planned == 0:  # crashed before its first step
+                    self.finish(session)
                 else:
-                    active.append(s)
+                    active.append(session)
 
         fill()
         first = True
         while active:
             self.check_stop()
-            if a.pace > 0 and not first:
-                self.pause(a.pace)
+            if args.pace > 0 and not first:
+                self.pause(args.pace)
             first = False
-            j = rng.randrange(len(active))
-            s = active[j]
-            self.write_step(s)
-            if s.step >= s.rows_planned:
-                active[j] = active[-1]
+            pick = rng.randrange(len(active))
+            session = active[pick]
+            self.write_step(session)
+            if session.step >= session.rows_planned:
+                active[pick] = active[-1]
                 active.pop()
-                self.finish(s)
+                self.finish(session)
                 fill()
             self.progress()
 
     def summary(self, interrupted: bool) -> dict[str, Any]:
-        a = self.args
+        args = self.args
         elapsed = time.monotonic() - self.t0
         return {
-            "job_id": a.job_id,
+            "job_id": args.job_id,
             "groups": len(self.groups),
-            "k": a.rl_group_size,
-            "sessions": len(self.groups) * a.rl_group_size,
+            "k": args.rl_group_size,
+            "sessions": len(self.groups) * args.rl_group_size,
             "sessions_started": self.sessions_started,
             "rows": self.rows,
             "completed_sessions": self.completed_sessions,
             "failed_sessions": self.failed_sessions,
             "truncated_sessions": self.truncated_sessions,
-            "complete_groups": sum(1 for gr in self.groups if gr.completed == a.rl_group_size),
+            "complete_groups": sum(
+                1 for group in self.groups if group.completed == args.rl_group_size
+            ),
             "max_weight_version": max(self.rows - 1, 0) // WEIGHT_VERSION_EVERY,
-            "rl_epoch": a.rl_epoch,
-            "seed": a.seed,
+            "rl_epoch": args.rl_epoch,
+            "seed": args.seed,
             "interrupted": interrupted,
             "elapsed_s": round(elapsed, 3),
             "rows_per_s": round(self.rows / max(elapsed, 1e-9), 1),

@@ -1,7 +1,8 @@
 """The Flask application factory: builds and wires objects, starts nothing.
 
-Owns: building the Service and the Flask app around it, the one JSON error shape, and what an
-instance that does not own the job answers a request that needs the owner (307 to it, or 503).
+Owns: building the Service and the Flask app around it, routing every error to the one JSON error
+shape (web.errors), and what an instance that does not own the job answers a request that needs the
+owner (307 to it, or 503).
 It must not start threads or touch a database (gunicorn's hooks start the service).
 """
 
@@ -9,52 +10,30 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
 
-from flask import Flask, jsonify, request
+from flask import Flask, request
 from werkzeug.exceptions import HTTPException
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError, LeaseLost
+from rollout_buffer.core.errors import LeaseLost, RequestError
 from rollout_buffer.runtime.lease import OWNER, STANDBY, STARTING, Lease
 from rollout_buffer.service import Service
 from rollout_buffer.web.api import bp
+from rollout_buffer.web.errors import ApiError, error_response, status_of
 
 logger = logging.getLogger(__name__)
-
-ROLLOUT_PATHS = ("/get_rollout_data",)
-
-
-def error_response(status: int, message: str, **context: Any):
-    """The one JSON error shape: {"ok": false, "error": ..., "status": N, ...context}.
-
-    On /get_rollout_data it also carries "success": false and "message", which the original's
-    clients read.
-    """
-    body: dict[str, Any] = {"ok": False, "error": message, "status": status}
-    body.update({k: v for k, v in context.items() if k not in body})
-    if request and request.path in ROLLOUT_PATHS:
-        body["success"] = False
-        body["message"] = message
-    resp = jsonify(body)
-    resp.status_code = status
-    if "retry_after" in context:
-        resp.headers["Retry-After"] = str(context["retry_after"])
-    if "location" in context:  # a standby's 307 to the owner
-        resp.headers["Location"] = context["location"]
-    return resp
 
 
 def standby_answer(lease: Lease, path: str) -> ApiError:
     """What a request that needs the owner gets from an instance that is not (yet) it: 307 to the
     owner's advertised URL, or 503 with Retry-After and the reason while that would not help."""
     now = lease.clock()
-    h = lease.holder
+    holder = lease.holder
     if lease.role == OWNER:  # the loop is still loading the job (or has just lost it)
         return ApiError(
             503, "this instance owns the job and is loading its state; retry", retry_after=1
         )
-    if lease.role == STARTING or h is None:
+    if lease.role == STARTING or holder is None:
         return ApiError(
             503,
             "this instance has not read who owns the job yet"
@@ -62,9 +41,9 @@ def standby_answer(lease: Lease, path: str) -> ApiError:
             retry_after=1,
             role=lease.role,
         )
-    owner = h.shown(now)
-    left = h.left(now)
-    if left <= 0 or h.released:
+    owner = holder.shown(now)
+    left = holder.left(now)
+    if left <= 0 or holder.released:
         return ApiError(
             503,
             "no instance owns the job at the moment (the last owner's lease has ended); a standby "
@@ -73,42 +52,41 @@ def standby_answer(lease: Lease, path: str) -> ApiError:
             role=STANDBY,
             owner=owner,
         )
-    if not h.url:
+    if not holder.url:
         return ApiError(
             503,
-            f"this instance is a standby, and the owner (instance {h.instance} on host {h.host}) "
-            "has no ROLLOUT_BUFFER_ADVERTISE_URL to redirect to: set it on every instance, or call the "
-            "owner directly",
+            f"this instance is a standby, and the owner (instance {holder.instance} on host "
+            f"{holder.host}) has no ROLLOUT_BUFFER_ADVERTISE_URL to redirect to: set it on every "
+            "instance, or call the owner directly",
             retry_after=5,
             role=STANDBY,
             owner=owner,
         )
-    if (
-        h.url == lease.url and lease.advertised != "wrong"
-    ):  # (a URL that reaches another instance is no loop)
+    # (a URL that reaches another instance is no loop)
+    if holder.url == lease.url and lease.advertised != "wrong":
         return ApiError(
             503,
-            f"the owner advertises {h.url}, which is this standby's own ROLLOUT_BUFFER_ADVERTISE_URL: "
-            "one of the two is misconfigured",
+            f"the owner advertises {holder.url}, which is this standby's own "
+            "ROLLOUT_BUFFER_ADVERTISE_URL: one of the two is misconfigured",
             retry_after=5,
             role=STANDBY,
             owner=owner,
         )
-    if (
-        left < h.length / 3
-    ):  # it missed two renewals: probably gone, and a redirect there would fail
+    # it missed two renewals: probably gone, and a redirect there would fail
+    if left < holder.length / 3:
         return ApiError(
             503,
-            f"this instance is a standby; the owner at {h.url} has not renewed its lease for "
-            f"{h.length - left:.0f} s: if it is gone, this instance takes over in {left:.0f} s",
+            f"this instance is a standby; the owner at {holder.url} has not renewed its lease "
+            f"for {holder.length - left:.0f} s: if it is gone, this instance takes over in "
+            f"{left:.0f} s",
             retry_after=math.ceil(left) + 1,
             role=STANDBY,
             owner=owner,
         )
     return ApiError(
         307,
-        f"this instance is a standby; the owner is {h.url}",
-        location=h.url + path,
+        f"this instance is a standby; the owner is {holder.url}",
+        location=holder.url + path,
         role=STANDBY,
         owner=owner,
     )
@@ -133,6 +111,10 @@ def create_app(config: Config | None = None, *, service: Service | None = None) 
     def _api_error(exc: ApiError):
         return error_response(exc.status, exc.message, **exc.context)
 
+    @app.errorhandler(RequestError)
+    def _refused(exc: RequestError):
+        return error_response(status_of(exc), exc.message, **exc.context)
+
     @app.errorhandler(LeaseLost)
     def _not_owner(exc: LeaseLost):
         path = request.path + (
@@ -154,8 +136,8 @@ def create_app(config: Config | None = None, *, service: Service | None = None) 
         elif exc.code == 404:
             message = (
                 f"no such endpoint: {request.path}; endpoints are POST /start_rollout, "
-                "POST /get_rollout_data, POST /stop_rollout, GET /health, GET /stats, GET /metrics, "
-                "GET / (the status page), GET /status"
+                "POST /get_rollout_data, POST /stop_rollout, GET /health, GET /stats, "
+                "GET /metrics, GET / (the status page), GET /status"
             )
         return error_response(exc.code or 500, message)
 

@@ -24,6 +24,7 @@ know the app or change what gthread does with a complete request.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import resource
@@ -92,12 +93,13 @@ class _Request:
 class HeadFirstWorker(ThreadWorker):
     """ThreadWorker whose threads only ever see connections with a complete request."""
 
+    worker_connections: int  # gunicorn's setting, lowered to what the open-files limit allows
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.reading_heads: deque = deque()  # connections reading their head, oldest deadline first
-        self.reading_bodies: deque = (
-            deque()
-        )  # connections reading their body, oldest deadline first
+        # connections reading their body, oldest deadline first
+        self.reading_bodies: deque = deque()
         self.lingering: deque = deque()  # connections being closed, oldest deadline first
         self.max_body = Config.from_env().max_request_bytes
         self.worker_connections = connection_budget(self.cfg.threads, self.worker_connections)
@@ -184,9 +186,11 @@ class HeadFirstWorker(ThreadWorker):
         """From the head: where the body ends. False when a thread can take the request as it is
         (no body, a malformed head for the parser to refuse, a body over the cap for the app to
         refuse with a 413 without reading it)."""
+        head_end = req.head_end
+        assert head_end is not None  # (called once the head is complete)
         length = chunked = None
         expect = False
-        lines = bytes(req.buf[: req.head_end]).split(b"\r\n")
+        lines = bytes(req.buf[:head_end]).split(b"\r\n")
         for line in lines[1:]:
             name, sep, value = line.partition(b":")
             if not sep:
@@ -201,22 +205,19 @@ class HeadFirstWorker(ThreadWorker):
             elif name == b"expect":
                 expect = value.lower() == b"100-continue"
         if chunked and length is None:
-            req.chunk_at = req.head_end
+            req.chunk_at = head_end
         elif length and not chunked and length <= self.max_body:
-            req.need = req.head_end + length
+            req.need = head_end + length
         else:
             if length and length > self.max_body:
                 # the app answers 413 without reading it; the connection must then close, or
-                # gunicorn
-                # would hold the thread draining a body the client may never send
+                # gunicorn would hold the thread draining a body the client may never send
                 self._rewrite_head(req, lines, b"connection", b"Connection: close")
             return False
-        if expect and len(req.buf) < (req.need or req.head_end + 1):
+        if expect and len(req.buf) < (req.need or head_end + 1):
             # the client waits for this before it sends the body; the thread must not send it again
-            try:
+            with contextlib.suppress(OSError):
                 conn.sock.send(b"HTTP/1.1 100 Continue\r\n\r\n")
-            except OSError:
-                pass
             self._rewrite_head(req, lines, b"expect", None)
         return True
 
@@ -229,9 +230,9 @@ class HeadFirstWorker(ThreadWorker):
         if replacement is not None:
             kept.insert(1, replacement)
         head = b"\r\n".join(kept)
+        assert req.head_end is not None  # (the head is complete)
         shift = len(head) - req.head_end
         req.buf[: req.head_end] = head
-        assert req.head_end is not None
         req.head_end += shift
         if req.need is not None:
             req.need += shift
@@ -266,10 +267,8 @@ class HeadFirstWorker(ThreadWorker):
         """The request is complete (or for the parser to refuse): give it to a thread."""
         self.poller.unregister(conn.sock)
         for queue in (self.reading_heads, self.reading_bodies):
-            try:
+            with contextlib.suppress(ValueError):
                 queue.remove(conn)
-            except ValueError:
-                pass
         conn.head = bytes(conn.req.buf)
         conn.req = None
         conn.request_ready = True
@@ -278,15 +277,11 @@ class HeadFirstWorker(ThreadWorker):
 
     def _drop(self, conn: Any) -> None:
         """Close a connection whose request never came whole (or whose client went away)."""
-        try:
+        with contextlib.suppress(OSError, KeyError, ValueError):
             self.poller.unregister(conn.sock)
-        except (OSError, KeyError, ValueError):
-            pass
         for queue in (self.reading_heads, self.reading_bodies):
-            try:
+            with contextlib.suppress(ValueError):
                 queue.remove(conn)
-            except ValueError:
-                pass
         self.nr_conns -= 1
         conn.close()
 
@@ -332,14 +327,10 @@ class HeadFirstWorker(ThreadWorker):
             self._close_lingering(conn)
 
     def _close_lingering(self, conn: Any) -> None:
-        try:
+        with contextlib.suppress(OSError, KeyError, ValueError):
             self.poller.unregister(conn.sock)
-        except (OSError, KeyError, ValueError):
-            pass
-        try:
+        with contextlib.suppress(ValueError):
             self.lingering.remove(conn)
-        except ValueError:
-            pass
         self.nr_conns -= 1
         conn.close()
 
@@ -357,10 +348,8 @@ class HeadFirstWorker(ThreadWorker):
             self._close_lingering(self.lingering[0])
         while self.nr_conns >= self.worker_connections and self.keepalived_conns:
             conn = self.keepalived_conns.popleft()
-            try:
+            with contextlib.suppress(OSError, KeyError, ValueError):
                 self.poller.unregister(conn.sock)
-            except (OSError, KeyError, ValueError):
-                pass
             self.nr_conns -= 1
             conn.close()
 

@@ -24,12 +24,12 @@ def _escape(value: str) -> str:
     return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
-def _fmt(v: float) -> str:
-    if isinstance(v, bool):
-        return "1" if v else "0"
-    if isinstance(v, float) and math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    return repr(float(v)) if isinstance(v, float) else str(int(v))
+def _fmt(value: float) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float) and math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value)) if isinstance(value, float) else str(int(value))
 
 
 class _Out:
@@ -46,74 +46,92 @@ class _Out:
             self.sample(full, labels, value)
 
     def sample(self, full: str, labels: dict[str, Any], value: float) -> None:
-        lab = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-        self.lines.append(f"{full}{{{lab}}} {_fmt(value)}" if lab else f"{full} {_fmt(value)}")
+        text = ",".join(f'{name}="{_escape(label)}"' for name, label in labels.items())
+        self.lines.append(f"{full}{{{text}}} {_fmt(value)}" if text else f"{full} {_fmt(value)}")
 
 
 def render_metrics(service: Service) -> str:
     """The exposition text."""
-    s = service.stats(None)
+    stats = service.stats(None)
     out = _Out()
-    job = s.get("job_session") or ""
-    launcher = s["launcher"]
-    notif = s["proxy_notifications"]
-    rows = s.get("rows")
+    job = stats.get("job_session") or ""
+    launcher = stats["launcher"]
+    notif = stats["proxy_notifications"]
+    rows = stats.get("rows")
     if rows is not None:
-        j = {"job_session": job}
+        labels = {"job_session": job}
         out.metric(
             "rows_read_total",
             "counter",
             "Distinct trainable rows read for the active job.",
-            [(j, rows["read"])],
+            [(labels, rows["read"])],
         )
         out.metric(
-            "rows_served_total", "counter", "Rows served to the trainer.", [(j, rows["served"])]
+            "rows_served_total",
+            "counter",
+            "Rows served to the trainer.",
+            [(labels, rows["served"])],
         )
         out.metric(
             "rows_dropped_total",
             "counter",
             "Rows dropped, by reason.",
-            [({"job_session": job, "reason": r}, n) for r, n in sorted(rows["dropped"].items())],
+            [
+                ({"job_session": job, "reason": reason}, count)
+                for reason, count in sorted(rows["dropped"].items())
+            ],
         )
         out.metric(
             "rows_rejected_total",
             "counter",
             "Rows that could not become items, by reason.",
-            [({"job_session": job, "reason": r}, n) for r, n in sorted(rows["rejected"].items())],
+            [
+                ({"job_session": job, "reason": reason}, count)
+                for reason, count in sorted(rows["rejected"].items())
+            ],
         )
-        out.metric("rows_pending", "gauge", "Rows of undecided groups.", [(j, rows["pending"])])
-        groups = s["groups"]
+        out.metric(
+            "rows_pending", "gauge", "Rows of undecided groups.", [(labels, rows["pending"])]
+        )
+        groups = stats["groups"]
         out.metric(
             "groups",
             "gauge",
             "Undecided groups by state.",
             [
-                ({"job_session": job, "state": st}, groups[st])
-                for st in ("pending", "ready", "in_flight")
+                ({"job_session": job, "state": state}, groups[state])
+                for state in ("pending", "ready", "in_flight")
             ],
         )
-        out.metric("groups_served_total", "counter", "Groups served.", [(j, groups["served"])])
+        out.metric("groups_served_total", "counter", "Groups served.", [(labels, groups["served"])])
         out.metric(
             "groups_dropped_total",
             "counter",
             "Groups dropped, by reason.",
-            [({"job_session": job, "reason": r}, n) for r, n in sorted(groups["dropped"].items())],
+            [
+                ({"job_session": job, "reason": reason}, count)
+                for reason, count in sorted(groups["dropped"].items())
+            ],
         )
         out.metric(
             "cursor",
             "gauge",
             "Ingest cursor (all rows at or below it are read).",
-            [(j, s["cursor"])],
+            [(labels, stats["cursor"])],
         )
-        age = s.get("oldest_pending_group_age_s")
+        age = stats.get("oldest_pending_group_age_s")
         out.metric(
             "oldest_pending_group_age_seconds",
             "gauge",
             "Age of the oldest undecided group.",
-            [(j, age or 0.0)],
+            [(labels, age or 0.0)],
         )
-        figs = [("served", "", s["figures"]["served"])] + [
-            ("dropped", r, f) for r, f in s["figures"]["dropped"].items()
+        figures = [
+            ("served", "", stats["figures"]["served"]),
+            *(
+                ("dropped", reason, figure)
+                for reason, figure in stats["figures"]["dropped"].items()
+            ),
         ]
         for key, name, help_ in (
             ("steps_per_session", "group_steps_per_session", "Mean steps per session"),
@@ -124,39 +142,39 @@ def render_metrics(service: Service) -> str:
                 "gauge",
                 f"{help_} of the served and the dropped groups (by reason): drop bias.",
                 [
-                    ({"job_session": job, "outcome": o, "reason": r}, f[key])
-                    for o, r, f in figs
-                    if f[key] is not None
+                    ({"job_session": job, "outcome": outcome, "reason": reason}, figure[key])
+                    for outcome, reason, figure in figures
+                    if figure[key] is not None
                 ],
             )
-        rd = s["redelivery"]
+        redelivery = stats["redelivery"]
         out.metric(
             "redelivery_queued",
             "gauge",
             "Served groups queued to be delivered again (a trainer crash).",
-            [(j, rd["queued"])],
+            [(labels, redelivery["queued"])],
         )
         out.metric(
             "redeliveries_total",
             "counter",
             "Served groups asked for again, by what became of them.",
             [
-                ({"job_session": job, "outcome": k}, rd[k])
-                for k in ("requested", "delivered", "cancelled", "failed")
+                ({"job_session": job, "outcome": outcome}, redelivery[outcome])
+                for outcome in ("requested", "delivered", "cancelled", "failed")
             ],
         )
-        v = s["versions"]
+        versions = stats["versions"]
         out.metric(
             "weight_version",
             "gauge",
             "The job's current version, the trainer's last and the rows' largest.",
             [
-                ({"job_session": job, "kind": k}, v[k])
-                for k in ("current", "trainer", "rows")
-                if v[k] is not None
+                ({"job_session": job, "kind": kind}, versions[kind])
+                for kind in ("current", "trainer", "rows")
+                if versions[kind] is not None
             ],
         )
-    polls = s["polls"]
+    polls = stats["polls"]
     out.metric(
         "polls_total", "counter", "POST /get_rollout_data calls answered.", [({}, polls["count"])]
     )
@@ -169,10 +187,12 @@ def render_metrics(service: Service) -> str:
     name = PREFIX + "poll_duration_seconds"
     out.lines.append(f"# HELP {name} Time to answer POST /get_rollout_data.")
     out.lines.append(f"# TYPE {name} histogram")
-    cum = 0
-    for b, n in service.serving.stats.snapshot()["buckets"].items():
-        cum += n
-        out.sample(name + "_bucket", {"le": "+Inf" if math.isinf(b) else repr(b)}, cum)
+    cumulative = 0
+    for bound, count in service.serving.stats.snapshot()["buckets"].items():
+        cumulative += count
+        out.sample(
+            name + "_bucket", {"le": "+Inf" if math.isinf(bound) else repr(bound)}, cumulative
+        )
     out.sample(name + "_sum", {}, float(polls["seconds_total"]))
     out.sample(name + "_count", {}, polls["count"])
     out.metric(
@@ -217,14 +237,14 @@ def render_metrics(service: Service) -> str:
         "database_up",
         "gauge",
         "0 while background reads are failing.",
-        [({}, s["database"] == "ok")],
+        [({}, stats["database"] == "ok")],
     )
-    lease = s["lease"]
+    lease = stats["lease"]
     out.metric(
         "role",
         "gauge",
         "1 for this instance's role: owner, standby, or starting (before it read the lease).",
-        [({"role": r}, lease["role"] == r) for r in ("owner", "standby", "starting")],
+        [({"role": role}, lease["role"] == role) for role in ("owner", "standby", "starting")],
     )
     out.metric(
         "lease_renewals_total",

@@ -204,8 +204,9 @@ def main() -> int:
             r = one(size, args, tmp)
             results.append(r)
             print(
-                f"{args.backend}: {r['groups']:>7} groups ({r['rows']} rows): {r['records']} records, "
-                f"{r['file_mb']:.1f} MB gzipped in {r['seconds']:.1f} s, peak RSS {r['rss_mb']:.1f} MB",
+                f"{args.backend}: {r['groups']:>7} groups ({r['rows']} rows): "
+                f"{r['records']} records, {r['file_mb']:.1f} MB gzipped in {r['seconds']:.1f} s, "
+                f"peak RSS {r['rss_mb']:.1f} MB",
                 flush=True,
             )
     lo, hi = min(results, key=lambda r: r["groups"]), max(results, key=lambda r: r["groups"])

@@ -206,24 +206,28 @@ def takeover(args: argparse.Namespace) -> int:
             time.sleep(random.uniform(0.5, 0.5 + args.lease / 3))  # anywhere in the renewal cycle
             killed = time.monotonic()
             owner.kill9()
-            wait(lambda: standby.role() == "owner", args.lease + 30, f"round {n}: takeover")
+            wait(
+                lambda standby=standby: standby.role() == "owner",
+                args.lease + 30,
+                f"round {n}: takeover",
+            )
             owner_s.append(time.monotonic() - killed)
             wait(
-                lambda: any(r > killed + owner_s[-1] for r in received),
+                lambda killed=killed: any(r > killed + owner_s[-1] for r in received),
                 30,
                 f"round {n}: a group served after it",
             )
             serve_s.append(next(r for r in received if r > killed + owner_s[-1]) - killed)
             # (the first group after the takeover: one received between the kill and the takeover
-            # was
-            # recorded by the old owner before it died, and only its answer was late)
+            # was recorded by the old owner before it died, and only its answer was late)
             print(
-                f"  kill {n:2d}: standby owns the job after {owner_s[-1]:.2f} s, serves after {serve_s[-1]:.2f} s",
+                f"  kill {n:2d}: standby owns the job after {owner_s[-1]:.2f} s, "
+                f"serves after {serve_s[-1]:.2f} s",
                 flush=True,
             )
             owner.start()
             wait(
-                lambda: owner.role() == "standby",
+                lambda owner=owner: owner.role() == "standby",
                 60,
                 f"round {n}: the killed instance back as a standby",
             )
@@ -241,17 +245,20 @@ def takeover(args: argparse.Namespace) -> int:
     missing = sorted(set(written) - set(got))
     twice = {g: c for g, c in got.items() if c != 1}
     print(
-        f"\n{len(written)} groups written, {len(got)} received; missing {len(missing)}, more than once {len(twice)}"
+        f"\n{len(written)} groups written, {len(got)} received; missing {len(missing)}, "
+        f"more than once {len(twice)}"
     )
     print(
-        f"\n| {args.kills} kills -9 of the owner, lease {args.lease:g} s, hosts {args.hosts} | p50 | p99 | max |"
+        f"\n| {args.kills} kills -9 of the owner, lease {args.lease:g} s, hosts {args.hosts} "
+        "| p50 | p99 | max |"
     )
     print("|---|---|---|---|")
     for label, xs in (("standby owns the job", owner_s), ("client gets its next group", serve_s)):
         print(f"| {label} | {pct(xs, 50):.2f} s | {pct(xs, 99):.2f} s | {max(xs):.2f} s |")
     target = args.lease + 2.0
     print(
-        f"\ntarget: takeover p99 <= lease + 2 s = {target:g} s: {'met' if pct(owner_s, 99) <= target else 'MISSED'} "
+        f"\ntarget: takeover p99 <= lease + 2 s = {target:g} s: "
+        f"{'met' if pct(owner_s, 99) <= target else 'MISSED'} "
         f"(owner), {'met' if pct(serve_s, 99) <= target else 'MISSED'} (serving)"
     )
     return 1 if missing or twice else 0
@@ -290,8 +297,8 @@ def drain_trial(
             str(args.k),
             "--workdir",
             os.path.join(work, f"peer-{backend}-{lease}-{n}"),
-        ]
-        + extra,
+            *extra,
+        ],
         timeout=120,
     )
     info = dict(line.split("=", 1) for line in peer.stdout.splitlines() if "=" in line)
@@ -324,8 +331,8 @@ def drain_trial(
     with open(out) as fh:
         d = json.load(fh)
     print(
-        f"  {backend} lease={lease} trial {n}: {d['items_per_server_s']} items/s in requests, {d['items_per_s']} "
-        f"items/s, polls {d['polls']}, violations {d['violation_count']}",
+        f"  {backend} lease={lease} trial {n}: {d['items_per_server_s']} items/s in requests, "
+        f"{d['items_per_s']} items/s, polls {d['polls']}, violations {d['violation_count']}",
         flush=True,
     )
     return d
@@ -366,8 +373,9 @@ def record_cost(url: str, backend: str, n: int) -> None:
     lease.stop()
     med = {k: statistics.median(v) * 1e6 for k, v in times.items()}
     print(
-        f"  {backend}: record of a poll's plan {med['with the fence']:.0f} µs with the fence, {med['without']:.0f} µs "
-        f"without (+{med['with the fence'] - med['without']:.0f} µs, median of {n} each)",
+        f"  {backend}: record of a poll's plan {med['with the fence']:.0f} µs with the fence, "
+        f"{med['without']:.0f} µs without "
+        f"(+{med['with the fence'] - med['without']:.0f} µs, median of {n} each)",
         flush=True,
     )
 
@@ -411,8 +419,8 @@ def fencing(args: argparse.Namespace) -> int:
     )
     summary = json.loads(gen.stdout.strip().splitlines()[-1].split(" ", 1)[1])
     print(
-        f"fencing: {summary['rows']} rows, {summary['complete_groups']} complete groups; drain max_groups "
-        f"{args.max_groups or 'none'}",
+        f"fencing: {summary['rows']} rows, {summary['complete_groups']} complete groups; "
+        f"drain max_groups {args.max_groups or 'none'}",
         flush=True,
     )
     res: dict[tuple[str, str], list[dict]] = collections.defaultdict(list)
@@ -432,7 +440,8 @@ def fencing(args: argparse.Namespace) -> int:
         }
         med[backend, lease] = m
         print(
-            f"| {backend} | {'on (10 s)' if lease != '0' else 'off'} | {m['items_per_server_s']:.0f} | "
+            f"| {backend} | {'on (10 s)' if lease != '0' else 'off'} | "
+            f"{m['items_per_server_s']:.0f} | "
             f"{m['items_per_s']:.0f} | {m['polls']:.0f} | {m['violation_count']:.0f} |"
         )
     for backend in ("sqlite", "postgres"):

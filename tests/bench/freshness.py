@@ -147,7 +147,7 @@ def pct(values: list[float], p: float) -> float | None:
     if not values:
         return None
     v = sorted(values)
-    return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
+    return v[min(len(v) - 1, round(p / 100 * (len(v) - 1)))]
 
 
 class Client:
@@ -327,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, pair in enumerate(args.runs.split(",")):
         peer, mode = pair.split(":")
         print(
-            f"run {i + 1}: {peer} / {mode} ({args.duration:g} s of {args.rate:g} groups/s, K={args.k})",
+            f"run {i + 1}: {peer} / {mode} "
+            f"({args.duration:g} s of {args.rate:g} groups/s, K={args.k})",
             file=sys.stderr,
             flush=True,
         )
@@ -336,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     print(
-        "| peer | client | groups written / received | dup / short | polls | latency p50 | p99 | max "
-        "| batches of 64 | wait per batch p50 | p99 |"
+        "| peer | client | groups written / received | dup / short | polls | latency p50 | p99 | "
+        "max | batches of 64 | wait per batch p50 | p99 |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:

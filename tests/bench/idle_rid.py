@@ -44,7 +44,7 @@ def free_port() -> int:
 
 def pct(values: list[float], p: float) -> float:
     v = sorted(values)
-    return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
+    return v[min(len(v) - 1, round(p / 100 * (len(v) - 1)))]
 
 
 def measure(peer: str, db: str, args: argparse.Namespace, workdir: str) -> dict:
@@ -152,8 +152,15 @@ def main(argv: list[str] | None = None) -> int:
         "--quiet",
     ]
     subprocess.run(
-        gen
-        + ["--groups", str(args.groups), "--incomplete-frac", "1.0", "--incomplete-sessions", "8"],
+        [
+            *gen,
+            "--groups",
+            str(args.groups),
+            "--incomplete-frac",
+            "1.0",
+            "--incomplete-sessions",
+            "8",
+        ],
         check=True,
         capture_output=True,
     )
@@ -173,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['peer']} | {r['plain_p50_ms']:.2f} ms | {r['plain_p99_ms']:.2f} ms | {r['rid_p50_ms']:.2f} ms | "
+            f"| {r['peer']} | {r['plain_p50_ms']:.2f} ms | {r['plain_p99_ms']:.2f} ms | "
+            f"{r['rid_p50_ms']:.2f} ms | "
             f"{r['rid_p99_ms']:.2f} ms |"
         )
     print(json.dumps(rows))

@@ -19,6 +19,7 @@ Stdlib only; the service runs on this interpreter (it needs the project's requir
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -75,27 +76,11 @@ children = procfs.children
 group_members = procfs.group_members
 
 
-def cmd_start(args: argparse.Namespace) -> int:
-    if port_in_use(args.port):
-        die(f"port {args.port} is already in use")
-    db = os.path.abspath(args.db)
-    if not os.path.exists(db):
-        die(f"database {db} does not exist")
-    workdir = os.path.abspath(args.workdir or f"/tmp/rollout-buffer-peer/{args.port}")
-    if os.path.isdir(workdir):
-        shutil.rmtree(workdir)
-    run_dir = os.path.join(workdir, "run")
-    root = os.path.join(workdir, "aievobox")
-    os.makedirs(os.path.join(root, "env"), exist_ok=True)
-    os.makedirs(run_dir, exist_ok=True)
-    shutil.copy(
-        os.path.join(BENCH, "originalpeer", "launcher.py"), os.path.join(root, "launcher.py")
-    )
-    log_path = os.path.join(workdir, "server.out")
-    proxy_record = os.path.join(workdir, "proxy_calls.jsonl")
-    proxy_port_file = os.path.join(workdir, "proxy.port")
-    proxy_port = free_port()
-
+def server_env(
+    args: argparse.Namespace, db: str, root: str, run_dir: str, proxy_port: int
+) -> dict[str, str]:
+    """The service's environment: ours without any of its settings, the peer's, then RB_PEER_ENV
+    and --env."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -121,14 +106,38 @@ def cmd_start(args: argparse.Namespace) -> int:
         }
     )
     # RB_PEER_ENV="KEY=VALUE ..." in the peer's own environment: per-peer settings in one bench.py
-    # run
-    # (--peer "on=env RB_PEER_ENV='ROLLOUT_BUFFER_OVERSAMPLE=1' python3 tests/bench/peer.py"), which
-    # --peer-arg (the same for every peer) cannot give
+    # run, which --peer-arg (the same for every peer) cannot give:
+    #   --peer "on=env RB_PEER_ENV='ROLLOUT_BUFFER_OVERSAMPLE=1' python3 tests/bench/peer.py"
     for kv in shlex.split(os.environ.get("RB_PEER_ENV", "")) + args.env:
         key, sep, value = kv.partition("=")
         if not sep:
             die(f"--env expects KEY=VALUE, got {kv!r}")
         env[key] = value
+    return env
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    if port_in_use(args.port):
+        die(f"port {args.port} is already in use")
+    db = os.path.abspath(args.db)
+    if not os.path.exists(db):
+        die(f"database {db} does not exist")
+    workdir = os.path.abspath(args.workdir or f"/tmp/rollout-buffer-peer/{args.port}")
+    if os.path.isdir(workdir):
+        shutil.rmtree(workdir)
+    run_dir = os.path.join(workdir, "run")
+    root = os.path.join(workdir, "aievobox")
+    os.makedirs(os.path.join(root, "env"), exist_ok=True)
+    os.makedirs(run_dir, exist_ok=True)
+    shutil.copy(
+        os.path.join(BENCH, "originalpeer", "launcher.py"), os.path.join(root, "launcher.py")
+    )
+    log_path = os.path.join(workdir, "server.out")
+    proxy_record = os.path.join(workdir, "proxy_calls.jsonl")
+    proxy_port_file = os.path.join(workdir, "proxy.port")
+    proxy_port = free_port()
+
+    env = server_env(args, db, root, run_dir, proxy_port)
     proxy_cmd = [
         sys.executable,
         os.path.join(BENCH, "fake_proxy.py"),
@@ -157,10 +166,8 @@ def cmd_start(args: argparse.Namespace) -> int:
         )
 
     def fail(msg: str) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         die(f"{msg}\n--- {log_path} (tail) ---\n{tail(log_path)}")
 
     url = f"http://127.0.0.1:{args.port}"
@@ -177,7 +184,7 @@ def cmd_start(args: argparse.Namespace) -> int:
             fail(f"server did not answer on {url} within {args.timeout} s")
         time.sleep(0.05)
     try:
-        status, body = http(
+        _status, _body = http(
             "POST",
             url + "/start_rollout",
             {
@@ -207,7 +214,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     ]  # the gunicorn worker, not the proxy
     print(f"PID={server.pid}")
     print(f"URL={url}")
-    print(f"MEM_PIDS={','.join(str(p) for p in [server.pid] + workers)}")
+    print(f"MEM_PIDS={','.join(str(p) for p in [server.pid, *workers])}")
     print(f"LOG={log_path}")
     print(f"APP_LOG={os.path.join(run_dir, 'rollout_buffer.log')}")
     print(f"PROXY_RECORD={proxy_record}")
@@ -226,10 +233,8 @@ def cmd_stop(args: argparse.Namespace) -> int:
         time.sleep(0.05)
     left = group_members(args.pid)
     if left:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(args.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         while group_members(args.pid) and time.monotonic() < deadline + 5:
             time.sleep(0.05)
         print(f"stopped {args.pid}; SIGKILL sent to {left}")

@@ -71,12 +71,10 @@ def pg_copy(sqlite_path: str, dsn: str) -> tuple[str, str]:
     with psycopg.connect(url, autocommit=True) as conn:
         for ddl in LAUNCHER_DDL["postgres"]:
             conn.execute(ddl)
-        with conn.transaction(), conn.cursor() as cur:
-            with cur.copy(f"COPY session_steps ({', '.join(COLUMNS)}) FROM STDIN") as cp:
-                for row in src.execute(
-                    f"SELECT {', '.join(COLUMNS)} FROM session_steps ORDER BY id"
-                ):
-                    cp.write_row(row)
+        copy = f"COPY session_steps ({', '.join(COLUMNS)}) FROM STDIN"
+        with conn.transaction(), conn.cursor() as cur, cur.copy(copy) as cp:
+            for row in src.execute(f"SELECT {', '.join(COLUMNS)} FROM session_steps ORDER BY id"):
+                cp.write_row(row)
         conn.execute(
             "SELECT setval(pg_get_serial_sequence('session_steps', 'id'), "
             "(SELECT MAX(id) FROM session_steps))"
@@ -118,8 +116,8 @@ def trial(
             str(args.k),
             "--workdir",
             os.path.join(work, f"peer-{backend}-{n}"),
-        ]
-        + extra,
+            *extra,
+        ],
         timeout=120,
     )
     info = dict(line.split("=", 1) for line in peer.stdout.splitlines() if "=" in line)
@@ -155,8 +153,8 @@ def trial(
         d = json.load(fh)
     print(
         f"  {backend} trial {n}: {d['groups']} groups, {d['items_per_s']} items/s, "
-        f"{d['items_per_server_s']} items/s in requests, polls {d['polls']}, p99 {d['poll_ms_p99']} ms, "
-        f"violations {d['violation_count']}",
+        f"{d['items_per_server_s']} items/s in requests, polls {d['polls']}, "
+        f"p99 {d['poll_ms_p99']} ms, violations {d['violation_count']}",
         flush=True,
     )
     return d

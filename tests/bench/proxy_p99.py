@@ -108,8 +108,8 @@ def one(mode: str, args: argparse.Namespace, work: str) -> dict:
             "4",
             "--workdir",
             os.path.join(work, f"peer-{mode}"),
-        ]
-        + env,
+            *env,
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -214,13 +214,15 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="rb-proxy-p99-")
     rows = [one(mode, args, work) for mode in ("up", "down", "hung")]
     print(
-        "| proxy | polls | p50 ms | p99 ms | max ms | groups dropped | sessions pending at proxy | calls recorded | violations |"
+        "| proxy | polls | p50 ms | p99 ms | max ms | groups dropped | sessions pending at proxy | "
+        "calls recorded | violations |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['mode']} | {r['polls']} | {r['p50']:.2f} | {r['p99']:.2f} | {r['max']:.2f} | {r['dropped_groups']} | "
-            f"{r['pending_sessions']} | {r['proxy_calls_recorded'] if r['mode'] == 'up' else '-'} | {r['violations']} |"
+            f"| {r['mode']} | {r['polls']} | {r['p50']:.2f} | {r['p99']:.2f} | {r['max']:.2f} | "
+            f"{r['dropped_groups']} | {r['pending_sessions']} | "
+            f"{r['proxy_calls_recorded'] if r['mode'] == 'up' else '-'} | {r['violations']} |"
         )
     shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -100,7 +100,8 @@ def main(argv: list[str]) -> int:
     main_conn = Conn(plan["url"], backend, plan.get("app_name", "fault_writer"))
     side_conn: Conn | None = None
     detached: tuple[float, int, list[int]] | None = None  # (commit at, txn index, pks) on side_conn
-    log = open(plan["log_path"], "a", encoding="utf-8")
+    # held open for the writer's whole life (it is killed, never returns): closed by its exit
+    log = open(plan["log_path"], "a", encoding="utf-8")  # noqa: SIM115
 
     def logged(txn: int, pks: list[int]) -> None:
         log.write(json.dumps({"txn": txn, "t": time.time(), "pks": pks}) + "\n")

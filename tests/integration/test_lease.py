@@ -22,13 +22,14 @@ import pytest
 from support import wait_until
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import ApiError, ConfigError, LeaseLost
+from rollout_buffer.core.errors import ConfigError, LeaseLost, Unavailable
 from rollout_buffer.core.model import Decisions, Drop
 from rollout_buffer.launcher import procfs
 from rollout_buffer.runtime.lease import OWNER, STANDBY, Lease
 from rollout_buffer.storage.db import connect
 from rollout_buffer.storage.store import Store
 from rollout_buffer.web.app import standby_answer
+from rollout_buffer.web.errors import status_of
 
 LEASE_S = 1.5
 
@@ -313,9 +314,9 @@ def test_an_owner_that_cannot_renew_stops_deciding_and_goes_on_once_it_can(url, 
     with psycopg.connect(url) as holder:
         holder.execute("SELECT * FROM rollout_buffer_lease FOR UPDATE")
         wait_until(lambda: not a.holds(), LEASE_S + 5, "the owner stops deciding")
-        with pytest.raises(ApiError) as info:
+        with pytest.raises(Unavailable) as info:
             a.check(0.1)
-        assert info.value.status == 503 and "cannot renew" in info.value.message
+        assert status_of(info.value) == 503 and "cannot renew" in info.value.message
         a.check(0.1, sure=False)  # (what /stop_rollout asks: stopping the launcher is always safe)
         assert a.counts["renewal_failures"] >= 1 and a.role == OWNER
         holder.rollback()

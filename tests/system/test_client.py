@@ -428,9 +428,11 @@ def test_retry_after_is_honoured_and_capped() -> None:
 def test_connection_refused_is_retried_then_unavailable() -> None:
     from tests.servers import free_port
 
-    with BufferClient(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.01) as client:
-        with pytest.raises(BufferUnavailable):
-            client.get_rollout_data()
+    with (
+        BufferClient(f"http://127.0.0.1:{free_port()}", retries=2, backoff_s=0.01) as client,
+        pytest.raises(BufferUnavailable),
+    ):
+        client.get_rollout_data()
 
 
 def test_iter_groups_skips_duplicates_and_times_out() -> None:
@@ -545,11 +547,15 @@ def test_a_redirect_loop_and_a_redirect_to_another_scheme_are_refused() -> None:
             {},
             {"Location": srv.url + "/get_rollout_data"},
         )  # it names itself, forever
-        with BufferClient(srv.url, retries=1, backoff_s=0.01) as client:
-            with pytest.raises(BufferUnavailable, match="redirected more than"):
-                client.get_rollout_data()
+        with (
+            BufferClient(srv.url, retries=1, backoff_s=0.01) as client,
+            pytest.raises(BufferUnavailable, match="redirected more than"),
+        ):
+            client.get_rollout_data()
         assert len(srv.bodies) == 2 * 6  # each attempt: the request and 5 redirects
         srv.default = (307, {}, {"Location": "ftp://elsewhere/x"})
-        with BufferClient(srv.url, retries=0) as client:
-            with pytest.raises(BufferError, match="refusing a redirect"):
-                client.get_rollout_data()
+        with (
+            BufferClient(srv.url, retries=0) as client,
+            pytest.raises(BufferError, match="refusing a redirect"),
+        ):
+            client.get_rollout_data()

@@ -243,9 +243,10 @@ def test_kill9_of_the_owner_mid_drain_serves_every_group_once(tmp_path, pg_url, 
         assert s["accounting_balanced"] and s["groups"]["dropped_total"] == 0, s
         assert s["lease"]["takeovers"] == 1 and s["lease"]["role"] == "owner"
         print(
-            f"\n[{hosts}] takeover: the standby owned the job {owner_after:.2f} s after kill -9 of the owner "
-            f"(lease {LEASE_S:g} s); the trainer got its next group {first_after:.2f} s after the kill; the "
-            f"service measured {s['lease']['last_takeover_s']:.2f} s from the end of the old lease to serving"
+            f"\n[{hosts}] takeover: the standby owned the job {owner_after:.2f} s after kill -9 of "
+            f"the owner (lease {LEASE_S:g} s); the trainer got its next group {first_after:.2f} s "
+            f"after the kill; the service measured {s['lease']['last_takeover_s']:.2f} s from the "
+            "end of the old lease to serving"
         )
         bound = LEASE_S + 5.0 if other else 5.0
         assert owner_after < bound, f"takeover took {owner_after:.1f} s (lease {LEASE_S:g} s)"
@@ -264,8 +265,8 @@ AUDIT = (
     "INSERT INTO audit VALUES (TG_TABLE_NAME, TG_OP, current_setting('application_name'), "
     "EXTRACT(EPOCH FROM clock_timestamp())); RETURN NULL; END $$",
     *(
-        f"CREATE TRIGGER audit_{t} AFTER INSERT OR UPDATE OR DELETE ON rollout_buffer_{t} FOR EACH ROW "
-        "EXECUTE FUNCTION audit_write()"
+        f"CREATE TRIGGER audit_{t} AFTER INSERT OR UPDATE OR DELETE ON rollout_buffer_{t} "
+        "FOR EACH ROW EXECUTE FUNCTION audit_write()"
         for t in ("groups", "rows", "batches", "jobs")
     ),
 )
@@ -373,7 +374,7 @@ def test_an_owner_paused_past_its_lease_records_nothing_when_it_wakes_and_turns_
         assert late == [], f"the paused owner wrote after the takeover: {late}"
         assert before > 0 and others > 0  # (the audit sees each instance's writes, by its process)
         assert "role: owner -> standby" in a.log()
-        assert served_groups(pg_url) == dict.fromkeys(want + ["pre"], "served")
+        assert served_groups(pg_url) == dict.fromkeys([*want, "pre"], "served")
 
 
 # -- a rolling update
@@ -400,8 +401,8 @@ def test_a_rolling_update_serves_everything_exactly_once(tmp_path, pg_url):
         assert dict(trainer.got) == dict.fromkeys(want, 1)
         assert served_groups(pg_url) == dict.fromkeys(want, "served")
         print(
-            f"\nrolling update: the new instance owned the job {handover:.2f} s after SIGTERM to the old one "
-            "(which gave its lease up)"
+            f"\nrolling update: the new instance owned the job {handover:.2f} s after SIGTERM to "
+            "the old one (which gave its lease up)"
         )
         assert "gave the lease up" in old.log()
 

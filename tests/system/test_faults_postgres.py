@@ -467,7 +467,7 @@ def test_two_instances_on_one_schema_serve_each_group_once(tmp_path, pg_url):
             port=p,
             env={"ROLLOUT_BUFFER_ADVERTISE_URL": f"http://127.0.0.1:{p}"},
         )
-        for n, p in zip("ab", ports)
+        for n, p in zip("ab", ports, strict=True)
     )
     w = Writer(pg_url)
     try:

@@ -291,7 +291,8 @@ def test_response_byte_budget_holds_with_non_ascii_group_ids(lite_url, harness_f
         if not got:
             break
         assert len(body) <= budget or len(got) == 1, (
-            f"{len(body)} bytes for {len(got)} groups: the budget of {budget} was exceeded ({len(body) / budget:.2f}x)"
+            f"{len(body)} bytes for {len(got)} groups: the budget of {budget} was exceeded "
+            f"({len(body) / budget:.2f}x)"
         )
         served |= set(got)
     assert served == set(gids)
@@ -452,7 +453,8 @@ def test_an_ended_job_is_purged_and_selecting_it_again_serves_only_new_groups(
             return (
                 count(
                     lite_url,
-                    "SELECT COUNT(*) FROM rollout_buffer_jobs WHERE job_id = ? AND purged_at IS NOT "
+                    "SELECT COUNT(*) FROM rollout_buffer_jobs WHERE job_id = ? AND purged_at IS "
+                    "NOT "
                     "NULL",
                     ("jobA",),
                 )
@@ -530,7 +532,8 @@ def test_replays_share_one_copy_and_are_bounded_in_number(tmp_path):
         wait_until(lambda: poll_count(srv.url) >= polls + 8, 60, "8 replays of X answered")
         grown = vm_rss(worker) - rss_before
         assert grown < 4 * batch_bytes, (
-            f"8 stalled replays of one {batch_bytes / 2**20:.0f} MiB batch grew the worker by {grown / 2**20:.0f} MiB"
+            f"8 stalled replays of one {batch_bytes / 2**20:.0f} MiB batch grew the worker by "
+            f"{grown / 2**20:.0f} MiB"
         )
 
         socks.append(slow_reader(srv.port, "Y"))

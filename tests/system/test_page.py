@@ -119,7 +119,8 @@ def _wait_text(driver: Any, el_id: str, expected: str, timeout: float = 15.0) ->
         lambda: _text(driver, el_id) == expected,
         timeout,
         lambda: (
-            f"#{el_id} showing {expected!r} (it shows {_text(driver, el_id)!r}); page: {driver.page_source[:2000]}"
+            f"#{el_id} showing {expected!r} (it shows {_text(driver, el_id)!r}); page: "
+            f"{driver.page_source[:2000]}"
         ),
     )
 
@@ -284,7 +285,8 @@ def test_page_with_token_asks_for_it_and_keeps_it_out_of_urls(browser, lite_url,
         _check_figures(browser, doc)
         assert not browser.find_element("id", "token-box").is_displayed()
         urls = browser.execute_script(
-            "return [location.href].concat(performance.getEntriesByType('navigation').map(e => e.name),"
+            "return [location.href].concat(performance.getEntriesByType('navigation').map(e => "
+            "e.name),"
             " performance.getEntriesByType('resource').map(e => e.name))"
         )
         assert any(u.endswith("/status") for u in urls), urls

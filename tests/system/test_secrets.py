@@ -63,7 +63,9 @@ def check_no_secret_is_shown(tmp_path, url: str) -> None:
         launcher="auto",
         env={
             "ROLLOUT_BUFFER_TOKEN": TOKEN,
-            "ROLLOUT_BUFFER_LAUNCHER_CMD": f"{sys.executable} {FAKE} --mode hang --dump {dump} --db-path {{db_url}}",
+            "ROLLOUT_BUFFER_LAUNCHER_CMD": (
+                f"{sys.executable} {FAKE} --mode hang --dump {dump} --db-path {{db_url}}"
+            ),
         },
     )
     auth = {"Authorization": f"Bearer {TOKEN}"}

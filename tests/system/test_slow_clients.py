@@ -117,7 +117,10 @@ def test_stalled_request_bodies_do_not_starve_health_or_polls(lite_url, tmp_path
             b"Content-Length: 100\r\n\r\n{"
         )
         socks = stalled(srv.port, 100, head)
-        chunked = b'POST /start_rollout HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{"num'
+        chunked = (
+            b"POST /start_rollout HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b'5\r\n{"num'
+        )
         socks += stalled(srv.port, 20, chunked)
         time.sleep(0.3)  # the heads are read by now
         assert_others_answered_at_once(srv, "120 stalled bodies open")
@@ -168,8 +171,8 @@ def test_bodies_sent_slowly_chunked_pipelined_or_after_100_continue_are_served(l
     try:
         body = b'{"num_repeat_per_sample": 2, "job_session": "slow"}'
         head = (
-            b"POST /start_rollout HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
-            % len(body)
+            b"POST /start_rollout HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: "
+            b"%d\r\n\r\n" % len(body)
         )
         # each piece is a separate read of the event loop
         answer, _ = exchange(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -109,10 +110,8 @@ def hanging_launcher(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
         wait_until(marker.exists)
         yield proc
     finally:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=5)
 
 
@@ -293,7 +292,7 @@ def test_start_of_missing_executable_raises(make_supervisor, tmp_path):
     bad = LaunchSpec(
         argv=(missing, "--job-id", "x"), cwd=None, env=None, log_path=str(tmp_path / "launcher.log")
     )
-    with pytest.raises(LauncherError, match="no-such-launcher.*not found"):
+    with pytest.raises(LauncherError, match=r"no-such-launcher.*not found"):
         sup.start(bad)
     assert sup.state()["running"] is False
     assert sup.stop() is None
@@ -301,7 +300,7 @@ def test_start_of_missing_executable_raises(make_supervisor, tmp_path):
 
 def test_start_with_missing_cwd_raises(make_supervisor, spec, tmp_path):
     sup = make_supervisor()
-    with pytest.raises(LauncherError, match="cwd .*nowhere.* does not exist"):
+    with pytest.raises(LauncherError, match=r"cwd .*nowhere.* does not exist"):
         sup.start(spec("--mode", "exit0", cwd=tmp_path / "nowhere"))
 
 

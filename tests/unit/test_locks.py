@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from rollout_buffer.runtime.locks import SERVING, LockBusy, LockOrderError, Locks
+from rollout_buffer.web.errors import status_of
 
 
 def test_taking_the_locks_out_of_order_raises_a_named_error() -> None:
@@ -52,7 +53,7 @@ def test_a_busy_lock_is_a_503_after_the_wait_and_a_try_says_no() -> None:
     try:
         with pytest.raises(LockBusy) as busy, locks.serving(timeout=0.01, holder="another poll"):
             pass
-        assert busy.value.status == 503 and "another poll has been busy" in busy.value.message
+        assert status_of(busy.value) == 503 and "another poll has been busy" in busy.value.message
         with locks.try_serving() as taken:
             assert not taken
         assert locks.holding() == []
