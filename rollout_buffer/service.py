@@ -38,6 +38,7 @@ from rollout_buffer.runtime.lease import Lease
 from rollout_buffer.runtime.locks import Locks
 from rollout_buffer.runtime.loop import Loop
 from rollout_buffer.runtime.notifications import Outbox
+from rollout_buffer.runtime.pacing import Pacing
 from rollout_buffer.runtime.proxy import ProxyNotifier
 from rollout_buffer.runtime.signals import Host, Signals
 from rollout_buffer.runtime.threads import Runtime
@@ -119,6 +120,7 @@ class Service:
         self.runtime.add(self.loop)
         if self.serving.prebuilt.enabled:
             self.runtime.add(self.serving.prebuilt)
+        self.pacing = Pacing(config, self.jobs)  # the admission budget, and the gate when on
         self._started = False
         self._closed = False
 
@@ -141,6 +143,7 @@ class Service:
             self.signals.ready.follow(host)
         self.loop.mark_started()
         self.runtime.start()
+        self.pacing.start()
         logger.info("rollout-buffer service started (db %s)", redact(self.config.db_url))
 
     def stop(self, timeout: float = 10.0, *, keep_launcher: bool = False) -> None:
@@ -153,6 +156,7 @@ class Service:
         self.lease.leaving()  # a standby that stops takes nothing over, and is no longer one
         self.signals.ready.interrupt(close=True)
         self.runtime.stop_worker(self.serving.prebuilt, 5.0)
+        self.pacing.close()
         self.runtime.stop_worker(self.loop, timeout)
         js = self.jobs.current
         if self.supervisor.state()["running"]:
@@ -193,7 +197,13 @@ class Service:
     def get_rollout_data(self, conns: LazyPair, poll: PollRequest) -> Body:
         """Serve ready groups (or replay the batch bound to request_id), long-polling up to
         wait_s."""
-        return self.serving.get_rollout_data(conns, poll)
+        body = self.serving.get_rollout_data(conns, poll)
+        self.pacing.took(body.groups)
+        return body
+
+    def admission(self) -> dict[str, Any]:
+        """``GET /admission``: how many more groups may start now, and why."""
+        return self.pacing.report()
 
     def start_rollout(
         self,

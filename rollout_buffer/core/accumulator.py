@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rollout_buffer.core.accounting import Counts
+from rollout_buffer.core.census import SESSION_WITHOUT_RESULT, Census, StepFact
 from rollout_buffer.core.group import Group, Undecided
 from rollout_buffer.core.handover import Handover
 from rollout_buffer.core.model import (
@@ -63,6 +64,7 @@ class Accumulator(Handover, Policies):
         *,
         clock: Callable[[], float] = time.monotonic,
         policy: Policy | None = None,
+        max_steps: int | None = None,
     ) -> None:
         self.job_id = job_id
         self.k = k
@@ -91,6 +93,8 @@ class Accumulator(Handover, Policies):
             Undecided()
         )  # every undecided group: the oldest and the low-water mark in O(log n)
         self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
+        # every session of the job, those without a trainable row too (max_steps: the launcher's)
+        self.census = Census(max_steps)
 
     # -- versions ---------------------------------------------------------------------------------
     @property
@@ -118,10 +122,14 @@ class Accumulator(Handover, Policies):
     def ingest(self, rows: Iterable[Row]) -> Decisions:
         """Add new rows (distinct step_pks, each seen once)."""
         out = Decisions()
+        rows = rows if isinstance(rows, list) else list(rows)
         with self.lock:
             self.changes += 1
             now = self.clock()
             track_wv, k = self._track_wv, self.k
+            # the census first: a group decided in this batch is settled with these rows' figures
+            facts = (StepFact(r[1], r[2], r[4] if len(r) > 4 else None, bool(r[3])) for r in rows)
+            doomed = self.census.observe(facts, trainable=True, now=now)
             for r in rows:
                 pk, sid, gid, completed = r[0], r[1], r[2], r[3]
                 step_id, reward, wv = (r[4], r[5], r[6]) if len(r) > 4 else (None, None, 0)
@@ -170,6 +178,7 @@ class Accumulator(Handover, Policies):
                         self._choose(
                             g, out
                         )  # ready short of K at the TTL, it reached K while it waited
+            self._doom(doomed, out)
         return out
 
     def _add_row(self, g: Group, sid: str, pk: int, wv: int | None, track_wv: bool) -> None:
@@ -187,6 +196,83 @@ class Accumulator(Handover, Policies):
             self.undecided.min_pk_changed(g)
         if track_wv:
             g.add_version(sid, wv)
+
+    # -- the census -----------------------------------------------------------------------------
+    def observe(self, scheduled: list[tuple[str, str]], facts: list[StepFact]) -> Decisions:
+        """The launcher's list of sessions (``job_environments``: session, group) and its rows
+        that are not trainable: a group one of whose sessions ended without a result (at the step
+        cap) can never reach K, and is dropped now instead of after the TTL."""
+        out = Decisions()
+        with self.lock:
+            self.census.schedule(scheduled)
+            doomed = self.census.observe(facts, trainable=False, now=self.clock())
+            if doomed:
+                self.changes += 1
+                self._doom(doomed, out)
+        return out
+
+    def _doom(self, group_ids: set[str], out: Decisions) -> None:
+        """(Lock held.) Drop the groups that can no longer reach K (never a ready or taken one)."""
+        for gid in sorted(group_ids):
+            if gid in self.decided or not self.census.cannot_complete(gid, self.k):
+                continue
+            g = self._undecided(gid)
+            if g is None:
+                self._tombstone(gid, SESSION_WITHOUT_RESULT, out)
+            elif g.taken is None and gid in self.pending:
+                self._drop(g, SESSION_WITHOUT_RESULT, out)
+
+    def progress(self, admitted: set[str]) -> dict[str, int]:
+        """The groups in progress, for the admission budget: running (started, or admitted by
+        the gate, with no trainable row yet), pending, ready, and built (taken by a poll or the
+        prebuilt draft). A pending group idle for much longer than groups take to complete has
+        a session that failed for good: it is counted as ``stalled``, not in progress (it would
+        hold the budget until the TTL)."""
+        with self.lock:
+            now = self.clock()
+            stall_s = self.census.stall_after()
+            undecided = self.pending.keys() | self.ready.keys() | self.taken.keys()
+            running = (self.census.started | admitted) - undecided - self.decided.keys()
+            stalled_now = [g.group_id for g in self.pending.values() if now - g.last_seen > stall_s]
+            self.census.stalled.update(stalled_now)
+            stalled = len(stalled_now)
+            return {
+                "running": len(running),
+                "pending": len(self.pending) - stalled,
+                "ready": len(self.ready),
+                "built": len(self.taken),
+                "stalled": stalled,
+            }
+
+    def completion_rate(self) -> float | None:
+        """The share of the groups that ended (ready, or stalled) that reached K."""
+        with self.lock:
+            return self.census.completion_rate()
+
+    def group_of(self, session_id: str) -> tuple[str | None, bool]:
+        """A session's group, when known, and whether that group has started (a row, or another
+        session's call through the gate)."""
+        with self.lock:
+            group = self.census.session_group.get(session_id)
+            started = group is not None and (
+                group in self.census.started or self._undecided(group) is not None
+            )
+            return group, started
+
+    def first_call(self, session_id: str) -> None:
+        """A session's first model call went through the pacing gate: its first sign."""
+        with self.lock:
+            self.census.first_call(session_id, self.clock())
+
+    def _tombstone(self, gid: str, reason: str, out: Decisions) -> None:
+        """(Lock held.) Drop a group that no trainable row has shown yet: its later rows are late
+        rows, and every session the census knows for it is cleared."""
+        sessions = sorted(self.census.sessions_of(gid))
+        self.changes += 1
+        self.decided[gid] = DROPPED
+        self.counts.group_dropped(reason, 0, len(sessions), ())
+        self.census.settle(gid, reason)
+        out.drops.append(Drop(gid, reason, [], sessions, ()))
 
     def _group_for(self, gid: str, now: float) -> Group:
         """(Lock held.) The undecided group a row of ``gid`` joins (a new one is pending), active
@@ -240,8 +326,10 @@ class Accumulator(Handover, Policies):
         it."""
         gid = g.group_id
         assert g.taken is None, gid
+        # every session of the group, those without a trainable row too (the census knows them)
+        sessions = sorted(set(g.session_ids()) | self.census.sessions_of(gid))
         drop = Drop(
-            gid, reason, g.all_pks(), g.session_ids(), g.rewards()
+            gid, reason, g.all_pks(), sessions, g.rewards()
         )  # first: nothing is mutated if this fails
         self.changes += 1
         self.pending.pop(gid, None)
@@ -249,6 +337,7 @@ class Accumulator(Handover, Policies):
         self.decided[gid] = DROPPED
         self.counts.pending_rows -= g.n_rows
         self.counts.group_dropped(reason, g.n_rows, len(g.sessions), drop.rewards)
+        self.census.settle(gid, reason)
         self._forget(g)
         out.drops.append(drop)
 
@@ -286,6 +375,8 @@ class Accumulator(Handover, Policies):
                     **counts["groups"],
                 },
                 "oldest_pending_group_age_s": None if oldest is None else round(now - oldest, 3),
+                "sessions": self.census.stats(),
+                "waste": self.census.waste(),
                 "figures": counts["figures"],
                 "versions": {
                     "current": self.current_version,

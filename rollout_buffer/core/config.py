@@ -82,6 +82,11 @@ class Config:
     job_retention_s: float = 7 * 86400.0
     proxy_connect_timeout_s: float = 2.0
     proxy_read_timeout_s: float = 10.0
+    pacing: str = "off"
+    gate_port: int | None = None
+    pacing_staleness: int | None = None
+    pacing_batch_groups: int | None = None
+    pacing_idle_gap_s: float = 10.0
     advertise_url: str | None = None
     lease_s: float = 10.0
     host_id: str | None = None
@@ -90,6 +95,11 @@ class Config:
     log_level: str = "INFO"
     threads: int = 16
     graceful_timeout_s: float = 60.0
+
+    @property
+    def gate_url(self) -> str:
+        """The pacing gate's base URL, as the launcher's --llm-base-url."""
+        return f"http://127.0.0.1:{self.gate_port or self.port + 1}/v1"
 
     def __post_init__(self) -> None:
         if self.storage_type not in ("sqlite", "postgres"):
@@ -209,6 +219,11 @@ class Config:
             raise ConfigError(
                 f"LLM_PROXY_HOST={values['proxy_host']!r} is set but LLM_PROXY_PORT is not: "
                 "expected both (or neither, to disable proxy notifications)"
+            )
+        if values.get("pacing") == "gate" and not values.get("proxy_host"):
+            raise ConfigError(
+                "ROLLOUT_BUFFER_PACING=gate forwards the launcher's model calls to the LLM proxy: "
+                "expected LLM_PROXY_HOST and LLM_PROXY_PORT to name it"
             )
         return cls(**values)
 

@@ -13,6 +13,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from rollout_buffer.core.accounting import Counts
+from rollout_buffer.core.census import Census
 from rollout_buffer.core.group import Group
 from rollout_buffer.core.model import (
     DROPPED,
@@ -42,6 +43,7 @@ class Handover:
     tainted: set[str]
     tainted_groups: set[str]
     counts: Counts
+    census: Census
     _late_served: str
 
     if TYPE_CHECKING:
@@ -139,6 +141,7 @@ class Handover:
                 settled.add(s.group_id)
                 self._settle(g, out, self._late_served)
                 self.decided[s.group_id] = SERVED
+                self.census.settle(s.group_id, SERVED)
                 self.counts.group_served(
                     len(s.take.served_pks),
                     len(s.take.incomplete_pks),
@@ -152,6 +155,7 @@ class Handover:
                 settled.add(d.group_id)
                 self._settle(g, out, LATE_DROPPED)
                 self.decided[d.group_id] = DROPPED
+                self.census.settle(d.group_id, d.reason)
                 self.counts.group_dropped(d.reason, len(d.pks), len(d.clear_sessions), d.rewards)
             for r in plan.rows:
                 if r.outcome == REJECTED and r.group_id in settled:

@@ -2,7 +2,8 @@
 value, or raises ValueError saying what was expected (the caller names the variable and the value).
 
 Owns: the accepted forms of integers, numbers, booleans, choices, command lines, URLs and the
-lease; nothing else. A parser opens nothing: a URL is checked, never connected to.
+lease, and :class:`Setting`, the shape of one row of the settings table; nothing else. A parser
+opens nothing: a URL is checked, never connected to.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import math
 import shlex
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 
@@ -116,3 +119,15 @@ def log_level(raw: str) -> str:
     if value not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ValueError("one of DEBUG, INFO, WARNING, ERROR")
     return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configurable value: where it comes from and how it is parsed."""
+
+    field: str
+    env: str
+    default: Any
+    parse: Callable[[str], Any]
+    help: str
+    aliases: tuple[str, ...] = ()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from rollout_buffer.core.accounting import Counts
+from rollout_buffer.core.census import Census
 from rollout_buffer.core.group import Group, Undecided
 from rollout_buffer.core.model import OVERSAMPLED, ROW_DROPPED, TTL, Decisions, Policy, RowEvent
 from rollout_buffer.core.ready import ReadyQueue
@@ -37,6 +38,8 @@ class Policies:
     session_group: dict[str, str]
     undecided: Undecided
     versions: Versions
+    census: Census
+    decided: dict[str, str]
 
     if TYPE_CHECKING:
         # What the accumulator's other parts own.
@@ -44,6 +47,10 @@ class Policies:
         def current_version(self) -> int: ...
 
         def _drop(self, g: Group, reason: str, out: Decisions) -> None: ...
+
+        def _undecided(self, gid: str | None) -> Group | None: ...
+
+        def _tombstone(self, gid: str, reason: str, out: Decisions) -> None: ...
 
     def _became_ready(self, g: Group, out: Decisions) -> None:
         """(Lock held.) A group has K completed sessions, or is served short at the TTL: choose its
@@ -58,6 +65,7 @@ class Policies:
             self._drop(g, reason, out)
             return
         g.ready_at = self.clock()
+        self.census.completed_in(g.ready_at - g.first_seen)
         self.ready.push(g)
         out.newly_ready += 1
 
@@ -108,6 +116,10 @@ class Policies:
             if include_ready:
                 for g in list(self.ready.values()):
                     self._drop(g, reason, out)
+            # groups whose sessions all ended before any trainable row: only the census knew them
+            for gid in list(self.census.group_sessions):
+                if gid not in self.decided and self._undecided(gid) is None:
+                    self._tombstone(gid, reason, out)
         return out
 
     def _give_up(self, g: Group, reason: str, out: Decisions) -> None:

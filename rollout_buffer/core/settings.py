@@ -3,18 +3,18 @@
 Every setting is a row of ``SETTINGS``; :class:`~rollout_buffer.core.config.Config` is read from
 them, and the settings page is generated from the same rows (``rollout-buffer settings``).
 
-Owns: the SETTINGS rows, the names of the known variables and their markdown table. Parsing a
-value is :mod:`~rollout_buffer.core.parsers`'; building and checking a Config is config's.
+Owns: the SETTINGS rows (the original's variables first, from
+:mod:`~rollout_buffer.core.original_settings`, then rollout-buffer's own), the names of the known
+variables and their markdown table. Parsing a value is :mod:`~rollout_buffer.core.parsers`';
+building and checking a Config is config's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
-
 from rollout_buffer.core.hosts import parse_allowed_hosts
+from rollout_buffer.core.original_settings import ORIGINAL
 from rollout_buffer.core.parsers import (
+    Setting,
     boolean,
     choice,
     command_line,
@@ -31,93 +31,8 @@ from rollout_buffer.core.parsers import (
 PREFIX = "ROLLOUT_BUFFER_"
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One configurable value: where it comes from and how it is parsed."""
-
-    field: str
-    env: str
-    default: Any
-    parse: Callable[[str], Any]
-    help: str
-    aliases: tuple[str, ...] = ()
-
-
 SETTINGS: tuple[Setting, ...] = (
-    # --- the original's variables (same names, meanings and defaults) ---
-    Setting("port", "BUFFER_SERVER_PORT", 18889, integer(1, 65535), "HTTP port"),
-    Setting(
-        "storage_type",
-        "STORAGE_TYPE",
-        None,
-        choice("sqlite", "postgres"),
-        "sqlite or postgres; default: taken from the database URL",
-    ),
-    Setting(
-        "db_url",
-        "AIEVOBOX_DB_URL",
-        None,
-        text,
-        "launcher database URL: sqlite:///abs/path, sqlite://rel/path or "
-        "postgresql://user@host:port/db; "
-        "default sqlite:///$AIEVOBOX_ROOT/rl/rl.db, or sqlite:///./rollout_buffer.db without "
-        "AIEVOBOX_ROOT",
-    ),
-    Setting(
-        "aievobox_root",
-        "AIEVOBOX_ROOT",
-        None,
-        optional_text,
-        "AIEvoBox checkout; when set, its launcher.py is the launcher, otherwise the built-in "
-        "simulator is",
-    ),
-    Setting(
-        "run_dir",
-        "AIEVOBOX_RUN_DIR",
-        None,
-        optional_text,
-        "log directory; default $AIEVOBOX_ROOT/logs, or ./logs without AIEVOBOX_ROOT",
-    ),
-    Setting(
-        "proxy_host",
-        "LLM_PROXY_HOST",
-        None,
-        optional_text,
-        "LLM proxy host; unset disables clear_sessions notifications (one warning)",
-    ),
-    Setting("proxy_port", "LLM_PROXY_PORT", None, integer(1, 65535), "LLM proxy port"),
-    Setting(
-        "ttl_s",
-        "AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS",
-        1800.0,
-        number(),
-        "drop an incomplete group after this many idle seconds (<= 0 disables)",
-    ),
-    Setting("aievobox_mode", "AIEVOBOX_MODE", "local", text, "launcher --mode"),
-    Setting(
-        "env_config",
-        "AIEVOBOX_ENV_CONFIG",
-        None,
-        optional_text,
-        "launcher --env-config (wins over --env-root)",
-    ),
-    Setting("env_root", "AIEVOBOX_ENV_ROOT", None, optional_text, "launcher --env-root"),
-    Setting("rl_model", "RL_MODEL", "default", text, "launcher --llm-model"),
-    Setting("llm_temperature", "LLM_TEMPERATURE", 1.0, number(0.0), "launcher --llm-temperature"),
-    Setting("max_steps", "AIEVOBOX_MAX_STEPS", 10, integer(1), "launcher --max-steps"),
-    Setting("message_cut", "AIEVOBOX_MESSAGE_CUT", 0, integer(), "launcher --message-cut"),
-    Setting("pool_size", "AIEVOBOX_POOL_SIZE", 16, integer(1), "launcher --pool-size"),
-    Setting(
-        "multiplier",
-        "AIEVOBOX_MULTIPLIER",
-        1.2,
-        number(0.0),
-        "launcher --multiplier (the original's misspelled AIEVOBOC_MULTIPLIER is accepted with a "
-        "warning)",
-        aliases=("AIEVOBOC_MULTIPLIER",),
-    ),
-    Setting("rl_epoch", "RL_EPOCH", 1, integer(0), "launcher --rl-epoch"),
-    Setting("env_transport", "AIEVOBOX_ENV_TRANSPORT", "http", text, "launcher --env-transport"),
+    *ORIGINAL,
     # --- rollout-buffer's own settings ---
     Setting("host", PREFIX + "HOST", "0.0.0.0", text, "address to bind"),
     Setting(
@@ -343,6 +258,46 @@ SETTINGS: tuple[Setting, ...] = (
         10.0,
         number(0.001),
         "read timeout for proxy notifications",
+    ),
+    Setting(
+        "pacing",
+        PREFIX + "PACING",
+        "off",
+        choice("off", "gate"),
+        "gate: the launcher's --llm-base-url is the pacing gate, which holds the first model call "
+        "of a session of a group not admitted while the admission budget is spent (GET "
+        "/admission); off: every session starts at once",
+    ),
+    Setting(
+        "gate_port",
+        PREFIX + "GATE_PORT",
+        None,
+        optional_integer(1),
+        "the pacing gate's port on 127.0.0.1 (default BUFFER_SERVER_PORT + 1); keep it fixed so "
+        "that the launcher's sessions find it again after a restart",
+    ),
+    Setting(
+        "pacing_staleness",
+        PREFIX + "PACING_STALENESS",
+        None,
+        optional_integer(0),
+        "S of the admission budget (S + 1) x B: versions a group may lag behind the trainer's "
+        "(default: MAX_OFF_POLICY, else 1)",
+    ),
+    Setting(
+        "pacing_batch_groups",
+        PREFIX + "PACING_BATCH_GROUPS",
+        None,
+        optional_integer(1),
+        "B of the admission budget: groups the trainer takes a step (default: learned from the "
+        "groups it takes between idle gaps, 8 until then)",
+    ),
+    Setting(
+        "pacing_idle_gap_s",
+        PREFIX + "PACING_IDLE_GAP_SECONDS",
+        10.0,
+        number(0.001),
+        "a gap between the trainer's polls longer than this ends a burst (how B is learned)",
     ),
     Setting(
         "advertise_url",

@@ -7,6 +7,7 @@ simulator, AIEvoBox's launcher.py). It must not start anything: the supervisor d
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 
@@ -26,6 +27,10 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
     k += config.oversample
     env = {name: value for name, value in os.environ.items() if name not in LAUNCHER_ENV_DROP}
     env["PYTHONUNBUFFERED"] = "1"
+    if config.pacing == "gate":
+        # the launcher's LLM semaphore would let held first calls keep their slots and deadlock
+        # the running sessions (SPEC §5): no limit, the gate paces by group instead
+        env["AIEVOBOX_LLM_MAX_CONCURRENCY"] = "0"
     log_path = os.path.join(config.run_dir, f"launcher-{job_id}.log")
     kind = config.launcher_kind
     if kind == "command":
@@ -43,24 +48,16 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
             argv += ["--rl-group-size", str(k)]
         return LaunchSpec(tuple(argv), config.aievobox_root or None, env, log_path)
     if kind == "simulate":
+        # the same argv as the real launcher's (SPEC §5), so the simulator sees what it would
         argv = [
             sys.executable,
             "-m",
             "rollout_buffer.simulate",
-            "--db-path",
-            config.db_url,
-            "--storage-type",
-            config.storage_type,
-            "--job-id",
-            job_id,
-            "--rl-group-size",
-            str(k),
-            "--pool-size",
-            str(config.pool_size),
-            "--rl-epoch",
-            str(config.rl_epoch),
+            *_launcher_flags(config, job_id, k, _env_args(config)),
+            # with pacing, its model calls go through the gate, as the real launcher's do
+            *(["--llm-calls"] if config.pacing == "gate" else []),
+            *(config.simulate_args or ()),
         ]
-        argv += list(config.simulate_args or ())
         # the directory that holds this package (rollout_buffer/launcher/command.py: three up), so
         # that the child imports this very copy of it
         package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,22 +67,58 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
         )
         return LaunchSpec(tuple(argv), None, env, log_path)
     root = config.aievobox_root or "."
-    if config.env_config:
-        env_args = ["--env-config", config.env_config]
-    elif config.env_root:
-        env_args = ["--env-root", config.env_root]
-    else:
+    env_args = _env_args(config)
+    if not env_args:
         raise OperationFailed(
             "the AIEvoBox launcher needs AIEVOBOX_ENV_CONFIG or AIEVOBOX_ENV_ROOT; neither is set",
         )
+    argv = [
+        "python3",
+        os.path.join(root, "launcher.py"),
+        *_launcher_flags(config, job_id, k, env_args),
+    ]
+    return LaunchSpec(tuple(argv), root, env, log_path)
+
+
+def step_cap(config: Config) -> int | None:
+    """The launcher's ``--max-steps`` (the last one of its argv): a session that reaches it without
+    a terminal row has ended without a result. None when the launcher gets no such flag (none, or
+    a command without it), so that no session is ever taken for capped by a guess."""
+    if config.launcher_kind == "none":
+        return None
+    try:
+        argv = launch_spec(config, "job", 1).argv
+    except OperationFailed:  # a launcher that cannot be built has no cap (its start says why)
+        return None
+    value = None
+    for flag, following in itertools.pairwise(argv):
+        if flag == "--max-steps":
+            value = following
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _env_args(config: Config) -> list[str]:
+    """The launcher's environment flags: --env-config wins over --env-root; none when unset."""
+    if config.env_config:
+        return ["--env-config", config.env_config]
+    if config.env_root:
+        return ["--env-root", config.env_root]
+    return []
+
+
+def _launcher_flags(config: Config, job_id: str, k: int, env_args: list[str]) -> list[str]:
+    """Every flag of the original command after ``launcher.py`` (SPEC §5), in its order."""
     proxy = (
         f"http://{config.proxy_host}:{config.proxy_port}/v1"
         if config.proxy_host
         else "http://127.0.0.1:8000/v1"
     )
-    argv = [
-        "python3",
-        os.path.join(root, "launcher.py"),
+    if config.pacing == "gate":
+        proxy = config.gate_url  # the gate forwards every call to the proxy (issue 23)
+    return [
         "--mode",
         config.aievobox_mode,
         "--db-path",
@@ -120,4 +153,3 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
         "--env-http-timeout-s",
         "600",
     ]
-    return LaunchSpec(tuple(argv), root, env, log_path)

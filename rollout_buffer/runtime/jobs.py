@@ -19,8 +19,10 @@ from rollout_buffer.core.errors import StorageError
 from rollout_buffer.core.model import JOB_ENDED, RESTART_TRAINING, Decisions, Drop
 from rollout_buffer.core.redact import redact
 from rollout_buffer.core.redeliveries import Redeliveries
+from rollout_buffer.launcher.command import step_cap
 from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.storage import source
+from rollout_buffer.storage.census import CensusReader
 from rollout_buffer.storage.db import Database
 from rollout_buffer.storage.reader import MIN_ID, Accounted, Reader, first_read_after
 from rollout_buffer.storage.store import Store
@@ -58,6 +60,7 @@ class JobState:
         self.saved_marker: tuple | None = None
         # served groups to deliver again, ahead of ready ones
         self.redeliveries = redeliveries if redeliveries is not None else Redeliveries()
+        self.census = CensusReader(job_id)  # every session, those without a trainable row too
 
     # -- the loop's view of the launcher and of the saved cursor (only the owner's methods write)
     def launcher_finished(self, tick: int) -> None:
@@ -155,7 +158,13 @@ class Jobs:
     ) -> JobState:
         """Build a JobState from the durable records of a job (fresh or resumed)."""
         totals = store.load_totals(job_id)
-        acc = Accumulator(job_id, k, clock=self.clock, policy=self.config.policy)
+        acc = Accumulator(
+            job_id,
+            k,
+            clock=self.clock,
+            policy=self.config.policy,
+            max_steps=step_cap(self.config),
+        )
         acc.decided.update(totals.decided)  # before the accumulator is shared: no lock needed
         acc.counts.load(totals)
         row = store.get_job(job_id)

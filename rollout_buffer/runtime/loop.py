@@ -334,6 +334,9 @@ class Loop:
             if js.reader.drained or self.clock() > deadline or self.stopping.is_set():
                 break
         js.reader.end_tick()
+        scheduled, facts = js.census.read(src)
+        if scheduled or facts:
+            self.outbox.act(store, js.job_id, js.acc.observe(scheduled, facts))
 
     def _check_launcher(self, store: Store, js: JobState) -> None:
         lease = self.lease

@@ -255,3 +255,27 @@ def fetch_export_sizes(n: int, backend: str) -> str:
     size = " + ".join(f"COALESCE(LENGTH({c}), 0)" for c in _TEXT_COLUMNS)
     where = "id = ANY(?)" if backend == "postgres" else f"id IN ({', '.join('?' * n)})"
     return f"SELECT {cols}, {size} FROM session_steps WHERE {where}"
+
+
+# -- the census (issue 22): every session, those without a trainable row too -------------------
+# The sessions the launcher scheduled for a job, after an id (job_environments; env_id = session).
+CENSUS_SCHEDULED = (
+    "SELECT id, env_id, group_id FROM job_environments "
+    "WHERE job_id = ? AND is_deleted = 0 AND id > ? ORDER BY id LIMIT ?"
+)
+# Whether job_environments exists (a writer that is not the launcher may not have it).
+HAS_SCHEDULE = "SELECT 1 FROM job_environments WHERE 1 = 0"
+# The metadata of a job's rows that are not trainable, after an id (never their messages).
+CENSUS_STEPS = (
+    "SELECT id, session_id, group_id, step_id, is_terminal FROM session_steps "
+    "WHERE job_id = ? AND is_trainable = 0 AND id > ? ORDER BY id LIMIT ?"
+)
+
+# Export (issues 22 and 23): what generating a group cost, per session: its rows of any kind, the
+# first and last created_at, and whether it wrote a trainable row.
+EXPORT_GENERATION = (
+    "SELECT session_id, COUNT(*), MIN(created_at), MAX(created_at), MAX(is_trainable) "
+    "FROM session_steps WHERE job_id = ? AND group_id = ? GROUP BY session_id"
+)
+# Export: the sessions the launcher scheduled for a group.
+EXPORT_SCHEDULED = "SELECT env_id FROM job_environments WHERE job_id = ? AND group_id = ?"

@@ -45,3 +45,9 @@ def insert_sessions(db: Database, rows: Sequence[Sequence[Any]]) -> None:
 def insert_step(db: Database, row: Sequence[Any]) -> None:
     """Write one step: a session_steps row (launcher_sql.STEP_COLUMNS)."""
     db.execute(launcher_sql.INSERT_STEP, row)
+
+
+def insert_steps(db: Database, rows: Sequence[Sequence[Any]]) -> None:
+    """Write a flush of steps (session_steps rows) in one transaction, as the launcher flushes."""
+    with db.transaction():
+        db.executemany(launcher_sql.INSERT_STEP, rows)

@@ -1,5 +1,6 @@
 """The launcher's tables as the service reads them beside ingest: whether they exist yet, the ids
-a job has reached, the rows a restart_training floor leaves behind, the rows not read yet.
+a job has reached, the rows a restart_training floor leaves behind, the rows not read yet, and what
+generating a group cost (the export).
 
 Owns: running those reads on the source connection (the launcher's database) and turning their
 results into plain values. Ingest's reads are the reader's (reader.py) and row bodies fetch.py's;
@@ -46,3 +47,15 @@ def rows_at_or_below(src: Database, job_id: str, floor: int) -> list[tuple[Any, 
 def unread_rows(src: Database, job_id: str, after: int) -> int:
     """How many trainable rows of the job have an id above ``after`` (written, not read yet)."""
     return int(src.scalar(launcher_sql.COUNT_AFTER, (job_id, after)) or 0)
+
+
+def generation_rows(src: Database, job_id: str, group_id: str) -> list[tuple[Any, ...]]:
+    """Per session of a group: (session_id, its rows of any kind, first and last created_at,
+    whether it wrote a trainable row), what generating the group cost (the export)."""
+    return src.rows(launcher_sql.EXPORT_GENERATION, (job_id, group_id))
+
+
+def scheduled_sessions(src: Database, job_id: str, group_id: str) -> list[str]:
+    """The sessions the launcher scheduled for a group (job_environments: a StorageError when a
+    writer that is not the launcher has no such table)."""
+    return [r[0] for r in src.rows(launcher_sql.EXPORT_SCHEDULED, (job_id, group_id))]

@@ -141,7 +141,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = sub.add_parser(
         "demo", help="one-command demo: SQLite, server, simulated launcher, a polling trainer"
     )
-    command.add_argument("--dir", help="work directory (default: a new temporary directory)")
+    command.add_argument(
+        "--workdir",
+        "--dir",
+        dest="workdir",
+        help="work directory, kept afterwards (default: a temporary directory, removed at the end)",
+    )
+    command.add_argument(
+        "--seed", type=int, default=None, help="the simulator's seed (the same shape every run)"
+    )
+    command.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave the server up after the summary, until Ctrl-C (to look at the status page)",
+    )
     command.add_argument("--groups", type=int, default=24, help="prompt groups the simulator runs")
     command.add_argument("--k", type=int, default=4, help="sessions per group")
     command.add_argument("--port", type=int, default=0, help="port (default: a free one)")

@@ -1,11 +1,15 @@
 """``rollout-buffer demo``: the whole system on one machine, with no configuration.
 
-It makes a work directory (SQLite database, logs), starts the service under gunicorn as a
-subprocess with the built-in simulated launcher, then acts as a trainer with
+It says what is about to happen, makes a work directory (SQLite database, logs; a temporary one
+is removed at the end unless ``--workdir`` names one), starts the service under gunicorn as a
+subprocess with the built-in simulated launcher (the original's defaults: message-cut 0,
+max-steps 10, so each session gives one item), prints the status page's URL, then acts as a
+trainer with
 :class:`rollout_buffer.client.BufferClient`: one ``/start_rollout``, then polls
 ``/get_rollout_data`` with a live progress line until the launcher has finished and nothing is
 pending or ready. Every group received is checked (exactly K distinct sessions, one reward per
-session, never a group twice), a summary table is printed, and the server is always stopped.
+session, never a group twice), a summary table is printed that explains every drop, and the
+server is stopped (with ``--keep`` only after Ctrl-C, so the page can be looked at).
 
 Exit status: 0 when every check passed and at least one group was served, 1 otherwise
 (including a timeout or a server that did not start), 130 on Ctrl-C.
@@ -21,6 +25,7 @@ import collections
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -39,7 +44,7 @@ POLL_INTERVAL_S = 0.5
 STOP_WAIT_S = 15.0
 
 
-# --policies: what the demo turns on (the simulator's weight_version moves every 50 rows, and a
+# --policies: what the demo turns on (the simulator's weight_version moves every 0.2 s, and a
 # fifth of its groups end with equal rewards, so each policy has something to do)
 POLICY_ENV = {
     "ROLLOUT_BUFFER_MAX_OFF_POLICY": "3",
@@ -50,12 +55,21 @@ POLICY_REASONS = ("stale", "zero_variance", "oversampled")
 
 
 def server_env(
-    db_url: str, run_dir: str, *, groups: int, pace: float, policies: bool = False
+    db_url: str,
+    run_dir: str,
+    *,
+    groups: int,
+    pace: float,
+    policies: bool = False,
+    seed: int | None = None,
 ) -> dict[str, str]:
     """The server's environment: ours without any rollout-buffer setting, plus the demo's."""
-    sim = f"--groups {groups} --pace {pace} --max-steps 4 --fail-rate 0.1" + (
-        " --flat-rate 0.2" if policies else ""
+    # the original's launcher defaults (message-cut 0, max-steps 10) come with the argv
+    sim = f"--groups {groups} --pace {pace} --flush-interval 0.5" + (
+        " --flat-rate 0.2 --weight-version-interval 0.2" if policies else ""
     )
+    if seed is not None:
+        sim += f" --seed {seed}"
     return clean_env(
         {
             "AIEVOBOX_DB_URL": db_url,
@@ -91,10 +105,10 @@ class Checker:
         self.groups.append(gid)
         self.items += len(items)
         by_session: dict[str, set[float]] = collections.defaultdict(set)
-        for item in items:
-            extra = item.get("extra_info") or {}
+        for it in items:
+            extra = it.get("extra_info") or {}
             sid = extra.get("session_id")
-            reward = item.get("reward")
+            reward = it.get("reward")
             if sid is None or reward is None:
                 self.problems.append(f"group {gid}: an item lacks extra_info.session_id or reward")
                 continue
@@ -104,19 +118,47 @@ class Checker:
             self.problems.append(
                 f"group {gid}: {len(by_session)} distinct sessions, expected K={self.k}"
             )
-        for sid, rewards in by_session.items():
-            if len(rewards) != 1:
+        for sid, rs in by_session.items():
+            if len(rs) != 1:
                 self.problems.append(
-                    f"group {gid}: session {sid} has items with different rewards {sorted(rewards)}"
+                    f"group {gid}: session {sid} has items with different rewards {sorted(rs)}"
                 )
-            self.session_rewards.append(next(iter(rewards)))
+            self.session_rewards.append(next(iter(rs)))
         self.sessions += len(by_session)
 
 
-def _reasons(counts: Any) -> str:
-    if not isinstance(counts, dict) or not counts:
+# Why a group is dropped, in a newcomer's words (the reasons /stats counts).
+DROP_EXPLAINED = {
+    "launcher_exited": "a session of the group crashed or hit the step cap (--max-steps) without "
+    "a result, so the group could never reach K; dropped when the launcher finished",
+    "session_without_result": "a session of the group ended without a result (it hit the step "
+    "cap, or failed for good), so the group could never reach K; dropped as soon as that was "
+    "known",
+    "incomplete_group_ttl": "the group waited longer than the TTL for its last sessions",
+    "malformed_row": "a row of the group could not be turned into an item",
+    "job_ended": "a new job started before the group completed",
+    "stale": "its weight version was too old for the trainer (staleness policy)",
+    "zero_variance": "all its sessions had the same reward: no learning signal (policy)",
+    "oversampled": "the extra sessions of an over-sampled group, once K had completed",
+    "restart_training": "the trainer restarted past the group's rows",
+}
+
+
+def explain_drops(dropped: Any) -> list[str]:
+    """One line per drop reason: how many groups, and why such groups are dropped."""
+    if not isinstance(dropped, dict):
+        return []
+    return [
+        f"{n} {reason}: {DROP_EXPLAINED.get(reason, 'see docs/how-it-works.md')}"
+        for reason, n in sorted(dropped.items())
+        if n
+    ]
+
+
+def _reasons(d: Any) -> str:
+    if not isinstance(d, dict) or not d:
         return "none"
-    return ", ".join(f"{reason} {count}" for reason, count in sorted(counts.items()))
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items()))
 
 
 def launcher_summary(log_path: str | None) -> dict[str, Any] | None:
@@ -150,15 +192,24 @@ def run_demo(args: argparse.Namespace) -> int:
     if groups < 1 or k < 1 or pace < 0 or timeout <= 0:
         print(
             f"rollout-buffer demo: invalid arguments groups={groups} k={k} pace={pace} "
-            f"timeout={timeout}: expected groups >= 1, k >= 1, pace >= 0, timeout > 0",
+            f"timeout={timeout}: "
+            "expected groups >= 1, k >= 1, pace >= 0, timeout > 0",
             file=sys.stderr,
         )
         return 2
-    workdir = (
-        os.path.abspath(args.dir)
-        if getattr(args, "dir", None)
-        else tempfile.mkdtemp(prefix="rollout-buffer-demo-")
-    )
+    named = getattr(args, "workdir", None) or getattr(args, "dir", None)
+    workdir = os.path.abspath(named) if named else tempfile.mkdtemp(prefix="rollout-buffer-demo-")
+    try:
+        return _run(args, workdir, groups=groups, k=k, pace=pace, timeout=timeout)
+    finally:
+        if not named:
+            shutil.rmtree(workdir, ignore_errors=True)
+            print(f"  removed the work directory {workdir} (keep one with --workdir DIR)")
+
+
+def _run(
+    args: argparse.Namespace, workdir: str, *, groups: int, k: int, pace: float, timeout: float
+) -> int:
     logs = os.path.join(workdir, "logs")
     os.makedirs(logs, exist_ok=True)
     db_path = os.path.join(workdir, "demo.db")
@@ -175,8 +226,17 @@ def run_demo(args: argparse.Namespace) -> int:
         f"rollout-buffer demo: {groups} groups x K={k} sessions, simulated launcher "
         f"(pace {pace:g} s/row)"
     )
+    print(
+        "  What happens: the service starts under gunicorn on SQLite and starts the simulated\n"
+        "  launcher, which plays K sessions per prompt group and writes one row per step. The\n"
+        "  service groups the rows until all K sessions of a group have a result, and this demo\n"
+        "  polls it as a trainer would, checking every group it receives. Some sessions crash or\n"
+        "  hit the step cap, as real ones do: their groups can never complete and are dropped,\n"
+        "  and the summary says why."
+    )
     print(f"  work dir {workdir}")
     print(f"  server   {url}  (log {server_log})")
+    print(f"  status page  {url}/  (open it in a browser while the demo runs)")
     policies = bool(getattr(args, "policies", False))
     if policies:
         print(
@@ -185,7 +245,14 @@ def run_demo(args: argparse.Namespace) -> int:
         )
     server = ServerProcess(
         port,
-        server_env(db_url, logs, groups=groups, pace=pace, policies=policies),
+        server_env(
+            db_url,
+            logs,
+            groups=groups,
+            pace=pace,
+            policies=policies,
+            seed=getattr(args, "seed", None),
+        ),
         server_log,
         cwd=workdir,
     )
@@ -221,14 +288,14 @@ def run_demo(args: argparse.Namespace) -> int:
             if not got or now - stats_at >= POLL_INTERVAL_S:
                 stats = client.stats()
                 stats_at = now
-                group_counts = stats.get("groups") or {}
-                row_counts = stats.get("rows") or {}
-                rate = (row_counts.get("read") or 0) / max(elapsed, 1e-6)
+                g = stats.get("groups") or {}
+                r = stats.get("rows") or {}
+                rate = (r.get("read") or 0) / max(elapsed, 1e-6)
                 progress.show(
                     f"  {elapsed:6.1f} s  groups {len(checker.groups):4d}  "
-                    f"items {checker.items:6d}  {rate:8.0f} rows/s  "
-                    f"pending {group_counts.get('pending', 0):3d}  "
-                    f"dropped {group_counts.get('dropped_total', 0):3d}"
+                    f"items {checker.items:6d}  "
+                    f"{rate:8.0f} rows/s  pending {g.get('pending', 0):3d}  "
+                    f"dropped {g.get('dropped_total', 0):3d}"
                 )
                 if not got and _finished(stats):
                     progress.show(progress.last_text, force=True)
@@ -239,7 +306,7 @@ def run_demo(args: argparse.Namespace) -> int:
         if not timed_out:
             stats = client.stats()
         progress.end()
-        return _summary(
+        code = _summary(
             out,
             checker,
             stats,
@@ -252,6 +319,10 @@ def run_demo(args: argparse.Namespace) -> int:
             timeout=timeout,
             policies=policies,
         )
+        if getattr(args, "keep", False):
+            print(f"\n  the server stays up at {url}/ (status page); Ctrl-C stops it", flush=True)
+            _wait_for_ctrl_c()
+        return code
     except BufferError as exc:
         progress.end()
         print(f"rollout-buffer demo: the buffer failed: {exc}", file=sys.stderr)
@@ -264,12 +335,28 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         if client is not None:
             client.close()
-        code = server.stop(wait_s=STOP_WAIT_S)
-        if code not in (0, None, -signal.SIGTERM):
+        exit_code = server.stop(wait_s=STOP_WAIT_S)
+        if exit_code not in (0, None, -signal.SIGTERM):
             print(
-                f"rollout-buffer demo: the server exited with code {code} (see {server_log})",
+                f"rollout-buffer demo: the server exited with code {exit_code} (see {server_log})",
                 file=sys.stderr,
             )
+
+
+def _wait_for_ctrl_c() -> None:
+    """Block until Ctrl-C (or SIGTERM), then return, so the caller stops the server."""
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        while True:
+            signal.pause()
+    except KeyboardInterrupt:
+        print("  stopping the server", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _summary(
@@ -286,10 +373,10 @@ def _summary(
     timeout: float,
     policies: bool = False,
 ) -> int:
-    group_counts = stats.get("groups") or {}
-    row_counts = stats.get("rows") or {}
+    g = stats.get("groups") or {}
+    r = stats.get("rows") or {}
     balanced = stats.get("accounting_balanced")
-    served_by_server = group_counts.get("served")
+    served_by_server = g.get("served")
     problems = list(checker.problems)
     if timed_out:
         problems.append(
@@ -298,32 +385,29 @@ def _summary(
     if not checker.groups:
         problems.append("no group was served")
     if balanced is not True:
-        problems.append(f"accounting not balanced in /stats: rows {row_counts}")
-    simulated = launcher_summary((stats.get("launcher") or {}).get("log_path"))
-    by_policy = {
-        k: v for k, v in (group_counts.get("dropped") or {}).items() if k in POLICY_REASONS
-    }
+        problems.append(f"accounting not balanced in /stats: rows {r}")
+    sim = launcher_summary((stats.get("launcher") or {}).get("log_path"))
+    by_policy = {k: v for k, v in (g.get("dropped") or {}).items() if k in POLICY_REASONS}
     if (
-        simulated is not None
+        sim is not None
         and not timed_out
         and not policies
-        and simulated.get("complete_groups") != len(checker.groups)
+        and sim.get("complete_groups") != len(checker.groups)
     ):
         problems.append(
-            f"the simulator completed {simulated.get('complete_groups')} groups, "
-            f"the trainer received {len(checker.groups)}"
+            f"the simulator completed {sim.get('complete_groups')} groups, the trainer received "
+            f"{len(checker.groups)}"
         )
     if (
-        simulated is not None
+        sim is not None
         and not timed_out
         and policies
-        and simulated.get("complete_groups", 0) > len(checker.groups) + sum(by_policy.values())
+        and sim.get("complete_groups", 0) > len(checker.groups) + sum(by_policy.values())
     ):
         # over-sampling serves a group once K of its K+1 sessions completed: more may be served
         problems.append(
-            f"the simulator completed {simulated.get('complete_groups')} groups, "
-            f"the trainer received {len(checker.groups)} and {sum(by_policy.values())} were "
-            "dropped by a policy"
+            f"the simulator completed {sim.get('complete_groups')} groups, the trainer received "
+            f"{len(checker.groups)} and {sum(by_policy.values())} were dropped by a policy"
         )
     if served_by_server is not None and served_by_server != len(checker.groups):
         problems.append(
@@ -340,21 +424,15 @@ def _summary(
         ("groups served", f"{len(checker.groups)}"),
         ("items (steps)", f"{checker.items}"),
         ("sessions", f"{checker.sessions}"),
-        (
-            "dropped groups",
-            f"{group_counts.get('dropped_total', 0)}  ({_reasons(group_counts.get('dropped'))})",
-        ),
-        (
-            "rejected rows",
-            f"{row_counts.get('rejected_total', 0)}  ({_reasons(row_counts.get('rejected'))})",
-        ),
+        ("dropped groups", f"{g.get('dropped_total', 0)}  ({_reasons(g.get('dropped'))})"),
+        ("rejected rows", f"{r.get('rejected_total', 0)}  ({_reasons(r.get('rejected'))})"),
         *(
             [
                 (
                     "policies",
                     f"stale {by_policy.get('stale', 0)} groups, zero_variance "
                     f"{by_policy.get('zero_variance', 0)} groups, oversampled "
-                    f"{(row_counts.get('dropped') or {}).get('oversampled', 0)} rows",
+                    f"{(r.get('dropped') or {}).get('oversampled', 0)} rows",
                 )
             ]
             if policies
@@ -362,19 +440,19 @@ def _summary(
         ),
         (
             "rows read",
-            f"{row_counts.get('read', 0)}  (served {row_counts.get('served', 0)}, "
-            f"dropped {row_counts.get('dropped_total', 0)}, "
-            f"pending {row_counts.get('pending', 0)})",
+            f"{r.get('read', 0)}  (served {r.get('served', 0)}, "
+            f"dropped {r.get('dropped_total', 0)}, "
+            f"pending {r.get('pending', 0)})",
         ),
         ("avg reward", f"{avg:.3f} per item, {avg_s:.3f} per session"),
         ("wall time", f"{wall:.1f} s"),
         (
             "simulator",
             "-"
-            if simulated is None
-            else f"{simulated.get('sessions')} sessions ({simulated.get('completed_sessions')} "
-            f"completed, {simulated.get('failed_sessions')} crashed), "
-            f"{simulated.get('complete_groups')} complete groups",
+            if sim is None
+            else f"{sim.get('sessions')} sessions ({sim.get('completed_sessions')} "
+            f"completed, {sim.get('capped_sessions')} at the step cap, "
+            f"{sim.get('failed_sessions')} crashed), {sim.get('complete_groups')} complete groups",
         ),
         ("database", db_path),
         ("logs", f"{logs}  (server: {server_log})"),
@@ -385,8 +463,13 @@ def _summary(
     out.write("\nsummary\n")
     for label, value in rows:
         out.write(f"  {label:<{width}}  {value}\n")
-    for problem in problems[:20]:
-        out.write(f"  ! {problem}\n")
+    explained = explain_drops(g.get("dropped"))
+    if explained:
+        out.write("\nwhy groups were dropped\n")
+        for line in explained:
+            out.write(f"  {line}\n")
+    for p in problems[:20]:
+        out.write(f"  ! {p}\n")
     if len(problems) > 20:
         out.write(f"  ! ... and {len(problems) - 20} more\n")
     out.flush()

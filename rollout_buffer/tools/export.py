@@ -30,11 +30,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any, TextIO
 
-from rollout_buffer.core.errors import RolloutBufferError
+from rollout_buffer.core.errors import RolloutBufferError, StorageError
 from rollout_buffer.core.items import GID, PARTIAL_FLAG, build_group
 from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
-from rollout_buffer.core.values import Malformed
-from rollout_buffer.storage import launcher_sql
+from rollout_buffer.core.values import Malformed, epoch
+from rollout_buffer.storage import launcher_sql, source
 from rollout_buffer.storage.db import Database, connect
 from rollout_buffer.storage.exports import ExportPages
 from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
@@ -78,6 +78,7 @@ class Exporter:
         self.launcher_db = launcher_db
         self.pages = ExportPages(state_db, job_id, PAGE)
         self.job_id = job_id
+        self._has_schedule = True
         # batch_id -> (uid seed, its partial groups), None once the batch was pruned
         self._seeds: collections.OrderedDict[str, tuple[bytes, frozenset[str]] | None] = (
             collections.OrderedDict()
@@ -170,6 +171,35 @@ class Exporter:
             "batch_id": group["batch_id"],
             "decided_at": json_number(group["resolved_at"]),
             "missing_step_pks": missing,
+            "generation": self._generation(group["group_id"]),
+        }
+
+    def _generation(self, group_id: str) -> dict[str, Any]:
+        """What generating the group cost (from every row of its sessions, trainable or not, and
+        the sessions the launcher scheduled): generation seconds (first to last row of each
+        session, at the launcher's flush times), rows, and the sessions that never wrote a
+        trainable row."""
+        seconds, rows, trainable = 0.0, 0, set()
+        sessions: set[str] = set()
+        for session, count, first, last, any_trainable in source.generation_rows(
+            self.launcher_db, self.job_id, group_id
+        ):
+            sessions.add(session)
+            rows += int(count)
+            if any_trainable:
+                trainable.add(session)
+            with contextlib.suppress(Malformed):
+                seconds += max(0.0, epoch(last) - epoch(first))
+        if self._has_schedule:
+            try:
+                sessions.update(source.scheduled_sessions(self.launcher_db, self.job_id, group_id))
+            except StorageError:
+                self._has_schedule = False  # a writer that is not the launcher: no such table
+        return {
+            "generation_s": round(seconds, 3),
+            "rows": rows,
+            "sessions": len(sessions),
+            "sessions_without_trainable_row": sorted(s for s in sessions if s not in trainable),
         }
 
     def _dropped_record(

@@ -1,8 +1,9 @@
 """The simulated launcher's engine: plans the groups and sessions of a job and writes their rows
 the way the real launcher does (see simulate.py for the command line and what is written).
 
-It only INSERTs into the launcher's tables, retrying a write that fails on a locked or lost
-database, and stops cleanly on SIGTERM/SIGINT between two rows.
+It only INSERTs into the launcher's tables, in batches as the real launcher flushes them,
+retrying a write that fails on a locked or lost database, and stops cleanly on SIGTERM/SIGINT
+between two rows (flushing what it holds first).
 
 Owns: planning a job's groups and sessions, pacing and retrying writes, and the run's summary. It
 must not UPDATE or DELETE a row, nor read the buffer's tables.
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import queue
 import random
 import sys
+import threading
 import time
 import uuid
 from collections import deque
@@ -23,9 +26,19 @@ from typing import Any
 from rollout_buffer.core.errors import IntegrityError, StorageError
 from rollout_buffer.storage import db as dbmod
 from rollout_buffer.storage import launcher_writes
-from rollout_buffer.tools.workload import LLM_MODEL, SYSTEM_PROMPTS, Group, Session, Text
+from rollout_buffer.tools.llm_calls import ModelCalls, SessionFailed
+from rollout_buffer.tools.workload import (
+    CAPPED,
+    DONE,
+    FAILED,
+    LENGTH,
+    LLM_MODEL,
+    SYSTEM_PROMPTS,
+    Group,
+    Session,
+    Text,
+)
 
-WEIGHT_VERSION_EVERY = 50  # weight_version = rows written // this
 WRITE_ATTEMPTS = 6  # tries per write on StorageError (database locked, connection lost)
 SLEEP_SLICE_S = 0.05  # granularity of the --pace sleep, so SIGTERM is seen promptly
 
@@ -43,10 +56,21 @@ class Simulator:
         self.db: dbmod.Database | None = None
         self.stop_signal: int | None = None
         self.rows = 0
+        self.trainable_rows = 0
         self.completed_sessions = 0
         self.failed_sessions = 0
         self.truncated_sessions = 0
+        self.capped_sessions = 0
         self.sessions_started = 0
+        self.batch: list[tuple[Any, ...]] = []  # rows written but not flushed yet
+        self.flushes = 0
+        self.last_flush = time.monotonic()
+        self.max_weight_version: int | None = None
+        self.model: ModelCalls | None = None  # --llm-calls: a model call before each step
+        self.model_failed = 0
+        self.todo: deque[Session] = deque()  # sessions not started yet, in group order
+        self.active: list[Session] = []  # running sessions
+        self.lock = threading.Lock()  # the rows held and the counters, shared with session threads
         self.groups: list[Group] = []
         self.t0 = time.monotonic()
         self.last_progress = self.t0
@@ -130,57 +154,67 @@ class Simulator:
 
     # -- planning ---------------------------------------------------------------------------
     def plan(self) -> None:
-        args, rng = self.args, self.rng
-        offset = max(args.rl_epoch - 1, 0) * args.groups
-        for index in range(args.groups):
-            group = Group(index, offset + index)
-            group.task = f"Task {group.task_idx}: " + self.text.words(args.prompt_bytes - 20)
+        a, rng = self.args, self.rng
+        offset = max(a.rl_epoch - 1, 0) * a.groups
+        for g in range(a.groups):
+            gr = Group(g, offset + g)
+            gr.task = f"Task {gr.task_idx}: " + self.text.words(a.prompt_bytes - 20)
             rewards: set[float] = set()
-            while len(rewards) < args.rl_group_size and len(rewards) < 10000:
+            while len(rewards) < a.rl_group_size and len(rewards) < 10000:
                 rewards.add(round(rng.random(), 4))  # distinct terminal rewards within the group
             reward_list = sorted(rewards)
             rng.shuffle(reward_list)
-            if rng.random() < getattr(args, "flat_rate", 0.0):
-                # every session of the group ends with the same reward
-                reward_list = reward_list[:1]
-            for k in range(args.rl_group_size):
-                session = Session(group, str(uuid.uuid4()))
-                session.terminal_reward = reward_list[k % len(reward_list)]
-                natural = rng.randint(1, args.max_steps)
-                if rng.random() < args.fail_rate:
-                    session.completes = False
-                    session.rows_planned = rng.randint(0, natural - 1)
-                elif rng.random() < args.truncate_rate:
-                    session.truncated = True
-                    session.rows_planned = args.max_steps
-                else:
-                    session.rows_planned = natural
-                group.sessions.append(session)
-            self.groups.append(group)
+            if rng.random() < getattr(a, "flat_rate", 0.0):
+                reward_list = reward_list[
+                    :1
+                ]  # every session of the group ends with the same reward
+            for k in range(a.rl_group_size):
+                s = Session(gr, str(uuid.uuid4()))
+                s.terminal_reward = reward_list[k % len(reward_list)]
+                self.plan_ending(s)
+                gr.sessions.append(s)
+            self.groups.append(gr)
+
+    def plan_ending(self, s: Session) -> None:
+        """How the session ends and after how many rows (SPEC §2)."""
+        a, rng = self.args, self.rng
+        draw = rng.random()
+        if draw < a.fail_rate:
+            s.ending = FAILED  # aborted after 0..max_steps-1 rows
+            s.rows_planned = rng.randint(0, a.max_steps - 1)
+        elif draw < a.fail_rate + a.cap_rate:
+            s.ending = CAPPED  # every step runs, the environment never ends it
+            s.rows_planned = a.max_steps
+        elif draw < a.fail_rate + a.cap_rate + a.truncate_rate:
+            s.ending = LENGTH  # an answer cut by the length limit ends it at any step
+            s.rows_planned = rng.randint(1, a.max_steps)
+        else:
+            s.ending = DONE
+            s.rows_planned = rng.randint(min(a.min_steps, a.max_steps), a.max_steps)
 
     def write_environments(self) -> None:
-        args = self.args
+        a = self.args
         created = self.now()
         rows = []
-        for group in self.groups:
+        for gr in self.groups:
             params = json.dumps(
                 {
-                    "task_idx": group.task_idx,
-                    "env_num": args.rl_group_size,
-                    "max_steps": args.max_steps,
+                    "task_idx": gr.task_idx,
+                    "env_num": a.rl_group_size,
+                    "max_steps": a.max_steps,
                     "split": "train",
                     "simulated": True,
                 }
             )
-            for session in group.sessions:
+            for s in gr.sessions:
                 rows.append(
                     (
-                        args.job_id,
-                        session.session_id,
-                        group.env_name,
+                        a.job_id,
+                        s.session_id,
+                        gr.env_name,
                         params,
-                        f"aievobox/{group.env_name}:latest",
-                        group.group_id,
+                        f"aievobox/{gr.env_name}:latest",
+                        gr.group_id,
                         0,
                         0,
                         created,
@@ -193,71 +227,121 @@ class Simulator:
         self.write(insert, "inserting job_environments")
 
     # -- running ----------------------------------------------------------------------------
-    def start(self, session: Session) -> None:
+    def start(self, s: Session) -> None:
         self.sessions_started += 1
-        group = session.group
-        session.history = [
-            {"role": "system", "content": SYSTEM_PROMPTS[group.env_name]},
-            {"role": "user", "content": group.task},
+        gr = s.group
+        s.history = [
+            {"role": "system", "content": SYSTEM_PROMPTS[gr.env_name]},
+            {"role": "user", "content": gr.task},
         ]
 
-    def finish(self, session: Session) -> None:
-        if session.completes:
+    def finish(self, s: Session) -> None:
+        if s.completes:
             self.completed_sessions += 1
-            session.group.completed += 1
-            if session.truncated:
+            s.group.completed += 1
+            if s.ending == LENGTH:
                 self.truncated_sessions += 1
+        elif s.ending == CAPPED:
+            self.capped_sessions += 1
         else:
             self.failed_sessions += 1
-        session.history = []
+        s.history = []
 
-    def write_step(self, session: Session) -> None:
-        args, rng, group = self.args, self.rng, session.group
-        session.step += 1
-        last = session.step == session.rows_planned and session.completes
+    def weight_version(self) -> int | None:
+        """The version the LLM proxy would stamp on an answer now: it advances every
+        ``--weight-version-interval`` seconds, as a trainer's would; None when that is 0 (a proxy
+        that reports no version: env_state is NULL)."""
+        every = self.args.weight_version_interval
+        if every <= 0:
+            return None
+        return int((time.monotonic() - self.t0) / every)
+
+    def prompt(self, s: Session) -> list[dict[str, str]]:
+        """The prompt the model saw: the whole history, or with ``--message-cut N`` > 0 the system
+        message and the last 2N-1 messages."""
+        cut = self.args.message_cut
+        if cut <= 0:
+            return list(s.history)
+        return [s.history[0], *s.history[1:][-(2 * cut - 1) :]]
+
+    def write_step(self, s: Session, answered: int | bool | None = False) -> None:
+        """Hold the session's next row for the next flush. ``answered``: the version the model's
+        answer carried (with model calls), else the simulated one is used."""
+        a, rng, gr = self.args, self.rng, s.group
+        s.step += 1
+        last = s.step == s.rows_planned
+        terminal = last and s.completes
+        truncated = terminal and s.ending == LENGTH
         response = (
-            f"Thought: step {session.step}. "
+            f"Thought: step {s.step}. "
             + self.text.words(rng.uniform(40, 160))
-            + f"\nAction: act_{session.step}"
+            + ("" if truncated else f"\nAction: act_{s.step}")
         )
-        if last:
-            step_reward = session.terminal_reward
+        if terminal:
+            step_reward = 0.0 if truncated else s.terminal_reward
         else:
             step_reward = 0.0 if rng.random() < 0.85 else round(rng.uniform(0.0, 0.05), 4)
-        cumulative = session.cum_reward + step_reward
-        env_state = json.dumps({"weight_version": self.rows // WEIGHT_VERSION_EVERY})
-        messages = json.dumps(session.history, ensure_ascii=False)
-        flag = 1 if last else 0
+        cum = s.cum_reward + step_reward
+        version = self.weight_version() if answered is False else answered
+        if isinstance(version, bool):
+            version = None
+        if version is not None:
+            self.max_weight_version = version
+        trainable = terminal or a.message_cut > 0
+        flag = 1 if terminal else 0
+        self.batch.append(
+            (
+                s.session_id,
+                s.step,
+                gr.env_name,
+                LLM_MODEL,
+                gr.group_id,
+                a.job_id,
+                json.dumps(self.prompt(s), ensure_ascii=False),
+                response,
+                step_reward,
+                cum,
+                None if version is None else json.dumps({"weight_version": version}),
+                flag,
+                1 if truncated else 0,
+                flag,
+                1 if trainable else 0,
+            )
+        )
+        s.cum_reward = cum
+        self.rows += 1
+        self.trainable_rows += 1 if trainable else 0
+        s.history.append({"role": "assistant", "content": response})
+        s.history.append(
+            {"role": "user", "content": "Observation: " + self.text.words(rng.uniform(40, 200))}
+        )
+
+    def maybe_flush(self) -> None:
+        """Flush when --flush-rows rows are held or --flush-interval has passed (on a timer, as
+        the real launcher: rows are written while every running session waits for the model)."""
+        a = self.args
+        if (
+            len(self.batch) >= a.flush_rows
+            or time.monotonic() - self.last_flush >= a.flush_interval
+        ):
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the rows held so far in one transaction, stamped with the flush time (the real
+        launcher flushes up to 100 rows, or every 5 s)."""
+        with self.lock:  # workers add rows while the main thread flushes
+            self.last_flush = time.monotonic()
+            batch, self.batch = self.batch, []
+        if not batch:
+            return
 
         def insert(db: dbmod.Database) -> None:
             # a fresh timestamp per attempt: (session_id, step_id, created_at) is unique
-            row = (
-                session.session_id,
-                session.step,
-                group.env_name,
-                LLM_MODEL,
-                group.group_id,
-                args.job_id,
-                messages,
-                response,
-                step_reward,
-                cumulative,
-                env_state,
-                flag,
-                1 if (last and session.truncated) else 0,
-                flag,
-                1,
-                self.now(),
-            )
-            launcher_writes.insert_step(db, row)
+            created = self.now()
+            launcher_writes.insert_steps(db, [(*row, created) for row in batch])
 
-        self.write(insert, f"inserting step {session.step} of session {session.session_id}")
-        session.cum_reward = cumulative
-        self.rows += 1
-        session.history.append({"role": "assistant", "content": response})
-        session.history.append(
-            {"role": "user", "content": "Observation: " + self.text.words(rng.uniform(40, 200))}
-        )
+        self.write(insert, f"flushing {len(batch)} rows")
+        self.flushes += 1
 
     def progress(self, force: bool = False) -> None:
         if self.args.quiet:
@@ -271,75 +355,152 @@ class Simulator:
     def progress_line(self, rate: float) -> str:
         """The text of a progress line (``rate`` in rows/s)."""
         total = len(self.groups) * self.args.rl_group_size
-        done = self.completed_sessions + self.failed_sessions
+        done = self.completed_sessions + self.capped_sessions + self.failed_sessions
         return (
             f"simulate: job {self.args.job_id}: {self.rows} rows, sessions {done}/{total} done "
-            f"({self.completed_sessions} completed, {self.failed_sessions} failed), "
-            f"{rate:.0f} rows/s, weight_version {self.rows // WEIGHT_VERSION_EVERY}"
+            f"({self.completed_sessions} completed, {self.capped_sessions} at the step cap, "
+            f"{self.failed_sessions} failed), {rate:.0f} rows/s, "
+            f"weight_version {self.max_weight_version}"
         )
 
     def run(self) -> None:
-        args, rng = self.args, self.rng
+        a = self.args
         self.check_stop()
         self.ensure_tables()
         self.check_stop()
         self.plan()
         self.write_environments()
-        if not args.quiet:
+        if not a.quiet:
             print(
-                f"simulate: job {args.job_id}: {args.groups} groups x K={args.rl_group_size}, "
-                f"max {args.max_steps} steps, pool {args.pool_size}, pace {args.pace}s -> "
-                f"{self.connect().safe_url}",
+                f"simulate: job {a.job_id}: {a.groups} groups x K={a.rl_group_size}, max "
+                f"{a.max_steps} steps, message-cut {a.message_cut}, pool {a.pool_size}, pace "
+                f"{a.pace}s -> {self.connect().safe_url}",
                 flush=True,
             )
-        queue = deque(session for group in self.groups for session in group.sessions)
-        active: list[Session] = []
+        if a.llm_calls and a.llm_base_url:
+            self.model = ModelCalls(a.llm_base_url, a.llm_model, self.pause)
+        self.todo = deque(s for gr in self.groups for s in gr.sessions)
+        try:
+            if self.model is None:
+                self.run_serial()
+            else:
+                self.run_workers()
+        finally:
+            # a stop between two rows still writes what was held: never a row lost in memory
+            self.flush()
 
-        def fill() -> None:
-            while queue and len(active) < args.pool_size:
-                session = queue.popleft()
-                self.start(session)
-                if session.rows_planned == 0:  # crashed before its first step
-                    self.finish(session)
-                else:
-                    active.append(session)
-
-        fill()
+    def run_serial(self) -> None:
+        """No model calls: one thread writes a row of a random running session every --pace."""
+        self.fill()
         first = True
-        while active:
+        while self.active:
             self.check_stop()
-            if args.pace > 0 and not first:
-                self.pause(args.pace)
+            if self.args.pace > 0 and not first:
+                self.pause(self.args.pace)
             first = False
-            pick = rng.randrange(len(active))
-            session = active[pick]
-            self.write_step(session)
-            if session.step >= session.rows_planned:
-                active[pick] = active[-1]
-                active.pop()
-                self.finish(session)
-                fill()
+            self.step_one(self.rng.randrange(len(self.active)))
+            self.maybe_flush()
             self.progress()
 
+    def fill(self) -> None:
+        """Start sessions while the pool has room."""
+        while self.todo and len(self.active) < self.args.pool_size:
+            s = self.todo.popleft()
+            self.start(s)
+            if s.rows_planned == 0:  # failed before its first step
+                self.finish(s)
+            else:
+                self.active.append(s)
+
+    def step_one(self, j: int) -> None:
+        """One step of the j-th running session; a session done leaves the pool."""
+        s = self.active[j]
+        self.write_step(s)
+        if s.step >= s.rows_planned:
+            self.finish(s)
+            self.active[j] = self.active[-1]
+            self.active.pop()
+            self.fill()
+
+    def run_workers(self) -> None:
+        """With model calls: each running session on a thread of its own, as the launcher's pool
+        workers (a pacing gate may hold a session's first call; the others go on). The main
+        thread starts sessions, flushes on the timer and watches for a stop."""
+        running = 0
+        done: queue.Queue[Session] = queue.Queue()
+        while True:
+            while self.todo and running < self.args.pool_size:
+                s = self.todo.popleft()
+                with self.lock:
+                    self.start(s)
+                    if s.rows_planned == 0:  # failed before its first step
+                        self.finish(s)
+                        continue
+                running += 1
+                threading.Thread(
+                    target=self.session_worker, args=(s, done), name="simulate-session", daemon=True
+                ).start()
+            if not running and not self.todo:
+                return
+            self.check_stop()
+            try:
+                done.get(timeout=SLEEP_SLICE_S)
+                running -= 1
+            except queue.Empty:
+                pass
+            self.maybe_flush()
+            self.progress()
+
+    def session_worker(self, s: Session, done: queue.Queue[Session]) -> None:
+        """One session: for each step, a model call (retried; maybe held), then its row."""
+        assert self.model is not None
+        try:
+            while s.step < s.rows_planned:
+                answered = self.model.call(s.session_id, s.history)
+                with self.lock:
+                    self.write_step(s, answered)
+                if self.args.pace > 0:
+                    self.pause(self.args.pace)
+            with self.lock:
+                self.finish(s)
+        except SessionFailed:
+            with self.lock:
+                self.fail(s)
+        except Stop:
+            pass  # the main thread stops too, and flushes what is held
+        finally:
+            done.put(s)
+
+    def fail(self, s: Session) -> None:
+        """A model call answered a 4xx: the session fails for good (no terminal row)."""
+        self.model_failed += 1
+        s.ending = FAILED
+        self.finish(s)
+
     def summary(self, interrupted: bool) -> dict[str, Any]:
-        args = self.args
+        a = self.args
         elapsed = time.monotonic() - self.t0
         return {
-            "job_id": args.job_id,
+            "job_id": a.job_id,
             "groups": len(self.groups),
-            "k": args.rl_group_size,
-            "sessions": len(self.groups) * args.rl_group_size,
+            "k": a.rl_group_size,
+            "sessions": len(self.groups) * a.rl_group_size,
             "sessions_started": self.sessions_started,
             "rows": self.rows,
             "completed_sessions": self.completed_sessions,
             "failed_sessions": self.failed_sessions,
             "truncated_sessions": self.truncated_sessions,
-            "complete_groups": sum(
-                1 for group in self.groups if group.completed == args.rl_group_size
-            ),
-            "max_weight_version": max(self.rows - 1, 0) // WEIGHT_VERSION_EVERY,
-            "rl_epoch": args.rl_epoch,
-            "seed": args.seed,
+            "capped_sessions": self.capped_sessions,
+            "trainable_rows": self.trainable_rows,
+            "flushes": self.flushes,
+            "model_calls_failed": self.model_failed,
+            "model_call_retries": 0 if self.model is None else self.model.retries,
+            "message_cut": a.message_cut,
+            "max_steps": a.max_steps,
+            "complete_groups": sum(1 for gr in self.groups if gr.completed == a.rl_group_size),
+            "max_weight_version": self.max_weight_version,
+            "rl_epoch": a.rl_epoch,
+            "seed": a.seed,
             "interrupted": interrupted,
             "elapsed_s": round(elapsed, 3),
             "rows_per_s": round(self.rows / max(elapsed, 1e-9), 1),

@@ -90,17 +90,24 @@ class Text:
         return " ".join(out)
 
 
+# How a simulated session ends (SPEC §2, what the real launcher writes):
+DONE = "done"  # its environment ended it: a terminal row with the session's reward
+LENGTH = "length"  # the model's answer was cut by its length limit: terminal, truncated, reward 0
+CAPPED = "capped"  # it reached --max-steps first: no terminal row
+FAILED = "failed"  # its environment or model call failed for good: aborted, no terminal row
+ENDINGS = (DONE, LENGTH, CAPPED, FAILED)
+
+
 class Session:
     __slots__ = (
-        "completes",
         "cum_reward",
+        "ending",
         "group",
         "history",
         "rows_planned",
         "session_id",
         "step",
         "terminal_reward",
-        "truncated",
     )
 
     def __init__(self, group: Group, session_id: str) -> None:
@@ -109,10 +116,14 @@ class Session:
         self.history: list[dict[str, str]] = []
         self.step = 0
         self.rows_planned = 0
-        self.completes = True
-        self.truncated = False
+        self.ending = DONE
         self.terminal_reward = 0.0
         self.cum_reward = 0.0
+
+    @property
+    def completes(self) -> bool:
+        """It writes a terminal (completed) row: its group can use it."""
+        return self.ending in (DONE, LENGTH)
 
 
 class Group:

@@ -337,6 +337,13 @@ def stats() -> dict[str, Any]:
     return service().stats(conns())
 
 
+@bp.get("/admission")
+def admission() -> dict[str, Any]:
+    """How many more groups may start now without producing more than the trainer will take
+    within the staleness bound (issue 23)."""
+    return service().admission()
+
+
 @bp.get("/metrics")
 def metrics() -> Response:
     return Response(render_metrics(service()), mimetype="text/plain; version=0.0.4; charset=utf-8")

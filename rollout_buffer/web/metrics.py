@@ -50,6 +50,32 @@ class _Out:
         self.lines.append(f"{full}{{{text}}} {_fmt(value)}" if text else f"{full} {_fmt(value)}")
 
 
+def _waste(out: _Out, job: str, waste: dict[str, Any] | None) -> None:
+    """What generating the groups cost, served against discarded by reason (issue 23)."""
+    if not waste:
+        return
+    outcomes = [("served", "", waste["served"])] + [
+        ("discarded", r, g) for r, g in sorted(waste["discarded_by_reason"].items())
+    ]
+    for key, name, help_ in (
+        ("generation_s", "generation_seconds_total", "Sessions' generation seconds of the groups"),
+        ("groups", "generated_groups_total", "Groups generated"),
+        ("rows", "generated_rows_total", "Rows of the generated groups"),
+    ):
+        out.metric(
+            name,
+            "counter",
+            f"{help_}, served or discarded (by reason): the waste.",
+            [({"job_session": job, "outcome": o, "reason": r}, g[key]) for o, r, g in outcomes],
+        )
+    out.metric(
+        "discarded_generation_share",
+        "gauge",
+        "Share of the generation seconds that went to discarded groups.",
+        [({"job_session": job}, waste["discarded_share"]["generation_s"])],
+    )
+
+
 def render_metrics(service: Service) -> str:
     """The exposition text."""
     stats = service.stats(None)
@@ -147,6 +173,7 @@ def render_metrics(service: Service) -> str:
                     if figure[key] is not None
                 ],
             )
+        _waste(out, job, stats.get("waste"))
         redelivery = stats["redelivery"]
         out.metric(
             "redelivery_queued",

@@ -184,7 +184,8 @@ def test_export_of_served_dropped_and_rejected_rows(harness, writer, db_url, tmp
     trainer = _job(harness, writer)
     plain = _export_cli(db_url, tmp_path / "job.jsonl")
     gz = _export_cli(db_url, tmp_path / "job.jsonl.gz")
-    assert gzip.open(tmp_path / "job.jsonl.gz").read() == (tmp_path / "job.jsonl").read_bytes()
+    with gzip.open(tmp_path / "job.jsonl.gz") as unzipped:
+        assert unzipped.read() == (tmp_path / "job.jsonl").read_bytes()
     assert plain == gz
     assert [r["group_id"] for r in plain] == ["g-bad", "g-served-a", "g-served-b", "g-ttl", None]
     _check_against_db(db_url, plain, trainer)
@@ -547,3 +548,28 @@ def test_writing_back_a_file_that_is_not_an_export_is_an_error_not_a_traceback(l
             name,
             r.stderr,
         )
+
+
+def test_export_counts_what_generating_each_group_cost(harness_factory, db_url, tmp_path):
+    """Issues 22 and 23: every record says its generation seconds and rows, and names the sessions
+    that never wrote a trainable row (scheduled in job_environments, or only non-trainable rows)."""
+    from rollout_buffer.storage import launcher_sql as q
+
+    h = harness_factory(db_url, ttl_s=0.5)
+    h.start(k=2, job=JOB)
+    w = Writer(db_url, job=JOB)
+    try:
+        for sid in ("c-1", "c-2", "c-silent"):
+            w.db.execute(q.INSERT_ENV, (JOB, sid, "env", "{}", None, "g-cost", 0, 0, now_text()))
+        w.step("g-cost", "c-1", 1, trainable=False, created_at="2026-01-01 00:00:00+00:00")
+        w.step("g-cost", "c-1", 2, completed=True, created_at="2026-01-01 00:00:04+00:00")
+        w.step("g-cost", "c-2", 1, trainable=False, created_at="2026-01-01 00:00:01+00:00")
+        h.settle()
+        wait_until(lambda: h.stats()["groups"]["dropped"], 10, "the TTL drop")
+    finally:
+        w.close()
+    records = {r["group_id"]: r for r in _export_cli(db_url, tmp_path / "cost.jsonl")}
+    generation = records["g-cost"]["generation"]
+    assert generation["rows"] == 3 and generation["sessions"] == 3
+    assert generation["generation_s"] == 4.0  # c-1 from its first row to its last; c-2 one row
+    assert generation["sessions_without_trainable_row"] == ["c-2", "c-silent"]

@@ -56,10 +56,10 @@ def parse_prometheus(text: str) -> dict[str, dict]:
         if fam["type"] == "counter":
             assert all(v >= 0 for _, _, v in fam["samples"]), name
         if fam["type"] == "histogram":
-            buckets = [(l["le"], v) for n, l, v in fam["samples"] if n.endswith("_bucket")]
+            buckets = [(lab["le"], v) for n, lab, v in fam["samples"] if n.endswith("_bucket")]
             values = [v for _, v in buckets]
             assert values == sorted(values) and buckets[-1][0] == "+Inf"
-            count = [v for n, _, v in fam["samples"] if n.endswith("_count")][0]
+            count = next(v for n, _, v in fam["samples"] if n.endswith("_count"))
             assert buckets[-1][1] == count
     return families
 
@@ -78,15 +78,18 @@ def test_metrics_parse_and_agree_with_stats(harness, writer):
     def value(name, **labels):
         full = "rollout_buffer_" + name
         family = fams.get(full) or fams[re.sub(r"_(sum|count|bucket)$", "", full)]
-        for n, l, v in family["samples"]:
-            if n == full and all(l.get(k) == str(x) for k, x in labels.items()):
+        for n, sample_labels, v in family["samples"]:
+            if n == full and all(sample_labels.get(k) == str(x) for k, x in labels.items()):
                 return v
         raise KeyError(name)
 
     assert value("rows_read_total", job_session="job1") == stats["rows"]["read"] == 6
     # Prometheus owns the job and instance labels (a scraped one is renamed exported_job)
     assert not [
-        (n, l) for f in fams.values() for n, l, _ in f["samples"] if {"job", "instance"} & set(l)
+        (n, lab)
+        for f in fams.values()
+        for n, lab, _ in f["samples"]
+        if {"job", "instance"} & set(lab)
     ]
     assert value("rows_served_total") == 4 and value("rows_pending") == 2
     assert value("groups", state="pending") == 1
@@ -112,6 +115,7 @@ def authed(lite_url, harness_factory):
         ("post", "/stop_rollout"),
         ("get", "/stats"),
         ("get", "/metrics"),
+        ("get", "/admission"),
     ],
 )
 def test_auth_required_everywhere_but_health(authed, method, path):

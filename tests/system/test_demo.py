@@ -3,11 +3,13 @@ trainer."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,91 @@ def test_demo_with_policies_shows_their_counts(tmp_path: Path) -> None:
     assert int(m.group(3)) > 0, out
     assert re.search(r"accounting balanced\s+yes", out), out
     assert re.search(r"checks\s+passed", out), out
+
+
+def _demo(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES)}
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_buffer", "demo", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        **kw,  # type: ignore[call-overload]
+    )
+
+
+@pytest.mark.slow
+def test_demo_explains_its_drops_shows_the_page_and_removes_its_temporary_directory() -> None:
+    """Issue 22: the demo says what happens, prints the status page's URL, explains each drop
+    reason in the summary, and leaves no work directory behind unless --workdir names one."""
+    proc = _demo("--groups", "6", "--k", "3", "--pace", "0.001", "--seed", "2", "--timeout", "100")
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{proc.stderr}"
+    assert "What happens:" in out
+    page = re.search(r"status page\s+(http://127\.0\.0\.1:\d+/)", out)
+    assert page, out
+    dropped = re.search(r"dropped groups\s+(\d+)\s+\((\w+) (\d+)\)", out)
+    assert dropped and int(dropped.group(1)) > 0, out
+    reason = dropped.group(2)
+    # every reason counted is explained in words, not only named
+    assert re.search(rf"why groups were dropped\n\s+\d+ {reason}: .*step cap", out), out
+    workdir = re.search(r"work dir (\S+)", out).group(1)
+    assert not os.path.exists(workdir), f"the temporary work directory {workdir} was left behind"
+    assert f"removed the work directory {workdir}" in out
+
+
+@pytest.mark.slow
+def test_demo_keep_leaves_the_server_up_until_ctrl_c(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES)}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rollout_buffer",
+            "demo",
+            "--groups",
+            "3",
+            "--k",
+            "2",
+            "--pace",
+            "0.001",
+            "--keep",
+            "--workdir",
+            str(tmp_path / "kept"),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ctrl-C stops it" in line:
+                break
+        out = "".join(lines)
+        assert "Ctrl-C stops it" in out, out
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", out).group(1))
+        # after the summary the server still answers
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:
+            assert json.loads(resp.read())["status"] in ("healthy", "degraded")
+        proc.send_signal(2)  # SIGINT, as Ctrl-C
+        proc.wait(timeout=30)
+        assert proc.returncode == 0, proc.stderr.read() if proc.stderr else ""
+        for line in proc.stdout:  # the rest, so nothing is left unread
+            lines.append(line)
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, "the server outlived Ctrl-C"
+        assert (tmp_path / "kept" / "demo.db").exists(), "--workdir is kept"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()

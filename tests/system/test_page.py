@@ -141,6 +141,15 @@ def _check_figures(driver: Any, doc: dict) -> None:
     assert _text(driver, "launcher") == "not running"
     assert _text(driver, "lag") == "0"
     assert _text(driver, "proxy").startswith("0 sessions")
+    # sessions: every one the service knows, those that never wrote a trainable row too
+    sessions = s["sessions"]
+    assert _text(driver, "sessions-known") == str(sessions["known"]) != "0"
+    assert _text(driver, "sessions-without") == str(sessions["without_trainable_row"])
+    assert _text(driver, "sessions-no-result") == str(sessions["ended_without_result"])
+    # the waste: served against discarded generation, and its share
+    waste = s["waste"]
+    assert _text(driver, "waste-served").startswith(f"{waste['served']['groups']} groups")
+    assert _text(driver, "waste-share").endswith("%")
     rows = driver.find_elements("css selector", "#batches tr")
     assert len(rows) == 1
     cells = [c.text for c in rows[0].find_elements("tag name", "td")]

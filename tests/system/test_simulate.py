@@ -115,14 +115,72 @@ def read_envs(url: str, job: str) -> list[dict[str, Any]]:
         return db.fetchall("SELECT * FROM job_environments WHERE job_id = ? ORDER BY id", (job,))
 
 
+def check_session_rows(
+    srows: list[dict[str, Any]], job: str, backend: str, message_cut: int, versions: bool
+) -> None:
+    """One session's rows, in step order: flags, rewards, the prompt the model saw, versions and
+    timestamps as SPEC §2 says the real launcher writes them."""
+    cum = 0.0
+    history: list[Any] = []
+    prev_response = None
+    for r in srows:
+        terminal = int(r["is_terminal"]) == 1
+        assert int(r["is_trainable"]) == (1 if message_cut > 0 or terminal else 0), (
+            "message-cut <= 0: only the terminal row is trainable; > 0: every row"
+        )
+        assert r["llm_model"] == "simulated" and r["job_id"] == job
+        cum += r["step_reward"]
+        assert abs(r["reward"] - cum) < 1e-6, "reward is the running sum of step_reward"
+        msgs = json.loads(r["messages"])
+        assert isinstance(msgs, list) and all(isinstance(m, dict) for m in msgs)
+        if not history:
+            assert [m["role"] for m in msgs] == ["system", "user"]
+            history = msgs
+        else:
+            history = [
+                *history,
+                {"role": "assistant", "content": prev_response},
+                {"role": "user", "content": msgs[-1]["content"]},
+            ]
+            assert msgs[-1]["role"] == "user"
+            expected = (
+                history
+                if message_cut <= 0
+                else [history[0], *history[1:][-(2 * message_cut - 1) :]]
+            )
+            assert msgs == expected, "the prompt the model saw (SPEC §2, --message-cut)"
+        prev_response = r["response"]
+        assert isinstance(r["response"], str) and r["response"]
+        if versions:
+            state = json.loads(r["env_state"])
+            assert isinstance(state, dict) and type(state["weight_version"]) is int
+        else:
+            assert r["env_state"] is None, "no version unless --weight-version-interval"
+        created = r["created_at"]
+        if backend == "sqlite":
+            assert isinstance(created, str) and "+00:00" in created, created
+            created = datetime.fromisoformat(created)
+        assert isinstance(created, datetime) and created.utcoffset() is not None
+        if int(r["is_session_completed"]) == 0:
+            assert int(r["is_terminal"]) == 0 and int(r["is_truncated"]) == 0
+
+
 def check_invariants(
-    url: str, job: str, summary: dict[str, Any], k: int, max_steps: int
+    url: str,
+    job: str,
+    summary: dict[str, Any],
+    k: int,
+    max_steps: int,
+    message_cut: int = 0,
+    versions: bool = False,
 ) -> dict[str, Any]:
-    """Assert SPEC §2 on a job's rows; return per-session facts."""
+    """Assert SPEC §2 (what the real launcher writes, step by step) on a job's rows; return
+    per-session facts."""
     rows = read_rows(url, job)
     envs = read_envs(url, job)
     backend = "sqlite" if url.startswith("sqlite") else "postgres"
     assert len(rows) == summary["rows"]
+    assert sum(int(r["is_trainable"]) for r in rows) == summary["trainable_rows"]
 
     by_session: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
@@ -135,11 +193,12 @@ def check_invariants(
     for e in envs:
         sessions_per_group[e["group_id"]] += 1
         json.loads(e["env_params"])
+        assert int(e["finished"]) == 0, "the launcher never sets finished"
     assert len(sessions_per_group) == summary["groups"]
     assert set(sessions_per_group.values()) == {k}
 
     completed_per_group: dict[str, int] = defaultdict(int)
-    completed = truncated = 0
+    completed = truncated = capped = 0
     for sid, srows in by_session.items():
         uuid.UUID(sid)
         assert sid in env_group, "a row for a session that was never scheduled"
@@ -152,34 +211,7 @@ def check_invariants(
         assert sum(flags) <= 1 and flags[:-1] == [0] * (len(srows) - 1), (
             "completed only on the last row"
         )
-        cum = 0.0
-        prev_messages: list[Any] | None = None
-        prev_response = None
-        for r in srows:
-            assert int(r["is_trainable"]) == 1
-            assert r["llm_model"] == "simulated" and r["job_id"] == job
-            cum += r["step_reward"]
-            assert abs(r["reward"] - cum) < 1e-6, "reward is the running sum of step_reward"
-            msgs = json.loads(r["messages"])
-            assert isinstance(msgs, list) and all(isinstance(m, dict) for m in msgs)
-            if prev_messages is None:
-                assert [m["role"] for m in msgs] == ["system", "user"]
-            else:
-                n = len(prev_messages)
-                assert msgs[:n] == prev_messages, "messages grow by extension"
-                assert msgs[n] == {"role": "assistant", "content": prev_response}
-                assert len(msgs) == n + 2 and msgs[n + 1]["role"] == "user"
-            prev_messages, prev_response = msgs, r["response"]
-            assert isinstance(r["response"], str) and r["response"]
-            state = json.loads(r["env_state"])
-            assert isinstance(state, dict) and type(state["weight_version"]) is int
-            created = r["created_at"]
-            if backend == "sqlite":
-                assert isinstance(created, str) and "+00:00" in created, created
-                created = datetime.fromisoformat(created)
-            assert isinstance(created, datetime) and created.utcoffset() is not None
-            if int(r["is_session_completed"]) == 0:
-                assert int(r["is_terminal"]) == 0 and int(r["is_truncated"]) == 0
+        check_session_rows(srows, job, backend, message_cut, versions)
         last = srows[-1]
         if int(last["is_session_completed"]):
             assert int(last["is_terminal"]) == 1
@@ -187,27 +219,39 @@ def check_invariants(
             completed_per_group[last["group_id"]] += 1
             if int(last["is_truncated"]):
                 truncated += 1
-                assert last["step_id"] == max_steps, "truncated sessions hit the step cap"
+                assert last["step_reward"] == 0.0, "an answer cut by its length limit: reward 0"
+        elif len(srows) == max_steps:
+            capped += 1  # reached the step cap: no terminal row
     assert completed == summary["completed_sessions"]
     assert truncated == summary["truncated_sessions"]
-    assert summary["completed_sessions"] + summary["failed_sessions"] == summary["sessions"]
-    # Sessions that crashed before their first step have no rows at all.
+    assert capped == summary["capped_sessions"]
+    assert (
+        summary["completed_sessions"] + summary["failed_sessions"] + summary["capped_sessions"]
+        == summary["sessions"]
+    )
+    # Sessions that failed before their first step have no rows at all.
     assert len(by_session) <= summary["sessions"]
     complete_groups = sum(1 for n in completed_per_group.values() if n == k)
     assert complete_groups == summary["complete_groups"]
-    # Terminal rewards are distinct within a group.
+    # Terminal rewards are distinct within a group (a truncated session's is 0).
     terminal: dict[str, list[float]] = defaultdict(list)
     for srows in by_session.values():
-        if int(srows[-1]["is_session_completed"]):
+        if int(srows[-1]["is_session_completed"]) and not int(srows[-1]["is_truncated"]):
             terminal[srows[-1]["group_id"]].append(srows[-1]["step_reward"])
     for rewards in terminal.values():
         assert len(set(rewards)) == len(rewards)
-    wv = [json.loads(r["env_state"])["weight_version"] for r in rows]
+    # Rows are flushed in batches: each flush is one created_at, at most --flush-rows rows.
+    per_flush: dict[Any, int] = defaultdict(int)
+    for r in rows:
+        per_flush[r["created_at"]] += 1
+    assert len(per_flush) == summary["flushes"] and max(per_flush.values()) <= 100
+    wv = [json.loads(r["env_state"])["weight_version"] for r in rows if r["env_state"]]
     assert wv == sorted(wv) or backend == "postgres"
     return {
+        "max_weight_version": max(wv, default=None),
         "group_ids": set(sessions_per_group),
         "sessions_with_rows": len(by_session),
-        "max_weight_version": max(wv, default=0),
+        "flush_sizes": sorted(per_flush.values()),
     }
 
 
@@ -224,6 +268,8 @@ def test_rows_satisfy_spec_invariants(db_url: str) -> None:
         "--groups",
         "8",
         "--fail-rate",
+        "0",
+        "--cap-rate",
         "0",
         "--truncate-rate",
         "0.3",
@@ -257,7 +303,54 @@ def test_rows_satisfy_spec_invariants(db_url: str) -> None:
     assert not fc["group_ids"] & fa["group_ids"]
 
 
+def test_step_capped_sessions_and_the_message_cut(tmp_path: Path) -> None:
+    """Under --message-cut 0 a session that reaches --max-steps writes rows, none trainable (its
+    group can never complete); under --message-cut 2 every row is trainable and holds the system
+    message and the last 3 messages."""
+    url = "sqlite://" + str(tmp_path / "cap.db")
+    common = ["--groups", "6", "--rl-group-size", "4", "--max-steps", "5", "--quiet"]
+    capped = ["--cap-rate", "0.5", "--fail-rate", "0", "--truncate-rate", "0", "--seed", "4"]
+    a, _ = run_sim(url, "job-cut0", *common, *capped)
+    check_invariants(url, "job-cut0", a, 4, 5)
+    assert a["capped_sessions"] > 0 and a["complete_groups"] < 6
+    rows = read_rows(url, "job-cut0")
+    assert a["trainable_rows"] == a["completed_sessions"], "one trainable row per session"
+    by_session: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_session[r["session_id"]].append(r)
+    capped_sessions = [s for s in by_session.values() if not int(s[-1]["is_terminal"])]
+    assert capped_sessions and all(len(s) == 5 for s in capped_sessions)
+    assert all(int(r["is_trainable"]) == 0 for s in capped_sessions for r in s)
+
+    b, _ = run_sim(url, "job-cut2", *common, *capped, "--message-cut", "2")
+    check_invariants(url, "job-cut2", b, 4, 5, message_cut=2)
+    assert b["trainable_rows"] == b["rows"]
+
+
+def test_rows_are_flushed_in_batches(tmp_path: Path) -> None:
+    """Up to --flush-rows rows a transaction, all with the flush's created_at."""
+    url = "sqlite://" + str(tmp_path / "flush.db")
+    summary, _ = run_sim(
+        url,
+        "job-flush",
+        "--groups",
+        "10",
+        "--rl-group-size",
+        "4",
+        "--seed",
+        "5",
+        "--quiet",
+        "--flush-rows",
+        "30",
+    )
+    facts = check_invariants(url, "job-flush", summary, 4, 10)
+    sizes = facts["flush_sizes"]
+    assert summary["flushes"] == len(sizes) >= 2 and max(sizes) == 30
+    assert sum(sizes) == summary["rows"]
+
+
 def test_weight_version_rises_and_progress_is_printed(tmp_path: Path) -> None:
+    """The simulator plays the proxy's part: the version advances every interval."""
     url = "sqlite://" + str(tmp_path / "wv.db")
     summary, out = run_sim(
         url,
@@ -272,16 +365,16 @@ def test_weight_version_rises_and_progress_is_printed(tmp_path: Path) -> None:
         "0",
         "--seed",
         "3",
+        "--pace",
+        "0.002",
+        "--flush-rows",
+        "10",
+        "--weight-version-interval",
+        "0.05",
     )
     assert "simulate: job job-wv" in out
-    facts = check_invariants(url, "job-wv", summary, 4, 4)
-    assert summary["rows"] > 100
-    assert (
-        facts["max_weight_version"]
-        == summary["max_weight_version"]
-        == (summary["rows"] - 1) // 50
-        >= 2
-    )
+    facts = check_invariants(url, "job-wv", summary, 4, 4, versions=True)
+    assert facts["max_weight_version"] == summary["max_weight_version"] >= 2
 
 
 def test_bare_path_and_missing_required_flag(tmp_path: Path) -> None:

@@ -1,0 +1,220 @@
+"""Every session of the job, including those that never write a trainable row (issue 22).
+
+Under the original's ``--message-cut 0`` only a session's terminal row is trainable. A session
+that reaches ``--max-steps`` without its environment ending it, or that fails for good, writes no
+terminal row, so the trainable rows alone never show it: its group waited for the TTL, and only
+the sessions that finished were cleared at the proxy. The launcher lists every session and its
+group in ``job_environments`` when it starts, and writes every step, trainable or not; the census
+learns the sessions from both (never reading a message) and says which groups can no longer
+reach K.
+
+It also measures what generating each group cost (issue 23): a session's generation seconds run
+from its first sign (its first model call through the pacing gate when pacing is on, else its
+first row of any kind) to its last row, on the buffer's monotonic clock; when the group is decided
+its sessions' seconds and rows go to ``served`` or to ``discarded`` under the decision's reason.
+
+Owns: the job's sessions by group, the sessions seen with a trainable row, the sessions that ended
+without a result, and the generation figures. It must not do I/O nor decide: the accumulator
+drops the groups it names, under the accumulator's lock (the census has no lock of its own).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple, TypeGuard
+
+# A group one of whose sessions ended without a result, so that it can never reach K.
+SESSION_WITHOUT_RESULT = "session_without_result"
+SPANS_KEPT = 200
+STALL_FACTOR = 3.0  # idle this many times the 90th percentile of the spans: stalled
+STALL_MIN_S = 2.0
+
+
+class StepFact(NamedTuple):
+    """The metadata of one launcher row that the census needs (never its messages)."""
+
+    session_id: str
+    group_id: str | None  # unchecked: a rejected row may have none (observe skips it)
+    step_id: int | None
+    terminal: bool
+
+
+@dataclass
+class Generated:
+    """What generating some groups cost: groups, sessions, rows and generation seconds."""
+
+    groups: int = 0
+    sessions: int = 0
+    rows: int = 0
+    generation_s: float = 0.0
+
+    def add(self, sessions: int, rows: int, seconds: float) -> None:
+        self.groups += 1
+        self.sessions += sessions
+        self.rows += rows
+        self.generation_s += seconds
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "groups": self.groups,
+            "sessions": self.sessions,
+            "rows": self.rows,
+            "generation_s": round(self.generation_s, 3),
+        }
+
+
+class Census:
+    """The sessions of one job and how they ended (see the module docstring)."""
+
+    def __init__(self, max_steps: int | None) -> None:
+        self.max_steps = max_steps
+        self.started: set[str] = set()  # groups with a sign of life (a row, or a gate call)
+        # session -> [first sign, last row, rows] on the monotonic clock, until its group is decided
+        self.timing: dict[str, list[float]] = {}
+        self.served = Generated()
+        self.discarded: defaultdict[str, Generated] = defaultdict(Generated)
+        # how long groups took from their first trainable row to ready (the last completions)
+        self.spans: deque[float] = deque(maxlen=SPANS_KEPT)
+        self.reached_k = 0  # groups that became ready
+        self.stalled: set[str] = set()  # groups seen stalled (a session failed for good)
+        self.group_sessions: defaultdict[str, set[str]] = defaultdict(set)
+        self.session_group: dict[str, str] = {}
+        self.scheduled: set[str] = set()  # listed in job_environments
+        self.trainable: set[str] = set()  # wrote at least one trainable row
+        self.without_result: set[str] = set()  # ended without a terminal row
+
+    def schedule(self, sessions: Iterable[tuple[str, str]]) -> None:
+        """Sessions listed in ``job_environments``: (session_id, group_id)."""
+        for session_id, group_id in sessions:
+            if _text(session_id) and _text(group_id):
+                self.scheduled.add(session_id)
+                self._know(session_id, group_id)
+
+    def observe(self, facts: Iterable[StepFact], *, trainable: bool, now: float) -> set[str]:
+        """Rows of the job (trainable or not); the groups that just got a session without a
+        result."""
+        doomed: set[str] = set()
+        for fact in facts:
+            if not (_text(fact.session_id) and _text(fact.group_id)):
+                continue  # the accumulator rejects such rows; the census cannot place them
+            self._know(fact.session_id, fact.group_id)
+            self.started.add(fact.group_id)
+            timing = self.timing.get(fact.session_id)
+            if timing is None:
+                self.timing[fact.session_id] = [now, now, 1.0]
+            else:
+                timing[1] = now
+                timing[2] += 1
+            if trainable:
+                self.trainable.add(fact.session_id)
+            if self._capped(fact) and fact.session_id not in self.without_result:
+                self.without_result.add(fact.session_id)
+                doomed.add(fact.group_id)
+        return doomed
+
+    def first_call(self, session_id: str, now: float) -> str | None:
+        """A session's first model call through the pacing gate: its first sign. Returns its
+        group (None when job_environments has not listed it)."""
+        group_id = self.session_group.get(session_id)
+        if group_id is not None:
+            self.started.add(group_id)
+        self.timing.setdefault(session_id, [now, now, 0.0])
+        return group_id
+
+    def settle(self, group_id: str, outcome: str) -> None:
+        """The group was decided (``served``, or dropped with reason ``outcome``): its sessions'
+        generation figures go to that outcome and are forgotten."""
+        seconds = 0.0
+        rows = 0
+        sessions = self.group_sessions.get(group_id, set())
+        for session_id in sessions:
+            timing = self.timing.pop(session_id, None)
+            if timing is not None:
+                seconds += timing[1] - timing[0]
+                rows += int(timing[2])
+        self.started.discard(group_id)
+        target = self.served if outcome == "served" else self.discarded[outcome]
+        target.add(len(sessions), rows, seconds)
+
+    def waste(self) -> dict[str, object]:
+        """Served against discarded groups, by reason, with the share discarded."""
+        discarded = Generated()
+        for g in self.discarded.values():
+            discarded.groups += g.groups
+            discarded.sessions += g.sessions
+            discarded.rows += g.rows
+            discarded.generation_s += g.generation_s
+        total_groups = self.served.groups + discarded.groups
+        total_s = self.served.generation_s + discarded.generation_s
+        return {
+            "served": self.served.as_dict(),
+            "discarded": discarded.as_dict(),
+            "discarded_by_reason": {r: g.as_dict() for r, g in sorted(self.discarded.items())},
+            "discarded_share": {
+                "groups": round(discarded.groups / total_groups, 4) if total_groups else 0.0,
+                "generation_s": round(discarded.generation_s / total_s, 4) if total_s else 0.0,
+            },
+        }
+
+    def completed_in(self, seconds: float) -> None:
+        """A group became ready ``seconds`` after its first trainable row."""
+        self.spans.append(max(0.0, seconds))
+        self.reached_k += 1
+
+    def completion_rate(self) -> float | None:
+        """The share of the groups that ended (ready, or stalled) that reached K; None until
+        twenty did."""
+        ended = self.reached_k + len(self.stalled)
+        return None if ended < 20 else self.reached_k / ended
+
+    def stall_after(self) -> float:
+        """Idle seconds after which a pending group is taken for stalled (one of its sessions
+        failed for good); infinite until groups have completed."""
+        if len(self.spans) < 5:
+            return float("inf")
+        ordered = sorted(self.spans)
+        p90 = ordered[int(0.9 * (len(ordered) - 1))]
+        return max(STALL_MIN_S, STALL_FACTOR * p90)
+
+    def sessions_of(self, group_id: str) -> set[str]:
+        """Every session the census knows for the group."""
+        return self.group_sessions.get(group_id, set())
+
+    def cannot_complete(self, group_id: str, k: int) -> bool:
+        """Fewer than K of the group's sessions can still end with a result."""
+        sessions = self.group_sessions.get(group_id)
+        if not sessions:
+            return False
+        failed = len(sessions & self.without_result)
+        return failed > 0 and max(len(sessions), k) - failed < k
+
+    def stats(self) -> dict[str, int]:
+        """Counts for /stats, the page and the export."""
+        known = len(self.session_group)
+        return {
+            "known": known,
+            "scheduled": len(self.scheduled),
+            "with_trainable_row": len(self.trainable),
+            "without_trainable_row": known - len(self.trainable),
+            "ended_without_result": len(self.without_result),
+        }
+
+    def _know(self, session_id: str, group_id: str) -> None:
+        if session_id not in self.session_group:
+            self.session_group[session_id] = group_id
+            self.group_sessions[group_id].add(session_id)
+
+    def _capped(self, fact: StepFact) -> bool:
+        """A row at the step cap that is not terminal: its session ended without a result."""
+        return (
+            not fact.terminal
+            and self.max_steps is not None
+            and fact.step_id is not None
+            and fact.step_id >= self.max_steps
+        )
+
+
+def _text(value: object) -> TypeGuard[str]:
+    return isinstance(value, str) and bool(value)

@@ -1,0 +1,146 @@
+"""Pacing the producers (issue 23): the admission budget of the active job, and the gate that
+enforces it on the launcher when ``ROLLOUT_BUFFER_PACING=gate``.
+
+The budget is always computed and published (``GET /admission``), pacing on or off. With the gate
+on, the service hands the launcher the gate's URL as ``--llm-base-url`` and
+``AIEVOBOX_LLM_MAX_CONCURRENCY=0`` (see :mod:`rollout_buffer.launcher.launcher`), and the gate
+asks :meth:`Pacing.may_start` at each session's first model call.
+
+What the operator gives up with the gate on: sessions of groups not admitted wait at their first
+model call (their environment was reset 0.1-5 s before, and stays so); a launcher configured with
+its own LLM concurrency limit loses it; model calls take one more local hop.
+
+Owns: the :class:`~rollout_buffer.core.admission.Admission` of the active job (a new one for each
+job) and the gate's lifecycle. It must not decide groups: it reads the accumulator's figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from rollout_buffer.core.admission import Admission
+from rollout_buffer.core.config import Config
+from rollout_buffer.runtime.gate import Gate
+from rollout_buffer.runtime.jobs import Jobs
+
+logger = logging.getLogger(__name__)
+
+# A first call of a session that job_environments has not shown yet waits this long for the
+# census to read it (the launcher lists its sessions when it starts, before any call); after
+# that the session is let through unpaced rather than held for good.
+UNKNOWN_SESSION_WAIT_S = 10.0
+
+
+class Pacing:
+    """The admission budget, and the gate when pacing is on."""
+
+    def __init__(self, config: Config, jobs: Jobs) -> None:
+        self.config = config
+        self.jobs = jobs
+        self._lock = threading.Lock()
+        self._job: str | None = None
+        self._admission = self._new_admission()
+        self._unknown_since: dict[str, float] = {}
+        self.gate: Gate | None = None
+        if config.pacing == "gate":
+            assert config.proxy_url is not None  # Config refuses gate pacing without a proxy
+            self.gate = Gate(
+                host="127.0.0.1",
+                port=config.gate_port or config.port + 1,
+                upstream=config.proxy_url,
+                may_start=self.may_start,
+                running=self.running,
+                on_hold=lambda delta: self.admission.holding(delta),
+            )
+
+    def _new_admission(self) -> Admission:
+        c = self.config
+        return Admission(
+            staleness=c.pacing_staleness,
+            batch_groups=c.pacing_batch_groups,
+            policy_staleness=c.policy.max_off_policy,
+            idle_gap_s=c.pacing_idle_gap_s,
+        )
+
+    @property
+    def admission(self) -> Admission:
+        """The active job's admission (a new job starts a new one)."""
+        js = self.jobs.current
+        job = None if js is None else js.job_id
+        with self._lock:
+            if job != self._job:
+                self._job = job
+                self._admission = self._new_admission()
+            return self._admission
+
+    def start(self) -> None:
+        if self.gate is not None:
+            self.gate.start()
+            logger.info("pacing gate on 127.0.0.1:%d, forwarding to the LLM proxy", self.gate.port)
+
+    def close(self) -> None:
+        if self.gate is not None:
+            self.gate.close()
+
+    def took(self, groups: int) -> None:
+        """A poll served ``groups`` groups: the trainer's demand (B is learned from it), and held
+        first calls ask again."""
+        self.admission.took(groups)
+        if self.gate is not None:
+            self.gate.poke()
+
+    def may_start(self, session_id: str) -> bool:
+        """The gate asks at a session's first model call. No active job: never held."""
+        js = self.jobs.current
+        if js is None:
+            return True
+        admission = self.admission
+        # counted before this call marks its group started: a group never waits for itself
+        progress = js.acc.progress(admission.admitted)
+        admission.completion_rate = js.acc.completion_rate()
+        in_progress = sum(v for k, v in progress.items() if k != "stalled")
+        group, started = js.acc.group_of(session_id)
+        if group is None:
+            since = self._unknown_since.setdefault(session_id, time.monotonic())
+            if time.monotonic() - since < UNKNOWN_SESSION_WAIT_S:
+                return False  # the census reads job_environments at the next tick
+            logger.warning(
+                "session %r is not in job_environments: its calls are not paced", session_id
+            )
+        self._unknown_since.pop(session_id, None)
+        version = js.acc.current_version
+        if not admission.ask(group, in_progress, started=started, current_version=version):
+            return False
+        js.acc.first_call(session_id)  # through the gate: the session's first sign
+        return True
+
+    def running(self, session_id: str) -> None:
+        """A session seen mid-way (the service restarted under it): its group is admitted."""
+        js = self.jobs.current
+        if js is None:
+            return
+        group, _started = js.acc.group_of(session_id)
+        self.admission.admit(group)
+        js.acc.first_call(session_id)
+
+    def report(self) -> dict[str, Any]:
+        """``GET /admission``."""
+        js = self.jobs.current
+        admission = self.admission
+        if js is None:
+            progress = {"running": 0, "pending": 0, "ready": 0, "built": 0, "stalled": 0}
+            version = None
+        else:
+            progress = js.acc.progress(admission.admitted)
+            admission.completion_rate = js.acc.completion_rate()
+            version = js.acc.current_version
+        doc = admission.report(progress, version)
+        doc["pacing"] = self.config.pacing
+        doc["job_session"] = None if js is None else js.job_id
+        gate = doc["gate"]
+        if self.gate is not None and isinstance(gate, dict):
+            gate.update(self.gate.stats())
+        return doc
