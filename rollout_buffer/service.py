@@ -74,8 +74,8 @@ class Service:
         self.jobs = Jobs(config, self.outbox, clock=clock)
         self.health_state = Health(config, clock)
         self.instance_id = uuid.uuid4().hex
-        # on a role change, the loop follows it now and a waiting poll answers from the new role
-        self.lease = Lease(config, self.instance_id, on_change=self.signals.role_changed)
+        self.lease = Lease(config, self.instance_id, on_change=self._lease_changed)
+        self.on_refused: Callable[[], None] = lambda: None  # gunicorn_conf: the worker stops
         self.launcher = Launcher(config, self.supervisor, self.instance_id)
         self.history = History()  # recent rates and batches, for the status page
         self.serving = Serving(
@@ -123,6 +123,13 @@ class Service:
         self.pacing = Pacing(config, self.jobs)  # the admission budget, and the gate when on
         self._started = False
         self._closed = False
+
+    def _lease_changed(self) -> None:
+        """(The lease's thread.) On a role change the loop follows it now and a waiting poll answers
+        from the new role; an unnamed instance refused next to a live owner stops."""
+        self.signals.role_changed()
+        if self.lease.refused:
+            self.on_refused()
 
     @property
     def current(self) -> JobState | None:

@@ -44,12 +44,15 @@ import hostile_rows
 import requests
 from fakes.fake_proxy import FakeProxy
 from servers import ROOT, Server, log_tail
+from support import paused_in_fence
 
 from rollout_buffer.launcher.procfs import group_members
 
 WRITER = Path(__file__).resolve().parent / "fakes" / "fault_writer.py"
 JOB = "fjob"
 OTHER_JOB = "fjob-other"  # rows of another job with the same group ids: never read
+# past the service's idle-transaction timeout (0.8 of the default 10 s lease)
+PAUSE_IN_FENCE_S = 8.5
 BASE_TIME = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
 DEEP = 2000  # JSON nesting depth of the deep rows (json.loads recurses ~1 level per frame)
 MALFORMED_KINDS = {
@@ -810,9 +813,10 @@ class Run:
             self.plans.append(plan)
         write_s = max(plan_duration(p) for p in self.plans)
         # the fault schedule, all drawn before anything runs
-        must = ["in_poll", "after_build"] + (["in_hold"] if self.s.backend == "postgres" else [])
+        pg_only = ["in_hold", "pause_in_fence"] if self.s.backend == "postgres" else []
+        must = ["in_poll", "after_build", *pg_only]
         modes = must + [
-            self.rng.choice(["idle", "in_poll", "after_build", *must[2:]])
+            self.rng.choice(["idle", "in_poll", "after_build", *pg_only[:1]])
             for _ in range(self.s.kills - len(must))
         ]
         self.rng.shuffle(modes)
@@ -885,6 +889,13 @@ class Run:
         trainer = self.trainer
         pgid = self.srv.proc.pid
         note = mode
+        if mode == "pause_in_fence":
+            # SIGSTOP inside a fenced transaction, past its idle-transaction timeout: the server
+            # ends that backend (its locks go); woken, the service must carry on from the database
+            with paused_in_fence(self.url, JOB, pgid) as caught:
+                time.sleep(PAUSE_IN_FENCE_S if caught else 0.0)
+            self.out.kills.append(f"{mode}({'paused' if caught else 'no fenced save seen'})")
+            return
         if mode == "idle":
             self._kill9(pgid)
         elif mode == "in_hold":

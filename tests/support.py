@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import pty
+import signal
 import subprocess
 import sys
 import time
@@ -303,3 +304,45 @@ def run_on_a_terminal(
     finally:
         os.close(master)
     return proc.returncode, got.decode("utf-8", "replace"), piped.decode("utf-8", "replace")
+
+
+# The owner's cursor save, past the fence, waiting for a job row that a test holds (Postgres).
+WAITING_SAVE = (
+    "SELECT pid FROM pg_stat_activity WHERE query LIKE 'UPDATE rollout_buffer_jobs SET cursor_pk%' "
+    "AND wait_event_type = 'Lock'"
+)
+
+
+@contextlib.contextmanager
+def paused_in_fence(
+    url: str,
+    job: str,
+    pgid: int,
+    timeout: float = 5.0,
+    poke: Callable[[], object] = lambda: None,
+) -> Iterator[bool]:
+    """Postgres: SIGSTOP the process group ``pgid`` (a service that owns ``job``) inside a fenced
+    transaction. The job's row is held until the owner's next cursor save (rows must be arriving:
+    ``poke`` runs once the row is held) has passed the fence and waits for it; the owner is paused
+    then and the row released, so its save goes on (or times out) in a transaction it cannot end,
+    holding the lease row's KEY SHARE lock. Yields whether it was caught in time (if not, nothing
+    is paused); SIGCONT on exit."""
+    import psycopg
+
+    with psycopg.connect(url) as holder, psycopg.connect(url, autocommit=True) as watcher:
+        holder.execute("SELECT 1 FROM rollout_buffer_jobs WHERE job_id = %s FOR UPDATE", (job,))
+        poke()
+        deadline = time.monotonic() + timeout
+        while not (caught := bool(watcher.execute(WAITING_SAVE).fetchone())):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        if caught:
+            os.killpg(pgid, signal.SIGSTOP)
+        holder.rollback()
+    try:
+        yield caught
+    finally:
+        if caught:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGCONT)

@@ -234,7 +234,10 @@ def once(
         except requests.exceptions.ConnectTimeout as exc:
             conn.unreachable(base)
             raise _Transient(f"connect timeout: {exc}", sent=False) from exc
-        except requests.exceptions.ConnectionError as exc:
+        except (
+            requests.exceptions.ConnectionError,
+            requests.exceptions.ChunkedEncodingError,  # an answer cut off (the server killed)
+        ) as exc:
             conn.unreachable(base)
             # a refused/unresolvable connection never reached the server; a reset may have
             sent = "NewConnectionError" not in repr(exc) and "refused" not in str(exc).lower()

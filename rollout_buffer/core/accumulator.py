@@ -225,15 +225,21 @@ class Accumulator(Handover, Policies):
     def progress(self, admitted: set[str]) -> dict[str, int]:
         """The groups in progress, for the admission budget: running (started, or admitted by
         the gate, with no trainable row yet), pending, ready, and built (taken by a poll or the
-        prebuilt draft). A pending group idle for much longer than groups take to complete has
-        a session that failed for good: it is counted as ``stalled``, not in progress (it would
-        hold the budget until the TTL)."""
+        prebuilt draft). A pending group idle for much longer than groups take to complete, or
+        whose sessions without a result have all gone silent at the gate, has a session that
+        failed for good: it is counted as ``stalled``, not in progress (it would hold the budget
+        until the TTL)."""
         with self.lock:
             now = self.clock()
             stall_s = self.census.stall_after()
             undecided = self.pending.keys() | self.ready.keys() | self.taken.keys()
             running = (self.census.started | admitted) - undecided - self.decided.keys()
-            stalled_now = [g.group_id for g in self.pending.values() if now - g.last_seen > stall_s]
+            stalled_now = [
+                g.group_id
+                for g in self.pending.values()
+                if now - g.last_seen > stall_s
+                or self.census.dead_sessions_only(g.group_id, set(g.completed), now)
+            ]
             self.census.stalled.update(stalled_now)
             stalled = len(stalled_now)
             return {
@@ -258,6 +264,11 @@ class Accumulator(Handover, Policies):
                 group in self.census.started or self._undecided(group) is not None
             )
             return group, started
+
+    def sign(self, session_id: str) -> None:
+        """A model call of the session went through the pacing gate."""
+        with self.lock:
+            self.census.sign(session_id, self.clock())
 
     def first_call(self, session_id: str) -> None:
         """A session's first model call went through the pacing gate: its first sign."""

@@ -78,6 +78,7 @@ class Census:
         # how long groups took from their first trainable row to ready (the last completions)
         self.spans: deque[float] = deque(maxlen=SPANS_KEPT)
         self.reached_k = 0  # groups that became ready
+        self.gaps: deque[float] = deque(maxlen=SPANS_KEPT)  # between a session's model calls
         self.stalled: set[str] = set()  # groups seen stalled (a session failed for good)
         self.group_sessions: defaultdict[str, set[str]] = defaultdict(set)
         self.session_group: dict[str, str] = {}
@@ -157,6 +158,39 @@ class Census:
                 "generation_s": round(discarded.generation_s / total_s, 4) if total_s else 0.0,
             },
         }
+
+    def sign(self, session_id: str, now: float) -> None:
+        """A model call of the session went through the pacing gate: a sign of life. The gaps
+        between a session's calls tell how long a live session stays silent."""
+        timing = self.timing.get(session_id)
+        if timing is None:
+            self.timing[session_id] = [now, now, 0.0]
+            return
+        self.gaps.append(now - timing[1])
+        timing[1] = now
+
+    def silent_after(self) -> float | None:
+        """Seconds without a sign after which a started session is taken for dead (four times
+        the median gap between a session's calls); None until enough calls were seen."""
+        if len(self.gaps) < 20:
+            return None
+        ordered = sorted(self.gaps)
+        return max(1.0, 4.0 * ordered[len(ordered) // 2])
+
+    def dead_sessions_only(self, group_id: str, completed: set[str], now: float) -> bool:
+        """Every session of the group that has no result yet has started and been silent for
+        longer than a live one is (so it failed for good); False without call figures."""
+        silent = self.silent_after()
+        if silent is None:
+            return False
+        waiting = self.group_sessions.get(group_id, set()) - completed
+        if not waiting:
+            return False
+        for session_id in waiting:
+            timing = self.timing.get(session_id)
+            if timing is None or now - timing[1] <= silent:
+                return False  # not started yet (waiting for a place in the pool), or alive
+        return True
 
     def completed_in(self, seconds: float) -> None:
         """A group became ready ``seconds`` after its first trainable row."""

@@ -22,6 +22,7 @@ from typing import Any
 
 from rollout_buffer.core.errors import ConfigError
 from rollout_buffer.core.model import Policy
+from rollout_buffer.core.parsers import buffer_name as parse_buffer_name
 from rollout_buffer.core.redact import redact
 from rollout_buffer.core.settings import KNOWN_ENV, PREFIX, SETTINGS
 
@@ -89,6 +90,7 @@ class Config:
     pacing_idle_gap_s: float = 10.0
     advertise_url: str | None = None
     lease_s: float = 10.0
+    buffer_name: str = ""
     host_id: str | None = None
     token: str | None = None
     allowed_hosts: tuple[str, ...] = ()
@@ -129,6 +131,12 @@ class Config:
                 f"{PREFIX}STOP_GRACE_SECONDS={self.stop_grace_s}: gunicorn would KILL the worker "
                 "before the launcher is stopped"
             )
+        try:
+            parse_buffer_name(self.buffer_name)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{PREFIX}NAME={self.buffer_name!r} is invalid: expected {exc}"
+            ) from None
 
     @property
     def policy(self) -> Policy:

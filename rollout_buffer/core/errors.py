@@ -42,6 +42,19 @@ class IntegrityError(StorageError):
     """A statement violated a database constraint."""
 
 
+class JobOwned(IntegrityError):
+    """The job belongs to another buffer on the same state database (ROLLOUT_BUFFER_NAME)."""
+
+    def __init__(self, job_id: str, buffer: str) -> None:
+        shown = repr(buffer) if buffer else "the unnamed buffer ''"
+        super().__init__(
+            f"job {job_id!r} belongs to buffer {shown} on this state database, not to this one: "
+            "send its /start_rollout to that buffer, or name another job_session"
+        )
+        self.job_id = job_id
+        self.buffer = buffer
+
+
 class LeaseLost(StorageError):
     """This instance does not own the job (any more): the transaction was rolled back, nothing
     recorded."""

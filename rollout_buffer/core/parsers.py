@@ -9,6 +9,7 @@ opens nothing: a URL is checked, never connected to.
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -111,6 +112,13 @@ def lease_seconds(raw: str) -> float:
     value = number(0.0)(raw)
     if 0 < value < 1:
         raise ValueError("0 (no lease) or a number of seconds >= 1")
+    return value
+
+
+def buffer_name(raw: str) -> str:
+    value = raw.strip()
+    if value and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", value):
+        raise ValueError("1-64 characters of A-Z a-z 0-9 . _ - (or empty: the unnamed buffer)")
     return value
 
 

@@ -16,6 +16,7 @@ from rollout_buffer.core.original_settings import ORIGINAL
 from rollout_buffer.core.parsers import (
     Setting,
     boolean,
+    buffer_name,
     choice,
     command_line,
     http_url,
@@ -315,6 +316,15 @@ SETTINGS: tuple[Setting, ...] = (
         "ownership of the job: a lease in the state database, renewed every third of this; a "
         "standby takes "
         "over when it expires; 0 = no lease (one instance only: a second one would not be fenced)",
+    ),
+    Setting(
+        "buffer_name",
+        PREFIX + "NAME",
+        None,
+        buffer_name,
+        "this buffer's name: instances with the same name on one state database are one buffer "
+        "(one owner, the others standbys), with different names they are independent buffers; "
+        "unnamed, an instance refuses to start while another owns the database's unnamed buffer",
     ),
     Setting(
         "host_id",

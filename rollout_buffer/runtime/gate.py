@@ -69,6 +69,7 @@ class Gate:
         upstream: str,
         may_start: Callable[[str], bool],
         running: Callable[[str], None] = lambda session: None,
+        seen: Callable[[str], None] = lambda session: None,
         on_hold: Callable[[int], None] = lambda delta: None,
     ) -> None:
         parts = urlsplit(upstream)
@@ -80,6 +81,7 @@ class Gate:
         self.port = port
         self.may_start = may_start
         self.running = running
+        self.seen = seen
         self.on_hold = on_hold
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -201,6 +203,8 @@ class Gate:
                 self.running(session)
             else:
                 await self._admit(session)
+        if session is not None:
+            self.seen(session)  # a sign of life: a silent session is taken for dead sooner
         self.in_flight += 1
         try:
             await self._relay(method, target, headers, body, writer)

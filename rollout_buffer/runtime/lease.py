@@ -1,23 +1,28 @@
 """Ownership of the job: the lease in the state database, its fence, and who else is there.
 
-Owns: the ``rollout_buffer_lease`` row (one per state database, which holds exactly one active
-job): the owner, its advertised URL, host and pid, the epoch, and ``lease_until`` by the
-database's clock. Its own thread (``rollout-buffer-lease``) and connection acquire it, renew it
+Owns: a buffer's ``rollout_buffer_lease`` row (one per buffer on a state database: ``job`` for the
+unnamed one, ``job/<ROLLOUT_BUFFER_NAME>`` for a named one; a buffer holds exactly one active job):
+the owner, its advertised URL, host and pid, the epoch, and ``lease_until`` by the database's
+clock. Its own thread (``rollout-buffer-lease``) and connection acquire it, renew it
 every third of ``ROLLOUT_BUFFER_LEASE_SECONDS`` and give it up on a graceful stop, so a renewal
-never waits behind a stuck tick or poll. On SQLite the lease is a ``flock`` on
-``<state db>.owner.lock`` (one host). It also keeps this instance's row in
-``rollout_buffer_instances`` (role, URL, host, and ``report``: what the loop saw of a launcher
-on this host), and checks once that ``ROLLOUT_BUFFER_ADVERTISE_URL`` answers as this instance.
+never waits behind a stuck tick or poll. On SQLite the lease is a lock on a byte of the database
+file itself, whatever path reaches it (ownership.py; one host). It also keeps this instance's row in
+``rollout_buffer_instances`` (instances.py), and checks once that ``ROLLOUT_BUFFER_ADVERTISE_URL``
+answers as this instance (advertised.py). An unnamed instance that finds a live owner of the
+unnamed buffer is ``refused``: it must not run (the gunicorn worker fails its boot).
 What a standby answers (307 to the owner, or 503) is the app's, from ``role`` and ``holder``.
 
 The epoch is the fencing token. :meth:`Lease.fence` is the first statement of every transaction
 that records a decision: it takes a KEY SHARE lock on the lease row while the epoch is the one the
 job's state was loaded under (``state_epoch``), and raises LeaseLost (the transaction rolls back)
 otherwise. A takeover locks the row FOR UPDATE: it waits for the transactions that passed the
-fence, and every later fence sees the new epoch. Renewals take no lock the fence conflicts with.
-No clock decides who may write: ``lease_until`` only says when a standby may take over, and the
-owner's own deadline (its monotonic clock, a margin short of the lease) only stops what the
-database cannot fence, such as the launcher. No session state: it works through PgBouncer.
+fence, and every later fence sees the new epoch. An owner paused or cut off inside such a
+transaction would hold that lock for good: the fence names the backend after the owner's epoch,
+and a taker of an expired lease ends those backends first (ownership.end_fenced). Renewals take no
+lock the fence conflicts with. No clock decides who may write: ``lease_until`` only says when a
+standby may take over, and the owner's own deadline (its monotonic clock, a margin short of the
+lease) only stops what the database cannot fence, such as the launcher. No session state: it
+works through PgBouncer.
 
 It must not touch the job's state or the launcher: the loop drops and resumes the job when
 ``epoch`` and ``state_epoch`` differ.
@@ -27,82 +32,42 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import fcntl
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
-
-import requests
 
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ConfigError, LeaseLost, StorageError, Unavailable
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
+from rollout_buffer.runtime import instances
+from rollout_buffer.runtime.advertised import check_advertised
+from rollout_buffer.runtime.ownership import (
+    Holder,
+    end_fenced,
+    fence_name,
+    file_lock,
+    holder_of,
+    refusal,
+    why_free,
+)
 from rollout_buffer.runtime.threads import Runtime
 from rollout_buffer.storage import lease_sql as sql
 from rollout_buffer.storage.connections import service_connect
-from rollout_buffer.storage.db import Database, sqlite_path
+from rollout_buffer.storage.db import Database
 from rollout_buffer.storage.store import Store
 
 logger = logging.getLogger(__name__)
 
-SCOPE = "job"  # the one row: the state database's active job
+SCOPE = "job"  # the unnamed buffer's row; a named buffer's is "job/<name>"
 OWNER, STANDBY, STARTING = "owner", "standby", "starting"
 RETRY_S = 0.5  # after a failed step
 STANDBY_POLL_S = (
     0.5  # a standby reads the lease at least this often (a released lease is taken within it)
 )
-INSTANCE_KEEP_S = 600.0  # rows of instances not seen for this long are deleted
-
-
-@dataclass(frozen=True)
-class Holder:
-    """The lease row as this instance last read it."""
-
-    instance: str | None
-    url: str | None
-    host: str | None
-    pid: int | None
-    start_ticks: int | None
-    epoch: int
-    expires_in: float  # seconds of lease left when it was read, by the database's clock
-    length: float  # the owner's lease (lease_until - renewed_at): it renews every third of it
-    released: bool  # given up by a graceful stop
-    read_at: float  # monotonic
-
-    def left(self, now: float) -> float:
-        return self.expires_in - (now - self.read_at)
-
-    def shown(self, now: float) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "instance": self.instance,
-            "host": self.host,
-            "epoch": self.epoch,
-            "lease_expires_in_s": round(max(0.0, self.left(now)), 1),
-        }
-
-
-def _holder(row: dict[str, Any] | None, now: float) -> Holder | None:
-    if row is None:
-        return None
-    until, renewed = float(row["lease_until"]), float(row["renewed_at"])
-    return Holder(
-        row["owner"],
-        row["owner_url"],
-        row["owner_host"],
-        row["owner_pid"],
-        row["owner_start_ticks"],
-        int(row["epoch"]),
-        until - float(row["db_now"]),
-        max(0.0, until - renewed),
-        until < renewed,
-        now,
-    )
 
 
 class Lease:
@@ -119,24 +84,26 @@ class Lease:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        self.buffer = config.buffer_name  # "" is the unnamed buffer
+        self.scope = f"{SCOPE}/{self.buffer}" if self.buffer else SCOPE
         self.seconds = config.lease_s
-        self.margin = min(
-            2.0, max(0.2, self.seconds / 10)
-        )  # the owner stops this much before the lease ends
+        # the owner stops this much before the lease ends
+        self.margin = min(2.0, max(0.2, self.seconds / 10))
         self.instance_id = instance_id
         self.host_id = config.host_id or procfs.host_id()
         self.url = config.advertise_url
         self.on_change = on_change
         self.clock = clock
-        self.enabled = (
-            self.seconds > 0
-        )  # 0: no lease; this instance owns the job, and nothing is fenced
+        # 0: no lease; this instance owns the job, and nothing is fenced
+        self.enabled = self.seconds > 0
         self.role = STARTING if self.enabled else OWNER
         self.epoch: int | None = None
         self.state_epoch: int | None = None  # the epoch the loop loaded the job's state under
         self.holder: Holder | None = None
         self.report: str | None = None  # the loop: what it saw of a launcher recorded on this host
         self.problem: str | None = None  # why this instance cannot own or renew (shown by /health)
+        # unnamed, another instance owns the buffer: this one must not run (ROLLOUT_BUFFER_NAME)
+        self.refused: str | None = None
         self.counts: collections.Counter = collections.Counter()
         self.takeover_s: float | None = None
         self._deadline = 0.0
@@ -147,7 +114,9 @@ class Lease:
         )
         self._db: Database | None = None
         self._lock_fd: int | None = None
-        self._pruned_at = float("-inf")
+        self.instances = instances.Instances(
+            instance_id, self.host_id, self.url, self.buffer, clock
+        )
         self._failing_since: float | None = None
         self._leaving = False
         self.wake = threading.Event()  # a worker of the runtime: set to step now
@@ -186,12 +155,12 @@ class Lease:
                 release and self.role == OWNER and self.epoch is not None
             ):  # (this thread's own connection)
                 db.execute(
-                    sql.LEASE_RENEW[db.backend], (-1.0, SCOPE, self.instance_id, self.epoch)
+                    sql.LEASE_RENEW[db.backend], (-1.0, self.scope, self.instance_id, self.epoch)
                 )  # given up
                 logger.info(
                     "gave the lease up (epoch %s): a standby can take over at once", self.epoch
                 )
-            db.execute(sql.INSTANCES_PRUNE[db.backend], (1e18, self.instance_id))
+            self.instances.leave(db)
         self.role, self.epoch = STANDBY, None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # the flock goes with it
@@ -249,7 +218,8 @@ class Lease:
         epoch = self.state_epoch
         if self.role != OWNER or epoch is None or epoch != self.epoch:
             raise LeaseLost("this instance does not own the job (any more); nothing was recorded")
-        if db.scalar(sql.LEASE_FENCE[db.backend], (SCOPE, self.instance_id, epoch)) is None:
+        params = (fence_name(self.instance_id, epoch), self.scope, self.instance_id, epoch)
+        if db.scalar(sql.LEASE_FENCE[db.backend], params) is None:
             self.nudge()  # the thread finds out who has it
             raise LeaseLost(
                 f"another instance took the job over (this instance's epoch {epoch} has ended); "
@@ -281,6 +251,7 @@ class Lease:
             owner = self.holder.shown(now) if self.holder is not None else None
         return {
             "role": self.role,
+            "buffer": self.buffer,
             "instance": self.instance_id,
             "host": self.host_id,
             "advertise_url": self.url,
@@ -308,19 +279,16 @@ class Lease:
         h = (
             None
             if self.enabled
-            else _holder(db.fetchone(sql.LEASE_GET[db.backend], (SCOPE,)), self.clock())
+            else holder_of(db.fetchone(sql.LEASE_GET[db.backend], (self.scope,)), self.clock())
         )
         if h is not None and not h.released and h.expires_in > 0:
             raise ConfigError(
-                f"instance {h.url or h.instance} owns this database's job under a lease, and this one "
-                "runs with ROLLOUT_BUFFER_LEASE_SECONDS=0 (unfenced): it waits until that lease ends; "
-                "give every instance a lease (the default)"
+                f"instance {h.url or h.instance} owns this database's job under a lease, and "
+                "this one runs with ROLLOUT_BUFFER_LEASE_SECONDS=0 (unfenced): it waits until that "
+                "lease ends; give every instance a lease (the default)"
             )
 
-    @staticmethod
-    def live_instances(db: Database, within_s: float) -> list[dict[str, Any]]:
-        """Instances (owner and standbys) seen within the last seconds."""
-        return db.fetchall(sql.INSTANCES_LIVE[db.backend], (within_s,))
+    live_instances = staticmethod(instances.live)
 
     def standby_hosts(self, conns: Any) -> set[str]:
         """The hosts of the other live instances that wait as standbys (a graceful stop hands the
@@ -330,14 +298,17 @@ class Lease:
         with contextlib.suppress(StorageError):
             return {
                 i["host_id"]
-                for i in self.live_instances(conns.get().st, min(self.seconds, 5.0))
+                for i in self.live_instances(conns.get().st, min(self.seconds, 5.0), self.buffer)
                 if i["role"] == STANDBY and i["instance_id"] != self.instance_id
             }
         return set()
 
     # -- the worker (its own thread and connection) --------------------------------------------
     def tick(self) -> float:
-        """One step: renew (an owner) or try to take the lease; returns the wait before the next."""
+        """One step: renew (an owner) or try to take the lease; returns the wait before the next.
+        A refused instance takes no more steps (it is on its way out)."""
+        if self.refused is not None:
+            return 3600.0
         try:
             return self._step()
         except Exception:
@@ -356,7 +327,14 @@ class Lease:
             if self.role == OWNER:
                 self._renew(db, started)
             else:
+                starting = self.role == STARTING
                 self._try_acquire(db, started)
+                if starting and self.role == STANDBY and not self.buffer:
+                    self.refused = refusal(self.holder, Store(db).active_job())
+                    logger.error("%s", self.refused)
+                    self.decided.set()
+                    self.on_change()
+                    return RETRY_S
             self._seen(db)
         except StorageError as exc:
             self._failed(exc, started)
@@ -406,8 +384,8 @@ class Lease:
             if not self.holds():
                 told = (self.problem or "").startswith("cannot renew")
                 self.problem = (
-                    f"cannot renew the lease for {now - self._failing_since:.0f} s ({redact(str(exc))}): "
-                    "this owner stops deciding until it can"
+                    f"cannot renew the lease for {now - (self._failing_since or now):.0f} s "
+                    f"({redact(str(exc))}): this owner stops deciding until it can"
                 )
                 if not told:
                     logger.error("%s", self.problem)
@@ -420,7 +398,8 @@ class Lease:
     def _renew(self, db: Database, started: float) -> None:
         if (
             db.execute(
-                sql.LEASE_RENEW[db.backend], (self.seconds, SCOPE, self.instance_id, self.epoch)
+                sql.LEASE_RENEW[db.backend],
+                (self.seconds, self.scope, self.instance_id, self.epoch),
             )
             == 1
         ):
@@ -445,32 +424,41 @@ class Lease:
         if self.url and self.advertised is None:
             self._check_advertised()
         sqlite = db.backend == "sqlite"
-        if sqlite and not self._flock(db):
+        if sqlite and self._lock_fd is None:
+            self._lock_fd = file_lock(db.url, self.buffer)
+        if sqlite and self._lock_fd is None:
             self._read(db)
             self._set(STANDBY, None, "another instance holds the database's lock")
             return
         h = self._read(db)
         if h is None:
-            if db.execute(sql.LEASE_INSERT[db.backend], (SCOPE, *self._me(), self.seconds)) == 1:
+            if (
+                db.execute(sql.LEASE_INSERT[db.backend], (self.scope, *self._me(), self.seconds))
+                == 1
+            ):
                 self._won(1, started, 0.0, "the first owner of this database")
                 return
             h = self._read(db)
         if h is None or self._why_free(h, sqlite) is None:
             self._set(STANDBY, None, f"the owner is {h.url or h.instance}" if h else "no lease row")
             return
+        if not sqlite and not h.released and h.expires_in <= 0:
+            end_fenced(db, h)
         with db.transaction():
-            h = _holder(
-                db.fetchone(sql.LEASE_LOCK[db.backend], (SCOPE,)), self.clock()
-            )  # waits for fenced writes
-            why = self._why_free(h, sqlite) if h is not None else None
+            # waits for fenced writes
+            locked = holder_of(db.fetchone(sql.LEASE_LOCK[db.backend], (self.scope,)), self.clock())
+            why = self._why_free(locked, sqlite) if locked is not None else None
             taken = (
-                why is not None
+                locked is not None
+                and why is not None
                 and db.execute(
-                    sql.LEASE_TAKE[db.backend], self._me() + (self.seconds, SCOPE, h.epoch)
+                    sql.LEASE_TAKE[db.backend],
+                    (*self._me(), self.seconds, self.scope, locked.epoch),
                 )
                 == 1
             )
-        if taken:
+        if taken and locked is not None and why is not None:
+            h = locked
             self._won(
                 h.epoch + 1, started, 0.0 if h.released or h.expires_in > 0 else -h.expires_in, why
             )
@@ -479,32 +467,17 @@ class Lease:
             self._set(STANDBY, None, "another instance took the lease first")
 
     def _why_free(self, h: Holder, sqlite: bool) -> str | None:
-        """Why the lease may be taken now, or None."""
-        if sqlite:
-            return "the previous owner's lock is free"
-        if h.released:
-            return f"{h.url or h.instance} gave it up"
-        # with a wrong advertised URL, a correct standby gets the first go (a third of a lease)
-        if h.expires_in <= (-self.seconds / 3 if self.advertised == "wrong" else 0):
-            return f"the lease of {h.url or h.instance} ended {-h.expires_in:.1f} s ago"
-        if h.instance == self.instance_id:
-            return "it is this instance's own"
-        if h.host == self.host_id and h.pid:
-            st = procfs.stat(int(h.pid))
-            if (
-                st is None
-                or not st.alive
-                or (h.start_ticks is not None and st.start_ticks != int(h.start_ticks))
-            ):
-                return f"its owner's process (pid {h.pid} on this host) has ended"
-        return None
+        """Why the lease may be taken now, or None (ownership.why_free); with a wrong advertised
+        URL, a correctly configured standby gets the first go (a third of a lease)."""
+        grace = self.seconds / 3 if self.advertised == "wrong" else 0.0
+        return why_free(h, sqlite, self.instance_id, self.host_id, grace)
 
     def _me(self) -> tuple:
         pid = os.getpid()
         return (self.instance_id, self.url, self.host_id, pid, procfs.start_ticks(pid))
 
     def _read(self, db: Database) -> Holder | None:
-        self.holder = _holder(db.fetchone(sql.LEASE_GET[db.backend], (SCOPE,)), self.clock())
+        self.holder = holder_of(db.fetchone(sql.LEASE_GET[db.backend], (self.scope,)), self.clock())
         return self.holder
 
     def _won(self, epoch: int, started: float, free_for: float, why: str) -> None:
@@ -527,54 +500,14 @@ class Lease:
 
     def _seen(self, db: Database) -> None:
         if self._leaving and self.role != OWNER:
-            db.execute(sql.INSTANCES_PRUNE[db.backend], (1e18, self.instance_id))
-            return
-        db.execute(
-            sql.INSTANCE_SEEN[db.backend],
-            (self.instance_id, self.host_id, self.url, self.role, self.report),
-        )
-        now = self.clock()
-        if now - self._pruned_at > 60.0:
-            self._pruned_at = now
-            db.execute(sql.INSTANCES_PRUNE[db.backend], (INSTANCE_KEEP_S, ""))
-
-    def _flock(self, db: Database) -> bool:
-        """SQLite: the lease is an exclusive flock next to the state database (released by the
-        kernel when this process dies)."""
-        if self._lock_fd is None:
-            fd = os.open(sqlite_path(db.url) + ".owner.lock", os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                return False
-            self._lock_fd = fd
-        return True
+            self.instances.leave(db)
+        else:
+            self.instances.seen(db, self.role, self.report)
 
     def _check_advertised(self) -> None:
-        """Once: ROLLOUT_BUFFER_ADVERTISE_URL must answer as this instance, or standbys would
-        redirect clients elsewhere. One that answers as another instance is reported (/health
-        degraded), and a correctly configured standby takes an ended lease first; it still may own
-        the job (a job served under a wrong URL beats no job served)."""
-        try:
-            r = requests.get(self.url + "/health", timeout=(1.0, 2.0))
-            seen = r.json().get("instance") if r.status_code == 200 else f"HTTP {r.status_code}"
-        except (requests.RequestException, ValueError, AttributeError) as exc:
-            self.advertised = "unverified"
-            logger.warning(
-                "could not check ROLLOUT_BUFFER_ADVERTISE_URL=%s from here (%s); standbys redirect "
-                "clients to it",
-                self.url,
-                type(exc).__name__,
-            )
-            return
-        if seen == self.instance_id:
-            self.advertised = "ok"
-            return
-        self.advertised = "wrong"
-        self.problem = (
-            f"ROLLOUT_BUFFER_ADVERTISE_URL={self.url} answers as another instance ({seen!r}), not as this "
-            "one: while this instance owns the job, standbys redirect clients there; set it to this "
-            "instance's own URL"
-        )
-        logger.error("%s", self.problem)
+        """Once: the advertised URL must answer as this instance (advertised.py); one that answers
+        as another is reported (/health degraded), and a correctly configured standby takes an ended
+        lease first. It still may own the job (a job served under a wrong URL beats none)."""
+        assert self.url is not None
+        self.advertised, problem = check_advertised(self.url, self.instance_id)
+        self.problem = problem or self.problem

@@ -355,7 +355,7 @@ class Loop:
             self._watched_at = self.clock()
             reports = [
                 i["launcher_report"]
-                for i in Lease.live_instances(store.db, lease.seconds)
+                for i in Lease.live_instances(store.db, lease.seconds, lease.buffer)
                 if i["host_id"] == e.host
             ]
             self.launcher.check_elsewhere(store, js.job_id, reports)

@@ -53,6 +53,7 @@ class Pacing:
                 upstream=config.proxy_url,
                 may_start=self.may_start,
                 running=self.running,
+                seen=self.seen,
                 on_hold=lambda delta: self.admission.holding(delta),
             )
 
@@ -116,6 +117,12 @@ class Pacing:
             return False
         js.acc.first_call(session_id)  # through the gate: the session's first sign
         return True
+
+    def seen(self, session_id: str) -> None:
+        """A model call of the session went through the gate."""
+        js = self.jobs.current
+        if js is not None:
+            js.acc.sign(session_id)
 
     def running(self, session_id: str) -> None:
         """A session seen mid-way (the service restarted under it): its group is admitted."""

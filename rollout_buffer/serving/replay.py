@@ -108,7 +108,14 @@ class Replayer:
             str, _Replay
         ] = {}  # batch_id -> its rebuilt body while it is being sent
 
-    def replay(self, pair: Pair, js: JobState, batch: Batch, recorded_at: float) -> Body:
+    def replay(
+        self,
+        pair: Pair,
+        js: JobState,
+        batch: Batch,
+        recorded_at: float,
+        live: dict[str, Any] | None = None,
+    ) -> Body:
         """The body of a recorded batch again (same items, same uids), or 410/429/503."""
         age = self._rids.age(batch.request_id or "", recorded_at)
         if age > self.config.replay_retention_s:
@@ -133,7 +140,7 @@ class Replayer:
             r.refs += 1
         if builder:
             try:
-                r.chunks = self._rebuild(pair, js, batch)
+                r.chunks = self._rebuild(pair, js, batch, live)
             except BaseException as exc:
                 r.error = exc
             r.done.set()
@@ -159,7 +166,9 @@ class Replayer:
             if r.refs == 0 and self._replaying.get(batch_id) is r:
                 del self._replaying[batch_id]
 
-    def _rebuild(self, pair: Pair, js: JobState, batch: Batch) -> list[Any]:
+    def _rebuild(
+        self, pair: Pair, js: JobState, batch: Batch, live: dict[str, Any] | None
+    ) -> list[Any]:
         """The body of a recorded batch, from the immutable rows with the batch's seed (same
         uids)."""
         groups: list[GroupItems] = []
@@ -198,6 +207,7 @@ class Replayer:
             buf,
             {
                 "job_session": js.job_id,
+                **(live or {}),  # what is said of the job now (its launcher), as in any answer
                 "batch_id": batch.batch_id,
                 "request_id": batch.request_id,
                 "replayed": True,

@@ -18,6 +18,7 @@ from typing import Any
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import (
     Conflict,
+    JobOwned,
     LeaseLost,
     OperationFailed,
     StorageError,
@@ -141,6 +142,8 @@ class Rollouts:
                 "job_session": js.job_id if js else None,
                 **self._redeliver(conns, js, skip),
             }
+        if job_session is not None and (js is None or js.job_id != job_session):
+            self._check_owned(conns, job_session)  # before anything of this buffer changes
         same = (
             js is not None and js.job_id == job_session and not restart_training
         )  # no new job: redeliver
@@ -154,6 +157,8 @@ class Rollouts:
                     pair, self.jobs.current
                 )  # its prebuilt draft's groups go back first
                 js = self.jobs.select(pair.src, pair.store, job_id, k, restart_training)
+            except JobOwned as exc:  # selected by another buffer since _check_owned
+                raise Conflict(str(exc), buffer=exc.buffer, job_session=job_id) from exc
             except StorageError as exc:
                 raise (
                     exc
@@ -185,6 +190,16 @@ class Rollouts:
             "launcher": self.config.launcher_kind,
             **(self._redeliver(conns, js, skip) if same else {}),
         }
+
+    def _check_owned(self, conns: LazyPair, job_id: str) -> None:
+        """A Conflict (409) naming the buffer when another buffer on this state database owns the
+        job."""
+        try:
+            buffer = conns.get().store.job_buffer(job_id)
+        except StorageError as exc:
+            raise Unavailable(f"the database is unreachable: {exc}", retry_after=3) from exc
+        if buffer is not None and buffer != self.config.buffer_name:
+            raise Conflict(str(JobOwned(job_id, buffer)), buffer=buffer, job_session=job_id)
 
     def _redeliver(self, conns: LazyPair, js: Any, skip: list[str]) -> dict[str, Any]:
         """A call that began no new job, with a checkpoint's skip list: queue served groups

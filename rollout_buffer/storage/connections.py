@@ -18,7 +18,11 @@ from collections.abc import Callable, Iterator
 
 from rollout_buffer.core.config import Config
 from rollout_buffer.storage.db import Database, connect
+from rollout_buffer.storage.session import Session
 from rollout_buffer.storage.store import Store
+
+LEASE_SHARE = 0.8  # of the lease: the longest a statement or an idle transaction may last
+KEEPALIVE_S = 30.0  # without a lease: a vanished peer is noticed within about this long
 
 
 def application_name() -> str:
@@ -28,17 +32,31 @@ def application_name() -> str:
 
 def service_connect(config: Config, url: str, *, bound_s: float | None = None) -> Database:
     """A connection of the service itself: with its statement and lock timeouts (when ``bound_s``
-    is given, the lease's: a statement at most that long, a lock wait at most half of it)."""
+    is given, the lease's: a statement at most that long, a lock wait at most half of it).
 
-    def timeout(value: float, bound: float | None) -> float:
-        return value if bound is None else min(value or bound, bound)
+    Under a lease, nothing of this connection may outlive the lease by much if this process is
+    paused or cut off (a standby must take over within the lease plus a few seconds): statements
+    and idle transactions end within LEASE_SHARE of it, and keepalives notice a vanished peer
+    within about the lease."""
+    lease = config.lease_s
+    share = lease * LEASE_SHARE if lease > 0 else None
+
+    def timeout(value: float, *bounds: float | None) -> float:
+        for bound in bounds:
+            if bound is not None:
+                value = min(value or bound, bound)
+        return value
 
     return connect(
         url,
-        statement_timeout_s=timeout(config.statement_timeout_s, bound_s),
-        lock_timeout_s=timeout(config.lock_timeout_s, bound_s and bound_s / 2),
         durable=True,
-        application_name=application_name(),
+        session=Session(
+            statement_timeout_s=timeout(config.statement_timeout_s, bound_s, share),
+            lock_timeout_s=timeout(config.lock_timeout_s, bound_s and bound_s / 2),
+            idle_in_transaction_timeout_s=share,
+            keepalive_s=max(3.0, lease) if lease > 0 else KEEPALIVE_S,
+            application_name=application_name(),
+        ),
     )
 
 
@@ -54,7 +72,7 @@ class Pair:
             except BaseException:
                 self.src.close()
                 raise
-        self.store = Store(self.st, fence)
+        self.store = Store(self.st, fence, config.buffer_name)
 
     def close(self) -> None:
         self.src.close()

@@ -23,6 +23,7 @@ from rollout_buffer.core.errors import ConfigError, StorageError
 from rollout_buffer.storage.database import Database
 from rollout_buffer.storage.launcher_sql import LAUNCHER_DDL
 from rollout_buffer.storage.postgres import PostgresDatabase, to_pyformat
+from rollout_buffer.storage.session import Session
 from rollout_buffer.storage.sqlite import SqliteDatabase, sqlite_path
 
 # The backends, the helpers and the error callers use through this module (every driver error
@@ -40,29 +41,17 @@ __all__ = [
 
 
 def connect(
-    url: str,
-    *,
-    readonly: bool = False,
-    statement_timeout_s: float | None = None,
-    lock_timeout_s: float | None = None,
-    durable: bool = False,
-    application_name: str | None = None,
+    url: str, *, readonly: bool = False, durable: bool = False, session: Session | None = None
 ) -> Database:
-    """Open a connection for the calling thread. The service passes statement and lock timeouts
-    (Postgres), so that a stuck statement or a table locked by someone else (ALTER TABLE, VACUUM
-    FULL, TRUNCATE) fails in seconds instead of hanging a poll or the loop. ``durable``: SQLite
-    commits survive a power loss too (synchronous=FULL), for the service's own few writes.
-    ``application_name`` (Postgres, unless the URL or PGAPPNAME names one) shows which process a
-    backend serves (pg_stat_activity)."""
+    """Open a connection for the calling thread. The service passes its ``session`` (Postgres:
+    statement, lock and idle-transaction timeouts, keepalives, its name; see session.py), so that a
+    stuck statement, a table locked by someone else (ALTER TABLE, VACUUM FULL, TRUNCATE) or a peer
+    that vanished fails in seconds instead of hanging a poll, the loop or a takeover. ``durable``:
+    SQLite commits survive a power loss too (synchronous=FULL), for the service's own few writes."""
     if url.startswith("sqlite://"):
         return SqliteDatabase(url, readonly=readonly, durable=durable)
     if url.startswith(("postgresql://", "postgres://")):
-        return PostgresDatabase(
-            url,
-            statement_timeout_s=statement_timeout_s,
-            lock_timeout_s=lock_timeout_s,
-            application_name=application_name,
-        )
+        return PostgresDatabase(url, session=session or Session())
     raise ConfigError(
         f"unsupported database URL {url!r}: expected sqlite:///path or postgresql://..."
     )

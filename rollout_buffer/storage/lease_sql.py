@@ -42,20 +42,30 @@ LEASE_RENEW = _by_backend(
     "WHERE scope = ? AND owner = ? AND epoch = ?"
 )
 # The fence, first in every transaction that records a decision: a row only while this owner's epoch
-# holds.
-LEASE_FENCE = _by_backend(
-    "SELECT 1 FROM rollout_buffer_lease WHERE scope = ? AND owner = ? AND epoch = ?",
-    " FOR KEY SHARE",
+# holds. On Postgres it also names the backend after the owner and epoch until the transaction ends
+# (SET LOCAL application_name), so that a taker can end it should this owner be paused inside it.
+LEASE_FENCE = {
+    "postgres": "SELECT set_config('application_name', ?, true) FROM rollout_buffer_lease "
+    "WHERE scope = ? AND owner = ? AND epoch = ? FOR KEY SHARE",
+    "sqlite": "SELECT ? FROM rollout_buffer_lease WHERE scope = ? AND owner = ? AND epoch = ?",
+}
+# A taker (Postgres): end the backends still inside a fenced transaction of an expired owner's epoch
+# (paused, stuck or cut off, they hold the lease row's KEY SHARE lock). The same role may do it.
+TERMINATE_FENCED = (
+    "SELECT COUNT(pg_terminate_backend(pid)) FROM pg_catalog.pg_stat_activity "
+    "WHERE application_name = ? AND pid <> pg_backend_pid()"
 )
-# This instance is alive (its role, URL and what it saw of a launcher on its host); columns in table
-# order.
+# This instance of a buffer is alive (its role, URL and what it saw of a launcher on its host).
 INSTANCE_SEEN = _by_backend(
-    "INSERT INTO rollout_buffer_instances VALUES (?, ?, ?, ?, {now}, ?) ON CONFLICT "
+    "INSERT INTO rollout_buffer_instances (instance_id, host_id, url, role, seen_at, "
+    "launcher_report, buffer) VALUES (?, ?, ?, ?, {now}, ?, ?) ON CONFLICT "
     "(instance_id) DO UPDATE SET url = excluded.url, role = excluded.role, "
     "seen_at = excluded.seen_at, launcher_report = excluded.launcher_report"
 )
-# Instances seen within some seconds.
-INSTANCES_LIVE = _by_backend("SELECT * FROM rollout_buffer_instances WHERE seen_at >= {now} - ?")
+# A buffer's instances seen within some seconds.
+INSTANCES_LIVE = _by_backend(
+    "SELECT * FROM rollout_buffer_instances WHERE seen_at >= {now} - ? AND buffer = ?"
+)
 # Forget instances not seen for a while (every restart is a new instance), and one that stops.
 INSTANCES_PRUNE = _by_backend(
     "DELETE FROM rollout_buffer_instances WHERE seen_at < {now} - ? OR instance_id = ?"

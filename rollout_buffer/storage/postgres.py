@@ -8,7 +8,6 @@ as text, and translating psycopg's errors (a data exception apart) with the pass
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -17,6 +16,7 @@ from rollout_buffer.core.errors import DataError, IntegrityError, StorageError
 from rollout_buffer.core.redact import redact
 from rollout_buffer.storage.database import Database
 from rollout_buffer.storage.launcher_sql import TABLE_WRITERS
+from rollout_buffer.storage.session import Session
 
 PG_CONNECT_TIMEOUT_S = 5
 
@@ -73,14 +73,7 @@ class PostgresDatabase(Database):
     # One cache of translated statements for every connection of the process (the SQL is fixed).
     _translated: ClassVar[dict[str, str]] = {}
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        statement_timeout_s: float | None = None,
-        lock_timeout_s: float | None = None,
-        application_name: str | None = None,
-    ) -> None:
+    def __init__(self, url: str, *, session: Session) -> None:
         super().__init__()
         self.url = url
         try:
@@ -91,22 +84,7 @@ class PostgresDatabase(Database):
         self._psycopg = psycopg
         self._driver_errors = (psycopg.Error,)
         try:
-            params: dict[str, Any] = conninfo_to_dict(url)
-            if application_name and not os.environ.get(
-                "PGAPPNAME"
-            ):  # the URL's or the environment's wins
-                params.setdefault("application_name", application_name)
-            # the timeouts go into the startup packet's options, next to any the URL carries
-            extra = [
-                f"-c {name}={int(value * 1000)}"
-                for name, value in (
-                    ("statement_timeout", statement_timeout_s),
-                    ("lock_timeout", lock_timeout_s),
-                )
-                if value
-            ]
-            if extra:
-                params["options"] = " ".join(filter(None, [params.get("options"), *extra]))
+            params: dict[str, Any] = session.conninfo(conninfo_to_dict(url))
             # prepare_threshold=None: no server-side prepared statements, which break behind a
             # transaction-pooling PgBouncer (the next transaction may land on another server
             # connection)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from rollout_buffer.storage import redelivery_sql
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # -- the buffer's own tables (same DDL on both backends) -------------------------------------
 
@@ -114,6 +114,13 @@ MIGRATIONS = {
         "ALTER TABLE rollout_buffer_jobs ADD COLUMN launcher_host TEXT",
     ),
     4: (redelivery_sql.DDL,),  # served groups to deliver again after a trainer crash (issue 11)
+    5: (
+        # Named buffers (ROLLOUT_BUFFER_NAME, issue 20): a job belongs to one buffer, and each
+        # buffer has its own active job and instances; what was written before names is the
+        # unnamed one's.
+        "ALTER TABLE rollout_buffer_jobs ADD COLUMN buffer TEXT NOT NULL DEFAULT ''",
+        "ALTER TABLE rollout_buffer_instances ADD COLUMN buffer TEXT NOT NULL DEFAULT ''",
+    ),
 }
 
 # The buffer's tables and indexes that exist (CREATE INDEX IF NOT EXISTS waits for every open
@@ -132,19 +139,23 @@ PUT_META = (
 )
 
 # -- jobs ---------------------------------------------------------------------------------------
-# The active job, if any.
-ACTIVE_JOB = "SELECT * FROM rollout_buffer_jobs WHERE active = 1"
+# The buffer's active job, if any.
+ACTIVE_JOB = "SELECT * FROM rollout_buffer_jobs WHERE active = 1 AND buffer = ?"
 # One job by id.
 GET_JOB = "SELECT * FROM rollout_buffer_jobs WHERE job_id = ?"
-# Deactivate every job (before activating another).
-DEACTIVATE_JOBS = "UPDATE rollout_buffer_jobs SET active = 0, updated_at = ? WHERE active = 1"
-# Create or reactivate a job with its K and cursor floor.
+# The buffer a job belongs to (None: no buffer has selected it yet).
+JOB_BUFFER = "SELECT buffer FROM rollout_buffer_jobs WHERE job_id = ?"
+# Deactivate the buffer's jobs (before activating another).
+DEACTIVATE_JOBS = (
+    "UPDATE rollout_buffer_jobs SET active = 0, updated_at = ? WHERE active = 1 AND buffer = ?"
+)
+# Create or reactivate a job with its K and cursor floor; never one of another buffer (no row).
 UPSERT_JOB = (
     "INSERT INTO rollout_buffer_jobs (job_id, k, floor_pk, cursor_pk, low_water_pk, active, "
-    "started_at, updated_at) VALUES (?, ?, ?, ?, ?, 1, ?, ?) "
+    "started_at, updated_at, buffer) VALUES (?, ?, ?, ?, ?, 1, ?, ?, ?) "
     "ON CONFLICT (job_id) DO UPDATE SET k = excluded.k, floor_pk = excluded.floor_pk, "
     "cursor_pk = excluded.cursor_pk, low_water_pk = excluded.low_water_pk, active = 1, "
-    "updated_at = excluded.updated_at"
+    "updated_at = excluded.updated_at WHERE rollout_buffer_jobs.buffer = excluded.buffer"
 )
 # Change a job's K (num_repeat_per_sample).
 SET_K = "UPDATE rollout_buffer_jobs SET k = ?, updated_at = ? WHERE job_id = ?"
@@ -169,10 +180,10 @@ PRUNE_BATCHES = (
     "rollout_buffer_batches "
     "WHERE created_at < ? ORDER BY created_at LIMIT ?)"
 )
-# Ended jobs, not active since a time, whose decisions are still kept.
+# The buffer's ended jobs, not active since a time, whose decisions are still kept.
 ENDED_JOBS = (
     "SELECT job_id, cursor_pk, low_water_pk, floor_pk FROM rollout_buffer_jobs WHERE active = 0 "
-    "AND updated_at < ? AND purged_at IS NULL ORDER BY updated_at LIMIT 10"
+    "AND updated_at < ? AND purged_at IS NULL AND buffer = ? ORDER BY updated_at LIMIT 10"
 )
 # A few of an ended job's group decisions.
 PURGE_GROUPS = (
@@ -226,10 +237,12 @@ FILTERED_SINCE_SERVED = (
     "AND status = 'dropped' AND resolved_at > COALESCE((SELECT MAX(resolved_at) FROM "
     "rollout_buffer_groups WHERE job_id = ? AND status = 'served'), -1) GROUP BY reason"
 )
-# Group decisions whose sessions the proxy has not confirmed clearing.
+# Not a job of another buffer (its notifications are that buffer's to send).
+_BUFFER_JOBS = "job_id NOT IN (SELECT job_id FROM rollout_buffer_jobs WHERE buffer <> ?)"
+# The buffer's group decisions whose sessions the proxy has not confirmed clearing.
 UNNOTIFIED_GROUPS = (
     "SELECT job_id, group_id, status, reason, clear_sessions FROM rollout_buffer_groups "
-    "WHERE notified = 0"
+    f"WHERE notified = 0 AND {_BUFFER_JOBS}"
 )
 # The proxy cleared a group's sessions.
 MARK_GROUP_NOTIFIED = (
@@ -268,10 +281,10 @@ OVERSAMPLED_SESSIONS = (
     "AND NOT EXISTS (SELECT 1 FROM rollout_buffer_groups g WHERE g.job_id = r.job_id "
     "AND g.group_id = r.group_id)"
 )
-# Late rows whose sessions the proxy has not confirmed clearing.
+# The buffer's late rows whose sessions the proxy has not confirmed clearing.
 UNNOTIFIED_ROWS = (
     "SELECT job_id, step_pk, reason, group_id, session_id FROM rollout_buffer_rows "
-    "WHERE notified = 0 AND session_id IS NOT NULL"
+    f"WHERE notified = 0 AND session_id IS NOT NULL AND {_BUFFER_JOBS}"
 )
 # The proxy cleared a late row's session.
 MARK_ROW_NOTIFIED = "UPDATE rollout_buffer_rows SET notified = 1 WHERE job_id = ? AND step_pk = ?"

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rollout_buffer.core.errors import StorageError
+from rollout_buffer.core.errors import JobOwned, StorageError
 from rollout_buffer.core.model import (
     DROPPED,
     INCOMPLETE_IN_SERVED,
@@ -45,11 +45,16 @@ STATE_NAMES = frozenset(ddl.split(" IF NOT EXISTS ", 1)[1].split()[0] for ddl in
 
 
 class Store:
-    """The ``rollout_buffer_*`` tables through one connection (the calling thread's)."""
+    """The ``rollout_buffer_*`` tables through one connection (the calling thread's), as one
+    buffer (``ROLLOUT_BUFFER_NAME``; "" is the unnamed one) sees them: its active job, its ended
+    jobs and its notifications; a job of another buffer is never activated."""
 
-    def __init__(self, db: Database, fence: Callable[[Database], None] | None = None) -> None:
+    def __init__(
+        self, db: Database, fence: Callable[[Database], None] | None = None, buffer: str = ""
+    ) -> None:
         self.db = db
         self.fence = fence
+        self.buffer = buffer
 
     @contextlib.contextmanager
     def decision(self) -> Iterator[Database]:
@@ -87,7 +92,12 @@ class Store:
 
     # -- jobs ----------------------------------------------------------------------------------
     def active_job(self) -> dict[str, Any] | None:
-        return self.db.fetchone(q.ACTIVE_JOB)
+        return self.db.fetchone(q.ACTIVE_JOB, (self.buffer,))
+
+    def job_buffer(self, job_id: str) -> str | None:
+        """The buffer a job belongs to, or None when no buffer has selected it yet."""
+        buffer = self.db.scalar(q.JOB_BUFFER, (job_id,))
+        return None if buffer is None else str(buffer)
 
     def get_job(self, job_id: str) -> dict[str, Any] | None:
         return self.db.fetchone(q.GET_JOB, (job_id,))
@@ -101,12 +111,15 @@ class Store:
         low_water: int,
         tombstones: list[Drop],
     ) -> None:
-        """Make job_id the only active job, with its floor and the tombstones below it, atomically
-        (a crash in between would resume above the floor and serve those groups half)."""
+        """Make job_id the buffer's only active job, with its floor and the tombstones below it,
+        atomically (a crash in between would resume above the floor and serve those groups half).
+        JobOwned, and nothing changes, when the job is another buffer's."""
         now = time.time()
         with self.decision():
-            self.db.execute(q.DEACTIVATE_JOBS, (now,))
-            self.db.execute(q.UPSERT_JOB, (job_id, k, floor, start_after, low_water, now, now))
+            self.db.execute(q.DEACTIVATE_JOBS, (now, self.buffer))
+            row = (job_id, k, floor, start_after, low_water, now, now, self.buffer)
+            if self.db.execute(q.UPSERT_JOB, row) != 1:
+                raise JobOwned(job_id, self.job_buffer(job_id) or "")
             self.db.executemany(
                 q.INSERT_GROUP_IF_ABSENT, [group_record(job_id, d, now) for d in tombstones]
             )
@@ -336,7 +349,7 @@ class Store:
 
     def ended_jobs(self, before: float) -> list[dict[str, Any]]:
         """Ended jobs not active since an epoch time whose decisions are still kept."""
-        return self.db.fetchall(q.ENDED_JOBS, (before,))
+        return self.db.fetchall(q.ENDED_JOBS, (before, self.buffer))
 
     def purge_step(self, job_id: str, limit: int = 500) -> int:
         """Delete up to ``limit`` decisions of each kind of an ended job; returns how many."""
@@ -357,14 +370,14 @@ class Store:
     # -- the proxy's confirmations ----------------------------------------------------------------
     def unnotified(self) -> Iterator[Unnotified]:
         """Recorded decisions whose sessions the proxy has not confirmed clearing (all jobs)."""
-        for r in self.db.fetchall(q.UNNOTIFIED_GROUPS):
+        for r in self.db.fetchall(q.UNNOTIFIED_GROUPS, (self.buffer,)):
             sessions = json.loads(r["clear_sessions"])
             if sessions:
                 reason = r["reason"] if r["status"] == DROPPED else INCOMPLETE_IN_SERVED
                 yield Unnotified(
                     reason, sessions, [r["group_id"]], GroupKey(r["job_id"], r["group_id"])
                 )
-        for r in self.db.fetchall(q.UNNOTIFIED_ROWS):
+        for r in self.db.fetchall(q.UNNOTIFIED_ROWS, (self.buffer,)):
             yield Unnotified(
                 r["reason"],
                 [r["session_id"]],

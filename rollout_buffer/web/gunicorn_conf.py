@@ -38,6 +38,7 @@ timeout = 300  # a poll that builds a 256 MiB response must not be mistaken for 
 graceful_timeout = math.ceil(_config.graceful_timeout_s)  # gunicorn accepts only an int here
 keepalive = 75
 loglevel = _config.log_level.lower()
+BOOT_DECISION_S = 10.0  # longest an unnamed worker waits at boot for its first look at the lease
 
 
 def on_starting(server) -> None:
@@ -96,6 +97,14 @@ def post_worker_init(worker) -> None:
     """The app is loaded in this worker: start the service (background thread, notifier)."""
     service = worker.wsgi.extensions["rollout_buffer"]
     service.start(host=worker)  # SIGTERM (worker.alive turns False): waiting long-polls answer
+    # An unnamed instance next to a live owner must not run: failing the boot makes gunicorn (and
+    # `rollout-buffer serve`) exit 3 with the message. Found only later (the database was down at
+    # boot), the worker stops, and the next one fails its boot the same way.
+    service.on_refused = lambda: setattr(worker, "alive", False)
+    lease = service.lease
+    unnamed = lease.enabled and not lease.buffer  # (only it can be refused)
+    if unnamed and lease.decided.wait(BOOT_DECISION_S) and lease.refused:
+        raise RuntimeError(lease.refused)
 
 
 def worker_abort(worker) -> None:

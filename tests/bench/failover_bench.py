@@ -66,7 +66,12 @@ def pct(xs: list[float], p: float) -> float:
 # -- takeover
 # -----------------------------------------------------------------------------------------
 class Instance:
-    def __init__(self, name: str, url: str, work: str, lease: float, host: str | None) -> None:
+    """One server of a buffer (ROLLOUT_BUFFER_NAME: instances of one buffer are an owner and its
+    standbys; another name is an independent buffer on the same database)."""
+
+    def __init__(
+        self, name: str, url: str, work: str, lease: float, host: str | None, buffer: str = "bench"
+    ) -> None:
         self.name, self.port = name, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         settings = {
@@ -75,6 +80,7 @@ class Instance:
             "ROLLOUT_BUFFER_LAUNCHER": "none",
             "ROLLOUT_BUFFER_ADVERTISE_URL": self.url,
             "ROLLOUT_BUFFER_LEASE_SECONDS": str(lease),
+            "ROLLOUT_BUFFER_NAME": buffer,
         }
         if host:
             settings["ROLLOUT_BUFFER_HOST_ID"] = host
@@ -125,13 +131,20 @@ def fresh_database(args: argparse.Namespace, prefix: str) -> tuple[str, str]:
     return url, schema
 
 
-def keep_writing(url: str, written: list[str], stop: threading.Event, pace_s: float) -> None:
-    """An external writer (a launcher elsewhere): a complete group of two one-step sessions every
-    pace_s."""
+def keep_writing(
+    url: str,
+    written: list[str],
+    stop: threading.Event,
+    pace_s: float,
+    job: str = "J",
+    prefix: str = "g",
+) -> None:
+    """An external writer (a launcher elsewhere): a complete group of two one-step sessions of the
+    job every pace_s, its group ids starting with prefix."""
     w = connect(url)
     i = 0
     while not stop.is_set():
-        gid = f"g{i:06d}"
+        gid = f"{prefix}{i:06d}"
         for s in range(2):
             w.execute(
                 INSERT_STEP,
@@ -141,7 +154,7 @@ def keep_writing(url: str, written: list[str], stop: threading.Event, pace_s: fl
                     "env",
                     "model",
                     gid,
-                    "J",
+                    job,
                     '[{"role":"user","content":"x"}]',
                     "y",
                     0.5,

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from rollout_buffer.core.errors import IntegrityError, StorageError
+from rollout_buffer.core.errors import IntegrityError, JobOwned, StorageError
 from rollout_buffer.core.model import (
     INCOMPLETE_IN_SERVED,
     LATE_SERVED,
@@ -118,6 +118,25 @@ def test_unconfirmed_notifications_are_listed_until_marked(store):
     assert {u.key for u in store.unnotified()} == {GroupKey(JOB, "g-served"), RowKey(JOB, 8)}
 
 
+def test_each_buffer_has_its_own_active_job_ended_jobs_and_notifications(store):
+    """Buffers on one state database (ROLLOUT_BUFFER_NAME): a job belongs to the buffer that first
+    selected it; another buffer can neither activate it nor see its notifications."""
+    other = Store(store.db, buffer="other")
+    store.activate_job(JOB, 2, 0, 0, 0, [])
+    other.activate_job("theirs", 2, 0, 0, 0, [Drop("g-old", TTL, [1], ["s-old"])])
+    assert store.active_job()["job_id"] == JOB and other.active_job()["job_id"] == "theirs"
+    with pytest.raises(JobOwned, match="'other'"):
+        store.activate_job("theirs", 3, 0, 0, 0, [])
+    assert store.active_job()["job_id"] == JOB and other.get_job("theirs")["k"] == 2
+    store.record(JOB, _plan())
+    assert {u.key.job_id for u in store.unnotified()} == {JOB}
+    assert {u.key.job_id for u in other.unnotified()} == {"theirs"}
+    store.activate_job("next", 2, 0, 0, 0, [])  # ends JOB in this buffer only
+    assert [j["job_id"] for j in store.ended_jobs(time.time() + 1)] == [JOB]
+    assert other.ended_jobs(time.time() + 1) == [] and other.active_job()["job_id"] == "theirs"
+    assert store.job_buffer("theirs") == "other" and store.job_buffer("nobody's") is None
+
+
 def test_one_active_job_with_its_tombstones_cursor_and_launcher(store):
     store.activate_job("a", 4, 0, 0, 0, [])
     store.activate_job("b", 2, 100, 100, 100, [Drop("old", "restart_training", [50, 60], [])])
@@ -158,3 +177,34 @@ def test_the_schema_is_created_once_and_a_newer_one_is_refused(store):
     store.db.execute(q.PUT_META, ("schema_version", str(q.SCHEMA_VERSION + 1)))
     with pytest.raises(StorageError, match="upgrade rollout-buffer"):
         store.ensure_schema()
+
+
+def test_state_written_before_names_belongs_to_the_unnamed_buffer(db_url):
+    """A database at schema version 5 (before ROLLOUT_BUFFER_NAME) with an active job: after the
+    migration its job is the unnamed buffer's, active as before (the unnamed buffer's lease row
+    keeps its scope, "job"), and a named buffer has none of it and cannot take its job."""
+    db = connect(db_url)
+    try:
+        with db.transaction():
+            for ddl in q.STATE_DDL:
+                db.execute(ddl)
+            db.execute(q.PUT_META, ("schema_version", "1"))
+            for version in range(1, 5):
+                for ddl in q.MIGRATIONS[version]:
+                    db.execute(ddl)
+            db.execute(q.PUT_META, ("schema_version", "5"))
+            db.execute(
+                "INSERT INTO rollout_buffer_jobs (job_id, k, floor_pk, cursor_pk, low_water_pk, "
+                "active, started_at, updated_at) VALUES ('old-job', 4, 0, 17, 9, 1, 0, 0)"
+            )
+        unnamed, named = Store(db), Store(db, buffer="x")
+        unnamed.ensure_schema()
+        assert int(db.scalar(q.GET_META, ("schema_version",))) == q.SCHEMA_VERSION
+        row = unnamed.active_job()
+        assert row is not None and row["job_id"] == "old-job" and int(row["cursor_pk"]) == 17
+        assert named.active_job() is None and unnamed.job_buffer("old-job") == ""
+        with pytest.raises(JobOwned):
+            named.activate_job("old-job", 4, 0, 0, 0, [])
+        assert unnamed.active_job()["job_id"] == "old-job"
+    finally:
+        db.close()

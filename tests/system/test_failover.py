@@ -43,6 +43,7 @@ from rollout_buffer.storage.db import connect
 pytestmark = pytest.mark.slow
 
 LEASE_S = 3.0
+BUFFER = "failover"
 K = 2
 FAKE_LAUNCHER = ROOT / "tests" / "fakes" / "fake_launcher.py"
 
@@ -63,6 +64,7 @@ def instance(
     extra = {
         "ROLLOUT_BUFFER_ADVERTISE_URL": f"http://127.0.0.1:{port}",
         "ROLLOUT_BUFFER_LEASE_SECONDS": str(LEASE_S),
+        "ROLLOUT_BUFFER_NAME": BUFFER,  # one buffer: an owner and its standbys
     }
     if host:
         extra["ROLLOUT_BUFFER_HOST_ID"] = host
@@ -288,6 +290,7 @@ def test_an_owner_paused_past_its_lease_records_nothing_when_it_wakes_and_turns_
             for ddl in AUDIT:
                 conn.execute(ddl)
         a_app = f"rollout-buffer {os.uname().nodename}:{worker_pid(a)}"[:63]
+        a_fenced = f"rb-fence {health(a)['instance']} 1"  # its name inside fenced transactions
         write_groups(pg_url, ["pre"], 0).join(
             30
         )  # served by the owner before its pause: the audit sees it
@@ -336,9 +339,9 @@ def test_an_owner_paused_past_its_lease_records_nothing_when_it_wakes_and_turns_
                 "SELECT acquired_at, epoch FROM rollout_buffer_lease"
             ).fetchone()
             assert epoch == 2
-            before = conn.execute("SELECT COUNT(*) FROM audit WHERE app = %s", (a_app,)).fetchone()[
-                0
-            ]
+            before = conn.execute(
+                "SELECT COUNT(*) FROM audit WHERE app IN (%s, %s)", (a_app, a_fenced)
+            ).fetchone()[0]
 
         os.killpg(a.proc.pid, signal.SIGCONT)
         poll.join(60)
@@ -366,10 +369,12 @@ def test_an_owner_paused_past_its_lease_records_nothing_when_it_wakes_and_turns_
         assert dict(trainer.got) == dict.fromkeys(want, 1)
         with psycopg.connect(pg_url, autocommit=True) as conn:
             late = conn.execute(
-                "SELECT tbl, op, at FROM audit WHERE app = %s AND at >= %s", (a_app, took_at)
+                "SELECT tbl, op, at FROM audit WHERE app IN (%s, %s) AND at >= %s",
+                (a_app, a_fenced, took_at),
             ).fetchall()
             others = conn.execute(
-                "SELECT COUNT(*) FROM audit WHERE app <> %s AND at >= %s", (a_app, took_at)
+                "SELECT COUNT(*) FROM audit WHERE app NOT IN (%s, %s) AND at >= %s",
+                (a_app, a_fenced, took_at),
             ).fetchone()[0]
         assert late == [], f"the paused owner wrote after the takeover: {late}"
         assert before > 0 and others > 0  # (the audit sees each instance's writes, by its process)
@@ -449,7 +454,6 @@ def test_sqlite_two_instances_on_one_file(tmp_path):
     want = [f"s{i:02d}" for i in range(30)]
     with instances(url, tmp_path, "a", "b") as (a, b):
         owner_and_standby(a, b)
-        assert os.path.exists(str(tmp_path / "launcher.db") + ".owner.lock")
         r = requests.post(b.url + "/get_rollout_data", json={}, allow_redirects=False, timeout=10)
         assert r.status_code == 307 and r.headers["Location"] == a.url + "/get_rollout_data"
         with Drain([b.url, a.url]) as trainer:

@@ -465,7 +465,10 @@ def test_two_instances_on_one_schema_serve_each_group_once(tmp_path, pg_url):
             tmp_path / n,
             name=n,
             port=p,
-            env={"ROLLOUT_BUFFER_ADVERTISE_URL": f"http://127.0.0.1:{p}"},
+            env={
+                "ROLLOUT_BUFFER_ADVERTISE_URL": f"http://127.0.0.1:{p}",
+                "ROLLOUT_BUFFER_NAME": "ab",
+            },
         )
         for n, p in zip("ab", ports, strict=True)
     )

@@ -180,6 +180,7 @@ class TwoInstances:
         env = {
             "ROLLOUT_BUFFER_LAUNCHER_CMD": fake_launcher_cmd(self.marker),
             "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "1",
+            "ROLLOUT_BUFFER_NAME": "pair",  # one buffer: the second is the first one's standby
         }
         self.first = Server(url, tmp_path, launcher="auto", env=env, name="first")
         self.second = Server(url, tmp_path, launcher="auto", env=env, name="second")

@@ -103,10 +103,16 @@ def _served_job(srv_url: str, db_url: str, token: str | None) -> dict:
     )
     r = requests.post(srv_url + "/get_rollout_data", json={}, headers=headers, timeout=10)
     assert r.json()["success"] is True
-    doc = requests.get(srv_url + "/status", headers=headers, timeout=10).json()
-    assert (
-        doc["stats"]["groups"]["served"] == 2 and doc["history"]["batches"][0]["send_s"] is not None
-    )
+
+    def sent() -> dict | None:
+        # the send time is recorded once the server has written the last byte, which can come
+        # after the client has read the answer
+        doc = requests.get(srv_url + "/status", headers=headers, timeout=10).json()
+        done = doc["history"]["batches"] and doc["history"]["batches"][0]["send_s"] is not None
+        return doc if done else None
+
+    doc = wait_until(sent, 10, "the batch recorded as sent")
+    assert doc["stats"]["groups"]["served"] == 2
     return doc
 
 
