@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.storage import queries as q
+from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import connect, create_launcher_tables
 from rollout_buffer.web.app import create_app
 
@@ -150,7 +150,7 @@ class Writer:
             1 if trainable else 0,
             created_at or now_text(),
         )
-        self.db.execute(q.INSERT_STEP, row)
+        self.db.execute(launcher_sql.INSERT_STEP, row)
         return int(self.db.scalar("SELECT MAX(id) FROM session_steps"))
 
     def session(

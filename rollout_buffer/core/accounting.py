@@ -24,15 +24,17 @@ class Counts:
         self.rows_read = 0
         self.pending_rows = 0
         self.served_rows = 0
-        self.dropped: Counter = Counter()  # rows, by reason
-        self.rejected: Counter = Counter()  # rows, by reason
+        self.dropped: Counter[str] = Counter()  # rows, by reason
+        self.rejected: Counter[str] = Counter()  # rows, by reason
         self.groups_served = 0
-        self.groups_dropped: Counter = Counter()
+        self.groups_dropped: Counter[str] = Counter()
         self.figures = Figures()
-        self.filtered: Counter = Counter()  # groups dropped since the last served batch, by reason
+        self.filtered: Counter[str] = (
+            Counter()
+        )  # groups dropped since the last served batch, by reason
 
     def load(self, totals: Any) -> None:
-        """A job's durable totals (a :class:`~rollout_buffer.storage.store.JobTotals`), before any
+        """A job's durable totals (a :class:`~rollout_buffer.storage.records.JobTotals`), before any
         row is ingested again: the row and group counters, the figures and ``filtered``."""
         self.rows_read = totals.accounted_rows
         self.served_rows = totals.served_rows

@@ -1,26 +1,30 @@
 """In-memory grouping of one job's rows, under one lock, with no I/O.
 
 Owns: the undecided groups of one job (pending, ready in the serve order, taken by a poll), the
-tombstones of decided ones, the policies' decisions when a group becomes ready, and the job's
-counters (:mod:`~rollout_buffer.core.accounting`). Pending state holds metadata only (see
+tombstones of decided ones, ingesting rows into them, and the job's counters
+(:mod:`~rollout_buffer.core.accounting`). Two parts work on the same state under the same lock:
+the policies' decisions when a group becomes ready or cannot wait
+(:mod:`~rollout_buffer.core.policies`), and handing ready groups to polls and settling them
+(:mod:`~rollout_buffer.core.handover`). Pending state holds metadata only (see
 :mod:`~rollout_buffer.core.group`); bodies stay in the database until served. Every method returns
 *decisions* (a plan: drops, rows accounted one by one, groups ready) for the caller to record and
-act on after the lock is released; it must not touch the database, the proxy or the clock
-beyond its own monotonic one.
+act on after the lock is released; it must not touch the database, the proxy or the clock beyond
+its own monotonic one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from rollout_buffer.core.accounting import Counts
 from rollout_buffer.core.census import SESSION_WITHOUT_RESULT, Census, StepFact
 from rollout_buffer.core.group import Group, Undecided
+from rollout_buffer.core.handover import Handover
 from rollout_buffer.core.model import (
     DROPPED,
     INVALID_GROUP,
@@ -33,22 +37,21 @@ from rollout_buffer.core.model import (
     REJECTED,
     ROW_DROPPED,
     SERVED,
-    TTL,
     BadText,
     Decisions,
     Drop,
     Policy,
     Row,
     RowEvent,
-    Take,
 )
+from rollout_buffer.core.policies import Policies
 from rollout_buffer.core.ready import ReadyQueue
 from rollout_buffer.core.versions import Versions
 
 logger = logging.getLogger(__name__)
 
 
-class Accumulator:
+class Accumulator(Handover, Policies):
     """Groups one job's rows until K sessions of a group have completed.
 
     All state is guarded by ``self.lock``; every public method takes it, and no method does I/O.
@@ -137,15 +140,7 @@ class Accumulator:
                     self._reject_session(pk, gid, out)
                     continue
                 if gid is None or gid == "" or not isinstance(gid, str) or isinstance(gid, BadText):
-                    # no group, or one that is not text (undecodable, a BLOB): never served under a
-                    # garbled id
-                    reason = MISSING_GROUP if gid is None or gid == "" else INVALID_GROUP
-                    self.counts.rejected[reason] += 1
-                    out.rows.append(RowEvent(pk, REJECTED, reason, None, sid))
-                    self.tainted.add(sid)
-                    other = self._undecided(self.session_group.get(sid))  # O(1): the session index
-                    if other is not None and other.taken is None:
-                        self._drop(other, MALFORMED, out)
+                    self._reject_group(pk, sid, gid, out)
                     continue
                 gid = str(gid)
                 status = self.decided.get(gid)
@@ -154,17 +149,7 @@ class Accumulator:
                     self.counts.dropped[reason] += 1
                     out.rows.append(RowEvent(pk, ROW_DROPPED, reason, gid, sid))
                     continue
-                g = self.pending.get(gid)
-                if g is None:
-                    g = self.ready.get(gid) or self.taken.get(gid)
-                    if g is None:
-                        g = self.pending[gid] = Group(gid, now)
-                        self.undecided.add(g)
-                        if self.excluded:  # sessions it dropped as oversampled before a restart
-                            g.excluded = self.excluded.pop(gid, None)
-                else:
-                    self.pending.move_to_end(gid)
-                g.last_seen = now
+                g = self._group_for(gid, now)
                 if (g.chosen is not None and sid not in g.chosen) or (
                     g.excluded is not None and sid in g.excluded
                 ):
@@ -174,19 +159,7 @@ class Accumulator:
                     self.counts.dropped[OVERSAMPLED] += 1
                     out.rows.append(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, gid, sid))
                     continue
-                pks = g.sessions.get(sid)
-                if pks is None:
-                    g.sessions[sid] = [pk]
-                    self.session_group[sid] = gid
-                else:
-                    pks.append(pk)
-                g.n_rows += 1
-                self.counts.pending_rows += 1
-                if g.min_pk is None or pk < g.min_pk:
-                    g.min_pk = pk
-                    self.undecided.min_pk_changed(g)
-                if track_wv:
-                    g.add_version(sid, wv)
+                self._add_row(g, sid, pk, wv, track_wv)
                 if completed:
                     c = g.completed.get(sid)
                     term = (step_id if step_id is not None else -1, pk)
@@ -207,6 +180,22 @@ class Accumulator:
                         )  # ready short of K at the TTL, it reached K while it waited
             self._doom(doomed, out)
         return out
+
+    def _add_row(self, g: Group, sid: str, pk: int, wv: int | None, track_wv: bool) -> None:
+        """(Lock held.) Index a row of session ``sid`` in its group: metadata only."""
+        pks = g.sessions.get(sid)
+        if pks is None:
+            g.sessions[sid] = [pk]
+            self.session_group[sid] = g.group_id
+        else:
+            pks.append(pk)
+        g.n_rows += 1
+        self.counts.pending_rows += 1
+        if g.min_pk is None or pk < g.min_pk:
+            g.min_pk = pk
+            self.undecided.min_pk_changed(g)
+        if track_wv:
+            g.add_version(sid, wv)
 
     # -- the census -----------------------------------------------------------------------------
     def observe(self, scheduled: list[tuple[str, str]], facts: list[StepFact]) -> Decisions:
@@ -308,42 +297,33 @@ class Accumulator:
         self.census.settle(gid, reason)
         out.drops.append(Drop(gid, reason, [], sessions, ()))
 
-    def _became_ready(self, g: Group, out: Decisions) -> None:
-        """(Lock held.) A group has K completed sessions, or is served short at the TTL: choose its
-        sessions (over-sampling), apply the policies, and queue it or drop it."""
-        self._choose(g, out)
-        reason = None
-        if self.policy.max_off_policy is not None:  # a version that cannot be true goes first
-            served = g.chosen if g.chosen is not None else g.completed
-            reason = self.versions.judge(g.group_id, [g.min_version(served)])
-        reason = reason or g.refusal(self.policy, self.current_version)
-        if reason is not None:
-            self._drop(g, reason, out)
-            return
-        g.ready_at = self.clock()
-        self.census.completed_in(g.ready_at - g.first_seen)
-        # taken for stalled while it waited, it reached K after all: not a group that failed
-        self.census.stalled.discard(g.group_id)
-        self.ready.push(g)
-        out.newly_ready += 1
+    def _group_for(self, gid: str, now: float) -> Group:
+        """(Lock held.) The undecided group a row of ``gid`` joins (a new one is pending), active
+        at ``now``."""
+        g = self.pending.get(gid)
+        if g is None:
+            g = self.ready.get(gid) or self.taken.get(gid)
+            if g is None:
+                g = self.pending[gid] = Group(gid, now)
+                self.undecided.add(g)
+                if self.excluded:  # sessions it dropped as oversampled before a restart
+                    g.excluded = self.excluded.pop(gid, None)
+        else:
+            self.pending.move_to_end(gid)
+        g.last_seen = now
+        return g
 
-    def _choose(self, g: Group, out: Decisions) -> None:
-        """Over-sampling: a group with K completed sessions that has not chosen K yet (ready, ready
-        short of K at the TTL, given back by a poll, or K lowered) keeps its first K; the rows of
-        every other session are dropped as oversampled now (and so are their later rows)."""
-        if (
-            not self.policy.oversample
-            or len(g.completed) < self.k
-            or (g.chosen is not None and len(g.chosen) <= self.k)
-        ):
-            return
-        for sid, pks in g.choose(self.k).items():
-            if self.session_group.get(sid) == g.group_id:
-                del self.session_group[sid]
-            self.counts.pending_rows -= len(pks)
-            self.counts.dropped[OVERSAMPLED] += len(pks)
-            out.rows.extend(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, g.group_id, sid) for pk in pks)
-        self.undecided.min_pk_changed(g)
+    def _reject_group(self, pk: int, sid: str, gid: object, out: Decisions) -> None:
+        """(Lock held.) A row with no group, or one that is not text (undecodable, a BLOB): never
+        served under a garbled id. Its session can never be served whole: its undecided group is
+        dropped now, and any group it joins later (``tainted``)."""
+        reason = MISSING_GROUP if gid is None or gid == "" else INVALID_GROUP
+        self.counts.rejected[reason] += 1
+        out.rows.append(RowEvent(pk, REJECTED, reason, None, sid))
+        self.tainted.add(sid)
+        other = self._undecided(self.session_group.get(sid))  # O(1): the session index
+        if other is not None and other.taken is None:
+            self._drop(other, MALFORMED, out)
 
     def _undecided(self, gid: str | None) -> Group | None:
         if gid is None:
@@ -393,264 +373,14 @@ class Accumulator:
                 del self.session_group[sid]
         self.tainted_groups.discard(g.group_id)
 
-    # -- dropping -------------------------------------------------------------------------------
-    def expire(self, ttl_s: float) -> Decisions:
-        """Drop incomplete groups idle for ttl_s on the monotonic clock (oldest first, O(expired)).
-
-        With a minimum group size, a group with at least that many completed sessions is made
-        ready instead, to be served with only its completed sessions (``partial``)."""
-        out = Decisions()
-        if ttl_s <= 0:
-            return out
-        with self.lock:
-            now = self.clock()
-            while self.pending:
-                g = next(iter(self.pending.values()))
-                if now - g.last_seen < ttl_s:
-                    break
-                self._give_up(g, TTL, out)
-        return out
-
-    def drop_all(self, reason: str, *, include_ready: bool, partial: bool = False) -> Decisions:
-        """Drop every incomplete group (and the ready ones when include_ready); with ``partial``
-        (the launcher exited: they can never complete) those with the minimum group size are served
-        short."""
-        out = Decisions()
-        with self.lock:
-            for g in list(self.pending.values()):
-                self._give_up(g, reason, out) if partial else self._drop(g, reason, out)
-            if include_ready:
-                for g in list(self.ready.values()):
-                    self._drop(g, reason, out)
-            # groups whose sessions all ended before any trainable row: only the census knew them
-            for gid in list(self.census.group_sessions):
-                if gid not in self.decided and self._undecided(gid) is None:
-                    self._tombstone(gid, reason, out)
-        return out
-
-    def _give_up(self, g: Group, reason: str, out: Decisions) -> None:
-        """(Lock held.) An incomplete group that cannot wait any longer: ready short of K when it
-        has the minimum group size (ROLLOUT_BUFFER_MIN_GROUP_SIZE), else dropped with ``reason``."""
-        least = self.policy.min_group_size
-        # ready once, under a smaller K (K raised since): it had a whole group, and over-sampling
-        # may have dropped the sessions that could complete it; served short, never a TTL drop
-        was_ready = g.ready_at is not None
-        if was_ready or (least is not None and least < self.k and len(g.completed) >= least):
-            del self.pending[g.group_id]
-            g.partial = True
-            self._became_ready(g, out)
-        else:
-            self._drop(g, reason, out)
-
-    # -- serving ----------------------------------------------------------------------------------
-    def take_ready(self, max_groups: int | None) -> list[Take]:
-        """Hand ready groups to a poll, first ready first; they stay undecided until
-        commit/release."""
-        takes: list[Take] = []
-        with self.lock:
-            self.changes += 1
-            while self.ready and (max_groups is None or len(takes) < max_groups):
-                g = self.ready.pop_next()
-                gid = g.group_id
-                completed, incomplete = {}, {}
-                for sid, pks in g.sessions.items():
-                    (completed if sid in g.completed else incomplete)[sid] = tuple(pks)
-                g.taken = {sid: len(pks) for sid, pks in g.sessions.items()}
-                self.taken[gid] = g
-                takes.append(
-                    Take(
-                        gid,
-                        completed,
-                        incomplete,
-                        g.rewards(),
-                        g.partial and len(completed) < self.k,
-                        g.ready_at,
-                        g.min_version(completed),
-                    )
-                )
-        return takes
-
-    def retake(self, takes: list[Take]) -> list[Take]:
-        """Hand back exactly these earlier takes (released after a COMMIT that did happen after
-        all), so commit() settles them with their original snapshot. Returns those still
-        undecided."""
-        found = []
-        with self.lock:
-            self.changes += 1
-            for t in takes:
-                g = self.ready.pop(t.group_id, None) or self.pending.pop(t.group_id, None)
-                if g is None:
-                    continue
-                g.taken = {
-                    sid: len(pks)
-                    for sid, pks in list(t.completed.items()) + list(t.incomplete.items())
-                }
-                self.taken[t.group_id] = g
-                found.append(t)
-        return found
-
-    def release(self, takes: list[Take]) -> Decisions:
-        """Give taken groups back, at the front and in their order (the poll failed or ran out of
-        budget).
-
-        A group one of whose sessions wrote a row without group_id meanwhile is dropped instead."""
-        out = Decisions()
-        with self.lock:
-            for t in reversed(takes):
-                g = self.taken.pop(t.group_id, None)
-                if g is None:
-                    continue
-                g.taken = None
-                if (
-                    self.tainted and not self.tainted.isdisjoint(g.sessions)
-                ) or t.group_id in self.tainted_groups:
-                    self._drop(g, MALFORMED, out)
-                    continue
-                self._choose(g, out)  # its other sessions may have completed while it was taken
-                self.ready.put_front(g)  # first again, at its old place in a version order
-        return out
-
-    def commit(self, plan: Decisions) -> Decisions:
-        """Apply a RECORDED serving plan to memory: its served groups become served and its drops
-        (malformed groups) dropped, with their rejected rows counted; nothing is derived again.
-
-        Only groups this accumulator still holds as taken are settled (a plan applied twice counts
-        once). Rows added to a group while it was taken become late rows of the decided group:
-        returns them, as a new plan for the caller to record.
-        """
-        out = Decisions()
-        with self.lock:
-            self.changes += 1
-            settled: set[str] = set()
-            for s in plan.served:
-                g = self.taken.pop(s.group_id, None)
-                if g is None:
-                    continue
-                settled.add(s.group_id)
-                self._settle(g, out, self._late_served)
-                self.decided[s.group_id] = SERVED
-                self.census.settle(s.group_id, SERVED)
-                self.counts.group_served(
-                    len(s.take.served_pks),
-                    len(s.take.incomplete_pks),
-                    len(s.take.completed),
-                    s.rewards,
-                )
-            for d in plan.drops:
-                g = self.taken.pop(d.group_id, None)
-                if g is None:
-                    continue
-                settled.add(d.group_id)
-                self._settle(g, out, LATE_DROPPED)
-                self.decided[d.group_id] = DROPPED
-                self.census.settle(d.group_id, d.reason)
-                self.counts.group_dropped(d.reason, len(d.pks), len(d.clear_sessions), d.rewards)
-            for r in plan.rows:
-                if r.outcome == REJECTED and r.group_id in settled:
-                    self.counts.rejected[r.reason] += 1
-            if plan.batch is not None and plan.batch.meta:
-                self.counts.batch_reported(plan.batch.meta.get("filtered"))
-        return out
-
-    def recheck(self, t: Take) -> Take | None:
-        """A taken group about to be served from a draft built earlier: None when an unbuilt poll
-        would serve it otherwise (its served sessions grew or another completed) or drop it (a
-        session wrote a row without group_id); else its take with the sessions that appeared or grew
-        since as incomplete (cleared as incomplete in a served group, as at any poll, not as late
-        rows)."""
-        with self.lock:
-            g = self.taken.get(t.group_id)
-            if (
-                g is None
-                or g.taken is None
-                or t.group_id in self.tainted_groups
-                or not self.tainted.isdisjoint(g.sessions)
-                or set(g.completed) != set(t.completed)
-                or any(len(g.sessions.get(sid, ())) != len(pks) for sid, pks in t.completed.items())
-            ):
-                return None
-            incomplete = {
-                sid: tuple(pks) for sid, pks in g.sessions.items() if sid not in t.completed
-            }
-            g.taken.update((sid, len(pks)) for sid, pks in incomplete.items())
-            return dataclasses.replace(t, incomplete=incomplete)
-
-    def filtered_since_batch(self) -> dict[str, int]:
-        """Groups dropped since the last served batch, by reason (meta_info.filtered)."""
-        with self.lock:
-            return dict(+self.counts.filtered)
-
-    def settle_decided(
-        self, takes: list[Take], decided: dict[str, tuple[str, str | None]]
-    ) -> Decisions:
-        """Taken groups that another instance already decided ({group_id: (status, reason)}, from
-        its record in the store): take its word, count them as it decided, never serve them again.
-        Returns the late rows (rows that arrived while taken) for the caller to record."""
-        out = Decisions()
-        with self.lock:
-            self.changes += 1
-            for t in takes:
-                g = self.taken.pop(t.group_id, None)
-                if g is None:
-                    continue
-                status, reason = decided[t.group_id]
-                self._settle(g, out, self._late_served if status == SERVED else LATE_DROPPED)
-                self.decided[t.group_id] = status
-                if status == SERVED:
-                    self.counts.group_served(
-                        len(t.served_pks), len(t.incomplete_pks), len(t.completed), t.rewards
-                    )
-                else:
-                    self.counts.group_dropped(
-                        reason or MALFORMED, len(t.all_pks), len(t.sessions), t.rewards
-                    )
-        return out
-
-    def _settle(self, g: Group, out: Decisions, late_reason: str) -> None:
-        """Remove a taken group from pending state; rows that arrived while taken become late
-        rows."""
-        assert g.taken is not None
-        self.counts.pending_rows -= g.n_rows
-        self._forget(g)
-        for sid, pks in g.sessions.items():
-            extra = pks[g.taken.get(sid, 0) :]
-            for pk in extra:
-                self.counts.dropped[late_reason] += 1
-                out.rows.append(RowEvent(pk, ROW_DROPPED, late_reason, g.group_id, sid))
-        g.taken = None
-
     # -- reading -------------------------------------------------------------------------------
-    def set_k(self, k: int) -> tuple[int, Decisions]:
-        """Change K; groups that now have K completed sessions become ready (or are dropped by a
-        policy). Returns how many became ready, and the plan of what the policies decided."""
-        with self.lock:
-            self.k = k
-            moved, out = False, Decisions()
-            for gid, g in list(self.ready.items()):
-                if (
-                    len(g.completed) < k
-                ):  # K was raised: not ready any more (and open to more sessions)
-                    del self.ready[gid]
-                    self.pending[gid], g.chosen, moved = g, None, True
-                elif len(g.completed) > k:  # K was lowered: over-sampling keeps the first K
-                    self._choose(g, out)
-            if moved:  # expire() stops at the first live group: put them back in idle order (rare)
-                self.pending = OrderedDict(
-                    sorted(self.pending.items(), key=lambda kv: kv[1].last_seen)
-                )
-            for gid, g in list(self.pending.items()):
-                if len(g.completed) >= k:
-                    del self.pending[gid]
-                    self._became_ready(g, out)
-        return out.newly_ready, out
-
     def low_water(self, cursor: int) -> int:
         """Smallest pk that is still pending (rows below it are all accounted), or cursor + 1."""
         with self.lock:
             low = self.undecided.low_water()
         return cursor + 1 if low is None else low
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters and gauges; the accounting identity holds in them."""
         with self.lock:
             now = self.clock()

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 # A group one of whose sessions ended without a result, so that it can never reach K.
 SESSION_WITHOUT_RESULT = "session_without_result"
@@ -36,7 +36,7 @@ class StepFact(NamedTuple):
     """The metadata of one launcher row that the census needs (never its messages)."""
 
     session_id: str
-    group_id: str
+    group_id: str | None  # unchecked: a rejected row may have none (observe skips it)
     step_id: int | None
     terminal: bool
 
@@ -297,5 +297,5 @@ class Census:
         )
 
 
-def _text(value: object) -> bool:
+def _text(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and bool(value)

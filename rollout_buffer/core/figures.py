@@ -74,7 +74,7 @@ class Figures:
     def load(
         self, key: str, groups: int, sessions: int, steps: int, reward_sum: float, rewarded: int
     ) -> None:
-        """Sums recorded before a restart (store.JobTotals)."""
+        """Sums recorded before a restart (records.JobTotals)."""
         s = self.by.setdefault(key, Sums())
         s.groups += groups
         s.sessions += sessions
@@ -99,7 +99,10 @@ def _stats(values: list[float]) -> tuple[float, float, float, float]:
     scaled = [v / scale for v in values]
     mean = math.fsum(scaled) / n
     std = math.sqrt(math.fsum((v - mean) ** 2 for v in scaled) / n)
-    clamp = lambda x: max(-_FLOAT_MAX, min(_FLOAT_MAX, x * scale))  # noqa: E731
+
+    def clamp(x: float) -> float:
+        return max(-_FLOAT_MAX, min(_FLOAT_MAX, x * scale))
+
     return clamp(mean), clamp(std), min(values), max(values)
 
 

@@ -92,6 +92,8 @@ class Group:
                 if wv is not None and wv < d.get(sid, wv + 1):
                     d[sid] = wv
                 self.wv = d
+        # w is the per-session dict here, but mypy does not narrow on ``w.__class__ is int`` (kept
+        # over isinstance on this per-row path): union-attr and index name what it cannot see.
         elif wv is not None and wv < w.get(sid, wv + 1):  # type: ignore[union-attr]
             w[sid] = wv  # type: ignore[index]
 

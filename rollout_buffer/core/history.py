@@ -118,7 +118,7 @@ class PollStats:
         self.count = 0
         self.with_data = 0
         self.seconds = 0.0
-        self.buckets: collections.Counter = collections.Counter()
+        self.buckets: collections.Counter[float] = collections.Counter()
 
     def observe(self, seconds: float, with_data: bool) -> None:
         with self._lock:

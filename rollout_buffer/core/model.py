@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 # Group statuses in rollout_buffer_groups.
 SERVED = "served"
@@ -226,7 +226,7 @@ class Batch:
     group_ids: list[str]
     n_items: int
     n_bytes: int
-    meta: dict | None = (
+    meta: dict[str, Any] | None = (
         None  # meta_info keys that cannot be derived from the rows (sent again on replay)
     )
 

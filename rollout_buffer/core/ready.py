@@ -19,7 +19,7 @@ from rollout_buffer.core.group import Group
 SIGNS = {"ready": 0, "oldest_version": 1, "newest_version": -1}
 
 
-class ReadyQueue(OrderedDict):
+class ReadyQueue(OrderedDict[str, Group]):
     """group_id -> ready Group, popped in the serve order with :meth:`pop_next`."""
 
     def __init__(self, serve_order: str = "ready") -> None:

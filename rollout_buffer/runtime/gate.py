@@ -33,6 +33,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
@@ -276,14 +277,15 @@ class Gate:
         if not self.may_start(session):
             self.on_hold(+1)
             # a client sends nothing after its request: end of stream means it is gone
-            gone = asyncio.ensure_future(reader.read(1))
+            gone: asyncio.Future[Any] = asyncio.ensure_future(reader.read(1))
             try:
                 assert self._wake is not None
                 while not self.may_start(session):
-                    wake = asyncio.ensure_future(self._wake.wait())
+                    wake: asyncio.Future[object] = asyncio.ensure_future(self._wake.wait())
+                    watched: set[asyncio.Future[object]] = {wake, gone}
                     try:
                         await asyncio.wait(
-                            {wake, gone}, timeout=RECHECK_S, return_when=asyncio.FIRST_COMPLETED
+                            watched, timeout=RECHECK_S, return_when=asyncio.FIRST_COMPLETED
                         )
                     finally:
                         wake.cancel()

@@ -21,7 +21,7 @@ from rollout_buffer.core.redact import redact
 from rollout_buffer.core.redeliveries import Redeliveries
 from rollout_buffer.launcher.command import step_cap
 from rollout_buffer.runtime.notifications import Outbox
-from rollout_buffer.storage import queries as q
+from rollout_buffer.storage import source
 from rollout_buffer.storage.census import CensusReader
 from rollout_buffer.storage.db import Database
 from rollout_buffer.storage.reader import MIN_ID, Accounted, Reader, first_read_after
@@ -108,9 +108,7 @@ class JobState:
         s["lag_rows"] = None
         if src is not None:
             with contextlib.suppress(StorageError):
-                s["lag_rows"] = int(
-                    src.scalar(q.COUNT_AFTER, (self.job_id, self.reader.max_seen)) or 0
-                )
+                s["lag_rows"] = source.unread_rows(src, self.job_id, self.reader.max_seen)
         r = s["rows"]
         s["accounting_balanced"] = (
             r["read"] == r["served"] + r["dropped_total"] + r["rejected_total"] + r["pending"]
@@ -143,7 +141,7 @@ class Jobs:
         starts)."""
         if self._tables_seen:
             return True
-        if int(src.scalar(q.HAS_STEPS_TABLE[src.backend]) or 0):
+        if source.steps_table_exists(src):
             self._tables_seen = True
             return True
         if not self._tables_warned:
@@ -181,7 +179,7 @@ class Jobs:
         acc.excluded.update(store.oversampled_sessions(job_id))
         accounted = None
         if (totals.decided or totals.accounted_rows) and self.launcher_tables_exist(src):
-            upto = int(src.scalar(q.MAX_JOB_ID, (job_id,)) or 0)
+            upto = source.max_job_id(src, job_id)
             accounted = Accounted(
                 job_id, upto, store.row_pks_from(job_id, first_read_after(start_after))
             )
@@ -229,7 +227,7 @@ class Jobs:
         existing = store.get_job(job_id)
         tables = self.launcher_tables_exist(src)
         if restart_training:
-            floor = int(src.scalar(q.MAX_TERMINAL_ID, (job_id,)) or 0) if tables else 0
+            floor = source.max_terminal_id(src, job_id) if tables else 0
             start_after, low_water = floor, floor + 1
         elif existing is not None:
             floor = int(existing["floor_pk"])
@@ -263,7 +261,7 @@ class Jobs:
         decided = set(store.decided_groups(job_id))
         accounted = store.row_pks_from(job_id, 0)
         below: dict[str, tuple[list[int], set[str]]] = {}
-        for pk, gid, sid in src.rows(q.ROWS_AT_OR_BELOW, (job_id, floor)):
+        for pk, gid, sid in source.rows_at_or_below(src, job_id, floor):
             if gid is None or str(gid) in decided or int(pk) in accounted:
                 continue
             pks, sids = below.setdefault(str(gid), ([], set()))

@@ -27,10 +27,11 @@ from rollout_buffer.runtime.lease import OWNER, Lease
 from rollout_buffer.runtime.locks import LOCK_WAIT_S, Locks
 from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.runtime.signals import Signals
-from rollout_buffer.storage import queries as q
+from rollout_buffer.storage import source
 from rollout_buffer.storage.connections import LazyPair
 from rollout_buffer.storage.db import Database
-from rollout_buffer.storage.store import Store, steady_wall
+from rollout_buffer.storage.records import steady_wall
+from rollout_buffer.storage.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def check_sequence(src: Database) -> None:
     committed by others, which the cursor would have passed (the row would never be read)."""
     if src.backend != "postgres":
         return
-    cache = src.scalar(q.HAS_STEPS_TABLE[src.backend]) and src.scalar(q.SEQUENCE_CACHE)
+    cache = source.sequence_cache(src)
     if cache and int(cache) > 1:
         raise ConfigError(
             f"the sequence of session_steps.id caches {int(cache)} values per connection, so ids "
@@ -257,7 +258,7 @@ class Loop:
         if self.config.job_retention_s > 0:
             for job in store.ended_jobs(wall - self.config.job_retention_s):
                 if store.purge_step(job["job_id"]) == 0:
-                    upto = int(src.scalar(q.MAX_JOB_ID, (job["job_id"],)) or 0)
+                    upto = source.max_job_id(src, job["job_id"])
                     read = max(
                         upto,
                         int(job["cursor_pk"]),

@@ -238,7 +238,8 @@ class Serving:
             js, body, replay = self._under_serve_lock(conns, poll)
         if body is not None:
             return body
-        return self.replayer.replay(conns.get(), js, *replay, live=self._meta(js))
+        batch, recorded_at = replay
+        return self.replayer.replay(conns.get(), js, batch, recorded_at, live=self._meta(js))
 
     def _under_serve_lock(self, conns: LazyPair, poll: PollRequest) -> tuple[JobState, Any, Any]:
         """(Serve lock held.) Settle an uncertain COMMIT, then serve (the body), or find the batch

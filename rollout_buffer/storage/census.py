@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from rollout_buffer.core.census import StepFact
 from rollout_buffer.core.errors import StorageError
-from rollout_buffer.storage import queries as q
+from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import Database
 
 MIN_ID = -(2**63)
@@ -32,7 +32,9 @@ class CensusReader:
         scheduled: list[tuple[str, str]] = []
         if not self.no_schedule:
             try:
-                rows = db.rows(q.CENSUS_SCHEDULED, (self.job_id, self.scheduled_after, self.batch))
+                rows = db.rows(
+                    launcher_sql.CENSUS_SCHEDULED, (self.job_id, self.scheduled_after, self.batch)
+                )
             except StorageError:
                 if db.broken or self._has_schedule(db):
                     raise  # the table is there: a real failure, retried at the next tick
@@ -41,7 +43,7 @@ class CensusReader:
             if rows:
                 self.scheduled_after = rows[-1][0]
             scheduled = [(r[1], r[2]) for r in rows]
-        steps = db.rows(q.CENSUS_STEPS, (self.job_id, self.steps_after, self.batch))
+        steps = db.rows(launcher_sql.CENSUS_STEPS, (self.job_id, self.steps_after, self.batch))
         if steps:
             self.steps_after = steps[-1][0]
         facts = [StepFact(r[1], r[2], r[3], bool(r[4])) for r in steps]
@@ -50,7 +52,7 @@ class CensusReader:
     @staticmethod
     def _has_schedule(db: Database) -> bool:
         try:
-            db.rows(q.HAS_SCHEDULE)
+            db.rows(launcher_sql.HAS_SCHEDULE)
         except StorageError:
             return False
         return True

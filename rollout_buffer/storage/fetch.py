@@ -10,45 +10,50 @@ It must not write, and it reads the launcher's table only.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from rollout_buffer.core.items import COMPLETED, MESSAGES, RESPONSE, SID
 from rollout_buffer.core.model import Take
-from rollout_buffer.storage import queries as q
+from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import Database
 
 FETCH_CHUNK = 900  # pks per body query (SQLite's default variable limit is far above)
 
 
 def fetch_rows(
-    src: Database, pks: list[int], query: Callable[[int, str], str] = q.fetch_bodies
-) -> dict[int, tuple]:
+    src: Database, pks: list[int], query: Callable[[int, str], str] = launcher_sql.fetch_bodies
+) -> dict[int, tuple[Any, ...]]:
     """The body columns (queries.BODY_COLUMNS) of the given rows, by pk (``query``: the statement
     for n pks, ``fetch_bodies`` or one that selects more columns after those, as the export's)."""
-    out: dict[int, tuple] = {}
+    out: dict[int, tuple[Any, ...]] = {}
     for i in range(0, len(pks), FETCH_CHUNK):
         chunk = pks[i : i + FETCH_CHUNK]
         for r in src.rows(
-            query(len(chunk), src.backend), q.fetch_bodies_params(chunk, src.backend), binary=True
+            query(len(chunk), src.backend),
+            launcher_sql.fetch_bodies_params(chunk, src.backend),
+            binary=True,
         ):
             out[r[0]] = r
     return out
 
 
-def fetch_takes(src: Database, takes: list[Take], cap: int) -> tuple[dict[int, tuple], set[str]]:
+def fetch_takes(
+    src: Database, takes: list[Take], cap: int
+) -> tuple[dict[int, tuple[Any, ...]], set[str]]:
     """The body rows of the served sessions of ``takes``, and the groups whose rows alone exceed
     ``cap`` bytes (stopped as soon as they do, so one huge group never holds more than the cap)."""
     owner = {pk: t.group_id for t in takes for pk in t.served_pks}
     pks = list(owner)
     sizes: dict[str, int] = {}
     too_large: set[str] = set()
-    out: dict[int, tuple] = {}
+    out: dict[int, tuple[Any, ...]] = {}
     for i in range(0, len(pks), FETCH_CHUNK):
         chunk = [pk for pk in pks[i : i + FETCH_CHUNK] if owner[pk] not in too_large]
         if not chunk:
             continue
         for r in src.rows(
-            q.fetch_bodies(len(chunk), src.backend),
-            q.fetch_bodies_params(chunk, src.backend),
+            launcher_sql.fetch_bodies(len(chunk), src.backend),
+            launcher_sql.fetch_bodies_params(chunk, src.backend),
             binary=True,
         ):
             gid = owner[r[0]]
@@ -62,7 +67,7 @@ def fetch_takes(src: Database, takes: list[Take], cap: int) -> tuple[dict[int, t
     return out, too_large
 
 
-def take_from_rows(group_id: str, pks: list[int], rows: dict[int, tuple]) -> Take:
+def take_from_rows(group_id: str, pks: list[int], rows: dict[int, tuple[Any, ...]]) -> Take:
     """Rebuild a served group's Take from its recorded pks: sessions with a completed row are
     complete."""
     done = {r[SID] for r in rows.values() if r[COMPLETED]}

@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from rollout_buffer.core.items import ingest_fields
 from rollout_buffer.core.model import Row
-from rollout_buffer.storage import queries as q
+from rollout_buffer.core.values import ingest_fields
+from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import Database
 
 MIN_ID = -(2**63)  # the smallest id a BIGINT (or a SQLite INTEGER) holds
@@ -72,7 +72,7 @@ class Reader:
         self.first_read_of_tick = True
         self.caught_up = False
         self.drained = False  # the last read returned less than a batch: nothing more to read now
-        self._staged: tuple | None = None
+        self._staged: tuple[Any, ...] | None = None
         self._postgres = False
 
     def end_tick(self) -> None:
@@ -85,12 +85,14 @@ class Reader:
         # before the snapshot: a writer that has ended by now committed before it (or rolled back)
         horizon = db.table_writers()
         with db.read_snapshot():
-            window: list[tuple] = []
+            window: list[tuple[Any, ...]] = []
             if horizon is not None and self.cursor < self.max_seen:
                 window = db.rows(
-                    q.READ_WINDOW[db.backend], (self.job_id, self.cursor, self.max_seen)
+                    launcher_sql.READ_WINDOW[db.backend], (self.job_id, self.cursor, self.max_seen)
                 )
-            batch = db.rows(q.READ_AFTER[db.backend], (self.job_id, self.max_seen, self.batch))
+            batch = db.rows(
+                launcher_sql.READ_AFTER[db.backend], (self.job_id, self.max_seen, self.batch)
+            )
         drained = len(batch) < self.batch
         if horizon is None:
             self._staged = (batch, batch, drained, None)

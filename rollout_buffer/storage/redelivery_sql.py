@@ -31,8 +31,10 @@ SERVED_GROUPS = (
 NEXT_SEQ = "SELECT COALESCE(MAX(seq), 0) + 1 FROM rollout_buffer_redeliveries WHERE job_id = ?"
 # Queue a group (again): state, position, one more request.
 QUEUE = (
-    "INSERT INTO rollout_buffer_redeliveries (job_id, group_id, state, seq, batch_id, n_requests, n_delivered, "
-    "updated_at) VALUES (?, ?, 'queued', ?, NULL, 1, 0, ?) ON CONFLICT (job_id, group_id) DO UPDATE SET "
+    "INSERT INTO rollout_buffer_redeliveries (job_id, group_id, state, seq, batch_id, n_requests, "
+    "n_delivered, "
+    "updated_at) VALUES (?, ?, 'queued', ?, NULL, 1, 0, ?) ON CONFLICT (job_id, group_id) DO "
+    "UPDATE SET "
     "state = 'queued', seq = excluded.seq, batch_id = NULL, "
     "n_requests = rollout_buffer_redeliveries.n_requests + 1, updated_at = excluded.updated_at"
 )
@@ -48,7 +50,8 @@ QUEUED_GROUPS = (
 )
 # A queued group was delivered again in a batch, or could not be (state 'failed:<reason>').
 SETTLE = (
-    "UPDATE rollout_buffer_redeliveries SET state = ?, batch_id = ?, n_delivered = n_delivered + ?, "
+    "UPDATE rollout_buffer_redeliveries SET state = ?, batch_id = ?, n_delivered = n_delivered + "
+    "?, "
     "updated_at = ? WHERE job_id = ? AND group_id = ? AND state = 'queued'"
 )
 # The job's figures: groups asked for again, delivered again, cancelled, failed (after a restart).
@@ -60,6 +63,7 @@ TOTALS = (
 )
 # Retention: an ended job's redeliveries go with its other decisions.
 PURGE = (
-    "DELETE FROM rollout_buffer_redeliveries WHERE job_id = ? AND group_id IN (SELECT group_id FROM "
+    "DELETE FROM rollout_buffer_redeliveries WHERE job_id = ? AND group_id IN (SELECT group_id "
+    "FROM "
     "rollout_buffer_redeliveries WHERE job_id = ? LIMIT ?)"
 )

@@ -3,24 +3,22 @@
 Owns: their schema and version, loading a job's decisions and counters, recording a plan
 (:class:`~rollout_buffer.core.model.Decisions`) in ONE transaction, the cursor and low-water mark,
 the launcher identity, delivered batches, the notified flags, and retention. Every record is built
-here and only here, and every write of a decision (a plan, the job's activation and K, the cursor,
-the launcher, retention) runs the lease's fence first in its transaction (``fence``, see lease.py):
-an instance that lost the job rolls back with LeaseLost. It must not touch the launcher's tables (it
-is handed only the state connection) and holds no in-memory state of its own: a :class:`Store` is a
-thin wrapper around one connection, cheap to build per thread or per request."""
+in records.py and written only here, and every write of a decision (a plan, the job's activation
+and K, the cursor, the launcher, retention) runs the lease's fence first in its transaction
+(``fence``, see lease.py): an instance that lost the job rolls back with LeaseLost. It must not
+touch the launcher's tables (it is handed only the state connection) and holds no in-memory state
+of its own: a :class:`Store` is a thin wrapper around one connection, cheap to build per thread or
+per request."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from rollout_buffer.core.errors import JobOwned, StorageError
-from rollout_buffer.core.figures import finite_sum
 from rollout_buffer.core.model import (
     DROPPED,
     INCOMPLETE_IN_SERVED,
@@ -30,110 +28,20 @@ from rollout_buffer.core.model import (
     Decisions,
     Drop,
     GroupKey,
-    LauncherState,
     NotifyKey,
     RowKey,
-    Served,
 )
 from rollout_buffer.storage import queries as q
 from rollout_buffer.storage import redelivery_sql as rq
 from rollout_buffer.storage.db import Database, connect, create_launcher_tables
-
-_WALL0, _MONO0 = time.time(), time.monotonic()
-
-
-def steady_wall() -> float:
-    """Epoch seconds for ageing what was recorded (batches, ended jobs), never ahead of this
-    process's monotonic clock: a wall clock stepped forward (NTP, a resumed VM) would otherwise age
-    everything at once, and housekeeping would delete the batch of a poll answered a second ago (its
-    retry would then get new groups, and the first batch's groups would be lost)."""
-    return min(time.time(), _WALL0 + time.monotonic() - _MONO0)
-
+from rollout_buffer.storage.records import (
+    JobTotals,
+    LauncherRecord,
+    Unnotified,
+    group_record,
+)
 
 STATE_NAMES = frozenset(ddl.split(" IF NOT EXISTS ", 1)[1].split()[0] for ddl in q.STATE_DDL)
-
-
-@dataclass
-class JobTotals:
-    """A job's durable decisions and counters, to load into a fresh accumulator."""
-
-    decided: dict[str, str] = field(default_factory=dict)
-    served_rows: int = 0
-    dropped: Counter = field(default_factory=Counter)
-    rejected: Counter = field(default_factory=Counter)
-    groups_served: int = 0
-    groups_dropped: Counter = field(default_factory=Counter)
-    # (outcome: "served" or a drop reason, groups, sessions, steps, reward_sum, sessions with a
-    # reward)
-    figures: list[tuple[str, int, int, int, float, int]] = field(default_factory=list)
-    filtered: dict[str, int] = field(
-        default_factory=dict
-    )  # groups dropped since the last served one
-
-    @property
-    def accounted_rows(self) -> int:
-        return self.served_rows + sum(self.dropped.values()) + sum(self.rejected.values())
-
-
-@dataclass(frozen=True)
-class LauncherRecord:
-    """The launcher identity stored with a job (adopted after a crash only if it still matches)."""
-
-    pid: int | None
-    pgid: int | None
-    start_ticks: int | None
-    state: LauncherState
-    host: str | None = None  # adopted only on this host (procfs.host_id)
-
-
-@dataclass(frozen=True)
-class Unnotified:
-    """A recorded decision whose sessions the proxy has not confirmed clearing."""
-
-    reason: str
-    sessions: list[str]
-    group_ids: list[str]
-    key: NotifyKey
-
-
-def _group_record(job_id: str, d: Served | Drop, now: float) -> tuple:
-    """The one builder of a rollout_buffer_groups row (q.INSERT_GROUP's columns)."""
-    figures = finite_sum(d.rewards)
-    if isinstance(d, Served):
-        t = d.take
-        inc = t.incomplete_pks
-        pks = sorted(t.served_pks + inc)
-        clear = sorted(t.incomplete)
-        return (
-            job_id,
-            t.group_id,
-            SERVED,
-            None,
-            d.batch_id,
-            len(t.served_pks),
-            len(inc),
-            ",".join(map(str, pks)),
-            json.dumps(clear),
-            0 if clear else 1,
-            now,
-            len(t.completed),
-            *figures,
-        )
-    return (
-        job_id,
-        d.group_id,
-        DROPPED,
-        d.reason,
-        None,
-        0,
-        len(d.pks),
-        ",".join(map(str, d.pks)),
-        json.dumps(d.clear_sessions),
-        0 if d.clear_sessions else 1,
-        now,
-        len(d.clear_sessions),
-        *figures,
-    )
 
 
 class Store:
@@ -213,7 +121,7 @@ class Store:
             if self.db.execute(q.UPSERT_JOB, row) != 1:
                 raise JobOwned(job_id, self.job_buffer(job_id) or "")
             self.db.executemany(
-                q.INSERT_GROUP_IF_ABSENT, [_group_record(job_id, d, now) for d in tombstones]
+                q.INSERT_GROUP_IF_ABSENT, [group_record(job_id, d, now) for d in tombstones]
             )
 
     def set_k(self, job_id: str, k: int) -> None:
@@ -254,7 +162,8 @@ class Store:
             )
 
     def launcher_owner(self, job_id: str) -> str | None:
-        return self.db.scalar(q.LAUNCHER_OWNER, (job_id,))
+        owner: str | None = self.db.scalar(q.LAUNCHER_OWNER, (job_id,))
+        return owner
 
     def load_totals(self, job_id: str) -> JobTotals:
         """Every decided group of the job and the rows each outcome accounted."""
@@ -348,9 +257,9 @@ class Store:
                         json.dumps(b.meta) if b.meta else None,
                     ),
                 )
-            st.executemany(q.INSERT_GROUP, [_group_record(job_id, s, now) for s in plan.served])
+            st.executemany(q.INSERT_GROUP, [group_record(job_id, s, now) for s in plan.served])
             st.executemany(
-                q.INSERT_GROUP_IF_ABSENT, [_group_record(job_id, d, now) for d in plan.drops]
+                q.INSERT_GROUP_IF_ABSENT, [group_record(job_id, d, now) for d in plan.drops]
             )
             st.executemany(
                 q.INSERT_ROW,

@@ -31,10 +31,12 @@ from dataclasses import dataclass
 from typing import IO, Any, TextIO
 
 from rollout_buffer.core.errors import RolloutBufferError, StorageError
-from rollout_buffer.core.items import GID, PARTIAL_FLAG, Malformed, build_group, epoch
+from rollout_buffer.core.items import GID, PARTIAL_FLAG, build_group
 from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
-from rollout_buffer.storage import queries as q
+from rollout_buffer.core.values import Malformed, epoch
+from rollout_buffer.storage import launcher_sql, source
 from rollout_buffer.storage.db import Database, connect
+from rollout_buffer.storage.exports import ExportPages
 from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
 from rollout_buffer.tools.export_steps import (
     json_number,
@@ -74,7 +76,7 @@ class Exporter:
 
     def __init__(self, launcher_db: Database, state_db: Database, job_id: str) -> None:
         self.launcher_db = launcher_db
-        self.state_db = state_db
+        self.pages = ExportPages(state_db, job_id, PAGE)
         self.job_id = job_id
         self._has_schedule = True
         # batch_id -> (uid seed, its partial groups), None once the batch was pruned
@@ -84,49 +86,15 @@ class Exporter:
 
     def count(self) -> int:
         """How many records an ``all`` export has."""
-        return int(self.state_db.scalar(q.EXPORT_COUNT_GROUPS, (self.job_id,)) or 0) + int(
-            self.state_db.scalar(q.EXPORT_COUNT_ORPHANS, (self.job_id,)) or 0
-        )
+        return self.pages.count()
 
     def check_job(self) -> None:
-        if self.state_db.fetchone(q.GET_JOB, (self.job_id,)) is None:
-            known = [r[0] for r in self.state_db.rows(q.EXPORT_RECENT_JOBS)]
+        if not self.pages.job_known():
+            known = self.pages.recent_jobs()
             raise ExportError(
                 f"no job {self.job_id!r} in the buffer's tables; known jobs (newest first): "
                 f"{', '.join(known) or 'none'}"
             )
-
-    # -- the two sorted streams --------------------------------------------------------------------
-    def _groups(self) -> Iterator[dict[str, Any]]:
-        after = ""
-        while True:
-            page = self.state_db.fetchall(
-                q.EXPORT_GROUPS[self.state_db.backend], (self.job_id, after, PAGE)
-            )
-            yield from page
-            if len(page) < PAGE:
-                return
-            after = page[-1]["group_id"]
-
-    def _group_rows(self) -> Iterator[tuple]:
-        gid, pk = "", -1 << 62
-        while True:
-            page = self.state_db.rows(
-                q.EXPORT_GROUP_ROWS[self.state_db.backend], (self.job_id, gid, gid, pk, PAGE)
-            )
-            yield from page
-            if len(page) < PAGE:
-                return
-            gid, pk = page[-1][0], int(page[-1][1])
-
-    def _orphans(self) -> Iterator[tuple]:
-        pk = -1 << 62
-        while True:
-            page = self.state_db.rows(q.EXPORT_ORPHAN_ROWS, (self.job_id, pk, PAGE))
-            yield from page
-            if len(page) < PAGE:
-                return
-            pk = int(page[-1][0])
 
     # -- records -----------------------------------------------------------------------------------
     def records(self, what: str = "all") -> Iterator[str | Iterator[str]]:
@@ -135,9 +103,9 @@ class Exporter:
         the rejected rows without a group in step_pk order."""
         if what not in WHAT:
             raise ExportError(f"--what {what!r}: expected one of {', '.join(WHAT)}")
-        extra = self._group_rows()
+        extra = self.pages.group_rows()
         pending = next(extra, None)
-        for group in self._groups():
+        for group in self.pages.groups():
             gid = group["group_id"]
             accounted: list[tuple] = []
             while pending is not None and pending[0] <= gid:
@@ -149,15 +117,15 @@ class Exporter:
             if what == "all" or (what == "served") == (group["status"] == SERVED):
                 yield self._group_record(group, accounted)
         if what != "served":
-            for r in self._orphans():
+            for r in self.pages.orphans():
                 yield self._orphan_record(r)
 
     def _rows(self, pks: list[int]) -> dict[int, tuple]:
-        return fetch_rows(self.launcher_db, pks, q.fetch_export_rows)
+        return fetch_rows(self.launcher_db, pks, launcher_sql.fetch_export_rows)
 
     def _seed(self, batch_id: str) -> tuple[bytes, frozenset[str]] | None:
         if batch_id not in self._seeds:
-            r = self.state_db.fetchone(q.BATCH_SEED, (batch_id,))
+            r = self.pages.batch_seed(batch_id)
             meta = json.loads(r["meta"]) if r is not None and r.get("meta") else {}
             self._seeds[batch_id] = (
                 (bytes.fromhex(r["seed"]), frozenset(meta.get("partial_groups") or ()))
@@ -213,8 +181,8 @@ class Exporter:
         trainable row."""
         seconds, rows, trainable = 0.0, 0, set()
         sessions: set[str] = set()
-        for session, count, first, last, any_trainable in self.launcher_db.rows(
-            q.EXPORT_GENERATION, (self.job_id, group_id)
+        for session, count, first, last, any_trainable in source.generation_rows(
+            self.launcher_db, self.job_id, group_id
         ):
             sessions.add(session)
             rows += int(count)
@@ -224,9 +192,7 @@ class Exporter:
                 seconds += max(0.0, epoch(last) - epoch(first))
         if self._has_schedule:
             try:
-                sessions.update(
-                    r[0] for r in self.launcher_db.rows(q.EXPORT_SCHEDULED, (self.job_id, group_id))
-                )
+                sessions.update(source.scheduled_sessions(self.launcher_db, self.job_id, group_id))
             except StorageError:
                 self._has_schedule = False  # a writer that is not the launcher: no such table
         return {
@@ -245,7 +211,7 @@ class Exporter:
         outcomes = dict.fromkeys(pks, (DROPPED, group["reason"]))
         for pk, (outcome, why) in extra.items():
             outcomes[pk] = (REJECTED if outcome == REJECTED else DROPPED, why)
-        meta = fetch_rows(self.launcher_db, sorted(outcomes), q.fetch_export_sizes)
+        meta = fetch_rows(self.launcher_db, sorted(outcomes), launcher_sql.fetch_export_sizes)
         sizes = {pk: int(r[-1] or 0) for pk, r in meta.items()}
         head = json.dumps(self._head(group, sorted(set(outcomes) - set(meta))), ensure_ascii=False)
         yield head[:-1] + ', "sessions": '

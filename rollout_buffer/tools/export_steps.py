@@ -25,14 +25,14 @@ from rollout_buffer.core.items import (
     STEP,
     STEP_REWARD,
     TRUNCATED,
-    Malformed,
-    epoch,
-    weight_version,
 )
-from rollout_buffer.storage import queries as q
+from rollout_buffer.core.values import Malformed, epoch, weight_version
+from rollout_buffer.storage import launcher_sql
 
-# Positions of queries.EXPORT_EXTRA_COLUMNS after BODY_COLUMNS.
-ENV_NAME, LLM_MODEL, CUM_REWARD, TERMINAL = range(len(q.BODY_COLUMNS), len(q.BODY_COLUMNS) + 4)
+# Positions of launcher_sql.EXPORT_EXTRA_COLUMNS after BODY_COLUMNS.
+ENV_NAME, LLM_MODEL, CUM_REWARD, TERMINAL = range(
+    len(launcher_sql.BODY_COLUMNS), len(launcher_sql.BODY_COLUMNS) + 4
+)
 # text held at a time when a record is streamed (a row larger than this is held alone)
 STREAM_BYTES = 1024 * 1024
 # a history nested deeper is exported as its raw text (chat messages nest a handful of levels)

@@ -7,7 +7,7 @@ file in git, and tests/unit/test_config.py checks that the committed copy is cur
 
 from __future__ import annotations
 
-from rollout_buffer.core.config import settings_table
+from rollout_buffer.core.settings import settings_table
 
 REGENERATE = "rollout-buffer settings > docs/settings.md"
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from rollout_buffer.core.errors import IntegrityError, StorageError
 from rollout_buffer.storage import db as dbmod
-from rollout_buffer.storage.queries import INSERT_ENV, INSERT_STEP, LAUNCHER_DDL
+from rollout_buffer.storage import launcher_writes
 from rollout_buffer.tools.llm_calls import ModelCalls, SessionFailed
 from rollout_buffer.tools.workload import (
     CAPPED,
@@ -128,22 +128,17 @@ class Simulator:
                 delay = min(delay * 2, 1.0)
 
     def tables_exist(self, db: dbmod.Database) -> bool:
-        try:
-            db.rows("SELECT 1 FROM session_steps WHERE 1 = 0")
-            db.rows("SELECT 1 FROM job_environments WHERE 1 = 0")
-            return True
-        except StorageError:
-            return False
+        return launcher_writes.tables_exist(db)
 
     def ensure_tables(self) -> None:
         db = self.connect()
         if self.tables_exist(db):
             return
-        for stmt in LAUNCHER_DDL[db.backend]:
-            try:
-                db.execute(stmt)
-            except StorageError as exc:  # another creator raced us: fine if the tables exist now
-                print(f"simulate: creating launcher tables: {exc}", file=sys.stderr, flush=True)
+
+        def failed(exc: StorageError) -> None:  # another creator raced us: fine if the tables exist
+            print(f"simulate: creating launcher tables: {exc}", file=sys.stderr, flush=True)
+
+        launcher_writes.create_tables(db, failed)
         if not self.tables_exist(db):
             time.sleep(0.2)
             if not self.tables_exist(db):
@@ -227,8 +222,7 @@ class Simulator:
                 )
 
         def insert(db: dbmod.Database) -> None:
-            with db.transaction():
-                db.executemany(INSERT_ENV, rows)
+            launcher_writes.insert_sessions(db, rows)
 
         self.write(insert, "inserting job_environments")
 
@@ -344,8 +338,7 @@ class Simulator:
         def insert(db: dbmod.Database) -> None:
             # a fresh timestamp per attempt: (session_id, step_id, created_at) is unique
             created = self.now()
-            with db.transaction():
-                db.executemany(INSERT_STEP, [(*row, created) for row in batch])
+            launcher_writes.insert_steps(db, [(*row, created) for row in batch])
 
         self.write(insert, f"flushing {len(batch)} rows")
         self.flushes += 1

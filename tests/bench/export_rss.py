@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 import requests  # noqa: E402
 
-from rollout_buffer.storage import queries as q  # noqa: E402
+from rollout_buffer.storage import launcher_sql  # noqa: E402
 from rollout_buffer.storage.db import connect, create_launcher_tables  # noqa: E402
 from rollout_buffer.tools.runner import ServerProcess, clean_env, free_port  # noqa: E402
 
@@ -70,10 +70,10 @@ def write_job(url: str, groups: int, prompt_bytes: int) -> int:
                     )
             if len(rows) >= 20000:
                 with db.transaction():
-                    db.executemany(q.INSERT_STEP, rows)
+                    db.executemany(launcher_sql.INSERT_STEP, rows)
                 rows = []
         with db.transaction():
-            db.executemany(q.INSERT_STEP, rows)
+            db.executemany(launcher_sql.INSERT_STEP, rows)
     finally:
         db.close()
     return groups * 4

@@ -61,7 +61,7 @@ def pg_copy(sqlite_path: str, dsn: str) -> tuple[str, str]:
 
     import psycopg
 
-    from rollout_buffer.storage.queries import LAUNCHER_DDL
+    from rollout_buffer.storage.launcher_sql import LAUNCHER_DDL
 
     schema = "rbbench_" + uuid.uuid4().hex[:12]
     url = f"{dsn}{'&' if '?' in dsn else '?'}options=-csearch_path%3D{schema}"

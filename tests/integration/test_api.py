@@ -554,6 +554,7 @@ def test_a_commit_that_failed_after_it_happened_is_settled_not_served_again(
     request_id."""
     import contextlib
 
+    from rollout_buffer.core.errors import StorageError
     from rollout_buffer.storage import db as db_mod
 
     harness.start(k=1)
@@ -570,7 +571,7 @@ def test_a_commit_that_failed_after_it_happened_is_settled_not_served_again(
             yield db
         if not failed:
             failed.append(1)
-            raise db_mod.StorageError("connection lost after COMMIT")
+            raise StorageError("connection lost after COMMIT")
 
     monkeypatch.setattr(db_mod.Database, "transaction", commit_then_raise)
     r = harness.client.post("/get_rollout_data", json={"request_id": "R1"})

@@ -15,7 +15,7 @@ import pytest
 from fakes.fake_proxy import FakeProxy
 from support import Writer, assert_balanced, groups_of, now_text, wait_until
 
-from rollout_buffer.storage import queries as q
+from rollout_buffer.storage import launcher_sql as q
 
 FAKE_LAUNCHER = Path(__file__).resolve().parent.parent / "fakes" / "fake_launcher.py"
 MAX_STEPS = 3

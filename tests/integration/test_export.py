@@ -553,7 +553,7 @@ def test_writing_back_a_file_that_is_not_an_export_is_an_error_not_a_traceback(l
 def test_export_counts_what_generating_each_group_cost(harness_factory, db_url, tmp_path):
     """Issues 22 and 23: every record says its generation seconds and rows, and names the sessions
     that never wrote a trainable row (scheduled in job_environments, or only non-trainable rows)."""
-    from rollout_buffer.storage import queries as q
+    from rollout_buffer.storage import launcher_sql as q
 
     h = harness_factory(db_url, ttl_s=0.5)
     h.start(k=2, job=JOB)

@@ -17,7 +17,7 @@ from support import Writer, now_text, wait_until
 
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ConfigError
-from rollout_buffer.storage import queries as q
+from rollout_buffer.storage import launcher_sql as q
 
 
 def free_port() -> int:

@@ -21,6 +21,12 @@ def llm() -> Any:
         yield server
 
 
+@pytest.fixture
+def db_url(lite_url: str) -> str:
+    """The gate does not depend on the backend: these run on SQLite only."""
+    return lite_url
+
+
 def gated(harness_factory: Any, db_url: str, llm: FakeLLM, **overrides: Any) -> tuple[Any, int]:
     port = free_port()
     settings: dict[str, Any] = {
@@ -99,8 +105,6 @@ def raw(port: int, data: bytes, timeout: float = 5.0) -> bytes:
 def test_a_bad_content_length_is_answered_with_an_error(
     harness_factory: Any, db_url: str, llm: FakeLLM, length: bytes
 ) -> None:
-    if not db_url.startswith("sqlite"):
-        pytest.skip("the gate does not depend on the backend")
     h, port = gated(harness_factory, db_url, llm)
     w = Writer(db_url)
     schedule(w, "g1", ["x1", "x2"])
@@ -126,8 +130,6 @@ def test_a_first_call_with_few_shot_assistant_turns_is_paced_like_any_other(
     """An environment whose prompt holds worked examples (assistant turns) must not have every
     session taken for one the gate restarted under (admitted whatever the budget): past the first
     moments after the gate starts, a session mid-way has rows, and its group is started."""
-    if not db_url.startswith("sqlite"):
-        pytest.skip("the gate does not depend on the backend")
     h, port = gated(harness_factory, db_url, llm)
     gate = h.service.pacing.gate
     gate.resume_window_s = 0.0  # long after the gate started
@@ -158,8 +160,6 @@ def test_a_first_call_with_few_shot_assistant_turns_is_paced_like_any_other(
 def test_a_gate_port_that_is_taken_fails_the_start_naming_its_setting(
     harness_factory: Any, db_url: str, llm: FakeLLM
 ) -> None:
-    if not db_url.startswith("sqlite"):
-        pytest.skip("the gate does not depend on the backend")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
@@ -177,8 +177,6 @@ def test_a_gate_port_that_is_taken_fails_the_start_naming_its_setting(
 def test_stopping_the_service_with_held_calls_ends_them_promptly(
     harness_factory: Any, db_url: str, llm: FakeLLM
 ) -> None:
-    if not db_url.startswith("sqlite"):
-        pytest.skip("the gate does not depend on the backend")
     import concurrent.futures
 
     h, port = gated(harness_factory, db_url, llm)
@@ -210,8 +208,6 @@ def test_without_job_environments_first_calls_are_not_delayed(
 ) -> None:
     """A writer that keeps no job_environments (not the upstream launcher): its sessions cannot be
     paced by group, and each first call must not wait the 10 s meant for a list not read yet."""
-    if not db_url.startswith("sqlite"):
-        pytest.skip("the gate does not depend on the backend")
     h, port = gated(harness_factory, db_url, llm)
     w = Writer(db_url)
     try:
@@ -230,8 +226,6 @@ def test_the_gate_remembers_a_bounded_number_of_started_sessions(
 ) -> None:
     """Every session of every job stayed in the gate's memory; a forgotten session's next call is
     asked again, and goes at once (its group has started)."""
-    if not db_url.startswith("sqlite"):
-        pytest.skip("the gate does not depend on the backend")
     h, port = gated(harness_factory, db_url, llm, pacing_batch_groups=4)
     gate = h.service.pacing.gate
     gate.max_started_sessions = 2
@@ -258,8 +252,6 @@ def test_a_call_whose_client_gave_up_mid_answer_ends_upstream_too(
     """The launcher's client times out a slow call and retries it: the gate must not keep the
     original upstream call (a generation for nobody; a task and a socket for ever if the upstream
     hangs)."""
-    if not db_url.startswith("sqlite"):
-        pytest.skip("the gate does not depend on the backend")
     with FakeLLM(delay_s=8.0) as slow:
         h, port = gated(harness_factory, db_url, slow, pacing_batch_groups=4)
         w = Writer(db_url)

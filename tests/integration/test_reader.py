@@ -9,7 +9,7 @@ import json
 import psycopg
 from support import PG_DSN, Writer, assert_balanced, groups_of, make_launcher_db, now_text
 
-from rollout_buffer.storage import queries as q
+from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import connect, to_pyformat
 from rollout_buffer.storage.reader import Reader
 
@@ -50,7 +50,7 @@ def test_reader_cursor_waits_for_in_flight_transactions(pg_url):
     slow = psycopg.connect(pg_url, autocommit=False)
     try:
         held = slow.execute(
-            to_pyformat(q.INSERT_STEP) + " RETURNING id",
+            to_pyformat(launcher_sql.INSERT_STEP) + " RETURNING id",
             ("s", 1, "e", "m", "g", "J", "[]", "r", 0, 0, None, 0, 0, 0, 1, now_text()),
         ).fetchone()[0]
         later = [w.step("g", f"s{i}", 1) for i in range(3)]
@@ -59,7 +59,7 @@ def test_reader_cursor_waits_for_in_flight_transactions(pg_url):
         assert reader.cursor < held  # cannot move past a transaction that may still commit
         slow.commit()
         seen += read_ticks(reader, db, now)
-        assert sorted(seen) == sorted(later + [held]) and len(seen) == 4
+        assert sorted(seen) == sorted([*later, held]) and len(seen) == 4
         assert reader.cursor == max(later)
     finally:
         slow.close()
@@ -97,7 +97,7 @@ def test_postgres_out_of_order_commit_is_read_exactly_once(pg_url, harness_facto
     slow = psycopg.connect(pg_url, autocommit=False)
     fast = psycopg.connect(pg_url, autocommit=True)
     try:
-        sql = to_pyformat(q.INSERT_STEP) + " RETURNING id"
+        sql = to_pyformat(launcher_sql.INSERT_STEP) + " RETURNING id"
         small = slow.execute(sql, row("s1", 1)).fetchone()[0]  # takes the smaller id, not committed
         large = fast.execute(sql, row("s2", 1)).fetchone()[0]  # larger id, committed first
         assert small < large
@@ -126,8 +126,8 @@ def insert_with_id(
     db = connect(url)
     try:
         db.execute(
-            f"INSERT INTO session_steps (id, {', '.join(q.STEP_COLUMNS)}) VALUES "
-            f"(?, {', '.join('?' * len(q.STEP_COLUMNS))})",
+            f"INSERT INTO session_steps (id, {', '.join(launcher_sql.STEP_COLUMNS)}) VALUES "
+            f"(?, {', '.join('?' * len(launcher_sql.STEP_COLUMNS))})",
             (
                 pk,
                 session,
@@ -205,7 +205,7 @@ def test_a_transaction_left_open_elsewhere_on_the_server_does_not_hold_the_curso
         assert reader.cursor == max(pks) and reader.caught_up, (reader.cursor, pks)
         # a writer of session_steps itself is still waited for
         held = same.execute(
-            to_pyformat(q.INSERT_STEP) + " RETURNING id",
+            to_pyformat(launcher_sql.INSERT_STEP) + " RETURNING id",
             ("s-late", 1, "e", "m", "g", "J", "[]", "r", 0, 0, None, 0, 0, 0, 1, now_text()),
         ).fetchone()[0]
         more = [w.step("g", f"t{i}", 1) for i in range(2)]

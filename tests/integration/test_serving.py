@@ -14,7 +14,7 @@ from support import Writer, assert_balanced, groups_of, now_text
 
 from rollout_buffer.storage import connections as service_mod
 from rollout_buffer.storage import db as db_mod
-from rollout_buffer.storage import queries as q
+from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import connect
 
 
@@ -134,7 +134,7 @@ def test_many_concurrent_pollers_while_rows_are_written(db_url, harness_factory)
     ids = [g for g, _ in got]
     assert len(ids) == len(set(ids)), "a group was delivered twice"
     assert sorted(ids) == [f"g{g:03d}" for g in range(n_groups)]
-    for gid, items in got:
+    for _gid, items in got:
         assert len(items) == 6 and len({i["extra_info"]["session_id"] for i in items}) == 3
     pks = [i["extra_info"]["step_pk"] for _, items in got for i in items]
     assert len(pks) == len(set(pks))
@@ -181,16 +181,17 @@ def test_drain_256_groups_of_8_sessions_of_4_steps_exactly(db_url, harness_facto
                     )
                 )
                 expected.setdefault(gid, {}).setdefault(sid, []).append(
-                    (step, history + [{"role": "assistant", "content": f"answer {step}"}])
+                    (step, [*history, {"role": "assistant", "content": f"answer {step}"}])
                 )
-                history = history + [
+                history = [
+                    *history,
                     {"role": "assistant", "content": f"answer {step}"},
                     {"role": "user", "content": f"obs {step}"},
                 ]
     # interleave sessions as a worker pool would
     rows.sort(key=lambda r: (r[1], hash(r[0]) % 97))
     with db.transaction():
-        db.executemany(q.INSERT_STEP, rows)
+        db.executemany(launcher_sql.INSERT_STEP, rows)
     db.close()
     h = harness_factory(db_url, max_response_bytes=4 * 1024 * 1024)
     h.start(k=8, job="J")

@@ -29,7 +29,8 @@ from rollout_buffer.core.model import (
 )
 from rollout_buffer.storage import queries as q
 from rollout_buffer.storage.db import connect
-from rollout_buffer.storage.store import LauncherRecord, Store
+from rollout_buffer.storage.records import LauncherRecord
+from rollout_buffer.storage.store import Store
 
 JOB = "store-job"
 

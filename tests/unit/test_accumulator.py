@@ -290,95 +290,123 @@ def test_with_over_sampling_a_served_groups_late_rows_are_oversampled_whenever_t
     }
 
 
-def _random_run(seed: int) -> None:
+class _RandomRun:
     """One randomized run of every policy path (ingest in any order, TTL, take, release, commit, K
     changed) against per-row invariants: every row accounted once, the identity after every step,
     no session served twice or half or after it was dropped as oversampled, no more than K."""
-    import random
 
-    rng = random.Random(seed)
-    k = rng.randint(1, 4)
-    pol = Policy(
-        max_off_policy=rng.choice([None, 1, 3]),
-        drop_zero_variance=rng.random() < 0.3,
-        oversample=rng.choice([0, 1, 2]),
-        min_group_size=rng.choice([None, 1, 2]),
-        serve_order=rng.choice(["ready", "oldest_version", "newest_version"]),
-    )
-    clock = [0.0]
-    acc = Accumulator("j", k, clock=lambda: clock[0], policy=pol)
-    groups = [f"g{i}" for i in range(rng.randint(1, 6))]
-    sessions: dict[str, list] = {}  # sid -> [group, steps written, completed]
-    session_pks: dict[str, list[int]] = {}
-    accounted: dict[int, str] = {}
-    served: dict[str, list[int]] = {}
-    oversampled: set[str] = set()
-    taken: list = []
-    pk = 0
+    def __init__(self, seed: int) -> None:
+        import random
 
-    def account(plan: Decisions) -> None:
+        self.seed = seed
+        self.rng = rng = random.Random(seed)
+        self.k = rng.randint(1, 4)
+        self.pol = Policy(
+            max_off_policy=rng.choice([None, 1, 3]),
+            drop_zero_variance=rng.random() < 0.3,
+            oversample=rng.choice([0, 1, 2]),
+            min_group_size=rng.choice([None, 1, 2]),
+            serve_order=rng.choice(["ready", "oldest_version", "newest_version"]),
+        )
+        self.clock = [0.0]
+        self.acc = Accumulator("j", self.k, clock=lambda: self.clock[0], policy=self.pol)
+        self.groups = [f"g{i}" for i in range(rng.randint(1, 6))]
+        self.sessions: dict[str, list] = {}  # sid -> [group, steps written, completed]
+        self.session_pks: dict[str, list[int]] = {}
+        self.accounted: dict[int, str] = {}
+        self.served: dict[str, list[int]] = {}
+        self.oversampled: set[str] = set()
+        self.taken: list = []
+        self.pk = 0
+
+    def run(self) -> None:
+        rng, acc = self.rng, self.acc
+        for _ in range(rng.randint(20, 200)):
+            op = rng.random()
+            if op < 0.6:
+                self.account(acc.ingest(self.new_rows()))
+            elif op < 0.7:
+                self.clock[0] += rng.choice([1, 50])
+                self.account(acc.expire(30))
+            elif op < 0.8:
+                self.taken += [(t, self.k) for t in acc.take_ready(rng.choice([None, 1, 2]))]
+            elif op < 0.9 and self.taken:
+                if not self.serve_some():
+                    continue
+            elif op < 0.93:
+                self.k = rng.randint(1, 4)
+                self.account(acc.set_k(self.k)[1])
+            self.check_step()
+        for sid, pks in self.served.items():
+            assert sorted(pks) == [p for p in self.session_pks[sid] if p <= max(pks)], (
+                self.seed,
+                "half session",
+                sid,
+            )
+
+    def account(self, plan: Decisions) -> None:
         for d in plan.drops:
             for p in d.pks:
-                assert p not in accounted, (seed, p)
-                accounted[p] = d.reason
+                assert p not in self.accounted, (self.seed, p)
+                self.accounted[p] = d.reason
         for r in plan.rows:
-            assert r.step_pk not in accounted, (seed, r)
-            accounted[r.step_pk] = r.reason
-            if r.reason == "oversampled" and r.session_id not in served:
-                oversampled.add(r.session_id)
+            assert r.step_pk not in self.accounted, (self.seed, r)
+            self.accounted[r.step_pk] = r.reason
+            if r.reason == "oversampled" and r.session_id not in self.served:
+                self.oversampled.add(r.session_id)
 
-    for _ in range(rng.randint(20, 200)):
-        op = rng.random()
-        if op < 0.6:
-            rows = []
-            for _ in range(rng.randint(1, 5)):
-                sid = (
-                    rng.choice(list(sessions))
-                    if sessions and rng.random() < 0.7
-                    else f"s{len(sessions)}"
-                )
-                gid, n, done = sessions.setdefault(sid, [rng.choice(groups), 0, False])
-                if done and rng.random() < 0.8:
-                    continue
-                pk, comp = pk + 1, rng.random() < 0.35
-                sessions[sid] = [gid, n + 1, done or comp]
-                rows.append(
-                    Row(
-                        pk,
-                        sid,
-                        gid,
-                        int(comp),
-                        n + 1,
-                        rng.choice([0.0, 0.5, 1.0]),
-                        rng.choice([0, 1, 3, None]),
-                    )
-                )
-                session_pks.setdefault(sid, []).append(pk)
-            account(acc.ingest(rows))
-        elif op < 0.7:
-            clock[0] += rng.choice([1, 50])
-            account(acc.expire(30))
-        elif op < 0.8:
-            taken += [(t, k) for t in acc.take_ready(rng.choice([None, 1, 2]))]
-        elif op < 0.9 and taken:
-            rng.shuffle(taken)
-            n = rng.randint(1, len(taken))
-            batch, taken = taken[:n], taken[n:]
-            if rng.random() < 0.3:
-                account(acc.release([t for t, _ in batch]))
+    def new_rows(self) -> list[Row]:
+        """A few rows of new or running sessions (rarely one after a session completed)."""
+        rng, sessions = self.rng, self.sessions
+        rows = []
+        for _ in range(rng.randint(1, 5)):
+            sid = (
+                rng.choice(list(sessions))
+                if sessions and rng.random() < 0.7
+                else f"s{len(sessions)}"
+            )
+            gid, n, done = sessions.setdefault(sid, [rng.choice(self.groups), 0, False])
+            if done and rng.random() < 0.8:
                 continue
-            for t, k_then in batch:
-                assert pol.oversample == 0 or len(t.completed) <= k_then, (seed, "more than K", t)
-                for sid, pks in t.completed.items():
-                    assert sid not in served and sid not in oversampled, (seed, sid)
-                    served[sid] = list(pks)
-                for p in t.served_pks + t.incomplete_pks:
-                    assert p not in accounted, (seed, p)
-                    accounted[p] = "served"
-            account(acc.commit(Decisions(served=[Served(t, "b") for t, _ in batch])))
-        elif op < 0.93:
-            k = rng.randint(1, 4)
-            account(acc.set_k(k)[1])
+            self.pk, comp = self.pk + 1, rng.random() < 0.35
+            sessions[sid] = [gid, n + 1, done or comp]
+            rows.append(
+                Row(
+                    self.pk,
+                    sid,
+                    gid,
+                    int(comp),
+                    n + 1,
+                    rng.choice([0.0, 0.5, 1.0]),
+                    rng.choice([0, 1, 3, None]),
+                )
+            )
+            self.session_pks.setdefault(sid, []).append(self.pk)
+        return rows
+
+    def serve_some(self) -> bool:
+        """Release or commit some taken groups; False when they were released."""
+        rng, seed = self.rng, self.seed
+        rng.shuffle(self.taken)
+        n = rng.randint(1, len(self.taken))
+        batch, self.taken = self.taken[:n], self.taken[n:]
+        if rng.random() < 0.3:
+            self.account(self.acc.release([t for t, _ in batch]))
+            return False
+        for t, k_then in batch:
+            assert self.pol.oversample == 0 or len(t.completed) <= k_then, (seed, "more than K", t)
+            for sid, pks in t.completed.items():
+                assert sid not in self.served and sid not in self.oversampled, (seed, sid)
+                self.served[sid] = list(pks)
+            for p in t.served_pks + t.incomplete_pks:
+                assert p not in self.accounted, (seed, p)
+                self.accounted[p] = "served"
+        self.account(self.acc.commit(Decisions(served=[Served(t, "b") for t, _ in batch])))
+        return True
+
+    def check_step(self) -> None:
+        """The accounting identity, the low-water mark and the oldest group after a step."""
+        acc, seed, pk = self.acc, self.seed, self.pk
         s = acc.stats()["rows"]
         assert s["read"] == s["served"] + s["dropped_total"] + s["rejected_total"] + s["pending"], (
             seed,
@@ -389,17 +417,11 @@ def _random_run(seed: int) -> None:
         assert acc.low_water(pk) == (pk + 1 if low is None else low), (seed, "low water")
         first = min((g.first_seen for g in undecided), default=None)
         assert (acc.undecided.oldest().first_seen if undecided else None) == first, (seed, "oldest")
-    for sid, pks in served.items():
-        assert sorted(pks) == [p for p in session_pks[sid] if p <= max(pks)], (
-            seed,
-            "half session",
-            sid,
-        )
 
 
 def test_randomized_runs_of_every_policy_keep_the_per_row_invariants():
     for seed in range(400):
-        _random_run(seed)
+        _RandomRun(seed).run()
 
 
 def test_the_version_order_holds_after_its_heap_is_swept():

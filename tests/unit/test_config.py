@@ -7,8 +7,9 @@ import os
 
 import pytest
 
-from rollout_buffer.core.config import Config, settings_table
+from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ConfigError
+from rollout_buffer.core.settings import settings_table
 from rollout_buffer.launcher.launcher import launch_spec
 from rollout_buffer.tools import cli
 from rollout_buffer.tools.settings_page import REGENERATE

@@ -8,7 +8,9 @@ import random
 
 import pytest
 
-from rollout_buffer.core.items import Malformed, _History, uid
+from rollout_buffer.core.items import uid
+from rollout_buffer.core.values import History as _History
+from rollout_buffer.core.values import Malformed
 
 NOISE = [
     b" ",
@@ -76,7 +78,7 @@ def test_incremental_validation_agrees_with_json_loads(seed):
         history = _History()
         items: list = []
         sep = rng.choice([", ", ",", " ,\n "])
-        for step in range(rng.randint(1, 8)):
+        for _step in range(rng.randint(1, 8)):
             for _ in range(rng.choice([0, 1, 2])):
                 items.append(element(rng, len(items)))
             text = (
@@ -102,7 +104,7 @@ def test_incremental_validation_agrees_with_json_loads(seed):
             assert expected is not None, text
             assert empty == (not expected)
             spliced = text[:end] + (b"" if empty else b",") + b'{"role":"assistant","content":"r"}]'
-            assert json.loads(spliced) == expected + [{"role": "assistant", "content": "r"}], (
+            assert json.loads(spliced) == [*expected, {"role": "assistant", "content": "r"}], (
                 spliced
             )
 
@@ -118,7 +120,7 @@ def test_uids_are_uuid4_shaped_and_depend_on_seed_and_pk():
 
 
 def test_json_nested_deeper_than_the_decoder_is_a_malformed_row_not_a_crash():
-    from rollout_buffer.core.items import weight_version
+    from rollout_buffer.core.values import weight_version
 
     deep = "[" * 5000 + "]" * 5000
     with pytest.raises(Malformed) as info:
