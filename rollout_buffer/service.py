@@ -167,12 +167,15 @@ class Service:
         self.runtime.stop_worker(self.serving.prebuilt, 5.0)
         self.pacing.close()
         self.runtime.stop_worker(self.loop, timeout)
-        js = self.jobs.current
+        job_state = self.jobs.current
         if self.supervisor.state()["running"]:
             # (the database is opened only when the launcher's fate needs it)
             with self.connection() as conns:
                 self.launcher.stop_for_shutdown(
-                    conns, js.job_id if js else None, self.lease.standby_hosts, keep_launcher
+                    conns,
+                    job_state.job_id if job_state else None,
+                    self.lease.standby_hosts,
+                    keep_launcher,
                 )
         # a crashed worker's successor here sees its pid gone
         self.runtime.stop_worker(self.lease, 10.0)
@@ -237,7 +240,7 @@ class Service:
     # -- introspection -----------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
         """What GET /health reports (no database access)."""
-        js = self.jobs.current
+        job_state = self.jobs.current
         problem = self.health_state.problem() or (self.loop.stuck() if self._started else None)
         return {
             "status": "healthy" if problem is None and self.lease.problem is None else "degraded",
@@ -245,8 +248,8 @@ class Service:
             **self.lease.describe(),
             "last_tick_age_s": round(self.loop.tick_age(), 3),
             "aievobox_running": bool(self.supervisor.state()["running"]),
-            "data_manager_initialized": js is not None,
-            "job_session": js.job_id if js else None,
+            "data_manager_initialized": job_state is not None,
+            "job_session": job_state.job_id if job_state else None,
             "database": "ok" if problem is None else problem,
             "launcher": self.launcher.summary(),
             # running, restarting, exited (with its exit code), stopped...: health stays 200 when
@@ -257,11 +260,11 @@ class Service:
 
     def stats(self, conns: LazyPair | None = None) -> dict[str, Any]:
         """Per-job accounting and gauges for GET /stats."""
-        js = self.jobs.current
+        job_state = self.jobs.current
         problem = self.health_state.problem()
         polls = self.serving.stats.snapshot()
         out: dict[str, Any] = {
-            "job_session": js.job_id if js else None,
+            "job_session": job_state.job_id if job_state else None,
             "launcher": self.launcher.summary(),
             "proxy_notifications": self.notifier.pending(),
             "database": "ok" if problem is None else problem,
@@ -272,10 +275,10 @@ class Service:
             "prebuilt": self.serving.prebuilt.stats(),
             "lease": self.lease.stats(),
         }
-        src = None  # only the lag needs the database: with it down, the rest is still answered
-        if js is not None and conns is not None and problem is None:
+        source = None  # only the lag needs the database: with it down, the rest is still answered
+        if job_state is not None and conns is not None and problem is None:
             with contextlib.suppress(StorageError):
-                src = conns.get().src
-        if js is not None:
-            out.update(js.stats(src, self.serving.prebuilt.held(js)))
+                source = conns.get().source
+        if job_state is not None:
+            out.update(job_state.stats(source, self.serving.prebuilt.held(job_state)))
         return out

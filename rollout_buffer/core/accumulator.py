@@ -132,7 +132,7 @@ class Accumulator(Handover, Policies):
             doomed = self.census.observe(facts, trainable=True, now=now)
             for r in rows:
                 pk, sid, gid, completed = r[0], r[1], r[2], r[3]
-                step_id, reward, wv = (r[4], r[5], r[6]) if len(r) > 4 else (None, None, 0)
+                step_id, reward, version = (r[4], r[5], r[6]) if len(r) > 4 else (None, None, 0)
                 self.counts.rows_read += 1
                 if isinstance(gid, (int, float)) and not isinstance(gid, bool):
                     gid = str(gid)  # a number (an untyped column) names its group as its text does
@@ -159,7 +159,7 @@ class Accumulator(Handover, Policies):
                     self.counts.dropped[OVERSAMPLED] += 1
                     out.rows.append(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, gid, sid))
                     continue
-                self._add_row(g, sid, pk, wv, track_wv)
+                self._add_row(g, sid, pk, version, track_wv)
                 if completed:
                     c = g.completed.get(sid)
                     term = (step_id if step_id is not None else -1, pk)
@@ -181,7 +181,7 @@ class Accumulator(Handover, Policies):
             self._doom(doomed, out)
         return out
 
-    def _add_row(self, g: Group, sid: str, pk: int, wv: int | None, track_wv: bool) -> None:
+    def _add_row(self, g: Group, sid: str, pk: int, version: int | None, track_wv: bool) -> None:
         """(Lock held.) Index a row of session ``sid`` in its group: metadata only."""
         pks = g.sessions.get(sid)
         if pks is None:
@@ -195,7 +195,7 @@ class Accumulator(Handover, Policies):
             g.min_pk = pk
             self.undecided.min_pk_changed(g)
         if track_wv:
-            g.add_version(sid, wv)
+            g.add_version(sid, version)
 
     # -- the census -----------------------------------------------------------------------------
     def observe(self, scheduled: list[tuple[str, str]], facts: list[StepFact]) -> Decisions:

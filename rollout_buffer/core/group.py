@@ -32,7 +32,7 @@ class Group:
         "ready_at",
         "sessions",
         "taken",
-        "wv",
+        "weight_version",
     )
 
     def __init__(self, group_id: str, now: float) -> None:
@@ -49,7 +49,7 @@ class Group:
         # the weight versions known at ingest, only when a policy needs them: one int while every
         # row
         # read has that version (the common case, and small), else session -> its rows' min version
-        self.wv: int | dict[str, int] | None = None
+        self.weight_version: int | dict[str, int] | None = None
         self.chosen: frozenset[str] | None = (
             None  # over-sampling: the K sessions it will serve, once ready
         )
@@ -81,26 +81,28 @@ class Group:
         else:
             self.excluded.add(sid)
 
-    def add_version(self, sid: str, wv: int | None) -> None:
+    def add_version(self, sid: str, version: int | None) -> None:
         """The weight version of a row of session ``sid`` just added (None: unknown at ingest)."""
-        w = self.wv
+        w = self.weight_version
         if w is None:  # its first row
-            self.wv = wv if wv is not None else {}
+            self.weight_version = version if version is not None else {}
         elif w.__class__ is int:
-            if wv != w:  # the first row of another version (or unknown): per session from now on
+            if (
+                version != w
+            ):  # the first row of another version (or unknown): per session from now on
                 d = {s: w for s, pks in self.sessions.items() if s != sid or len(pks) > 1}
-                if wv is not None and wv < d.get(sid, wv + 1):
-                    d[sid] = wv
-                self.wv = d
+                if version is not None and version < d.get(sid, version + 1):
+                    d[sid] = version
+                self.weight_version = d
         # w is the per-session dict here, but mypy does not narrow on ``w.__class__ is int`` (kept
         # over isinstance on this per-row path): union-attr and index name what it cannot see.
-        elif wv is not None and wv < w.get(sid, wv + 1):  # type: ignore[union-attr]
-            w[sid] = wv  # type: ignore[index]
+        elif version is not None and version < w.get(sid, version + 1):  # type: ignore[union-attr]
+            w[sid] = version  # type: ignore[index]
 
     def min_version(self, sessions: Iterable[str]) -> int | None:
         """The min weight_version known at ingest of these sessions' rows; None when none is
         known."""
-        w = self.wv
+        w = self.weight_version
         if w is None or isinstance(w, int):
             return w
         return min((w[s] for s in sessions if s in w), default=None)
@@ -112,7 +114,7 @@ class Group:
         versions known at ingest (a row whose env_state was not read, too long or unreadable, does
         not count: its build judges it; with none known, only the build does). Zero variance: the
         terminal rewards of its completed sessions all within epsilon (only when all are known)."""
-        if self.wv is not None:
+        if self.weight_version is not None:
             self.min_wv = self.min_version(
                 self.chosen if self.chosen is not None else self.completed
             )

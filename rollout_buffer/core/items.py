@@ -162,7 +162,7 @@ def _validated(
                 raise Malformed("row_changed")
             text = as_bytes(row[MESSAGES])
             end, empty = history.check(text)
-            wv = cached_weight_version(row[ENV_STATE])
+            version = cached_weight_version(row[ENV_STATE])
             step_reward = finite(row[STEP_REWARD], "non_finite_step_reward")
             ts = epoch(row[CREATED])
         except Malformed as exc:
@@ -174,7 +174,9 @@ def _validated(
             key = (step_id, pk, step_reward)
             if sid not in terminal or key[:2] > terminal[sid][:2]:
                 terminal[sid] = key
-        prepared.append((sid, step_id, pk, text, end, empty, row, wv, step_reward, ts, completed))
+        prepared.append(
+            (sid, step_id, pk, text, end, empty, row, version, step_reward, ts, completed)
+        )
     if bad:
         raise Malformed(next(iter(bad.values())), bad)
     return prepared, terminal
@@ -202,7 +204,7 @@ def build_group(
     seen_steps: set[tuple[str, int]] = set()
     prev_sid = None
     sid_json = ""
-    for sid, step_id, pk, text, end, empty, row, wv, step_reward, ts, completed in prepared:
+    for sid, step_id, pk, text, end, empty, row, version, step_reward, ts, completed in prepared:
         if (sid, step_id) in seen_steps:
             _events.event(
                 "duplicate step",
@@ -242,7 +244,7 @@ def build_group(
                 sid_json,
                 gid_json,
                 key_json,
-                wv,
+                version,
                 "true" if truncated else "false",
                 pk,
                 "true" if completed else "false",
@@ -252,7 +254,7 @@ def build_group(
             )
         ).encode()
         out.rewards.append(reward)
-        out.weight_versions.append(wv)
+        out.weight_versions.append(version)
         if out.first_ts is None or ts < out.first_ts:
             out.first_ts = ts
     out.session_rewards = [terminal[sid][2] for sid in sorted(terminal)]

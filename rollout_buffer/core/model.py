@@ -55,7 +55,7 @@ class BadText(str):
 class Row(NamedTuple):
     """The metadata of one ingested row (bodies stay in the database until served).
 
-    ``step_id``, ``reward`` (step_reward) and ``wv`` (weight_version, 0 when absent) feed the
+    ``step_id``, ``reward`` (step_reward) and ``weight_version`` (0 when absent) feed the
     policies and the group figures; None where the row's value is unusable (its build rejects
     it)."""
 
@@ -65,7 +65,7 @@ class Row(NamedTuple):
     completed: int
     step_id: int | None = None
     reward: float | None = None
-    wv: int | None = 0
+    weight_version: int | None = 0
 
 
 @dataclass(frozen=True)

@@ -52,18 +52,18 @@ def weight_version(env_state: Any) -> int:
         return 0
     if not isinstance(env_state, dict):
         raise Malformed("env_state_not_an_object")
-    wv = env_state.get("weight_version")
-    if isinstance(wv, bool) or wv is None:
+    version = env_state.get("weight_version")
+    if isinstance(version, bool) or version is None:
         return 0
-    if isinstance(wv, str):
+    if isinstance(version, str):
         try:
-            wv = float(wv.strip())
+            version = float(version.strip())
         except ValueError:
             return 0
-    if isinstance(wv, int) and abs(wv) <= _MAX_VERSION:
-        return wv
-    if isinstance(wv, float) and math.isfinite(wv) and abs(wv) <= _MAX_VERSION:
-        return int(wv)
+    if isinstance(version, int) and abs(version) <= _MAX_VERSION:
+        return version
+    if isinstance(version, float) and math.isfinite(version) and abs(version) <= _MAX_VERSION:
+        return int(version)
     return 0  # absent or unusable (not a number, or beyond what an average over items can hold)
 
 
@@ -164,14 +164,14 @@ _WV_CACHE: dict[str, int] = {}
 
 def cached_weight_version(env_state: Any) -> int:
     """weight_version() with a cache of short env_state texts (raises Malformed as it does)."""
-    wv = _WV_CACHE.get(env_state) if isinstance(env_state, str) else None
-    if wv is None:
-        wv = weight_version(env_state)
+    version = _WV_CACHE.get(env_state) if isinstance(env_state, str) else None
+    if version is None:
+        version = weight_version(env_state)
         if isinstance(env_state, str) and len(env_state) < 256:
             if len(_WV_CACHE) > 4096:
                 _WV_CACHE.clear()
-            _WV_CACHE[env_state] = wv
-    return wv
+            _WV_CACHE[env_state] = version
+    return version
 
 
 def ingest_fields(
@@ -189,11 +189,11 @@ def ingest_fields(
     except Malformed:
         reward = None
     try:
-        wv: int | None = (
+        version: int | None = (
             cached_weight_version(env_state)
             if not isinstance(env_state, (bytes, BadText))
             else None
         )
     except Malformed:
-        wv = None
-    return sid, reward, wv
+        version = None
+    return sid, reward, version

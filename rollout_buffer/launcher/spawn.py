@@ -65,14 +65,14 @@ def preflight(spec: LaunchSpec) -> None:
     log_dir = os.path.dirname(spec.log_path) or "."
     try:
         os.makedirs(log_dir, exist_ok=True)
-        st = os.statvfs(log_dir)
+        disk = os.statvfs(log_dir)
     except OSError as exc:
         raise LauncherError(
             f"cannot create the launcher log directory for {spec.log_path!r}: {exc}"
         ) from exc
-    if st.f_bavail * st.f_frsize < LOG_MIN_FREE_BYTES:  # its output would fail, and it with it
+    if disk.f_bavail * disk.f_frsize < LOG_MIN_FREE_BYTES:  # its output would fail, and it with it
         raise LauncherError(
-            f"the launcher log directory {log_dir!r} has {st.f_bavail * st.f_frsize} bytes "
+            f"the launcher log directory {log_dir!r} has {disk.f_bavail * disk.f_frsize} bytes "
             "free (the disk is full); free some space and start again"
         )
 

@@ -38,7 +38,7 @@ class JobState:
         job_id: str,
         k: int,
         floor_pk: int,
-        acc: Accumulator,
+        accumulator: Accumulator,
         reader: Reader,
         accounted: Accounted | None,
         redeliveries: Redeliveries | None = None,
@@ -46,7 +46,7 @@ class JobState:
         self.job_id = job_id
         self.k = k
         self.floor_pk = floor_pk
-        self.acc = acc
+        self.accumulator = accumulator
         self.reader = reader
         self.accounted = accounted
         # launcher_exited: the tick at which the launcher was seen finished, and whether its
@@ -83,17 +83,17 @@ class JobState:
 
     def ready_count(self) -> int:
         """Groups a poll could be given now: queued redeliveries and ready groups."""
-        return len(self.redeliveries) + len(self.acc.ready)
+        return len(self.redeliveries) + len(self.accumulator.ready)
 
     def in_flight(self) -> bool:
         """A poll holds groups it has not recorded yet (it may be binding a request_id)."""
-        return bool(self.acc.taken or self.redeliveries.taken)
+        return bool(self.accumulator.taken or self.redeliveries.taken)
 
-    def stats(self, src: Database | None, prebuilt: int | None = 0) -> dict:
-        """The job's accounting and gauges for /stats; ``src`` (if given) for the lag (rows not read
-        yet). ``prebuilt`` groups (taken into the draft built before the poll; None: every taken
-        group, a draft is being built) count as ready, not in flight."""
-        s = self.acc.stats()
+    def stats(self, launcher_db: Database | None, prebuilt: int | None = 0) -> dict:
+        """The job's accounting and gauges for /stats; ``launcher_db`` (if given) for the lag (rows
+        not read yet). ``prebuilt`` groups (taken into the draft built before the poll; None: every
+        taken group, a draft is being built) count as ready, not in flight."""
+        s = self.accumulator.stats()
         g = s["groups"]
         moved = g["in_flight"] if prebuilt is None else min(prebuilt, g["in_flight"])
         g["ready"], g["in_flight"], g["prebuilt"] = (
@@ -106,9 +106,9 @@ class JobState:
         )  # (nothing read yet)
         s["floor_pk"] = self.floor_pk
         s["lag_rows"] = None
-        if src is not None:
+        if launcher_db is not None:
             with contextlib.suppress(StorageError):
-                s["lag_rows"] = source.unread_rows(src, self.job_id, self.reader.max_seen)
+                s["lag_rows"] = source.unread_rows(launcher_db, self.job_id, self.reader.max_seen)
         r = s["rows"]
         s["accounting_balanced"] = (
             r["read"] == r["served"] + r["dropped_total"] + r["rejected_total"] + r["pending"]
@@ -133,15 +133,15 @@ class Jobs:
     def drop(self) -> JobState | None:
         """Forget the active job (this instance lost it; callers hold the serve lock); returns
         it."""
-        js, self.current = self.current, None
-        return js
+        job_state, self.current = self.current, None
+        return job_state
 
-    def launcher_tables_exist(self, src: Database) -> bool:
+    def launcher_tables_exist(self, launcher_db: Database) -> bool:
         """True once session_steps exists (a fresh database has it only after the launcher
         starts)."""
         if self._tables_seen:
             return True
-        if source.steps_table_exists(src):
+        if source.steps_table_exists(launcher_db):
             self._tables_seen = True
             return True
         if not self._tables_warned:
@@ -154,58 +154,68 @@ class Jobs:
         return False
 
     def load(
-        self, src: Database, store: Store, job_id: str, k: int, floor_pk: int, start_after: int
+        self,
+        launcher_db: Database,
+        store: Store,
+        job_id: str,
+        k: int,
+        floor_pk: int,
+        start_after: int,
     ) -> JobState:
         """Build a JobState from the durable records of a job (fresh or resumed)."""
         totals = store.load_totals(job_id)
-        acc = Accumulator(
+        accumulator = Accumulator(
             job_id,
             k,
             clock=self.clock,
             policy=self.config.policy,
             max_steps=step_cap(self.config),
         )
-        acc.decided.update(totals.decided)  # before the accumulator is shared: no lock needed
-        acc.counts.load(totals)
+        accumulator.decided.update(
+            totals.decided
+        )  # before the accumulator is shared: no lock needed
+        accumulator.counts.load(totals)
         row = store.get_job(job_id)
         if (
             row is not None
         ):  # the versions saved with the cursor (the trainer's last, the rows' largest)
-            acc.set_versions(row.get("trainer_version"), row.get("rows_version"))
-        acc.tainted.update(store.tainted_sessions(job_id))
-        acc.tainted_groups.update(
+            accumulator.set_versions(row.get("trainer_version"), row.get("rows_version"))
+        accumulator.tainted.update(store.tainted_sessions(job_id))
+        accumulator.tainted_groups.update(
             g for g in store.tainted_groups(job_id) if g not in totals.decided
         )
-        acc.excluded.update(store.oversampled_sessions(job_id))
+        accumulator.excluded.update(store.oversampled_sessions(job_id))
         accounted = None
-        if (totals.decided or totals.accounted_rows) and self.launcher_tables_exist(src):
-            upto = source.max_job_id(src, job_id)
+        if (totals.decided or totals.accounted_rows) and self.launcher_tables_exist(launcher_db):
+            upto = source.max_job_id(launcher_db, job_id)
             accounted = Accounted(
                 job_id, upto, store.row_pks_from(job_id, first_read_after(start_after))
             )
         reader = Reader(job_id, start_after, self.config.ingest_batch, clock=self.clock)
         redeliveries = Redeliveries(store.redelivery_queue(job_id), store.redelivery_totals(job_id))
-        return JobState(job_id, k, floor_pk, acc, reader, accounted, redeliveries)
+        return JobState(job_id, k, floor_pk, accumulator, reader, accounted, redeliveries)
 
-    def resume(self, src: Database, store: Store) -> dict | None:
+    def resume(self, launcher_db: Database, store: Store) -> dict | None:
         """At start: make the stored active job current again. Returns its stored row, or None."""
         row = store.active_job()
         if row is None or self.current is not None:
             return row
         start_after = max(int(row["floor_pk"]), int(row["low_water_pk"]) - 1)
-        js = self.load(src, store, row["job_id"], int(row["k"]), int(row["floor_pk"]), start_after)
-        self.current = js
+        job_state = self.load(
+            launcher_db, store, row["job_id"], int(row["k"]), int(row["floor_pk"]), start_after
+        )
+        self.current = job_state
         logger.info(
             "resumed job %s (K=%s, reading from id %s; %s groups decided before)",
-            js.job_id,
-            js.k,
+            job_state.job_id,
+            job_state.k,
             start_after,
-            len(js.acc.decided),
+            len(job_state.accumulator.decided),
         )
         return row
 
     def select(
-        self, src: Database, store: Store, job_id: str, k: int, restart_training: bool
+        self, launcher_db: Database, store: Store, job_id: str, k: int, restart_training: bool
     ) -> JobState:
         """Make job_id the active job (callers hold the tick and serve locks)."""
         store.ensure_schema()
@@ -215,19 +225,19 @@ class Jobs:
             if prev.k != k:
                 prev.k = k
                 store.set_k(job_id, k)
-                self.outbox.act(store, job_id, prev.acc.set_k(k)[1])
+                self.outbox.act(store, job_id, prev.accumulator.set_k(k)[1])
             return prev
         if prev is not None and prev.job_id != job_id:
-            plan = prev.acc.drop_all(JOB_ENDED, include_ready=True)
+            plan = prev.accumulator.drop_all(JOB_ENDED, include_ready=True)
             self.outbox.act(store, prev.job_id, plan)
             if plan.drops:
                 logger.warning(
                     "job %s ended: dropped %d undecided groups", prev.job_id, len(plan.drops)
                 )
         existing = store.get_job(job_id)
-        tables = self.launcher_tables_exist(src)
+        tables = self.launcher_tables_exist(launcher_db)
         if restart_training:
-            floor = source.max_terminal_id(src, job_id) if tables else 0
+            floor = source.max_terminal_id(launcher_db, job_id) if tables else 0
             start_after, low_water = floor, floor + 1
         elif existing is not None:
             floor = int(existing["floor_pk"])
@@ -236,13 +246,13 @@ class Jobs:
         else:
             floor, start_after, low_water = 0, 0, 1
         tombstones = (
-            self._restart_tombstones(src, store, job_id, floor)
+            self._restart_tombstones(launcher_db, store, job_id, floor)
             if restart_training and floor > 0
             else []
         )
         store.activate_job(job_id, k, floor, start_after, low_water, tombstones)
-        js = self.load(src, store, job_id, k, floor, start_after)
-        self.current = js
+        job_state = self.load(launcher_db, store, job_id, k, floor, start_after)
+        self.current = job_state
         if tombstones:
             self.outbox.notify(job_id, Decisions(drops=tombstones))
             logger.warning(
@@ -252,16 +262,18 @@ class Jobs:
                 floor,
                 len(tombstones),
             )
-        return js
+        return job_state
 
     @staticmethod
-    def _restart_tombstones(src: Database, store: Store, job_id: str, floor: int) -> list[Drop]:
+    def _restart_tombstones(
+        launcher_db: Database, store: Store, job_id: str, floor: int
+    ) -> list[Drop]:
         """Undecided groups with trainable rows at or below the floor, with those rows (counted as
         read and dropped, so the job's accounting keeps them) and their sessions to clear."""
         decided = set(store.decided_groups(job_id))
         accounted = store.row_pks_from(job_id, 0)
         below: dict[str, tuple[list[int], set[str]]] = {}
-        for pk, gid, sid in source.rows_at_or_below(src, job_id, floor):
+        for pk, gid, sid in source.rows_at_or_below(launcher_db, job_id, floor):
             if gid is None or str(gid) in decided or int(pk) in accounted:
                 continue
             pks, sids = below.setdefault(str(gid), ([], set()))

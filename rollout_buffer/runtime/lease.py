@@ -298,7 +298,9 @@ class Lease:
         with contextlib.suppress(StorageError):
             return {
                 i["host_id"]
-                for i in self.live_instances(conns.get().st, min(self.seconds, 5.0), self.buffer)
+                for i in self.live_instances(
+                    conns.get().state_db, min(self.seconds, 5.0), self.buffer
+                )
                 if i["role"] == STANDBY and i["instance_id"] != self.instance_id
             }
         return set()

@@ -38,13 +38,13 @@ logger = logging.getLogger(__name__)
 HOUSEKEEPING_S = 30.0
 
 
-def check_sequence(src: Database) -> None:
+def check_sequence(launcher_db: Database) -> None:
     """Refuse a Postgres source whose id sequence caches values: the safe cursor assumes ids are
     handed out in time order, and with CACHE n a backend can write an id far below ones already
     committed by others, which the cursor would have passed (the row would never be read)."""
-    if src.backend != "postgres":
+    if launcher_db.backend != "postgres":
         return
-    cache = source.sequence_cache(src)
+    cache = source.sequence_cache(launcher_db)
     if cache and int(cache) > 1:
         raise ConfigError(
             f"the sequence of session_steps.id caches {int(cache)} values per connection, so ids "
@@ -167,15 +167,19 @@ class Loop:
                     return
                 pair = self._conns.get()
                 if not self.signals.bootstrapped.is_set():
-                    self._bootstrap(pair.src, pair.store)
+                    self._bootstrap(pair.source, pair.store)
                 self.outbox.flush(pair.store)
-                js = self.jobs.current
-                if js is not None:
-                    self._ingest(pair.src, pair.store, js)
-                    self.outbox.act(pair.store, js.job_id, js.acc.expire(self.config.ttl_s))
-                    self._check_launcher(pair.store, js)
-                    self._save_cursor(pair.store, js)
-                self._housekeeping(pair.src, pair.store)
+                job_state = self.jobs.current
+                if job_state is not None:
+                    self._ingest(pair.source, pair.store, job_state)
+                    self.outbox.act(
+                        pair.store,
+                        job_state.job_id,
+                        job_state.accumulator.expire(self.config.ttl_s),
+                    )
+                    self._check_launcher(pair.store, job_state)
+                    self._save_cursor(pair.store, job_state)
+                self._housekeeping(pair.source, pair.store)
             except LeaseLost:
                 return  # the lease thread finds out who owns the job; the next tick follows it
             except (StorageError, ConfigError) as exc:
@@ -213,7 +217,7 @@ class Loop:
         with self.locks.try_serving(LOCK_WAIT_S) as taken:
             if not taken:
                 return False
-            js = self.jobs.drop()
+            job_state = self.jobs.drop()
             self.signals.bootstrapped.clear()
             self.lease.state_dropped()
             unrecorded = self.outbox.discard()
@@ -223,7 +227,7 @@ class Loop:
         logger.warning(
             "dropped the in-memory state of job %s: this instance does not own it now (%d "
             "unrecorded decisions left to the owner)",
-            js.job_id if js else None,
+            job_state.job_id if job_state else None,
             unrecorded,
         )
         return True
@@ -245,20 +249,20 @@ class Loop:
             return  # the lease thread reports the database
         self.lease.report_launcher(self.launcher.watch_here(row, owner_host))
 
-    def _housekeeping(self, src: Database, store: Store) -> None:
+    def _housekeeping(self, launcher_db: Database, store: Store) -> None:
         """Every HOUSEKEEPING_S: check the source's sequence, and retention in small steps."""
         now = self.clock()
         if now - self._housekept_at < HOUSEKEEPING_S:
             return
         self._housekept_at = now
         self.outbox.events.flush()  # the rate-limited log lines' summaries
-        check_sequence(src)
+        check_sequence(launcher_db)
         wall = steady_wall()
         store.prune_batches(wall - 2 * self.config.replay_retention_s)
         if self.config.job_retention_s > 0:
             for job in store.ended_jobs(wall - self.config.job_retention_s):
                 if store.purge_step(job["job_id"]) == 0:
-                    upto = source.max_job_id(src, job["job_id"])
+                    upto = source.max_job_id(launcher_db, job["job_id"])
                     read = max(
                         upto,
                         int(job["cursor_pk"]),
@@ -273,77 +277,81 @@ class Loop:
                     )
                 break  # one job a pass: small steps, never a long transaction
 
-    def _bootstrap(self, src: Database, store: Store) -> None:
+    def _bootstrap(self, launcher_db: Database, store: Store) -> None:
         """First tick: create tables, resume the active job, adopt its launcher, queue
         notifications."""
         store.ensure_schema()
-        check_sequence(src)
+        check_sequence(launcher_db)
         if self.lease is not None:
             self.lease.refuse_unfenced(store.db)
-        row = self.jobs.resume(src, store)
-        js = self.jobs.current
-        if row is not None and js is not None and js.job_id == row["job_id"]:
+        row = self.jobs.resume(launcher_db, store)
+        job_state = self.jobs.current
+        if row is not None and job_state is not None and job_state.job_id == row["job_id"]:
             state = LauncherState.parse(row["launcher_state"])
-            if self.launcher.resume_restart(store, js.job_id, js.k, row):
+            if self.launcher.resume_restart(store, job_state.job_id, job_state.k, row):
                 pass
             elif state is LauncherState.HANDED_OVER and self.launcher.managed:
-                js.launcher_finished(
+                job_state.launcher_finished(
                     self._tick_no
                 )  # stopped for this owner: drop, then a fresh one
-                self.launcher.want_relaunch(js.job_id)
+                self.launcher.want_relaunch(job_state.job_id)
             elif state is not None and (state.finished or state is LauncherState.RESTART_PENDING):
-                js.launcher_finished(
+                job_state.launcher_finished(
                     self._tick_no
                 )  # it ended before the crash: drop after catch-up
-            elif self.launcher.adopt(store, js.job_id, row) is False:
-                js.launcher_finished(self._tick_no)
+            elif self.launcher.adopt(store, job_state.job_id, row) is False:
+                job_state.launcher_finished(self._tick_no)
         self.outbox.resend_unnotified(store)
         self.signals.bootstrapped.set()
         if self.lease is not None:
             self.lease.resumed()
 
-    def _ingest(self, src, store: Store, js: JobState) -> None:
-        if not self.jobs.launcher_tables_exist(src):
-            js.reader.nothing_to_read()  # nothing can have been written
+    def _ingest(self, launcher_db, store: Store, job_state: JobState) -> None:
+        if not self.jobs.launcher_tables_exist(launcher_db):
+            job_state.reader.nothing_to_read()  # nothing can have been written
             return
         deadline = self.clock() + 1.0
         while True:
-            rows = js.reader.read(src)
-            if js.accounted is not None:
+            rows = job_state.reader.read(launcher_db)
+            if job_state.accounted is not None:
                 read = rows
-                rows = js.accounted.filter(
-                    lambda gid: store.group_pks(js.job_id, gid), js.acc.decided, rows
+                rows = job_state.accounted.filter(
+                    lambda gid: store.group_pks(job_state.job_id, gid),
+                    job_state.accumulator.decided,
+                    rows,
                 )
                 if len(rows) < len(read):  # accounted before a restart, maybe after the last save
-                    decided = js.acc.decided
-                    js.acc.versions.recount(
-                        (r.group_id, r.wv)
+                    decided = job_state.accumulator.decided
+                    job_state.accumulator.versions.recount(
+                        (r.group_id, r.weight_version)
                         for r in read
                         if isinstance(r.group_id, str) and decided.get(r.group_id) == SERVED
                     )
-            plan = js.acc.ingest(rows) if rows else None
+            plan = job_state.accumulator.ingest(rows) if rows else None
             if rows:
                 self.history.ingested(len(rows))
-            js.reader.advance()  # only now: a failure above re-reads these rows next tick
+            job_state.reader.advance()  # only now: a failure above re-reads these rows next tick
             if plan is not None:
                 if plan.newly_ready:
                     self.signals.ready.notify()
-                self.outbox.act(store, js.job_id, plan)
+                self.outbox.act(store, job_state.job_id, plan)
             # drained, not caught_up: on Postgres the safe cursor only moves between ticks, so
             # waiting for caught_up here re-read the window in a busy loop for the whole second.
-            if js.reader.drained or self.clock() > deadline or self.stopping.is_set():
+            if job_state.reader.drained or self.clock() > deadline or self.stopping.is_set():
                 break
-        js.reader.end_tick()
-        scheduled, facts = js.census.read(src)
+        job_state.reader.end_tick()
+        scheduled, facts = job_state.census.read(launcher_db)
         if scheduled or facts:
-            self.outbox.act(store, js.job_id, js.acc.observe(scheduled, facts))
+            self.outbox.act(
+                store, job_state.job_id, job_state.accumulator.observe(scheduled, facts)
+            )
 
-    def _check_launcher(self, store: Store, js: JobState) -> None:
+    def _check_launcher(self, store: Store, job_state: JobState) -> None:
         lease = self.lease
         if lease is not None and not lease.holds():
             # the lease may be ending: nothing the database cannot fence (no restart, no spawn)
             return
-        self.launcher.check(store, js.job_id)
+        self.launcher.check(store, job_state.job_id)
         e = self.launcher.elsewhere
         if (
             lease is not None
@@ -358,28 +366,30 @@ class Loop:
                 for i in Lease.live_instances(store.db, lease.seconds, lease.buffer)
                 if i["host_id"] == e.host
             ]
-            self.launcher.check_elsewhere(store, js.job_id, reports)
-        if self.launcher.finished() and js.launcher_finished_tick is None:
-            js.launcher_finished(self._tick_no)
+            self.launcher.check_elsewhere(store, job_state.job_id, reports)
+        if self.launcher.finished() and job_state.launcher_finished_tick is None:
+            job_state.launcher_finished(self._tick_no)
         if (
-            js.launcher_finished_tick is not None
-            and not js.launcher_drop_done
-            and self._tick_no > js.launcher_finished_tick
-            and js.reader.caught_up
+            job_state.launcher_finished_tick is not None
+            and not job_state.launcher_drop_done
+            and self._tick_no > job_state.launcher_finished_tick
+            and job_state.reader.caught_up
         ):
-            js.no_launcher_drop()
-            plan = js.acc.drop_all(LAUNCHER_EXITED, include_ready=False, partial=True)
+            job_state.no_launcher_drop()
+            plan = job_state.accumulator.drop_all(
+                LAUNCHER_EXITED, include_ready=False, partial=True
+            )
             if plan.drops:
                 logger.warning(
                     "launcher of job %s has exited: dropping %d incomplete groups",
-                    js.job_id,
+                    job_state.job_id,
                     len(plan.drops),
                 )
-            self.outbox.act(store, js.job_id, plan)
-        if js.launcher_drop_done and self.launcher.relaunch_for == js.job_id:
-            self._relaunch(store, js)
+            self.outbox.act(store, job_state.job_id, plan)
+        if job_state.launcher_drop_done and self.launcher.relaunch_for == job_state.job_id:
+            self._relaunch(store, job_state)
 
-    def _relaunch(self, store: Store, js: JobState) -> None:
+    def _relaunch(self, store: Store, job_state: JobState) -> None:
         """After a takeover: the job's launcher was lost with its owner (and its incomplete groups
         are dropped): a fresh one, as /start_rollout would start, so the job goes on. Not while a
         /start_rollout is in progress (it starts one itself): never waits for its lock."""
@@ -387,31 +397,35 @@ class Loop:
             if not taken:
                 return
             try:
-                pid = self.launcher.start_for(store, js)
+                pid = self.launcher.start_for(store, job_state)
             except OperationFailed as exc:
                 logger.error(
-                    "could not start a fresh launcher for job %s: %s", js.job_id, exc.message
+                    "could not start a fresh launcher for job %s: %s", job_state.job_id, exc.message
                 )
                 self.launcher.cancel_relaunch()
                 return
         logger.warning(
             "started a fresh launcher for job %s (pid %s): the previous one was lost with its "
             "owner",
-            js.job_id,
+            job_state.job_id,
             pid,
         )
 
-    def _save_cursor(self, store: Store, js: JobState) -> None:
+    def _save_cursor(self, store: Store, job_state: JobState) -> None:
         """Persist the cursor and the low-water mark (at most once a second, only when they can have
         moved).
 
         Never while a decision is unrecorded: the low-water mark would pass rows whose group's
         decision exists only in memory."""
         now = self.clock()
-        if now - js.cursor_saved_at < 1.0:
+        if now - job_state.cursor_saved_at < 1.0:
             return
-        marker = (js.reader.cursor, js.acc.changes, js.acc.trainer_version)
-        if marker == js.saved_marker or not self.outbox.empty():
+        marker = (
+            job_state.reader.cursor,
+            job_state.accumulator.changes,
+            job_state.accumulator.trainer_version,
+        )
+        if marker == job_state.saved_marker or not self.outbox.empty():
             return  # idle: no O(groups) low-water scan, nothing to write
         with self.locks.try_serving() as taken:
             if not taken:
@@ -420,13 +434,13 @@ class Loop:
                 return  # a poll queued decisions meanwhile: they must be recorded first
             # Never past the reader's safe cursor: on Postgres a row below the smallest pending pk
             # can still be in flight in an open transaction, and a resume above it would skip it.
-            cursor = js.reader.cursor
+            cursor = job_state.reader.cursor
             cur = (
                 cursor,
-                min(js.acc.low_water(cursor), cursor + 1),
-                js.acc.trainer_version,
-                js.acc.rows_version,
+                min(job_state.accumulator.low_water(cursor), cursor + 1),
+                job_state.accumulator.trainer_version,
+                job_state.accumulator.rows_version,
             )
-            if cur != js.saved_cursor:
-                store.save_cursor(js.job_id, *cur)
-            js.cursor_saved(now, marker, cur)
+            if cur != job_state.saved_cursor:
+                store.save_cursor(job_state.job_id, *cur)
+            job_state.cursor_saved(now, marker, cur)

@@ -89,11 +89,11 @@ def why_free(
     if h.instance == instance_id:
         return "it is this instance's own"
     if h.host == host_id and h.pid:
-        st = procfs.stat(int(h.pid))
+        process = procfs.stat(int(h.pid))
         if (
-            st is None
-            or not st.alive
-            or (h.start_ticks is not None and st.start_ticks != int(h.start_ticks))
+            process is None
+            or not process.alive
+            or (h.start_ticks is not None and process.start_ticks != int(h.start_ticks))
         ):
             return f"its owner's process (pid {h.pid} on this host) has ended"
     return None

@@ -70,8 +70,8 @@ class Pacing:
     @property
     def admission(self) -> Admission:
         """The active job's admission (a new job starts a new one)."""
-        js = self.jobs.current
-        job = None if js is None else js.job_id
+        job_state = self.jobs.current
+        job = None if job_state is None else job_state.job_id
         with self._lock:
             if job != self._job:
                 self._job = job
@@ -102,17 +102,21 @@ class Pacing:
 
     def may_start(self, session_id: str) -> bool:
         """The gate asks at a session's first model call. No active job: never held."""
-        js = self.jobs.current
-        if js is None:
+        job_state = self.jobs.current
+        if job_state is None:
             return True
         admission = self.admission
-        admission.prune(js.acc.decided)  # decided groups are not in progress: asked as started
+        admission.prune(
+            job_state.accumulator.decided
+        )  # decided groups are not in progress: asked as started
         # counted before this call marks its group started: a group never waits for itself
-        progress = js.acc.progress(admission.admitted)
-        admission.completion_rate = js.acc.completion_rate()
+        progress = job_state.accumulator.progress(admission.admitted)
+        admission.completion_rate = job_state.accumulator.completion_rate()
         in_progress = sum(v for k, v in progress.items() if k != "stalled")
-        group, started = js.acc.group_of(session_id)
-        if group is None and not js.census.no_schedule:  # (a writer without the list: no wait)
+        group, started = job_state.accumulator.group_of(session_id)
+        if (
+            group is None and not job_state.census.no_schedule
+        ):  # (a writer without the list: no wait)
             since = self._unknown_since.setdefault(session_id, time.monotonic())
             if time.monotonic() - since < UNKNOWN_SESSION_WAIT_S:
                 return False  # the census reads job_environments at the next tick
@@ -120,41 +124,41 @@ class Pacing:
                 "session %r is not in job_environments: its calls are not paced", session_id
             )
         self._unknown_since.pop(session_id, None)
-        version = js.acc.current_version
+        version = job_state.accumulator.current_version
         if not admission.ask(group, in_progress, started=started, current_version=version):
             return False
-        js.acc.first_call(session_id)  # through the gate: the session's first sign
+        job_state.accumulator.first_call(session_id)  # through the gate: the session's first sign
         return True
 
     def seen(self, session_id: str) -> None:
         """A model call of the session went through the gate."""
-        js = self.jobs.current
-        if js is not None:
-            js.acc.sign(session_id)
+        job_state = self.jobs.current
+        if job_state is not None:
+            job_state.accumulator.sign(session_id)
 
     def running(self, session_id: str) -> None:
         """A session seen mid-way (the service restarted under it): its group is admitted."""
-        js = self.jobs.current
-        if js is None:
+        job_state = self.jobs.current
+        if job_state is None:
             return
-        group, _started = js.acc.group_of(session_id)
+        group, _started = job_state.accumulator.group_of(session_id)
         self.admission.admit(group)
-        js.acc.first_call(session_id)
+        job_state.accumulator.first_call(session_id)
 
     def report(self) -> dict[str, Any]:
         """``GET /admission``."""
-        js = self.jobs.current
+        job_state = self.jobs.current
         admission = self.admission
-        if js is None:
+        if job_state is None:
             progress = {"running": 0, "pending": 0, "ready": 0, "built": 0, "stalled": 0}
             version = None
         else:
-            progress = js.acc.progress(admission.admitted)
-            admission.completion_rate = js.acc.completion_rate()
-            version = js.acc.current_version
+            progress = job_state.accumulator.progress(admission.admitted)
+            admission.completion_rate = job_state.accumulator.completion_rate()
+            version = job_state.accumulator.current_version
         doc = admission.report(progress, version)
         doc["pacing"] = self.config.pacing
-        doc["job_session"] = None if js is None else js.job_id
+        doc["job_session"] = None if job_state is None else job_state.job_id
         gate = doc["gate"]
         if self.gate is not None and isinstance(gate, dict):
             gate.update(self.gate.stats())

@@ -102,16 +102,16 @@ class Draft:
         self.taken = [t for t in self.taken if t.group_id not in gone]
         return back
 
-    def still_holds(self, acc: Any, policy: Policy) -> bool:
+    def still_holds(self, accumulator: Any, policy: Policy) -> bool:
         """At the claim: its verdicts still hold at the job's version now (a version that moved
         since the draft was built can make a built group stale, or a refused one fresh), and no
-        built group was tainted meanwhile; its takes are refreshed (acc.recheck). False: discard
-        it."""
-        bound, current = self.shape.max_off_policy, acc.current_version
+        built group was tainted meanwhile; its takes are refreshed (accumulator.recheck). False:
+        discard it."""
+        bound, current = self.shape.max_off_policy, accumulator.current_version
         built = []
         for t, g in self.built:
             if not t.redelivered:
-                fresh = acc.recheck(t)
+                fresh = accumulator.recheck(t)
                 if fresh is None:
                     return False
                 t = fresh
@@ -149,7 +149,7 @@ class Draft:
     def build(
         self,
         pair: Pair,
-        js: Any,
+        job_state: Any,
         policy: Policy,
         cap: int,
         failed: Callable[[Take, Exception], bool],
@@ -158,14 +158,14 @@ class Draft:
         counts an unexpected build failure of a group (True: drop it). Raises what the database
         raised; the caller then releases ``taken``."""
         started = time.perf_counter()
-        current = js.acc.current_version
+        current = job_state.accumulator.current_version
         while self.room():
             want = (
                 TAKE_STEP
                 if self.shape.max_groups is None
                 else min(TAKE_STEP, self.shape.max_groups - len(self.built))
             )
-            takes = redelivery.take(pair, js, want)
+            takes = redelivery.take(pair, job_state, want)
             if not takes:
                 break
             self.taken.extend(takes)
@@ -188,7 +188,9 @@ class Draft:
                 rows, too_large, unreadable = fetch_narrowed(pair, fresh[i:j], cap)
                 for t in fresh[i:j]:
                     i += 1
-                    current = self._add(t, rows, too_large, unreadable, js, policy, current, failed)
+                    current = self._add(
+                        t, rows, too_large, unreadable, job_state, policy, current, failed
+                    )
                     if self.full:
                         self.leftover += fresh[i:]
                         break
@@ -201,7 +203,7 @@ class Draft:
         rows: dict[int, tuple],
         too_large: set[str],
         unreadable: dict[str, Exception],
-        js: Any,
+        job_state: Any,
         policy: Policy,
         current: int,
         failed: Callable[[Take, Exception], bool],
@@ -227,11 +229,15 @@ class Draft:
             return current
         # every version of its rows, also those not read at ingest (a long env_state): one that
         # cannot be true drops it, the others count toward the agreement on the current version
-        verdict = None if t.redelivered else js.acc.versions.judge(t.group_id, g.weight_versions)
+        verdict = (
+            None
+            if t.redelivered
+            else job_state.accumulator.versions.judge(t.group_id, g.weight_versions)
+        )
         # only a staleness bound makes a version matter enough to drop a group for it
         judged = policy.max_off_policy is not None or self.shape.max_off_policy is not None
         implausible = verdict if judged else None
-        current = js.acc.current_version
+        current = job_state.accumulator.current_version
         # again just before it is served: a group can go stale while it waits (a redelivered group
         # keeps its first verdict)
         reason = (
@@ -251,10 +257,10 @@ class Draft:
             self.refused.append((t, reason, {}))
             self.full = self.spent + len(self.buf) + self.meta_size > self.budget
             return current
-        st = self.stats[t.group_id] = group_stats_of(t, g, js.acc.clock())
+        figures = self.stats[t.group_id] = group_stats_of(t, g, job_state.accumulator.clock())
         # the body is buf plus a head and a meta_info tail that lists the group ids twice
         # (finished_groups, group_stats), its figures and maybe partial_groups and redelivered
-        widest = dict(st, wait_s=WIDEST_SECONDS, age_s=WIDEST_SECONDS)  # stamped when served
+        widest = dict(figures, wait_s=WIDEST_SECONDS, age_s=WIDEST_SECONDS)  # stamped when served
         size = 3 * json_len(t.group_id) + len(json.dumps(widest, separators=(",", ":"))) + 3
         if self.built and self.spent + len(self.buf) + self.meta_size + size > self.budget:
             del self.buf[g.start :]  # does not fit: it goes back, first, for the next poll
@@ -273,19 +279,19 @@ def fetch_narrowed(
     """fetch_takes, and when a fetch fails while the database answers: the groups whose own rows
     cannot be read (a value the driver cannot decode), each with its error."""
     try:
-        rows, too_large = fetch_takes(pair.src, takes, cap)
+        rows, too_large = fetch_takes(pair.source, takes, cap)
         return rows, too_large, {}
     except StorageError as exc:
         # narrow only a failure about a value read; a locked, slow or lost database is a 503
-        if not exc.about_data or not pair.src.answers():
+        if not exc.about_data or not pair.source.answers():
             raise
     rows, too_large = {}, set()
     unreadable: dict[str, Exception] = {}
     for t in takes:  # one group at a time, to find the poison
         try:
-            r, big = fetch_takes(pair.src, [t], cap)
+            r, big = fetch_takes(pair.source, [t], cap)
         except StorageError as exc:
-            if not exc.about_data or not pair.src.answers():
+            if not exc.about_data or not pair.source.answers():
                 raise
             unreadable[t.group_id] = exc
             continue

@@ -19,7 +19,7 @@ from rollout_buffer.runtime.jobs import JobState
 
 
 def plan_poll(
-    js: JobState,
+    job_state: JobState,
     seed: bytes,
     request_id: str | None,
     built: list[tuple[Take, GroupItems]],
@@ -29,7 +29,7 @@ def plan_poll(
 ) -> Decisions:
     """The one decision of a poll: its batch, served groups, refused groups and their bad
     rows."""
-    plan, job_id = Decisions(), js.job_id
+    plan, job_id = Decisions(), job_state.job_id
     for t, reason, bad in refused:
         if t.redelivered:  # it stays served: only its redelivery fails
             plan.redelivered[t.group_id] = reason
@@ -55,7 +55,7 @@ def plan_poll(
         )
     if built:
         batch_id = uuid.uuid4().hex
-        filtered = collections.Counter(js.acc.filtered_since_batch())
+        filtered = collections.Counter(job_state.accumulator.filtered_since_batch())
         filtered.update(d.reason for d in plan.drops)
         meta = {
             "group_stats": [stats[t.group_id] for t, _ in built],

@@ -138,9 +138,9 @@ class Serving:
         started = time.perf_counter()
         body = None
         try:
-            js = self.jobs.current
-            if js is not None and poll.current_weight_version is not None:
-                js.acc.set_versions(
+            job_state = self.jobs.current
+            if job_state is not None and poll.current_weight_version is not None:
+                job_state.accumulator.set_versions(
                     trainer=poll.current_weight_version
                 )  # saved by the loop with the cursor
             if poll.wait_s > 0:
@@ -163,18 +163,18 @@ class Serving:
         """Wait for ready groups; at most MAX_WAITING_POLLS wait at once (the others answer now)."""
         if not self.signals.bootstrapped.is_set():
             return  # _poll answers 503 while loading
-        js = self.jobs.current
-        if js is None or self.available(js) >= min_groups:
+        job_state = self.jobs.current
+        if job_state is None or self.available(job_state) >= min_groups:
             return
         if request_id is not None:
-            if not self._rids.loaded(js.job_id):
+            if not self._rids.loaded(job_state.job_id):
                 with self.locks.try_serving(LOCK_WAIT_S) as taken:
                     try:
                         if taken:
-                            self._rids.load(conns.get().store, js.job_id)
+                            self._rids.load(conns.get().store, job_state.job_id)
                     except StorageError:
                         return  # _poll answers 503
-            if self._rids.may_be_bound(js.job_id, request_id):
+            if self._rids.may_be_bound(job_state.job_id, request_id):
                 return  # possibly a retry of an answered poll: its replay is due at once
         with self._waiting_lock:
             if self._waiting >= self.config.max_waiting_polls:
@@ -182,17 +182,19 @@ class Serving:
             self._waiting += 1
         try:
             self.signals.ready.wait(
-                lambda: self.jobs.current is not js or self.available(js) >= min_groups,
+                lambda: (
+                    self.jobs.current is not job_state or self.available(job_state) >= min_groups
+                ),
                 wait_s,
             )
         finally:
             with self._waiting_lock:
                 self._waiting -= 1
 
-    def available(self, js: JobState) -> int:
+    def available(self, job_state: JobState) -> int:
         """Groups a poll would be given now: queued redeliveries, ready groups and the prebuilt
         draft's."""
-        return js.ready_count() + self.prebuilt.groups(js)
+        return job_state.ready_count() + self.prebuilt.groups(job_state)
 
     @property
     def waiting_polls(self) -> int:
@@ -219,45 +221,50 @@ class Serving:
                     f"{self.health.last_error or 'starting'}",
                     retry_after=1,
                 )
-        js = self.jobs.current
-        if js is None:
+        job_state = self.jobs.current
+        if job_state is None:
             return empty_body({})
         request_id = poll.request_id
         problem = self.health.problem()
         if problem:
             raise Unavailable(f"the database is unreachable: {problem}", retry_after=3)
         # (with an id: a poll in flight may be binding this very id, so it is waited for)
-        if not self.available(js) and (
+        if not self.available(job_state) and (
             request_id is None
-            or (not js.in_flight() and not self._rids.may_be_bound(js.job_id, request_id))
+            or (
+                not job_state.in_flight()
+                and not self._rids.may_be_bound(job_state.job_id, request_id)
+            )
         ):
             # nothing to serve and nothing to replay: answered from memory, no database touched
             self.signals.nudge()
-            return empty_body(self._meta(js))
+            return empty_body(self._meta(job_state))
         with self.locks.serving(holder="another poll"):
-            js, body, replay = self._under_serve_lock(conns, poll)
+            job_state, body, replay = self._under_serve_lock(conns, poll)
         if body is not None:
             return body
         batch, recorded_at = replay
-        return self.replayer.replay(conns.get(), js, batch, recorded_at, live=self._meta(js))
+        return self.replayer.replay(
+            conns.get(), job_state, batch, recorded_at, live=self._meta(job_state)
+        )
 
     def _under_serve_lock(self, conns: LazyPair, poll: PollRequest) -> tuple[JobState, Any, Any]:
         """(Serve lock held.) Settle an uncertain COMMIT, then serve (the body), or find the batch
         bound to the request_id (replayed by the caller, outside the lock)."""
         request_id = poll.request_id
         try:
-            js = self.jobs.current
-            assert js is not None
+            job_state = self.jobs.current
+            assert job_state is not None
             pair = conns.get()
             if self._uncertain is not None:
-                self._reconcile(pair, js)
+                self._reconcile(pair, job_state)
             replay = None
             if request_id is not None:
-                self._rids.load(pair.store, js.job_id)
-                replay = pair.store.batch_for_request(js.job_id, request_id)
+                self._rids.load(pair.store, job_state.job_id)
+                replay = pair.store.batch_for_request(job_state.job_id, request_id)
             if replay is None:
-                return js, self._serve(pair, js, poll), None
-            return js, None, replay
+                return job_state, self._serve(pair, job_state, poll), None
+            return job_state, None, replay
         except LeaseLost:
             raise  # answered as a standby answers (307 to the owner)
         except IntegrityError as exc:
@@ -271,37 +278,45 @@ class Serving:
             logger.error("serving failed: %s", exc)
             raise Unavailable(f"the database is unreachable: {exc}", retry_after=3) from exc
 
-    def _meta(self, js: JobState) -> dict[str, Any]:
+    def _meta(self, job_state: JobState) -> dict[str, Any]:
         """What every answer's meta_info says of the job: its id, its launcher's state."""
-        meta: dict[str, Any] = {"job_session": js.job_id}
+        meta: dict[str, Any] = {"job_session": job_state.job_id}
         if self.launcher_status is not None:
             meta["launcher"] = self.launcher_status()
         return meta
 
     # -- serve -------------------------------------------------------------------------------------
-    def _serve(self, pair: Pair, js: JobState, poll: PollRequest) -> Body:
+    def _serve(self, pair: Pair, job_state: JobState, poll: PollRequest) -> Body:
         started = time.perf_counter()
         policy, shape, request_id = (
             self.config.policy,
             Shape(poll.max_groups, poll.max_off_policy),
             poll.request_id,
         )
-        d, back = self.prebuilt.claim(js, shape, policy)  # built before the poll, if it still fits
-        self._release(pair, js, back)
-        d = d or Draft(js.job_id, shape, self.config.max_response_bytes)
+        d, back = self.prebuilt.claim(
+            job_state, shape, policy
+        )  # built before the poll, if it still fits
+        self._release(pair, job_state, back)
+        d = d or Draft(job_state.job_id, shape, self.config.max_response_bytes)
         try:
             d.build(
-                pair, js, policy, self.config.max_group_bytes, lambda t, e: self._failed(js, t, e)
+                pair,
+                job_state,
+                policy,
+                self.config.max_group_bytes,
+                lambda t, e: self._failed(job_state, t, e),
             )
             d.fit_request_id(request_id)
-            d.stamp(js.acc.clock())
+            d.stamp(job_state.accumulator.clock())
         except BaseException:
-            redelivery.release(js, d.taken)
+            redelivery.release(job_state, d.taken)
             raise
         leftover = d.give_back()
-        self._release(pair, js, leftover)
+        self._release(pair, job_state, leftover)
         built = d.built
-        plan = plan_poll(js, d.seed, request_id, built, d.refused, d.stats, self.outbox.events)
+        plan = plan_poll(
+            job_state, d.seed, request_id, built, d.refused, d.stats, self.outbox.events
+        )
         chunks: list[Any] = []
         if built:
             assert plan.batch is not None and plan.batch.meta is not None
@@ -309,7 +324,7 @@ class Serving:
                 [g for _, g in built],
                 d.buf,
                 {
-                    **self._meta(js),
+                    **self._meta(job_state),
                     "batch_id": plan.batch.batch_id,
                     "request_id": request_id,
                     "replayed": False,
@@ -318,16 +333,16 @@ class Serving:
                 },
             )
             plan.batch = dataclasses.replace(plan.batch, n_bytes=sum(map(len, chunks)))
-        self._record(pair, js, plan, d.done)
+        self._record(pair, job_state, plan, d.done)
         if leftover:
             self.signals.nudge()
         if not built:
-            return empty_body(self._meta(js))
+            return empty_body(self._meta(job_state))
         logger.debug(
             "served %d groups (%d bytes) of job %s; %d left ready",
             len(built),
             len(d.buf),
-            js.job_id,
+            job_state.job_id,
             len(leftover),
         )
         assert plan.batch is not None
@@ -340,15 +355,15 @@ class Serving:
         )
         return Body(chunks, len(built), on_close=lambda: self.history.sent(entry))
 
-    def _failed(self, js: JobState, t: Take, exc: Exception) -> bool:
+    def _failed(self, job_state: JobState, t: Take, exc: Exception) -> bool:
         """Count an unexpected build failure of a group; True once it has failed MAX_BUILD_FAILURES
         times."""
-        key = (js.job_id, t.group_id)
+        key = (job_state.job_id, t.group_id)
         n = self._failures[key] = self._failures.get(key, 0) + 1
         logger.error(
             "building group %s of job %s failed (%d of %d tries): %s: %s",
             t.group_id,
-            js.job_id,
+            job_state.job_id,
             n,
             MAX_BUILD_FAILURES,
             type(exc).__name__,
@@ -360,90 +375,98 @@ class Serving:
             return True
         return False
 
-    def _record(self, pair: Pair, js: JobState, plan: Decisions, done: list[Take]) -> None:
+    def _record(self, pair: Pair, job_state: JobState, plan: Decisions, done: list[Take]) -> None:
         """Record the plan, then apply it to memory and hand it to the outbox."""
         if not done:
             return
         if plan.batch is not None and plan.batch.request_id is not None:
-            self._rids.add(js.job_id, plan.batch.request_id)  # before the COMMIT: a retry must look
+            self._rids.add(
+                job_state.job_id, plan.batch.request_id
+            )  # before the COMMIT: a retry must look
         try:
-            pair.store.record(js.job_id, plan)
+            pair.store.record(job_state.job_id, plan)
         except IntegrityError:
-            self._settle_conflict(pair, js, done)
+            self._settle_conflict(pair, job_state, done)
             raise
         except BaseException:
             # the COMMIT may have happened: the next poll checks before serving anything
-            self._uncertain = Uncertain(js.job_id, plan, done)
-            redelivery.release(js, done)
+            self._uncertain = Uncertain(job_state.job_id, plan, done)
+            redelivery.release(job_state, done)
             raise
-        self._apply(pair, js, plan)
+        self._apply(pair, job_state, plan)
 
-    def _apply(self, pair: Pair, js: JobState, plan: Decisions) -> None:
-        late = js.acc.commit(plan)
-        js.redeliveries.settled(plan)
+    def _apply(self, pair: Pair, job_state: JobState, plan: Decisions) -> None:
+        late = job_state.accumulator.commit(plan)
+        job_state.redeliveries.settled(plan)
         self.outbox.act_quietly(
-            pair.store, js.job_id, late
+            pair.store, job_state.job_id, late
         )  # rows that arrived while the groups were built
-        self.outbox.notify(js.job_id, plan)
+        self.outbox.notify(job_state.job_id, plan)
 
-    def _release(self, pair: Pair, js: JobState, takes: list[Take]) -> None:
+    def _release(self, pair: Pair, job_state: JobState, takes: list[Take]) -> None:
         """Give taken groups back to the ready queue (and record any that had to be dropped
         instead)."""
         if takes:
-            self.outbox.act_quietly(pair.store, js.job_id, redelivery.release(js, takes))
+            self.outbox.act_quietly(
+                pair.store, job_state.job_id, redelivery.release(job_state, takes)
+            )
 
-    def _settle_conflict(self, pair: Pair, js: JobState, takes: list[Take]) -> None:
+    def _settle_conflict(self, pair: Pair, job_state: JobState, takes: list[Take]) -> None:
         """A decision of another instance is already stored for some of these groups: take its word
         for them (never serve them again) and give the others back."""
         redelivery.release(
-            js, [t for t in takes if t.redelivered]
+            job_state, [t for t in takes if t.redelivered]
         )  # they stay served: queued again
         decided, takes = {}, [t for t in takes if not t.redelivered]
         for t in takes:
-            d = pair.store.group_decision(js.job_id, t.group_id)
+            d = pair.store.group_decision(job_state.job_id, t.group_id)
             if d is not None:
                 decided[t.group_id] = d
-        js.acc.release([t for t in takes if t.group_id not in decided])
-        late = js.acc.settle_decided([t for t in takes if t.group_id in decided], decided)
-        self.outbox.act_quietly(pair.store, js.job_id, late)
+        job_state.accumulator.release([t for t in takes if t.group_id not in decided])
+        late = job_state.accumulator.settle_decided(
+            [t for t in takes if t.group_id in decided], decided
+        )
+        self.outbox.act_quietly(pair.store, job_state.job_id, late)
         logger.warning(
             "%d groups of job %s were already decided by another instance; settled from its record",
             len(decided),
-            js.job_id,
+            job_state.job_id,
         )
 
-    def settle(self, pair: Pair, js: JobState | None) -> None:
+    def settle(self, pair: Pair, job_state: JobState | None) -> None:
         """(Serve lock held.) Before a decision outside a poll (another job or K, a redelivery):
         settle a poll whose COMMIT's outcome is unknown, and give the prebuilt draft's groups
         back."""
-        if self._uncertain is not None and js is not None:
-            self._reconcile(pair, js)
+        if self._uncertain is not None and job_state is not None:
+            self._reconcile(pair, job_state)
         d = self.prebuilt.discard()
-        if d is not None and js is not None and d.job_id == js.job_id:
-            self._release(pair, js, d.taken)
+        if d is not None and job_state is not None and d.job_id == job_state.job_id:
+            self._release(pair, job_state, d.taken)
 
-    def _reconcile(self, pair: Pair, js: JobState) -> None:
+    def _reconcile(self, pair: Pair, job_state: JobState) -> None:
         """After a serving COMMIT whose outcome is unknown: if it did happen, settle its groups now
         (a client that retries its request_id gets that batch replayed); never serve them again."""
         u, self._uncertain = self._uncertain, None
         assert u is not None
-        if u.job_id != js.job_id:
+        if u.job_id != job_state.job_id:
             return
         if u.plan.batch is not None:
             committed = pair.store.batch_exists(u.plan.batch.batch_id)
         elif u.plan.drops:
-            committed = pair.store.group_decision(js.job_id, u.plan.drops[0].group_id) is not None
+            committed = (
+                pair.store.group_decision(job_state.job_id, u.plan.drops[0].group_id) is not None
+            )
         else:  # only redeliveries that failed: the COMMIT happened if one left the stored queue
-            queued = set(pair.store.redelivery_queue(js.job_id))
+            queued = set(pair.store.redelivery_queue(job_state.job_id))
             committed = any(gid not in queued for gid in u.plan.redelivered)
         if committed:
             logger.warning(
                 "a serving commit of job %s reported an error but happened (%d groups); settling "
                 "its groups",
-                js.job_id,
+                job_state.job_id,
                 len(u.plan.served) + len(u.plan.drops),
             )
-            redelivery.retake(js, u.takes)
-            self._apply(pair, js, u.plan)
+            redelivery.retake(job_state, u.takes)
+            self._apply(pair, job_state, u.plan)
 
     # -- replay --------------------------------------------------------------------------------

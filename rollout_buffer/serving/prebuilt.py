@@ -70,7 +70,7 @@ class Prebuilder:
         self._conns: LazyPair | None = None  # the worker thread's own
 
     # -- under the serve lock (serving) ----------------------------------------------------------
-    def claim(self, js: Any, shape: Shape, policy: Any) -> tuple[Draft | None, list[Take]]:
+    def claim(self, job_state: Any, shape: Shape, policy: Any) -> tuple[Draft | None, list[Take]]:
         """A poll takes the draft when it was built for this job and shape and the policies'
         verdicts hold at the job's version now; else the draft is discarded. Returns (the draft or
         None, the takes the caller must give back)."""
@@ -79,12 +79,12 @@ class Prebuilder:
         if d is None:
             return None, []
         # in a version order a group that became ready since may come before the draft's: rebuild
-        in_order = policy.serve_order == "ready" or not js.acc.ready
+        in_order = policy.serve_order == "ready" or not job_state.accumulator.ready
         if (
-            d.job_id == js.job_id
+            d.job_id == job_state.job_id
             and d.shape == shape
             and in_order
-            and d.still_holds(js.acc, policy)
+            and d.still_holds(job_state.accumulator, policy)
         ):
             self.counts["claims"] += 1
             return d, []
@@ -102,20 +102,22 @@ class Prebuilder:
         """(Serve lock held.) The job's state is gone: its draft goes with it, uncounted."""
         self.draft = None
 
-    def groups(self, js: Any) -> int:
+    def groups(self, job_state: Any) -> int:
         """Groups the draft holds for this job, built or refused (a poll must come for them: they
         count as ready), and at least 1 while a build runs (its groups are neither ready nor in a
         draft yet)."""
-        held = self.held(js)
+        held = self.held(job_state)
         return 1 if held is None else held  # (while building: at least one, so a poll waits for it)
 
-    def held(self, js: Any) -> int | None:
+    def held(self, job_state: Any) -> int | None:
         """Groups the draft holds for this job (taken, waiting for a poll); None while a build runs:
         then every taken group is the builder's (no poll holds the serve lock meanwhile)."""
         d = self.draft
         if self.building:
             return None
-        return len(d.built) + len(d.refused) if d is not None and d.job_id == js.job_id else 0
+        return (
+            len(d.built) + len(d.refused) if d is not None and d.job_id == job_state.job_id else 0
+        )
 
     def stats(self) -> dict[str, Any]:
         d = self.draft
@@ -137,13 +139,15 @@ class Prebuilder:
     # -- the worker ------------------------------------------------------------------------------
     def _wanted(self) -> bool:
         """(Cheap, no lock.) Groups wait, and there is no draft or one that may be extended."""
-        js, d = self.jobs.current, self.draft
+        job_state, d = self.jobs.current, self.draft
         return (
-            js is not None
-            and js.ready_count() > 0  # (a version order is not extended: see claim)
+            job_state is not None
+            and job_state.ready_count() > 0  # (a version order is not extended: see claim)
             and (
                 d is None
-                or (d.job_id == js.job_id and d.room() and self.config.serve_order == "ready")
+                or (
+                    d.job_id == job_state.job_id and d.room() and self.config.serve_order == "ready"
+                )
             )
         )
 
@@ -180,30 +184,30 @@ class Prebuilder:
 
     def _build(self, conns: LazyPair) -> None:
         """(Serve lock held.) Build or extend the draft for the last shape."""
-        js, shape = self.jobs.current, self.shape
-        if js is None or not self._wanted():
+        job_state, shape = self.jobs.current, self.shape
+        if job_state is None or not self._wanted():
             return
         pair = conns.get()
         d = (
             self.draft
             if self.draft is not None
-            else Draft(js.job_id, shape, self.config.max_response_bytes)
+            else Draft(job_state.job_id, shape, self.config.max_response_bytes)
         )
         self.building = True  # (cleared only once the draft is in place: a poll never sees neither)
         try:
             d.build(
                 pair,
-                js,
+                job_state,
                 self.config.policy,
                 self.config.max_group_bytes,
-                lambda t, e: self._failed(js, t, e),
+                lambda t, e: self._failed(job_state, t, e),
             )
-            self._release(pair, js, d.give_back())
+            self._release(pair, job_state, d.give_back())
             self.draft = d if d.taken else None
             self.counts["builds"] += 1
         except BaseException:
             self.draft = None
-            self._release(pair, js, d.taken)
+            self._release(pair, job_state, d.taken)
             raise
         finally:
             self.building = False

@@ -33,56 +33,62 @@ logger = logging.getLogger(__name__)
 ROWS_MISSING = "rows_missing"  # a row of the group is gone from session_steps: it cannot be rebuilt
 
 
-def take(pair: Pair, js: Any, want: int) -> list[Take]:
+def take(pair: Pair, job_state: Any, want: int) -> list[Take]:
     """A poll's next groups: queued redeliveries first (rebuilt from their rows), then ready
     ones."""
     out: list[Take] = []
-    popped = js.redeliveries.pop(want) if len(js.redeliveries) else []
+    popped = job_state.redeliveries.pop(want) if len(job_state.redeliveries) else []
     try:
         for gid in popped:
-            t = _take_again(pair, js, gid)
+            t = _take_again(pair, job_state, gid)
             if t is not None:
                 out.append(t)
     except BaseException:
-        js.redeliveries.put_front(popped)
+        job_state.redeliveries.put_front(popped)
         raise
     if len(out) < want:
-        out += js.acc.take_ready(want - len(out))
+        out += job_state.accumulator.take_ready(want - len(out))
     return out
 
 
-def _take_again(pair: Pair, js: Any, gid: str) -> Take | None:
+def _take_again(pair: Pair, job_state: Any, gid: str) -> Take | None:
     """A served group as a Take again, from the pks its decision recorded; None (recorded as failed)
     when one of its rows is gone: a group is never delivered again with fewer items than it had."""
-    pks = pair.store.group_pks(js.job_id, gid)
-    rows = fetch_rows(pair.src, pks)
+    pks = pair.store.group_pks(job_state.job_id, gid)
+    rows = fetch_rows(pair.source, pks)
     t = take_from_rows(gid, pks, rows)
     if pks and len(rows) == len(pks) and t.completed:
-        return Take(gid, t.completed, {}, partial=len(t.completed) < js.acc.k, redelivered=True)
+        return Take(
+            gid,
+            t.completed,
+            {},
+            partial=len(t.completed) < job_state.accumulator.k,
+            redelivered=True,
+        )
     plan = Decisions(redelivered={gid: ROWS_MISSING})
-    pair.store.record(js.job_id, plan)
-    js.redeliveries.settled(plan)
+    pair.store.record(job_state.job_id, plan)
+    job_state.redeliveries.settled(plan)
     logger.error(
         "group %s of job %s cannot be delivered again: %d of its %d rows are gone",
         gid,
-        js.job_id,
+        job_state.job_id,
         len(pks) - len(rows),
         len(pks),
     )
     return None
 
 
-def release(js: Any, takes: list[Take]) -> Decisions:
+def release(job_state: Any, takes: list[Take]) -> Decisions:
     """Give a poll's takes back: redeliveries to the front of their queue, the others to the
     accumulator."""
-    js.redeliveries.put_front([t.group_id for t in takes if t.redelivered])
-    return js.acc.release([t for t in takes if not t.redelivered])
+    job_state.redeliveries.put_front([t.group_id for t in takes if t.redelivered])
+    return job_state.accumulator.release([t for t in takes if not t.redelivered])
 
 
-def retake(js: Any, takes: list[Take]) -> None:
+def retake(job_state: Any, takes: list[Take]) -> None:
     """Takes of a COMMIT that did happen after all: they leave their queues again."""
-    js.redeliveries.remove([t.group_id for t in takes if t.redelivered])
-    js.acc.retake([t for t in takes if not t.redelivered])
+    job_state.redeliveries.remove([t.group_id for t in takes if t.redelivered])
+    job_state.accumulator.retake([t for t in takes if not t.redelivered])
 
 
 def parse_skip(value: Any) -> list[str] | None:
@@ -100,7 +106,7 @@ def parse_skip(value: Any) -> list[str] | None:
 
 def redeliver(
     pair: Pair,
-    js: Any,
+    job_state: Any,
     skip: list[str],
     locks: Locks,
     settle: Callable[[Pair, Any], None],
@@ -111,8 +117,8 @@ def redeliver(
     (``settle`` first settles a poll whose COMMIT is uncertain, so the store is the whole truth)."""
     with locks.serving():
         try:
-            settle(pair, js)
-            queue, cancelled = pair.store.queue_redeliveries(js.job_id, set(skip))
+            settle(pair, job_state)
+            queue, cancelled = pair.store.queue_redeliveries(job_state.job_id, set(skip))
         except LeaseLost:
             raise
         except StorageError as exc:
@@ -121,7 +127,7 @@ def redeliver(
                 "recorded, retry",
                 retry_after=3,
             ) from exc
-        js.redeliveries.replace(queue, cancelled)
+        job_state.redeliveries.replace(queue, cancelled)
     on_queued()
     if queue:
         logger.warning(
@@ -129,7 +135,7 @@ def redeliver(
             "are queued to be delivered again",
             len(set(skip)),
             len(queue),
-            js.job_id,
+            job_state.job_id,
         )
     return {
         "redelivery": {

@@ -111,7 +111,7 @@ class Replayer:
     def replay(
         self,
         pair: Pair,
-        js: JobState,
+        job_state: JobState,
         batch: Batch,
         recorded_at: float,
         live: dict[str, Any] | None = None,
@@ -140,7 +140,7 @@ class Replayer:
             r.refs += 1
         if builder:
             try:
-                r.chunks = self._rebuild(pair, js, batch, live)
+                r.chunks = self._rebuild(pair, job_state, batch, live)
             except BaseException as exc:
                 r.error = exc
             r.done.set()
@@ -167,7 +167,7 @@ class Replayer:
                 del self._replaying[batch_id]
 
     def _rebuild(
-        self, pair: Pair, js: JobState, batch: Batch, live: dict[str, Any] | None
+        self, pair: Pair, job_state: JobState, batch: Batch, live: dict[str, Any] | None
     ) -> list[Any]:
         """The body of a recorded batch, from the immutable rows with the batch's seed (same
         uids)."""
@@ -177,8 +177,8 @@ class Replayer:
         partial = set(meta.get("partial_groups") or ())
         again = set(meta.get("redelivered") or ())
         for gid in batch.group_ids:
-            pks = pair.store.group_pks(js.job_id, gid)
-            rows = fetch_rows(pair.src, pks)
+            pks = pair.store.group_pks(job_state.job_id, gid)
+            rows = fetch_rows(pair.source, pks)
             if len(rows) < len(pks):  # pruned from session_steps: never a group short of a row
                 raise Expired(
                     f"the batch of request_id {batch.request_id!r} cannot be sent again whole: "
@@ -193,7 +193,7 @@ class Replayer:
                         take_from_rows(gid, pks, rows),
                         rows,
                         batch.seed,
-                        js.job_id,
+                        job_state.job_id,
                         buf,
                         item_flags(gid in partial, gid in again),
                     )
@@ -206,7 +206,7 @@ class Replayer:
             groups,
             buf,
             {
-                "job_session": js.job_id,
+                "job_session": job_state.job_id,
                 **(live or {}),  # what is said of the job now (its launcher), as in any answer
                 "batch_id": batch.batch_id,
                 "request_id": batch.request_id,

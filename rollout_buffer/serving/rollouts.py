@@ -126,26 +126,26 @@ class Rollouts:
         job_session: str | None,
         skip: list[str],
     ) -> dict[str, Any]:
-        js = self.jobs.current
+        job_state = self.jobs.current
         pid = self.launcher.running_pid()  # here, or on another host
         if pid is not None:
-            if js is not None and job_session not in (None, js.job_id):
+            if job_state is not None and job_session not in (None, job_state.job_id):
                 raise Conflict(
-                    f"the launcher of job {js.job_id!r} is still running (pid "
+                    f"the launcher of job {job_state.job_id!r} is still running (pid "
                     f"{pid}); POST /stop_rollout first or name that job",
-                    job_session=js.job_id,
+                    job_session=job_state.job_id,
                     pid=pid,
                 )
             return {
                 "message": "AIEvoBox is already running",
                 "pid": pid,
-                "job_session": js.job_id if js else None,
-                **self._redeliver(conns, js, skip),
+                "job_session": job_state.job_id if job_state else None,
+                **self._redeliver(conns, job_state, skip),
             }
-        if job_session is not None and (js is None or js.job_id != job_session):
+        if job_session is not None and (job_state is None or job_state.job_id != job_session):
             self._check_owned(conns, job_session)  # before anything of this buffer changes
         same = (
-            js is not None and js.job_id == job_session and not restart_training
+            job_state is not None and job_state.job_id == job_session and not restart_training
         )  # no new job: redeliver
         job_id = job_session or uuid.uuid4().hex
         if self.launcher.managed:
@@ -156,7 +156,7 @@ class Rollouts:
                 self.serving.settle(
                     pair, self.jobs.current
                 )  # its prebuilt draft's groups go back first
-                js = self.jobs.select(pair.src, pair.store, job_id, k, restart_training)
+                job_state = self.jobs.select(pair.source, pair.store, job_id, k, restart_training)
             except JobOwned as exc:  # selected by another buffer since _check_owned
                 raise Conflict(str(exc), buffer=exc.buffer, job_session=job_id) from exc
             except StorageError as exc:
@@ -168,10 +168,10 @@ class Rollouts:
             if self.launcher.managed:
                 # Until its own launcher runs, the finished one the loop sees is not this job's:
                 # no launcher_exited drop for it (reset once the launcher is spawned).
-                js.no_launcher_drop()
+                job_state.no_launcher_drop()
         self.signals.nudge()
         pid = self.launcher.start_for(
-            pair.store, js
+            pair.store, job_state
         )  # (None when it runs elsewhere: LAUNCHER=none)
         logger.info(
             "rollout started: job %s, K=%s, restart_training=%s, launcher pid %s",
@@ -186,9 +186,9 @@ class Rollouts:
             "job_session": job_id,
             "k": k,
             "restart_training": restart_training,
-            "floor_pk": js.floor_pk,
+            "floor_pk": job_state.floor_pk,
             "launcher": self.config.launcher_kind,
-            **(self._redeliver(conns, js, skip) if same else {}),
+            **(self._redeliver(conns, job_state, skip) if same else {}),
         }
 
     def _check_owned(self, conns: LazyPair, job_id: str) -> None:
@@ -201,14 +201,14 @@ class Rollouts:
         if buffer is not None and buffer != self.config.buffer_name:
             raise Conflict(str(JobOwned(job_id, buffer)), buffer=buffer, job_session=job_id)
 
-    def _redeliver(self, conns: LazyPair, js: Any, skip: list[str]) -> dict[str, Any]:
+    def _redeliver(self, conns: LazyPair, job_state: Any, skip: list[str]) -> dict[str, Any]:
         """A call that began no new job, with a checkpoint's skip list: queue served groups
         again."""
-        if js is None or not skip:
+        if job_state is None or not skip:
             return {}
         return redeliver(
             conns.get(),
-            js,
+            job_state,
             skip,
             self.locks,
             self.serving.settle,
@@ -226,7 +226,7 @@ class Rollouts:
         self.signals.ready.interrupt()  # waiting polls answer now, with whatever is ready
         self.supervisor.stop("requested")
         self.signals.nudge()
-        js = self.jobs.current
+        job_state = self.jobs.current
         message = "Launcher stopped" if before["running"] else "No launcher running"
         if self.launcher.stop_elsewhere():  # (recorded by the loop: no database here)
             message = (
@@ -234,6 +234,6 @@ class Rollouts:
             )
         return {
             "message": message,
-            "job_session": js.job_id if js else None,
+            "job_session": job_state.job_id if job_state else None,
             "launcher": self.launcher.summary(),
         }

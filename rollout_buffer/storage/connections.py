@@ -64,20 +64,20 @@ class Pair:
     """A source and a state connection (one object when they share the database)."""
 
     def __init__(self, config: Config, fence: Callable[[Database], None] | None = None) -> None:
-        self.src = service_connect(config, config.db_url)
-        self.st = self.src
+        self.source = service_connect(config, config.db_url)
+        self.state_db = self.source
         if config.state_db_url and config.state_db_url != config.db_url:
             try:
-                self.st = service_connect(config, config.state_db_url)
+                self.state_db = service_connect(config, config.state_db_url)
             except BaseException:
-                self.src.close()
+                self.source.close()
                 raise
-        self.store = Store(self.st, fence, config.buffer_name)
+        self.store = Store(self.state_db, fence, config.buffer_name)
 
     def close(self) -> None:
-        self.src.close()
-        if self.st is not self.src:
-            self.st.close()
+        self.source.close()
+        if self.state_db is not self.source:
+            self.state_db.close()
 
 
 @contextlib.contextmanager

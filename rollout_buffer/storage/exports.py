@@ -18,31 +18,31 @@ from rollout_buffer.storage.database import Database
 class ExportPages:
     """One job's decisions through one state connection, ``page`` rows a statement."""
 
-    def __init__(self, st: Database, job_id: str, page: int) -> None:
-        self.st = st
+    def __init__(self, state_db: Database, job_id: str, page: int) -> None:
+        self.state_db = state_db
         self.job_id = job_id
         self.page = page
 
     def count(self) -> int:
         """How many records an ``all`` export has."""
-        return int(self.st.scalar(q.EXPORT_COUNT_GROUPS, (self.job_id,)) or 0) + int(
-            self.st.scalar(q.EXPORT_COUNT_ORPHANS, (self.job_id,)) or 0
+        return int(self.state_db.scalar(q.EXPORT_COUNT_GROUPS, (self.job_id,)) or 0) + int(
+            self.state_db.scalar(q.EXPORT_COUNT_ORPHANS, (self.job_id,)) or 0
         )
 
     def job_known(self) -> bool:
         """True when the buffer's tables hold the job."""
-        return self.st.fetchone(q.GET_JOB, (self.job_id,)) is not None
+        return self.state_db.fetchone(q.GET_JOB, (self.job_id,)) is not None
 
     def recent_jobs(self) -> list[str]:
         """The newest jobs' ids (to name them when an unknown one is asked for)."""
-        return [r[0] for r in self.st.rows(q.EXPORT_RECENT_JOBS)]
+        return [r[0] for r in self.state_db.rows(q.EXPORT_RECENT_JOBS)]
 
     def groups(self) -> Iterator[dict[str, Any]]:
         """The job's group decisions in group_id order."""
         after = ""
         while True:
-            page = self.st.fetchall(
-                q.EXPORT_GROUPS[self.st.backend], (self.job_id, after, self.page)
+            page = self.state_db.fetchall(
+                q.EXPORT_GROUPS[self.state_db.backend], (self.job_id, after, self.page)
             )
             yield from page
             if len(page) < self.page:
@@ -53,8 +53,8 @@ class ExportPages:
         """The rows accounted one by one that belong to a group, by (group_id, step_pk)."""
         gid, pk = "", -1 << 62
         while True:
-            page = self.st.rows(
-                q.EXPORT_GROUP_ROWS[self.st.backend], (self.job_id, gid, gid, pk, self.page)
+            page = self.state_db.rows(
+                q.EXPORT_GROUP_ROWS[self.state_db.backend], (self.job_id, gid, gid, pk, self.page)
             )
             yield from page
             if len(page) < self.page:
@@ -65,7 +65,7 @@ class ExportPages:
         """The rejected rows with no usable group, by step_pk."""
         pk = -1 << 62
         while True:
-            page = self.st.rows(q.EXPORT_ORPHAN_ROWS, (self.job_id, pk, self.page))
+            page = self.state_db.rows(q.EXPORT_ORPHAN_ROWS, (self.job_id, pk, self.page))
             yield from page
             if len(page) < self.page:
                 return
@@ -73,4 +73,4 @@ class ExportPages:
 
     def batch_seed(self, batch_id: str) -> dict[str, Any] | None:
         """A delivered batch's uid seed and meta, None once the batch was pruned."""
-        return self.st.fetchone(q.BATCH_SEED, (batch_id,))
+        return self.state_db.fetchone(q.BATCH_SEED, (batch_id,))

@@ -21,16 +21,16 @@ FETCH_CHUNK = 900  # pks per body query (SQLite's default variable limit is far 
 
 
 def fetch_rows(
-    src: Database, pks: list[int], query: Callable[[int, str], str] = launcher_sql.fetch_bodies
+    source: Database, pks: list[int], query: Callable[[int, str], str] = launcher_sql.fetch_bodies
 ) -> dict[int, tuple[Any, ...]]:
     """The body columns (queries.BODY_COLUMNS) of the given rows, by pk (``query``: the statement
     for n pks, ``fetch_bodies`` or one that selects more columns after those, as the export's)."""
     out: dict[int, tuple[Any, ...]] = {}
     for i in range(0, len(pks), FETCH_CHUNK):
         chunk = pks[i : i + FETCH_CHUNK]
-        for r in src.rows(
-            query(len(chunk), src.backend),
-            launcher_sql.fetch_bodies_params(chunk, src.backend),
+        for r in source.rows(
+            query(len(chunk), source.backend),
+            launcher_sql.fetch_bodies_params(chunk, source.backend),
             binary=True,
         ):
             out[r[0]] = r
@@ -38,7 +38,7 @@ def fetch_rows(
 
 
 def fetch_takes(
-    src: Database, takes: list[Take], cap: int
+    source: Database, takes: list[Take], cap: int
 ) -> tuple[dict[int, tuple[Any, ...]], set[str]]:
     """The body rows of the served sessions of ``takes``, and the groups whose rows alone exceed
     ``cap`` bytes (stopped as soon as they do, so one huge group never holds more than the cap)."""
@@ -51,9 +51,9 @@ def fetch_takes(
         chunk = [pk for pk in pks[i : i + FETCH_CHUNK] if owner[pk] not in too_large]
         if not chunk:
             continue
-        for r in src.rows(
-            launcher_sql.fetch_bodies(len(chunk), src.backend),
-            launcher_sql.fetch_bodies_params(chunk, src.backend),
+        for r in source.rows(
+            launcher_sql.fetch_bodies(len(chunk), source.backend),
+            launcher_sql.fetch_bodies_params(chunk, source.backend),
             binary=True,
         ):
             gid = owner[r[0]]

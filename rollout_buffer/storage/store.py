@@ -68,27 +68,27 @@ class Store:
     # -- schema --------------------------------------------------------------------------------
     def ensure_schema(self) -> None:
         """Create the tables and indexes if missing and check the schema version."""
-        st = self.db
-        if not {r[0] for r in st.rows(q.STATE_OBJECTS[st.backend])} >= STATE_NAMES:
-            with st.transaction():
+        db = self.db
+        if not {r[0] for r in db.rows(q.STATE_OBJECTS[db.backend])} >= STATE_NAMES:
+            with db.transaction():
                 for ddl in q.STATE_DDL:
-                    st.execute(ddl)
-                if st.scalar(q.GET_META, ("schema_version",)) is None:
-                    st.execute(q.PUT_META, ("schema_version", "1"))  # STATE_DDL is version 1's
-        version = int(st.scalar(q.GET_META, ("schema_version",)))
+                    db.execute(ddl)
+                if db.scalar(q.GET_META, ("schema_version",)) is None:
+                    db.execute(q.PUT_META, ("schema_version", "1"))  # STATE_DDL is version 1's
+        version = int(db.scalar(q.GET_META, ("schema_version",)))
         if version > q.SCHEMA_VERSION:
             raise StorageError(
                 f"rollout_buffer_* tables are schema version {version}; this build knows "
                 f"{q.SCHEMA_VERSION}: upgrade rollout-buffer"
             )
         while version < q.SCHEMA_VERSION:
-            with st.transaction():
+            with db.transaction():
                 # re-read inside the transaction: another instance may have migrated meanwhile
-                if int(st.scalar(q.GET_META, ("schema_version",))) == version:
+                if int(db.scalar(q.GET_META, ("schema_version",))) == version:
                     for ddl in q.MIGRATIONS[version]:
-                        st.execute(ddl)
-                    st.execute(q.PUT_META, ("schema_version", str(version + 1)))
-            version = int(st.scalar(q.GET_META, ("schema_version",)))
+                        db.execute(ddl)
+                    db.execute(q.PUT_META, ("schema_version", str(version + 1)))
+            version = int(db.scalar(q.GET_META, ("schema_version",)))
 
     # -- jobs ----------------------------------------------------------------------------------
     def active_job(self) -> dict[str, Any] | None:
@@ -239,11 +239,11 @@ class Store:
         Drops and rows are idempotent (a COMMIT that reported an error after it happened is retried
         harmlessly); a served group is strict: a second decision for it is an IntegrityError."""
         now = time.time()
-        st = self.db
+        db = self.db
         with self.decision():
             b = plan.batch
             if b is not None:
-                st.execute(
+                db.execute(
                     q.INSERT_BATCH,
                     (
                         b.batch_id,
@@ -257,11 +257,11 @@ class Store:
                         json.dumps(b.meta) if b.meta else None,
                     ),
                 )
-            st.executemany(q.INSERT_GROUP, [group_record(job_id, s, now) for s in plan.served])
-            st.executemany(
+            db.executemany(q.INSERT_GROUP, [group_record(job_id, s, now) for s in plan.served])
+            db.executemany(
                 q.INSERT_GROUP_IF_ABSENT, [group_record(job_id, d, now) for d in plan.drops]
             )
-            st.executemany(
+            db.executemany(
                 q.INSERT_ROW,
                 [
                     (
@@ -277,7 +277,7 @@ class Store:
                     for r in plan.rows
                 ],
             )
-            st.executemany(
+            db.executemany(
                 rq.SETTLE,
                 [
                     (

@@ -104,9 +104,9 @@ class ExportReplayer(Simulator):
                 (
                     str(uuid.uuid4()),
                     [
-                        st
-                        for st in s.get("steps", [])
-                        if not str(st.get("reason") or "").startswith(LATE)
+                        step
+                        for step in s.get("steps", [])
+                        if not str(step.get("reason") or "").startswith(LATE)
                     ],
                 )
                 for s in record.get("sessions", [])
@@ -174,35 +174,35 @@ class ExportReplayer(Simulator):
         sid: str,
         exported_gid: str | None,
         gid: str | None,
-        st: dict[str, Any],
+        step: dict[str, Any],
         why: list[str],
     ) -> None:
         """Write one step (``gid``: the exported group id as the database can hold it; ``why``:
         the names of the values already changed for it)."""
         a, backend = self.args, self.backend()
         text = {
-            "env_name": st.get("env_name") or "replay",
-            "llm_model": st.get("llm_model") or LLM_MODEL,
-            "messages": _messages_text(st),
-            "response": st.get("response") or "",
-            "env_state": st.get("env_state"),
+            "env_name": step.get("env_name") or "replay",
+            "llm_model": step.get("llm_model") or LLM_MODEL,
+            "messages": _messages_text(step),
+            "response": step.get("response") or "",
+            "env_state": step.get("env_state"),
         }
         changed = why + without_nul(text, backend)
         row = (
             sid,
-            st.get("step_id"),
+            step.get("step_id"),
             text["env_name"],
             text["llm_model"],
             gid,
             a.job_id,
             text["messages"],
             text["response"],
-            _number(st.get("step_reward"), backend),
-            _number(st.get("reward"), backend),
+            _number(step.get("step_reward"), backend),
+            _number(step.get("reward"), backend),
             text["env_state"],
-            int(bool(st.get("terminal"))),
-            int(bool(st.get("truncated"))),
-            int(bool(st.get("completed"))),
+            int(bool(step.get("terminal"))),
+            int(bool(step.get("truncated"))),
+            int(bool(step.get("completed"))),
             1,
             self.now(),
         )
@@ -211,28 +211,28 @@ class ExportReplayer(Simulator):
             launcher_writes.insert_step(db, row)
 
         try:
-            self.write(insert, f"inserting step {st.get('step_id')} of session {sid}")
+            self.write(insert, f"inserting step {step.get('step_id')} of session {sid}")
         except (IntegrityError, StorageError) as exc:
             if not (exc.about_data or isinstance(exc, IntegrityError)):
                 raise  # the database, not this row: stop as before
             self.skipped_rows += 1
-            self._report(st, exported_gid, "skipped", f"the database refused it: {exc}")
+            self._report(step, exported_gid, "skipped", f"the database refused it: {exc}")
             return
         self.rows += 1
         if changed:
             self.changed_rows += 1
             self._report(
-                st,
+                step,
                 exported_gid,
                 "changed",
                 f"NUL replaced by U+FFFD in {', '.join(changed)} (Postgres text cannot hold NUL)",
             )
 
-    def _report(self, st: dict[str, Any], gid: str | None, what: str, why: str) -> None:
+    def _report(self, step: dict[str, Any], gid: str | None, what: str, why: str) -> None:
         """One line per changed or skipped row, naming it as the export does (its step_pk there)."""
         print(
-            f"simulate: row step_pk={st.get('step_pk')} (group {json.dumps(gid)}, step "
-            f"{json.dumps(st.get('step_id'))}) {what}: {why}",
+            f"simulate: row step_pk={step.get('step_pk')} (group {json.dumps(gid)}, step "
+            f"{json.dumps(step.get('step_id'))}) {what}: {why}",
             file=sys.stderr,
             flush=True,
         )

@@ -65,7 +65,7 @@ def pg_copy(sqlite_path: str, dsn: str) -> tuple[str, str]:
 
     schema = "rbbench_" + uuid.uuid4().hex[:12]
     url = f"{dsn}{'&' if '?' in dsn else '?'}options=-csearch_path%3D{schema}"
-    src = sqlite3.connect(sqlite_path)
+    source = sqlite3.connect(sqlite_path)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f"CREATE SCHEMA {schema}")
     with psycopg.connect(url, autocommit=True) as conn:
@@ -73,14 +73,16 @@ def pg_copy(sqlite_path: str, dsn: str) -> tuple[str, str]:
             conn.execute(ddl)
         copy = f"COPY session_steps ({', '.join(COLUMNS)}) FROM STDIN"
         with conn.transaction(), conn.cursor() as cur, cur.copy(copy) as cp:
-            for row in src.execute(f"SELECT {', '.join(COLUMNS)} FROM session_steps ORDER BY id"):
+            for row in source.execute(
+                f"SELECT {', '.join(COLUMNS)} FROM session_steps ORDER BY id"
+            ):
                 cp.write_row(row)
         conn.execute(
             "SELECT setval(pg_get_serial_sequence('session_steps', 'id'), "
             "(SELECT MAX(id) FROM session_steps))"
         )
         conn.execute("ANALYZE session_steps")
-    src.close()
+    source.close()
     return url, schema
 
 

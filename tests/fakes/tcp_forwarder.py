@@ -59,10 +59,10 @@ class TcpForwarder:
                     target=self._pipe, args=(a, b), name="tcp-forwarder-pipe", daemon=True
                 ).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, source: socket.socket, dst: socket.socket) -> None:
         try:
             while True:
-                data = src.recv(65536)
+                data = source.recv(65536)
                 if not data:
                     break
                 self._flowing.wait()  # stalled: held here, unanswered
@@ -70,7 +70,7 @@ class TcpForwarder:
         except OSError:
             pass
         finally:
-            _cut((src, dst))
+            _cut((source, dst))
 
     def down(self) -> None:
         """Cut every relayed connection and refuse new ones."""

@@ -122,15 +122,15 @@ def test_a_group_dropped_as_too_large_is_exported_without_holding_it_whole(
     assert not h.poll()["success"]
     h.settle()
     assert h.stats()["groups"]["dropped"] == {"group_too_large": 1}
-    src = connect(db_url, readonly=True)
+    source = connect(db_url, readonly=True)
     out = tmp_path / "huge.jsonl"
     tracemalloc.start()
     try:
-        export_mod.export(src, src, JOB, str(out))
+        export_mod.export(source, source, JOB, str(out))
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-        src.close()
+        source.close()
     [record] = export_mod.read_export(str(out))
     steps = [st for se in record["sessions"] for st in se["steps"]]
     assert (record["reason"], len(steps)) == ("group_too_large", 8)

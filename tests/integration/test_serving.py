@@ -58,17 +58,17 @@ def test_empty_poll_touches_no_database_and_no_pending_group(harness, writer, mo
 
         values = items = keys = __iter__
 
-    acc = harness.service.current.acc
-    with acc.lock:
-        pending = acc.pending
-        acc.pending = Tripwire()  # type: ignore[assignment]
+    accumulator = harness.service.current.accumulator
+    with accumulator.lock:
+        pending = accumulator.pending
+        accumulator.pending = Tripwire()  # type: ignore[assignment]
     try:
         for _ in range(50):
             r = harness.client.post("/get_rollout_data", json={})
             assert r.status_code == 200 and r.get_json()["success"] is False
     finally:
-        with acc.lock:
-            acc.pending = pending
+        with accumulator.lock:
+            accumulator.pending = pending
     assert counting.connects == 0 and counting.statements == 0
 
 

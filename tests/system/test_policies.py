@@ -48,7 +48,7 @@ def make(proxied: Any) -> Any:
     return proxied
 
 
-def wv(v: int) -> dict:
+def version(v: int) -> dict:
     return {"weight_version": v}
 
 
@@ -68,8 +68,8 @@ def served_groups(h: Harness, **body: Any) -> list[str]:
 def test_staleness_off_serves_every_version(make, writer):
     h = make()
     h.start(k=2)
-    writer.group("old", 2, env_state=wv(0))
-    writer.group("new", 2, env_state=wv(50))
+    writer.group("old", 2, env_state=version(0))
+    writer.group("new", 2, env_state=version(50))
     doc = h.poll(current_weight_version=100)
     assert sorted(groups_of(doc)) == ["new", "old"]
     assert doc["data"]["meta_info"]["filtered"] == {}
@@ -80,10 +80,10 @@ def test_staleness_drops_at_ready_by_the_rows_version_bound_and_one_past(make, w
     h = make(max_off_policy=2)
     h.start(k=2)
     # two complete groups report 5: the rows' version is now 5, whatever the trainer sends ({})
-    writer.group("newest", 2, env_state=wv(5))
-    writer.group("newest2", 2, env_state=wv(5))
-    writer.group("at_bound", 2, env_state=wv(3))  # 5 - 3 = 2: kept
-    stale = writer.group("one_past", 2, env_state=wv(2))  # 5 - 2 = 3 > 2: stale
+    writer.group("newest", 2, env_state=version(5))
+    writer.group("newest2", 2, env_state=version(5))
+    writer.group("at_bound", 2, env_state=version(3))  # 5 - 3 = 2: kept
+    stale = writer.group("one_past", 2, env_state=version(2))  # 5 - 2 = 3 > 2: stale
     h.settle()
     s = h.stats()
     assert s["groups"]["dropped"] == {"stale": 1} and s["versions"]["current"] == 5
@@ -95,7 +95,7 @@ def test_staleness_drops_at_ready_by_the_rows_version_bound_and_one_past(make, w
     assert doc["data"]["meta_info"]["filtered"] == {"stale": 1}
     upstream_accepts(doc)
     # its late rows are late rows of a dropped group
-    writer.step("one_past", stale[0], 9, env_state=wv(2))
+    writer.step("one_past", stale[0], 9, env_state=version(2))
     h.settle()
     assert h.stats()["rows"]["dropped"]["late_rows_from_dropped_groups"] == 1
     assert_balanced(h.stats())
@@ -104,7 +104,7 @@ def test_staleness_drops_at_ready_by_the_rows_version_bound_and_one_past(make, w
 def test_a_group_that_goes_stale_while_it_waits_is_dropped_before_it_is_served(make, writer, proxy):
     h = make(max_off_policy=1)
     h.start(k=2)
-    waiting = writer.group("waiting", 2, env_state=wv(3))
+    waiting = writer.group("waiting", 2, env_state=version(3))
     h.settle()
     assert h.stats()["groups"]["ready"] == 1
     # the trainer moved on to version 5: 5 - 3 > 1
@@ -114,19 +114,19 @@ def test_a_group_that_goes_stale_while_it_waits_is_dropped_before_it_is_served(m
     assert s["groups"]["dropped"] == {"stale": 1} and s["versions"]["trainer"] == 5
     assert_balanced(s)
     assert proxy.wait_for(lambda p: cleared(p, "stale") == set(waiting))
-    writer.group("fresh", 2, env_state=wv(5))
+    writer.group("fresh", 2, env_state=version(5))
     doc = h.poll()
     assert list(groups_of(doc)) == ["fresh"]
     assert doc["data"]["meta_info"]["filtered"] == {"stale": 1}  # dropped since the previous batch
-    writer.group("fresh2", 2, env_state=wv(5))
+    writer.group("fresh2", 2, env_state=version(5))
     assert h.poll()["data"]["meta_info"]["filtered"] == {}
 
 
 def test_a_poll_overrides_max_off_policy_and_the_trainer_version_is_the_last_sent(make, writer):
     h = make()  # the setting is unset: only the poll asks
     h.start(k=2)
-    writer.group("v9", 2, env_state=wv(9))
-    writer.group("v8", 2, env_state=wv(8))
+    writer.group("v9", 2, env_state=version(9))
+    writer.group("v8", 2, env_state=version(8))
     doc = h.poll(current_weight_version=10, max_off_policy=1)
     assert list(groups_of(doc)) == ["v9"]  # 10 - 9 = 1 kept, 10 - 8 = 2 > 1 stale
     assert doc["data"]["meta_info"]["filtered"] == {"stale": 1}
@@ -145,8 +145,8 @@ def test_a_long_env_state_is_not_read_at_ingest_and_its_version_counts_once_buil
     h = make(max_off_policy=1)
     h.start(k=2)
     pad = "x" * 5000
-    writer.group("short", 2, env_state=wv(5))
-    writer.group("short2", 2, env_state=wv(5))  # two groups agree: the rows' version is 5
+    writer.group("short", 2, env_state=version(5))
+    writer.group("short2", 2, env_state=version(5))  # two groups agree: the rows' version is 5
     writer.group("old-long", 2, env_state={"weight_version": 2, "pad": pad})
     writer.group("new-long", 2, env_state={"weight_version": 9, "pad": pad})
     h.settle()
@@ -174,9 +174,9 @@ def fetch_counter(monkeypatch) -> list[int]:
     read = [0]
     real = draft.fetch_takes
 
-    def counting(src, takes, cap):
+    def counting(source, takes, cap):
         read[0] += sum(len(t.served_pks) for t in takes)
-        return real(src, takes, cap)
+        return real(source, takes, cap)
 
     monkeypatch.setattr(draft, "fetch_takes", counting)
     return read
@@ -190,7 +190,7 @@ def test_groups_stale_by_their_ingested_versions_are_dropped_without_reading_a_r
     h = make(max_off_policy=2)
     h.start(k=2)
     for g in range(40):
-        writer.group(f"g{g}", 2, steps=3, env_state=wv(5))
+        writer.group(f"g{g}", 2, steps=3, env_state=version(5))
     h.settle()
     assert h.stats()["groups"]["ready"] == 40
     read = fetch_counter(monkeypatch)
@@ -208,7 +208,7 @@ def test_a_poll_builds_about_one_budget_of_groups_it_refuses(make, writer, monke
     h = make(max_response_bytes=16 * 1024, prebuild=False)
     h.start(k=2)
     for g in range(40):
-        writer.group(f"g{g}", 2, steps=3, env_state=wv(5))
+        writer.group(f"g{g}", 2, steps=3, env_state=version(5))
     h.settle()
     import rollout_buffer.serving.draft as draft
 
@@ -515,7 +515,7 @@ def test_serve_order(make, writer, order, expected):
     h = make(serve_order=order)
     h.start(k=2)
     for gid in ("a5", "b1", "c3", "d1"):
-        writer.group(gid, 2, env_state=wv(int(gid[1])))
+        writer.group(gid, 2, env_state=version(int(gid[1])))
     h.settle()
     got = []
     for _ in range(4):
@@ -530,7 +530,7 @@ def test_a_group_given_back_by_a_poll_keeps_its_place_in_the_version_order(make,
     )  # one group per poll, the next given back
     h.start(k=2)
     for gid in ("a5", "b1", "c3", "d1"):
-        writer.group(gid, 2, env_state=wv(int(gid[1])))
+        writer.group(gid, 2, env_state=version(int(gid[1])))
     h.settle()
     got = []
     for _ in range(4):
@@ -545,8 +545,8 @@ def test_a_group_given_back_by_a_poll_keeps_its_place_in_the_version_order(make,
 def test_group_figures_in_meta_info_stats_and_metrics(make, writer):
     h = make(drop_zero_variance=True)
     h.start(k=2)
-    writer.session("g", "g-a", 2, reward=0.25, env_state=wv(3))
-    writer.session("g", "g-b", 4, reward=0.75, env_state=wv(4))
+    writer.session("g", "g-a", 2, reward=0.25, env_state=version(3))
+    writer.session("g", "g-b", 4, reward=0.75, env_state=version(4))
     writer.session("flat", "f-a", 1, reward=1.0)
     writer.session("flat", "f-b", 3, reward=1.0)
     doc = h.poll()
@@ -600,11 +600,11 @@ def test_every_policy_on_keeps_the_accounting_and_the_upstream_contract(make, wr
     )
     h.start(k=3)
     h.poll(current_weight_version=7)  # the trainer's version: one group alone never moves it
-    writer.group("ok", 4, complete=3, env_state=wv(7))
-    writer.group("stale", 4, complete=3, env_state=wv(2))
+    writer.group("ok", 4, complete=3, env_state=version(7))
+    writer.group("stale", 4, complete=3, env_state=version(2))
     for i in range(3):
-        writer.session("flat", f"flat-{i}", 2, reward=0.5, env_state=wv(7))
-    writer.group("partial", 4, complete=2, env_state=wv(6))
+        writer.session("flat", f"flat-{i}", 2, reward=0.5, env_state=version(7))
+    writer.group("partial", 4, complete=2, env_state=version(6))
     wait_until(lambda: h.stats()["groups"]["ready"] == 2, 10, "ok and partial ready")
     doc = h.poll()
     upstream_accepts(doc)

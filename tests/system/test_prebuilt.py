@@ -49,7 +49,7 @@ def one_group_drafted(h, writer) -> tuple[dict[str, list[str]], str]:
     h.settle()
     assert len(groups_of(h.poll(max_groups=1))) == 1
     wait_until(lambda: (draft_of(h) or {}).get("groups") == 1, 10, "a draft of one group")
-    return sessions, next(g for g in ("g1", "g2") if h.service.current.acc.taken.get(g))
+    return sessions, next(g for g in ("g1", "g2") if h.service.current.accumulator.taken.get(g))
 
 
 def stale_env(v: int) -> dict:

@@ -245,10 +245,10 @@ def check_invariants(
     for r in rows:
         per_flush[r["created_at"]] += 1
     assert len(per_flush) == summary["flushes"] and max(per_flush.values()) <= 100
-    wv = [json.loads(r["env_state"])["weight_version"] for r in rows if r["env_state"]]
-    assert wv == sorted(wv) or backend == "postgres"
+    version = [json.loads(r["env_state"])["weight_version"] for r in rows if r["env_state"]]
+    assert version == sorted(version) or backend == "postgres"
     return {
-        "max_weight_version": max(wv, default=None),
+        "max_weight_version": max(version, default=None),
         "group_ids": set(sessions_per_group),
         "sessions_with_rows": len(by_session),
         "flush_sizes": sorted(per_flush.values()),

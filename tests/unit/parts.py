@@ -72,7 +72,7 @@ class Parts:
         """/start_rollout's job swap (under the tick and serve locks, as the service takes them)."""
         pair = self.conns.get()
         with self.locks.ticking(), self.locks.serving():
-            return self.jobs.select(pair.src, pair.store, job_id, k, False)
+            return self.jobs.select(pair.source, pair.store, job_id, k, False)
 
     def tick(self, advance: float = 0.0) -> float:
         self.clock.now += advance

@@ -32,7 +32,7 @@ class CountingDict(OrderedDict):
 
 def test_accumulator_counts_balance_through_every_path():
     clock = [0.0]
-    acc = Accumulator("j", 2, clock=lambda: clock[0])
+    accumulator = Accumulator("j", 2, clock=lambda: clock[0])
     rows = [
         (1, "a", "g1", 0),
         (2, "a", "g1", 1),
@@ -40,20 +40,20 @@ def test_accumulator_counts_balance_through_every_path():
         (4, "c", "g2", 0),
         (5, "x", None, 1),
     ]
-    dec = acc.ingest(rows)
+    dec = accumulator.ingest(rows)
     assert dec.newly_ready == 1 and [r.reason for r in dec.rows] == ["missing_group_id"]
-    takes = acc.take_ready(None)
+    takes = accumulator.take_ready(None)
     assert [t.group_id for t in takes] == ["g1"]
-    acc.ingest([(6, "a", "g1", 0)])  # arrives while the group is being served
-    late = acc.commit(Decisions(served=[Served(t, "b1") for t in takes]))
+    accumulator.ingest([(6, "a", "g1", 0)])  # arrives while the group is being served
+    late = accumulator.commit(Decisions(served=[Served(t, "b1") for t in takes]))
     assert [(r.step_pk, r.reason) for r in late.rows] == [(6, "late_rows_from_served_groups")]
     clock[0] = 100.0
-    expired = acc.expire(10.0)
+    expired = accumulator.expire(10.0)
     assert [d.group_id for d in expired.drops] == ["g2"] and expired.drops[0].clear_sessions == [
         "c"
     ]
-    acc.ingest([(7, "c", "g2", 1)])
-    s = acc.stats()["rows"]
+    accumulator.ingest([(7, "c", "g2", 1)])
+    s = accumulator.stats()["rows"]
     assert s == {
         "read": 7,
         "served": 3,
@@ -71,19 +71,19 @@ def test_accumulator_counts_balance_through_every_path():
 
 def test_ttl_is_measured_from_the_last_ingested_row():
     clock = [0.0]
-    acc = Accumulator("j", 2, clock=lambda: clock[0])
-    acc.ingest([(1, "a", "g", 0)])
+    accumulator = Accumulator("j", 2, clock=lambda: clock[0])
+    accumulator.ingest([(1, "a", "g", 0)])
     clock[0] = 8.0
-    acc.ingest([(2, "b", "g", 0)])
+    accumulator.ingest([(2, "b", "g", 0)])
     clock[0] = 12.0
-    assert not acc.expire(10.0).drops  # idle for 4 s only
+    assert not accumulator.expire(10.0).drops  # idle for 4 s only
     clock[0] = 18.5
-    assert [d.reason for d in acc.expire(10.0).drops] == ["incomplete_group_ttl"]
+    assert [d.reason for d in accumulator.expire(10.0).drops] == ["incomplete_group_ttl"]
 
 
 def test_a_non_text_session_id_is_rejected_and_its_group_dropped():
-    acc = Accumulator("j", 2)
-    plan = acc.ingest(
+    accumulator = Accumulator("j", 2)
+    plan = accumulator.ingest(
         [(1, "a", "g1", 1), (2, b"blob-session", "g1", 1), (3, "c", "g2", 1), (4, "d", "g2", 1)]
     )
     assert [(r.step_pk, r.reason, r.session_id) for r in plan.rows] == [
@@ -93,32 +93,32 @@ def test_a_non_text_session_id_is_rejected_and_its_group_dropped():
         ("g1", "malformed_row", ["a"])
     ]
     assert plan.newly_ready == 1  # g2 is not blocked
-    assert [t.group_id for t in acc.take_ready(None)] == ["g2"]
+    assert [t.group_id for t in accumulator.take_ready(None)] == ["g2"]
     # a later row of the tainted group is a late row of a dropped group, never a new group
-    late = acc.ingest([(5, "e", "g1", 1)])
+    late = accumulator.ingest([(5, "e", "g1", 1)])
     assert [r.reason for r in late.rows] == ["late_rows_from_dropped_groups"]
 
 
 def test_a_non_text_session_id_for_a_group_not_seen_yet_drops_it_when_it_appears():
-    acc = Accumulator("j", 1)
-    plan = acc.ingest([(1, None, "g1", 1)])
+    accumulator = Accumulator("j", 1)
+    plan = accumulator.ingest([(1, None, "g1", 1)])
     assert [r.reason for r in plan.rows] == ["invalid_session_id"] and not plan.drops
-    plan = acc.ingest([(2, "a", "g1", 1)])
+    plan = accumulator.ingest([(2, "a", "g1", 1)])
     assert [d.group_id for d in plan.drops] == ["g1"] and plan.newly_ready == 0
-    assert acc.stats()["rows"]["read"] == 2 and not acc.ready
+    assert accumulator.stats()["rows"]["read"] == 2 and not accumulator.ready
 
 
 def test_rows_without_group_id_cost_no_scan_of_the_undecided_groups():
-    acc = Accumulator("j", 2)
-    acc.ingest([(i + 1, f"s{i}", f"g{i}", 0) for i in range(10_000)])
-    acc.pending = CountingDict(acc.pending)
-    acc.ready = CountingDict(acc.ready)
-    acc.taken = CountingDict(acc.taken)
+    accumulator = Accumulator("j", 2)
+    accumulator.ingest([(i + 1, f"s{i}", f"g{i}", 0) for i in range(10_000)])
+    accumulator.pending = CountingDict(accumulator.pending)
+    accumulator.ready = CountingDict(accumulator.ready)
+    accumulator.taken = CountingDict(accumulator.taken)
     CountingDict.scans = 0
     # 10,000 rows without a group: 5,000 of sessions that have a group (which is dropped), 5,000
     # unknown
     rows = [(20_000 + i, f"s{i}" if i % 2 else f"x{i}", None, 1) for i in range(10_000)]
-    plan = acc.ingest(rows)
+    plan = accumulator.ingest(rows)
     assert CountingDict.scans == 0
     assert len(plan.rows) == 10_000 and len(plan.drops) == 5_000
     assert all(d.reason == "malformed_row" for d in plan.drops)
@@ -126,54 +126,60 @@ def test_rows_without_group_id_cost_no_scan_of_the_undecided_groups():
 
 def test_raising_k_keeps_the_ttl_whatever_the_queue_order():
     clock = [0.0]
-    acc = Accumulator("j", 2, clock=lambda: clock[0])
-    acc.ingest([(1, "a", "old", 1), (2, "b", "old", 1)])  # ready at t=0 with K=2
+    accumulator = Accumulator("j", 2, clock=lambda: clock[0])
+    accumulator.ingest([(1, "a", "old", 1), (2, "b", "old", 1)])  # ready at t=0 with K=2
     for t in range(1, 60):
         clock[0] = float(t)
-        acc.ingest([(100 + t, f"s{t}", f"busy{t}", 0)])  # newer activity, pending
+        accumulator.ingest([(100 + t, f"s{t}", f"busy{t}", 0)])  # newer activity, pending
     clock[0] = 65.0
-    acc.set_k(3)  # "old" goes back to pending, idle since t=0
+    accumulator.set_k(3)  # "old" goes back to pending, idle since t=0
     clock[0] = 70.0
-    out = acc.expire(60.0)
+    out = accumulator.expire(60.0)
     # idle 70 s with a TTL of 60 s: given up at the first check; it was ready under K=2, so it is
     # served short (partial) rather than dropped (issue 20, item 8)
-    assert "old" in acc.ready and acc.ready.get("old").partial and out.newly_ready == 1
+    assert (
+        "old" in accumulator.ready and accumulator.ready.get("old").partial and out.newly_ready == 1
+    )
 
 
 def test_a_poll_costs_what_it_serves_not_the_backlog():
-    acc = Accumulator("j", 1)
-    acc.ingest([(i + 1, f"s{i}", f"g{i}", 1) for i in range(50_000)])
+    accumulator = Accumulator("j", 1)
+    accumulator.ingest([(i + 1, f"s{i}", f"g{i}", 1) for i in range(50_000)])
 
     class CountingReady(CountingDict, ReadyQueue):
         pass
 
     ready = CountingReady()
-    ready.update(acc.ready)
-    acc.ready = ready
+    ready.update(accumulator.ready)
+    accumulator.ready = ready
     CountingDict.scans = 0
-    takes = acc.take_ready(10)
+    takes = accumulator.take_ready(10)
     assert len(takes) == 10
-    acc.release(takes[8:])
+    accumulator.release(takes[8:])
     assert CountingDict.scans == 0
-    assert list(acc.ready)[:2] == [t.group_id for t in takes[8:]]  # back at the front, in order
+    assert list(accumulator.ready)[:2] == [
+        t.group_id for t in takes[8:]
+    ]  # back at the front, in order
 
 
 def test_raising_k_makes_ready_groups_pending_again():
-    acc = Accumulator("j", 2)
-    acc.ingest([(1, "a", "g", 1), (2, "b", "g", 1)])
-    assert list(acc.ready) == ["g"]
-    acc.set_k(3)
-    assert not acc.ready and acc.stats()["groups"]["pending"] == 1
-    acc.ingest([(3, "c", "g", 1)])
-    assert list(acc.ready) == ["g"]
+    accumulator = Accumulator("j", 2)
+    accumulator.ingest([(1, "a", "g", 1), (2, "b", "g", 1)])
+    assert list(accumulator.ready) == ["g"]
+    accumulator.set_k(3)
+    assert not accumulator.ready and accumulator.stats()["groups"]["pending"] == 1
+    accumulator.ingest([(3, "c", "g", 1)])
+    assert list(accumulator.ready) == ["g"]
 
 
 def test_ready_staleness_counts_the_served_sessions_versions_known_at_ingest():
     """A group keeps one version while every row has it, per session once they differ: a session
     it drops (over-sampling) or a row whose version is unknown at ingest (None) never counts."""
-    acc = Accumulator("j", 2, policy=Policy(max_off_policy=1, oversample=1))
-    acc.set_versions(trainer=5)  # one row's version never moves the current version on its own
-    dec = acc.ingest(
+    accumulator = Accumulator("j", 2, policy=Policy(max_off_policy=1, oversample=1))
+    accumulator.set_versions(
+        trainer=5
+    )  # one row's version never moves the current version on its own
+    dec = accumulator.ingest(
         [
             Row(
                 1, "c", "mixed", 0, 1, 0.0, 1
@@ -193,21 +199,26 @@ def test_ready_staleness_counts_the_served_sessions_versions_known_at_ingest():
             Row(14, "o", "hidden", 1, 1, 0.9, None),
         ]
     )
-    assert acc.current_version == 5
+    assert accumulator.current_version == 5
     assert [(d.group_id, d.reason) for d in dec.drops] == [("old", "stale")]  # 5 - 3 > 1
     assert [r.step_pk for r in dec.rows] == [
         1,
         12,
     ]  # dropped as oversampled: their versions do not count
-    assert [t.group_id for t in acc.take_ready(None)] == ["mixed", "uniform", "unknown", "hidden"]
-    assert acc.stats()["groups"]["dropped"] == {"stale": 1}
+    assert [t.group_id for t in accumulator.take_ready(None)] == [
+        "mixed",
+        "uniform",
+        "unknown",
+        "hidden",
+    ]
+    assert accumulator.stats()["groups"]["dropped"] == {"stale": 1}
 
 
 def test_the_version_order_follows_each_groups_current_place_and_forgets_those_that_left():
     """A group sent back to pending (K raised) and ready again takes its new place, never its old
     one; the entries of groups that left the queue (dropped while ready) do not pile up."""
-    acc = Accumulator("j", 2, policy=Policy(serve_order="newest_version"))
-    acc.ingest(
+    accumulator = Accumulator("j", 2, policy=Policy(serve_order="newest_version"))
+    accumulator.ingest(
         [
             Row(1, "a1", "A", 1, 1, 0.1, 5),
             Row(2, "a2", "A", 1, 1, 0.9, 5),
@@ -215,50 +226,54 @@ def test_the_version_order_follows_each_groups_current_place_and_forgets_those_t
             Row(4, "b2", "B", 1, 1, 0.9, 3),
         ]
     )
-    acc.set_k(3)
-    acc.ingest(
+    accumulator.set_k(3)
+    accumulator.ingest(
         [Row(5, "a3", "A", 1, 1, 0.5, 1), Row(6, "b3", "B", 1, 1, 0.5, 3)]
     )  # A's min is now 1
-    assert [t.group_id for t in acc.take_ready(None)] == ["B", "A"]
-    acc.ingest(
+    assert [t.group_id for t in accumulator.take_ready(None)] == ["B", "A"]
+    accumulator.ingest(
         [
             Row(10 + 2 * i + j, f"t{i}-{j}", f"T{i}", 1, 1, 0.1 * j, 1)
             for i in range(1000)
             for j in range(3)
         ]
     )
-    acc.ingest(
+    accumulator.ingest(
         [Row(10_000 + i, f"t{i}-0", None, 0, 2, 0.0, 1) for i in range(990)]
     )  # their groups: malformed
-    acc.ingest(
+    accumulator.ingest(
         [Row(20_000 + j, f"u-{j}", "U", 1, 1, 0.1 * j, 0) for j in range(3)]
     )  # the next ready group
-    assert len(acc.ready) == 11 and len(acc.ready._heap) <= 2 * 11 + 65
-    assert [t.group_id for t in acc.take_ready(None)] == [f"T{i}" for i in range(990, 1000)] + ["U"]
+    assert len(accumulator.ready) == 11 and len(accumulator.ready._heap) <= 2 * 11 + 65
+    assert [t.group_id for t in accumulator.take_ready(None)] == [
+        f"T{i}" for i in range(990, 1000)
+    ] + ["U"]
 
 
 def test_a_group_given_back_by_a_poll_is_cut_to_its_first_k_sessions():
     """Over-sampling: a group ready short of K whose other sessions complete while a poll holds it,
     and that the poll gives back (byte budget), is served with its first K, never K + N."""
     clock = [0.0]
-    acc = Accumulator("j", 3, clock=lambda: clock[0], policy=Policy(oversample=2, min_group_size=2))
-    acc.ingest([Row(i + 1, f"s{i}", "g", 0, 1, 0.0, 0) for i in range(5)])
-    acc.ingest([Row(10, "s0", "g", 1, 2, 0.1, 0), Row(11, "s1", "g", 1, 2, 0.2, 0)])
+    accumulator = Accumulator(
+        "j", 3, clock=lambda: clock[0], policy=Policy(oversample=2, min_group_size=2)
+    )
+    accumulator.ingest([Row(i + 1, f"s{i}", "g", 0, 1, 0.0, 0) for i in range(5)])
+    accumulator.ingest([Row(10, "s0", "g", 1, 2, 0.1, 0), Row(11, "s1", "g", 1, 2, 0.2, 0)])
     clock[0] = 100.0
-    assert not acc.expire(10.0).drops and len(acc.ready) == 1  # ready short of K
-    takes = acc.take_ready(None)
-    late = acc.ingest([Row(12 + i, f"s{i}", "g", 1, 2, 0.1 * i, 0) for i in (2, 3, 4)])
+    assert not accumulator.expire(10.0).drops and len(accumulator.ready) == 1  # ready short of K
+    takes = accumulator.take_ready(None)
+    late = accumulator.ingest([Row(12 + i, f"s{i}", "g", 1, 2, 0.1 * i, 0) for i in (2, 3, 4)])
     assert not late.rows  # taken: its rows wait for the poll's outcome
-    given_back = acc.release(takes)
+    given_back = accumulator.release(takes)
     assert sorted((r.session_id, r.step_pk) for r in given_back.rows) == [
         ("s3", 4),
         ("s3", 15),
         ("s4", 5),
         ("s4", 16),
     ]
-    [t] = acc.take_ready(None)
+    [t] = accumulator.take_ready(None)
     assert sorted(t.completed) == ["s0", "s1", "s2"] and not t.incomplete and not t.partial
-    s = acc.stats()["rows"]
+    s = accumulator.stats()["rows"]
     assert s["read"] == s["served"] + s["dropped_total"] + s["rejected_total"] + s["pending"]
 
 
@@ -266,8 +281,10 @@ def test_with_over_sampling_a_served_groups_late_rows_are_oversampled_whenever_t
     """A row of a partial group's incomplete session counts as oversampled whether it comes while a
     poll builds the group or after it was served: one reason for one kind of row."""
     clock = [0.0]
-    acc = Accumulator("j", 3, clock=lambda: clock[0], policy=Policy(oversample=1, min_group_size=2))
-    acc.ingest(
+    accumulator = Accumulator(
+        "j", 3, clock=lambda: clock[0], policy=Policy(oversample=1, min_group_size=2)
+    )
+    accumulator.ingest(
         [
             Row(1, "a", "g", 1, 1, 0.1, 0),
             Row(2, "b", "g", 1, 1, 0.9, 0),
@@ -275,16 +292,16 @@ def test_with_over_sampling_a_served_groups_late_rows_are_oversampled_whenever_t
         ]
     )
     clock[0] = 100.0
-    acc.expire(10.0)
-    takes = acc.take_ready(None)
-    acc.ingest([Row(4, "c", "g", 0, 2, 0.0, 0)])  # while the poll builds it
-    late = acc.commit(Decisions(served=[Served(t, "b1") for t in takes]))
-    after = acc.ingest([Row(5, "c", "g", 1, 3, 0.5, 0)])
+    accumulator.expire(10.0)
+    takes = accumulator.take_ready(None)
+    accumulator.ingest([Row(4, "c", "g", 0, 2, 0.0, 0)])  # while the poll builds it
+    late = accumulator.commit(Decisions(served=[Served(t, "b1") for t in takes]))
+    after = accumulator.ingest([Row(5, "c", "g", 1, 3, 0.5, 0)])
     assert [(r.step_pk, r.reason) for r in late.rows + after.rows] == [
         (4, "oversampled"),
         (5, "oversampled"),
     ]
-    assert acc.stats()["rows"]["dropped"] == {
+    assert accumulator.stats()["rows"]["dropped"] == {
         "incomplete_session_in_served_group": 1,
         "oversampled": 2,
     }
@@ -309,7 +326,7 @@ class _RandomRun:
             serve_order=rng.choice(["ready", "oldest_version", "newest_version"]),
         )
         self.clock = [0.0]
-        self.acc = Accumulator("j", self.k, clock=lambda: self.clock[0], policy=self.pol)
+        self.accumulator = Accumulator("j", self.k, clock=lambda: self.clock[0], policy=self.pol)
         self.groups = [f"g{i}" for i in range(rng.randint(1, 6))]
         self.sessions: dict[str, list] = {}  # sid -> [group, steps written, completed]
         self.session_pks: dict[str, list[int]] = {}
@@ -320,22 +337,24 @@ class _RandomRun:
         self.pk = 0
 
     def run(self) -> None:
-        rng, acc = self.rng, self.acc
+        rng, accumulator = self.rng, self.accumulator
         for _ in range(rng.randint(20, 200)):
             op = rng.random()
             if op < 0.6:
-                self.account(acc.ingest(self.new_rows()))
+                self.account(accumulator.ingest(self.new_rows()))
             elif op < 0.7:
                 self.clock[0] += rng.choice([1, 50])
-                self.account(acc.expire(30))
+                self.account(accumulator.expire(30))
             elif op < 0.8:
-                self.taken += [(t, self.k) for t in acc.take_ready(rng.choice([None, 1, 2]))]
+                self.taken += [
+                    (t, self.k) for t in accumulator.take_ready(rng.choice([None, 1, 2]))
+                ]
             elif op < 0.9 and self.taken:
                 if not self.serve_some():
                     continue
             elif op < 0.93:
                 self.k = rng.randint(1, 4)
-                self.account(acc.set_k(self.k)[1])
+                self.account(accumulator.set_k(self.k)[1])
             self.check_step()
         for sid, pks in self.served.items():
             assert sorted(pks) == [p for p in self.session_pks[sid] if p <= max(pks)], (
@@ -391,7 +410,7 @@ class _RandomRun:
         n = rng.randint(1, len(self.taken))
         batch, self.taken = self.taken[:n], self.taken[n:]
         if rng.random() < 0.3:
-            self.account(self.acc.release([t for t, _ in batch]))
+            self.account(self.accumulator.release([t for t, _ in batch]))
             return False
         for t, k_then in batch:
             assert self.pol.oversample == 0 or len(t.completed) <= k_then, (seed, "more than K", t)
@@ -401,22 +420,29 @@ class _RandomRun:
             for p in t.served_pks + t.incomplete_pks:
                 assert p not in self.accounted, (seed, p)
                 self.accounted[p] = "served"
-        self.account(self.acc.commit(Decisions(served=[Served(t, "b") for t, _ in batch])))
+        self.account(self.accumulator.commit(Decisions(served=[Served(t, "b") for t, _ in batch])))
         return True
 
     def check_step(self) -> None:
         """The accounting identity, the low-water mark and the oldest group after a step."""
-        acc, seed, pk = self.acc, self.seed, self.pk
-        s = acc.stats()["rows"]
+        accumulator, seed, pk = self.accumulator, self.seed, self.pk
+        s = accumulator.stats()["rows"]
         assert s["read"] == s["served"] + s["dropped_total"] + s["rejected_total"] + s["pending"], (
             seed,
             s,
         )
-        undecided = [g for d in (acc.pending, acc.ready, acc.taken) for g in d.values()]
+        undecided = [
+            g
+            for d in (accumulator.pending, accumulator.ready, accumulator.taken)
+            for g in d.values()
+        ]
         low = min((g.min_pk for g in undecided if g.min_pk is not None), default=None)
-        assert acc.low_water(pk) == (pk + 1 if low is None else low), (seed, "low water")
+        assert accumulator.low_water(pk) == (pk + 1 if low is None else low), (seed, "low water")
         first = min((g.first_seen for g in undecided), default=None)
-        assert (acc.undecided.oldest().first_seen if undecided else None) == first, (seed, "oldest")
+        assert (accumulator.undecided.oldest().first_seen if undecided else None) == first, (
+            seed,
+            "oldest",
+        )
 
 
 def test_randomized_runs_of_every_policy_keep_the_per_row_invariants():

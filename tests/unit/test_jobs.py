@@ -22,19 +22,19 @@ def parts(tmp_path) -> Iterator[Parts]:
 
 
 def test_a_selected_job_is_recorded_and_resumed_by_a_fresh_instance(parts: Parts) -> None:
-    js = parts.select("job1", k=3)
-    assert parts.jobs.current is js and js.k == 3
+    job_state = parts.select("job1", k=3)
+    assert parts.jobs.current is job_state and job_state.k == 3
     pair = parts.conns.get()
     assert pair.store.active_job()["job_id"] == "job1"
     fresh = Jobs(parts.config, parts.outbox, clock=parts.clock)
-    row = fresh.resume(pair.src, pair.store)
+    row = fresh.resume(pair.source, pair.store)
     assert row is not None and fresh.current is not None
     assert (fresh.current.job_id, fresh.current.k) == ("job1", 3)
 
 
 def test_the_same_job_with_another_k_keeps_its_state(parts: Parts) -> None:
-    js = parts.select("job1", k=2)
-    assert parts.select("job1", k=4) is js and js.k == 4
+    job_state = parts.select("job1", k=2)
+    assert parts.select("job1", k=4) is job_state and job_state.k == 4
     assert int(parts.conns.get().store.get_job("job1")["k"]) == 4
 
 
@@ -52,8 +52,8 @@ def test_restart_training_reads_after_the_floor_and_drops_the_groups_below(parts
     parts.writer.group("g1", 2, complete=1)  # undecided when the trainer restarts
     pair = parts.conns.get()
     with parts.locks.ticking(), parts.locks.serving():
-        js = parts.jobs.select(pair.src, pair.store, "job1", 2, True)
-    assert js.floor_pk > 0 and js.reader.cursor >= js.floor_pk
+        job_state = parts.jobs.select(pair.source, pair.store, "job1", 2, True)
+    assert job_state.floor_pk > 0 and job_state.reader.cursor >= job_state.floor_pk
     assert pair.store.group_decision("job1", "g1") == ("dropped", RESTART_TRAINING)
 
 
@@ -64,10 +64,10 @@ def test_a_missing_launcher_table_is_waited_for_with_one_warning(
     parts = Parts(tmp_path / "empty")
     try:
         pair = parts.conns.get()
-        pair.src.execute("DROP TABLE session_steps")
+        pair.source.execute("DROP TABLE session_steps")
         jobs = Jobs(parts.config, parts.outbox)
-        assert not jobs.launcher_tables_exist(pair.src)
-        assert not jobs.launcher_tables_exist(pair.src)
+        assert not jobs.launcher_tables_exist(pair.source)
+        assert not jobs.launcher_tables_exist(pair.source)
         warnings = [r for r in caplog.records if "session_steps does not exist" in r.getMessage()]
         assert len(warnings) == 1
     finally:

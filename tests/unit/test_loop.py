@@ -23,12 +23,12 @@ def test_the_first_tick_bootstraps_and_then_ingests_a_complete_group(parts: Part
     assert not parts.signals.bootstrapped.is_set()
     parts.tick()
     assert parts.signals.bootstrapped.is_set() and parts.jobs.current is None
-    js = parts.select(k=2)
+    job_state = parts.select(k=2)
     parts.writer.group("g1", 2)
     parts.writer.group("g2", 2, complete=1)
     parts.tick()
-    assert list(js.acc.ready) == ["g1"] and js.ready_count() == 1
-    assert js.acc.stats()["groups"]["pending"] == 1
+    assert list(job_state.accumulator.ready) == ["g1"] and job_state.ready_count() == 1
+    assert job_state.accumulator.stats()["groups"]["pending"] == 1
     assert parts.health.failing_since is None
 
 
@@ -41,12 +41,12 @@ def test_a_tick_returns_the_rest_of_the_interval_and_skips_missed_ones(parts: Pa
 
 def test_a_group_older_than_the_ttl_is_dropped_and_recorded(parts: Parts) -> None:
     parts.tick()
-    js = parts.select(k=2)
+    job_state = parts.select(k=2)
     parts.writer.group("g1", 2, complete=1)
     parts.tick()
-    assert js.acc.stats()["groups"]["pending"] == 1
+    assert job_state.accumulator.stats()["groups"]["pending"] == 1
     parts.tick(advance=61.0)
-    assert js.acc.stats()["groups"]["pending"] == 0
+    assert job_state.accumulator.stats()["groups"]["pending"] == 0
     decision = parts.conns.get().store.group_decision("job1", "g1")
     assert decision == ("dropped", TTL)
 

@@ -12,17 +12,19 @@ from rollout_buffer.runtime.pacing import Pacing
 
 
 def test_may_start_does_not_grow_with_the_groups_the_job_decided() -> None:
-    acc = Accumulator("j", 1, max_steps=10)
+    accumulator = Accumulator("j", 1, max_steps=10)
     config = Config.from_env({}, pacing_staleness=0, pacing_batch_groups=1)
-    pacing = Pacing(config, SimpleNamespace(current=SimpleNamespace(job_id="j", acc=acc)))
+    pacing = Pacing(
+        config, SimpleNamespace(current=SimpleNamespace(job_id="j", accumulator=accumulator))
+    )
     n = 10_000
-    acc.observe([(f"s{i}", f"g{i}") for i in range(n + 2)], [])
+    accumulator.observe([(f"s{i}", f"g{i}") for i in range(n + 2)], [])
     # a long job: each group admitted by the gate, then served
     for i in range(n):
         assert pacing.may_start(f"s{i}")
-        acc.ingest([(i + 1, f"s{i}", f"g{i}", 1)])
-        for t in acc.take_ready(None):
-            acc.commit(
+        accumulator.ingest([(i + 1, f"s{i}", f"g{i}", 1)])
+        for t in accumulator.take_ready(None):
+            accumulator.commit(
                 SimpleNamespace(
                     served=[SimpleNamespace(group_id=t.group_id, take=t, rewards=())],
                     drops=[],
@@ -44,7 +46,7 @@ def test_a_group_taken_for_stalled_that_completes_after_all_is_no_failure() -> N
     worked out; if its last session completes after all, it reached K: the completion rate (which
     stretches the capacity, up to twice) must not count it as a group that failed."""
     clock = [0.0]
-    acc = Accumulator("j", 2, clock=lambda: clock[0], max_steps=10)
+    accumulator = Accumulator("j", 2, clock=lambda: clock[0], max_steps=10)
     pk = 0
 
     def row(sid: str, gid: str) -> tuple:
@@ -53,40 +55,40 @@ def test_a_group_taken_for_stalled_that_completes_after_all_is_no_failure() -> N
         return (pk, sid, gid, 1)
 
     for i in range(50):  # groups whose second session comes 0.1 s after the first
-        acc.ingest([row(f"q{i}a", f"q{i}")])
+        accumulator.ingest([row(f"q{i}a", f"q{i}")])
         clock[0] += 0.1
-        acc.ingest([row(f"q{i}b", f"q{i}")])
+        accumulator.ingest([row(f"q{i}b", f"q{i}")])
     for i in range(5):  # slow second sessions: idle 5 s, taken for stalled, then complete
-        acc.ingest([row(f"s{i}a", f"s{i}")])
+        accumulator.ingest([row(f"s{i}a", f"s{i}")])
         clock[0] += 5.0
-        assert acc.progress(set())["stalled"] == 1
-        acc.ingest([row(f"s{i}b", f"s{i}")])
-    assert acc.completion_rate() == 1.0
+        assert accumulator.progress(set())["stalled"] == 1
+        accumulator.ingest([row(f"s{i}b", f"s{i}")])
+    assert accumulator.completion_rate() == 1.0
 
 
 def test_a_held_calls_question_sorts_the_call_gaps_once_not_once_per_pending_group() -> None:
     """progress() asks every pending group whether its waiting sessions have all gone silent;
     the threshold sorts the last 200 gaps between calls: once per question (a held call asks
     once a second, hundreds of them), not once per pending group (0.8 ms a question at 128)."""
-    acc = Accumulator("j", 8, max_steps=10)
+    accumulator = Accumulator("j", 8, max_steps=10)
     groups = 64
-    acc.observe([(f"s{g}-{i}", f"g{g}") for g in range(groups) for i in range(8)], [])
+    accumulator.observe([(f"s{g}-{i}", f"g{g}") for g in range(groups) for i in range(8)], [])
     for g in range(groups):
         for i in range(8):
-            acc.first_call(f"s{g}-{i}")
-            acc.sign(f"s{g}-{i}")
-        acc.ingest([(g + 1, f"s{g}-0", f"g{g}", 1)])  # one session completed: pending
-    assert len(acc.pending) == groups and acc.census.silent_after() is not None
+            accumulator.first_call(f"s{g}-{i}")
+            accumulator.sign(f"s{g}-{i}")
+        accumulator.ingest([(g + 1, f"s{g}-0", f"g{g}", 1)])  # one session completed: pending
+    assert len(accumulator.pending) == groups and accumulator.census.silent_after() is not None
     calls = 0
-    real = acc.census.silent_after
+    real = accumulator.census.silent_after
 
     def counted() -> float | None:
         nonlocal calls
         calls += 1
         return real()
 
-    acc.census.silent_after = counted  # type: ignore[method-assign]
-    acc.progress(set())
+    accumulator.census.silent_after = counted  # type: ignore[method-assign]
+    accumulator.progress(set())
     assert calls == 1
 
 

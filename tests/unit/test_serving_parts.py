@@ -56,17 +56,17 @@ def test_a_draft_takes_what_the_shape_allows_and_gives_the_rest_back(served: Ser
     for g in ("g1", "g2", "g3"):
         served.parts.writer.group(g, 2)
     served.parts.tick()
-    js = served.parts.jobs.current
-    assert js is not None and js.ready_count() == 3
-    draft = Draft(js.job_id, Shape(max_groups=2), served.parts.config.max_response_bytes)
+    job_state = served.parts.jobs.current
+    assert job_state is not None and job_state.ready_count() == 3
+    draft = Draft(job_state.job_id, Shape(max_groups=2), served.parts.config.max_response_bytes)
     with served.parts.locks.serving():
         draft.build(
-            served.request.get(), js, served.parts.config.policy, 1 << 30, lambda t, e: False
+            served.request.get(), job_state, served.parts.config.policy, 1 << 30, lambda t, e: False
         )
         assert [t.group_id for t, _ in draft.built] == ["g1", "g2"] and not draft.room()
-        assert draft.give_back() == [] and js.ready_count() == 1  # g3 was never taken
-        js.acc.release(draft.taken)
-    assert js.ready_count() == 3
+        assert draft.give_back() == [] and job_state.ready_count() == 1  # g3 was never taken
+        job_state.accumulator.release(draft.taken)
+    assert job_state.ready_count() == 3
 
 
 def test_the_prebuilders_tick_builds_a_draft_that_the_next_poll_claims(tmp_path) -> None:
