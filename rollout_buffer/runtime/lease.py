@@ -45,14 +45,12 @@ from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
 from rollout_buffer.runtime import instances
 from rollout_buffer.runtime.advertised import check_advertised
+from rollout_buffer.runtime.lease_takeover import OWNER, STANDBY, Takeover
 from rollout_buffer.runtime.ownership import (
     Holder,
-    end_fenced,
     fence_name,
-    file_lock,
     holder_of,
     refusal,
-    why_free,
 )
 from rollout_buffer.runtime.threads import Runtime
 from rollout_buffer.storage import lease_sql as sql
@@ -63,14 +61,14 @@ from rollout_buffer.storage.store import Store
 logger = logging.getLogger(__name__)
 
 SCOPE = "job"  # the unnamed buffer's row; a named buffer's is "job/<name>"
-OWNER, STANDBY, STARTING = "owner", "standby", "starting"
+STARTING = "starting"
 RETRY_S = 0.5  # after a failed step
 STANDBY_POLL_S = (
     0.5  # a standby reads the lease at least this often (a released lease is taken within it)
 )
 
 
-class Lease:
+class Lease(Takeover):
     """This instance's part in the lease: its role, its epoch, and the thread that keeps them."""
 
     name = "rollout-buffer-lease"  # its thread's, as a worker of the runtime
@@ -396,99 +394,6 @@ class Lease:
         elif first:
             self.problem = f"cannot read the lease: {redact(str(exc))}"
             logger.warning("reading the lease failed (retrying): %s", redact(str(exc)))
-
-    def _renew(self, db: Database, started: float) -> None:
-        if (
-            db.execute(
-                sql.LEASE_RENEW[db.backend],
-                (self.seconds, self.scope, self.instance_id, self.epoch),
-            )
-            == 1
-        ):
-            self._deadline = started + self.seconds - self.margin
-            self.counts["renewals"] += 1
-            if (self.problem or "").startswith("cannot renew"):
-                logger.warning("the lease is renewed again (epoch %s): deciding again", self.epoch)
-                self.problem = None
-            return
-        self._read(db)
-        h = self.holder
-        self._set(
-            STANDBY,
-            None,
-            f"another instance took the job over ({h.url or h.instance if h else 'unknown'}, "
-            f"epoch {h.epoch if h else '?'})",
-        )
-
-    def _try_acquire(self, db: Database, started: float) -> None:
-        if self._leaving:
-            return
-        if self.url and self.advertised is None:
-            self._check_advertised()
-        sqlite = db.backend == "sqlite"
-        if sqlite and self._lock_fd is None:
-            self._lock_fd = file_lock(db.url, self.buffer)
-        if sqlite and self._lock_fd is None:
-            self._read(db)
-            self._set(STANDBY, None, "another instance holds the database's lock")
-            return
-        h = self._read(db)
-        if h is None:
-            if (
-                db.execute(sql.LEASE_INSERT[db.backend], (self.scope, *self._me(), self.seconds))
-                == 1
-            ):
-                self._won(1, started, 0.0, "the first owner of this database")
-                return
-            h = self._read(db)
-        if h is None or self._why_free(h, sqlite) is None:
-            self._set(STANDBY, None, f"the owner is {h.url or h.instance}" if h else "no lease row")
-            return
-        if not sqlite and not h.released and h.expires_in <= 0:
-            end_fenced(db, h)
-        with db.transaction():
-            # waits for fenced writes
-            locked = holder_of(db.fetchone(sql.LEASE_LOCK[db.backend], (self.scope,)), self.clock())
-            why = self._why_free(locked, sqlite) if locked is not None else None
-            taken = (
-                locked is not None
-                and why is not None
-                and db.execute(
-                    sql.LEASE_TAKE[db.backend],
-                    (*self._me(), self.seconds, self.scope, locked.epoch),
-                )
-                == 1
-            )
-        if taken and locked is not None and why is not None:
-            h = locked
-            self._won(
-                h.epoch + 1, started, 0.0 if h.released or h.expires_in > 0 else -h.expires_in, why
-            )
-        else:
-            self._read(db)
-            self._set(STANDBY, None, "another instance took the lease first")
-
-    def _why_free(self, h: Holder, sqlite: bool) -> str | None:
-        """Why the lease may be taken now, or None (ownership.why_free); with a wrong advertised
-        URL, a correctly configured standby gets the first go (a third of a lease)."""
-        grace = self.seconds / 3 if self.advertised == "wrong" else 0.0
-        return why_free(h, sqlite, self.instance_id, self.host_id, grace)
-
-    def _me(self) -> tuple:
-        pid = os.getpid()
-        return (self.instance_id, self.url, self.host_id, pid, procfs.start_ticks(pid))
-
-    def _read(self, db: Database) -> Holder | None:
-        self.holder = holder_of(db.fetchone(sql.LEASE_GET[db.backend], (self.scope,)), self.clock())
-        return self.holder
-
-    def _won(self, epoch: int, started: float, free_for: float, why: str) -> None:
-        self._deadline = started + self.seconds - self.margin
-        self._took_at, self._free_for = self.clock(), free_for
-        self.counts["acquired"] += 1
-        if epoch > 1:
-            self.counts["takeovers"] += 1
-        self._set(OWNER, epoch, f"{why} (epoch {epoch})")
 
     def _set(self, role: str, epoch: int | None, why: str) -> None:
         old = self.role

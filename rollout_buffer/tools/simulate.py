@@ -73,7 +73,8 @@ from typing import Any
 from rollout_buffer.core.errors import RolloutBufferError
 from rollout_buffer.core.redact import redact
 from rollout_buffer.tools.from_export import ExportReplayer
-from rollout_buffer.tools.simulator import Simulator, Stop
+from rollout_buffer.tools.session_pool import Stop
+from rollout_buffer.tools.simulator import Simulator
 
 
 def _bounded(kind: type, lo: float, hi: float | None = None) -> Any:

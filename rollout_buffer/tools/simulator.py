@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import random
 import sys
 import threading
@@ -26,7 +25,8 @@ from typing import Any
 from rollout_buffer.core.errors import IntegrityError, StorageError
 from rollout_buffer.storage import db as dbmod
 from rollout_buffer.storage import launcher_writes
-from rollout_buffer.tools.llm_calls import ModelCalls, SessionFailed
+from rollout_buffer.tools.llm_calls import ModelCalls
+from rollout_buffer.tools.session_pool import SessionPool, Stop
 from rollout_buffer.tools.workload import (
     CAPPED,
     DONE,
@@ -41,10 +41,6 @@ from rollout_buffer.tools.workload import (
 
 WRITE_ATTEMPTS = 6  # tries per write on StorageError (database locked, connection lost)
 SLEEP_SLICE_S = 0.05  # granularity of the --pace sleep, so SIGTERM is seen promptly
-
-
-class Stop(Exception):
-    """A termination signal arrived."""
 
 
 class Simulator:
@@ -68,8 +64,6 @@ class Simulator:
         self.max_weight_version: int | None = None
         self.model: ModelCalls | None = None  # --llm-calls: a model call before each step
         self.model_failed = 0
-        self.todo: deque[Session] = deque()  # sessions not started yet, in group order
-        self.active: list[Session] = []  # running sessions
         self.lock = threading.Lock()  # the rows held and the counters, shared with session threads
         self.groups: list[Group] = []
         self.t0 = time.monotonic()
@@ -379,97 +373,15 @@ class Simulator:
             )
         if a.llm_calls and a.llm_base_url:
             self.model = ModelCalls(a.llm_base_url, a.llm_model, self.pause)
-        self.todo = deque(s for gr in self.groups for s in gr.sessions)
+        pool = SessionPool(self, deque(s for gr in self.groups for s in gr.sessions))
         try:
             if self.model is None:
-                self.run_serial()
+                pool.run_serial()
             else:
-                self.run_workers()
+                pool.run_workers()
         finally:
             # a stop between two rows still writes what was held: never a row lost in memory
             self.flush()
-
-    def run_serial(self) -> None:
-        """No model calls: one thread writes a row of a random running session every --pace."""
-        self.fill()
-        first = True
-        while self.active:
-            self.check_stop()
-            if self.args.pace > 0 and not first:
-                self.pause(self.args.pace)
-            first = False
-            self.step_one(self.rng.randrange(len(self.active)))
-            self.maybe_flush()
-            self.progress()
-
-    def fill(self) -> None:
-        """Start sessions while the pool has room."""
-        while self.todo and len(self.active) < self.args.pool_size:
-            s = self.todo.popleft()
-            self.start(s)
-            if s.rows_planned == 0:  # failed before its first step
-                self.finish(s)
-            else:
-                self.active.append(s)
-
-    def step_one(self, j: int) -> None:
-        """One step of the j-th running session; a session done leaves the pool."""
-        s = self.active[j]
-        self.write_step(s)
-        if s.step >= s.rows_planned:
-            self.finish(s)
-            self.active[j] = self.active[-1]
-            self.active.pop()
-            self.fill()
-
-    def run_workers(self) -> None:
-        """With model calls: each running session on a thread of its own, as the launcher's pool
-        workers (a pacing gate may hold a session's first call; the others go on). The main
-        thread starts sessions, flushes on the timer and watches for a stop."""
-        running = 0
-        done: queue.Queue[Session] = queue.Queue()
-        while True:
-            while self.todo and running < self.args.pool_size:
-                s = self.todo.popleft()
-                with self.lock:
-                    self.start(s)
-                    if s.rows_planned == 0:  # failed before its first step
-                        self.finish(s)
-                        continue
-                running += 1
-                threading.Thread(
-                    target=self.session_worker, args=(s, done), name="simulate-session", daemon=True
-                ).start()
-            if not running and not self.todo:
-                return
-            self.check_stop()
-            try:
-                done.get(timeout=SLEEP_SLICE_S)
-                running -= 1
-            except queue.Empty:
-                pass
-            self.maybe_flush()
-            self.progress()
-
-    def session_worker(self, s: Session, done: queue.Queue[Session]) -> None:
-        """One session: for each step, a model call (retried; maybe held), then its row."""
-        assert self.model is not None
-        try:
-            while s.step < s.rows_planned:
-                answered = self.model.call(s.session_id, s.history)
-                with self.lock:
-                    self.write_step(s, answered)
-                if self.args.pace > 0:
-                    self.pause(self.args.pace)
-            with self.lock:
-                self.finish(s)
-        except SessionFailed:
-            with self.lock:
-                self.fail(s)
-        except Stop:
-            pass  # the main thread stops too, and flushes what is held
-        finally:
-            done.put(s)
 
     def fail(self, s: Session) -> None:
         """A model call answered a 4xx: the session fails for good (no terminal row)."""
