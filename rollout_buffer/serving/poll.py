@@ -15,7 +15,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rollout_buffer.core.config import Config
@@ -37,6 +36,7 @@ from rollout_buffer.serving.draft import Draft, Shape
 from rollout_buffer.serving.plan import plan_poll
 from rollout_buffer.serving.prebuilt import Prebuilder
 from rollout_buffer.serving.replay import Replayer, RequestIds
+from rollout_buffer.serving.settle import Uncertain, committed, settle_conflict
 from rollout_buffer.storage.connections import LazyPair, Pair
 from rollout_buffer.storage.db import Database
 
@@ -45,15 +45,6 @@ logger = logging.getLogger(__name__)
 MAX_BUILD_FAILURES = (
     3  # a group whose build fails unexpectedly this often is dropped (build_failed)
 )
-
-
-@dataclass(frozen=True)
-class Uncertain:
-    """A serving plan whose COMMIT reported an error: it may or may not have been recorded."""
-
-    job_id: str
-    plan: Decisions
-    takes: list[Take]
 
 
 class Guard(Protocol):
@@ -412,26 +403,8 @@ class Serving:
             )
 
     def _settle_conflict(self, pair: Pair, job_state: JobState, takes: list[Take]) -> None:
-        """A decision of another instance is already stored for some of these groups: take its word
-        for them (never serve them again) and give the others back."""
-        redelivery.release(
-            job_state, [t for t in takes if t.redelivered]
-        )  # they stay served: queued again
-        decided, takes = {}, [t for t in takes if not t.redelivered]
-        for t in takes:
-            d = pair.store.group_decision(job_state.job_id, t.group_id)
-            if d is not None:
-                decided[t.group_id] = d
-        job_state.accumulator.release([t for t in takes if t.group_id not in decided])
-        late = job_state.accumulator.settle_decided(
-            [t for t in takes if t.group_id in decided], decided
-        )
-        self.outbox.act_quietly(pair.store, job_state.job_id, late)
-        logger.warning(
-            "%d groups of job %s were already decided by another instance; settled from its record",
-            len(decided),
-            job_state.job_id,
-        )
+        """Another instance decided some of these groups: take its word for them."""
+        settle_conflict(pair, job_state, takes, self.outbox)
 
     def settle(self, pair: Pair, job_state: JobState | None) -> None:
         """(Serve lock held.) Before a decision outside a poll (another job or K, a redelivery):
@@ -448,18 +421,7 @@ class Serving:
         (a client that retries its request_id gets that batch replayed); never serve them again."""
         u, self._uncertain = self._uncertain, None
         assert u is not None
-        if u.job_id != job_state.job_id:
-            return
-        if u.plan.batch is not None:
-            committed = pair.store.batch_exists(u.plan.batch.batch_id)
-        elif u.plan.drops:
-            committed = (
-                pair.store.group_decision(job_state.job_id, u.plan.drops[0].group_id) is not None
-            )
-        else:  # only redeliveries that failed: the COMMIT happened if one left the stored queue
-            queued = set(pair.store.redelivery_queue(job_state.job_id))
-            committed = any(gid not in queued for gid in u.plan.redelivered)
-        if committed:
+        if u.job_id == job_state.job_id and committed(pair, job_state, u):
             logger.warning(
                 "a serving commit of job %s reported an error but happened (%d groups); settling "
                 "its groups",
