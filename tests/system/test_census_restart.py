@@ -11,7 +11,7 @@ import requests
 from servers import Server, kill9
 from support import Writer, now_text, wait_until
 
-from rollout_buffer.storage import queries as q
+from rollout_buffer.storage import launcher_sql as q
 
 FAKE_LAUNCHER = Path(__file__).resolve().parent.parent / "fakes" / "fake_launcher.py"
 
