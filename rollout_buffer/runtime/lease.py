@@ -33,7 +33,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +48,7 @@ from rollout_buffer.runtime.lease_takeover import OWNER, STANDBY, Takeover
 from rollout_buffer.runtime.ownership import (
     Holder,
     fence_name,
+    file_unlock,
     holder_of,
     refusal,
 )
@@ -161,7 +161,7 @@ class Lease(Takeover):
             self.instances.leave(db)
         self.role, self.epoch = STANDBY, None
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # the flock goes with it
+            file_unlock(self._lock_fd, self.buffer)  # never close it: see ownership._DESCRIPTORS
             self._lock_fd = None
 
     def nudge(self) -> None:

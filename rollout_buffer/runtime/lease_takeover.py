@@ -82,7 +82,7 @@ class Takeover:
             self._check_advertised()
         sqlite = db.backend == "sqlite"
         if sqlite and self._lock_fd is None:
-            self._lock_fd = file_lock(db.url, self.buffer)
+            self._lock_fd = file_lock(db.url, self.buffer, self.instance_id)
         if sqlite and self._lock_fd is None:
             self._read(db)
             self._set(STANDBY, None, "another instance holds the database's lock")

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,23 +110,47 @@ def lock_byte(buffer: str) -> int:
     return LOCK_BASE + int.from_bytes(hashlib.sha256(buffer.encode()).digest()[:5], "big")
 
 
-def file_lock(url: str, buffer: str) -> int | None:
+# The descriptor each instance opened on a database file to lock a byte of it, by (device, inode,
+# instance). It is never closed: closing any descriptor of a file drops every POSIX lock this
+# process holds on it, SQLite's own included, and SQLite then finds its locks gone ("disk I/O
+# error"). One per instance, not per process: an OFD lock excludes other descriptions only.
+_DESCRIPTORS: dict[tuple[int, int, str], int] = {}
+_DESCRIPTORS_LOCK = threading.Lock()
+
+
+def _descriptor(path: str, instance: str) -> int:
+    """The instance's one descriptor of the file at ``path`` (opened once, kept open)."""
+    stat = os.stat(path)
+    key = (stat.st_dev, stat.st_ino, instance)
+    with _DESCRIPTORS_LOCK:
+        fd = _DESCRIPTORS.get(key)
+        if fd is None:
+            fd = _DESCRIPTORS[key] = os.open(path, os.O_RDWR)
+        return fd
+
+
+def file_lock(url: str, buffer: str, instance: str) -> int | None:
     """SQLite: the buffer's lease is a write lock on one byte of the database file itself (an
     open-file-description lock, so it is keyed by the file's device and inode: every path that
     reaches the file holds the same lock, be it a symlink, a hard link or a bind mount of the file
     or of a directory above it). The kernel releases it when this process dies; SQLite closing its
-    own descriptors of the file does not. The open descriptor that holds it, or None when another
-    one does."""
-    fd = os.open(sqlite_path(url), os.O_RDWR)
+    own descriptors of the file does not. The descriptor that holds it, or None when another
+    process does (the descriptor stays open: see ``_DESCRIPTORS``)."""
+    fd = _descriptor(sqlite_path(url), instance)
     lock = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, lock_byte(buffer), 1, 0)
     try:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLK, lock)
     except OSError as exc:
-        os.close(fd)
         if exc.errno in (errno.EACCES, errno.EAGAIN):
             return None
         raise
     return fd
+
+
+def file_unlock(fd: int, buffer: str) -> None:
+    """Give the buffer's byte up (the descriptor stays open: see ``_DESCRIPTORS``)."""
+    unlock = struct.pack(_FLOCK, fcntl.F_UNLCK, os.SEEK_SET, lock_byte(buffer), 1, 0)
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, unlock)
 
 
 def end_fenced(db: Database, holder: Holder) -> None:
