@@ -47,6 +47,7 @@ from rollout_buffer.runtime.advertised import check_advertised
 from rollout_buffer.runtime.lease_takeover import OWNER, STANDBY, Takeover
 from rollout_buffer.runtime.ownership import (
     Holder,
+    close_descriptors,
     fence_name,
     file_unlock,
     holder_of,
@@ -161,8 +162,11 @@ class Lease(Takeover):
             self.instances.leave(db)
         self.role, self.epoch = STANDBY, None
         if self._lock_fd is not None:
-            file_unlock(self._lock_fd, self.buffer)  # never close it: see ownership._DESCRIPTORS
+            file_unlock(self._lock_fd, self.buffer)
             self._lock_fd = None
+        # the instance stops: its descriptor of the database file goes once (not at every failed
+        # attempt, which dropped SQLite's own locks of the process: see ownership._DESCRIPTORS)
+        close_descriptors(self.instance_id)
 
     def nudge(self) -> None:
         self.wake.set()

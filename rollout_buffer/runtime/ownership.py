@@ -111,9 +111,10 @@ def lock_byte(buffer: str) -> int:
 
 
 # The descriptor each instance opened on a database file to lock a byte of it, by (device, inode,
-# instance). It is never closed: closing any descriptor of a file drops every POSIX lock this
-# process holds on it, SQLite's own included, and SQLite then finds its locks gone ("disk I/O
-# error"). One per instance, not per process: an OFD lock excludes other descriptions only.
+# instance). It stays open while the instance runs: closing any descriptor of a file drops every
+# POSIX lock this process holds on it, SQLite's own included, and SQLite then finds its locks gone
+# ("disk I/O error"); a failed attempt every half second did. It is closed once, when the instance
+# stops. One per instance, not per process: an OFD lock excludes other descriptions only.
 _DESCRIPTORS: dict[tuple[int, int, str], int] = {}
 _DESCRIPTORS_LOCK = threading.Lock()
 
@@ -145,6 +146,13 @@ def file_lock(url: str, buffer: str, instance: str) -> int | None:
             return None
         raise
     return fd
+
+
+def close_descriptors(instance: str) -> None:
+    """The instance stops: close its descriptors of database files (once, at the end)."""
+    with _DESCRIPTORS_LOCK:
+        for key in [k for k in _DESCRIPTORS if k[2] == instance]:
+            os.close(_DESCRIPTORS.pop(key))
 
 
 def file_unlock(fd: int, buffer: str) -> None:
