@@ -210,7 +210,8 @@ class Service:
         """Serve ready groups (or replay the batch bound to request_id), long-polling up to
         wait_s."""
         body = self.serving.get_rollout_data(conns, poll)
-        self.pacing.took(body.groups)
+        if not body.replayed:  # a retry of a batch already counted takes nothing new
+            self.pacing.took(body.groups, body.versions)
         return body
 
     def admission(self) -> dict[str, Any]:

@@ -103,6 +103,12 @@ class Accumulator(Handover, Policies):
         return self.versions.current
 
     @property
+    def known_version(self) -> int | None:
+        """The current version once one is known (reported by the trainer, agreed on by two
+        complete groups, or restored), else None."""
+        return self.versions.current if self.versions.known else None
+
+    @property
     def trainer_version(self) -> int | None:
         return self.versions.trainer
 
@@ -244,19 +250,21 @@ class Accumulator(Handover, Policies):
                 g.group_id
                 for g in self.pending.values()
                 if now - g.last_seen > stall_s
-                or (
-                    silent_s is not None
-                    and self.census.dead_sessions_only(g.group_id, set(g.completed), now, silent_s)
-                )
+                or self.census.lost(g.group_id, set(g.completed), self.k, now, silent_s)
             ]
+            # a group with no trainable row yet (only terminal rows are, with --message-cut 0)
+            lost_running = {
+                gid for gid in running if self.census.lost(gid, set(), self.k, now, silent_s)
+            }
             self.census.stalled.update(stalled_now)
+            self.census.stalled.update(lost_running)
             stalled = len(stalled_now)
             return {
-                "running": len(running),
+                "running": len(running) - len(lost_running),
                 "pending": len(self.pending) - stalled,
                 "ready": len(self.ready),
                 "built": len(self.taken),
-                "stalled": stalled,
+                "stalled": stalled + len(lost_running),
             }
 
     def completion_rate(self) -> float | None:
@@ -281,6 +289,11 @@ class Accumulator(Handover, Policies):
         """A model call of the session went through the pacing gate."""
         with self.lock:
             self.census.sign(session_id, self.clock())
+
+    def answered(self, session_id: str) -> None:
+        """A model call of the session came back through the pacing gate."""
+        with self.lock:
+            self.census.answered(session_id, self.clock())
 
     def first_call(self, session_id: str) -> None:
         """A session's first model call went through the pacing gate: its first sign."""

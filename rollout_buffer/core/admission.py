@@ -29,17 +29,31 @@ progress and the current version.
 
 from __future__ import annotations
 
-import math
 import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 DEFAULT_STALENESS = 1
 DEFAULT_BATCH_GROUPS = 8
+UNVERSIONED = 2**62  # a served group without a weight version: never too old
+MAX_HELD = 100_000  # groups the model of the trainer's holdings keeps (the youngest)
 BURSTS_KEPT = 5  # B is the median of the groups taken in the last few bursts
+
+
+class Claims(NamedTuple):
+    """The trainer's groups that claim a place in the budget."""
+
+    training: int  # the batch it trains on (a group that starts now is for its next step)
+    fresh: int  # held beyond that batch, still fresh at its next step
+    going_stale: int  # held beyond that batch, too old for its next step (not counted)
+
+    @property
+    def total(self) -> int:
+        return self.training + self.fresh
 
 
 @dataclass(frozen=True)
@@ -83,14 +97,21 @@ class Admission:
         self._pruned_size = 0
         self.served = 0  # groups the trainer took (polls)
         self.completion_rate: float | None = None  # of the groups that started, reaching K
-        self.first_version: int | None = None  # the job's current version when first seen
+        self.first_versions: dict[str, int] = {}  # each version source's first version seen
+        # the trainer's holdings as the buffer models them: the versions of the groups it took
+        # and has not started training on (sorted; a group without a version: UNVERSIONED)
+        self._held: list[int] = []
+        self._batches = 0  # batches it started training on
+        self._last_job_version: int | None = None  # the job's current version last given
+        self.proxy_version: int | None = None  # the largest version the proxy stamped (gate)
         self.held = 0  # first calls the gate holds now
         self.admitted_total = 0
         self.held_total = 0
 
     # -- the trainer's demand ---------------------------------------------------------------------
-    def took(self, groups: int) -> None:
-        """A poll took ``groups`` groups: a poll after an idle gap starts a new burst."""
+    def took(self, groups: int, versions: Iterable[int | None] = ()) -> None:
+        """A poll took ``groups`` groups (``versions``: each one's weight version, None when it
+        has none): a poll after an idle gap starts a new burst."""
         now = self.clock()
         with self._lock:
             if self._last_take is not None and now - self._last_take > self.idle_gap_s:
@@ -102,6 +123,7 @@ class Admission:
                 self._burst += groups
                 self._last_take = now
                 self.served += groups
+                self._hold(groups, versions)
 
     @property
     def batch_groups(self) -> Input:
@@ -119,70 +141,130 @@ class Admission:
 
     # -- the budget ------------------------------------------------------------------------------
     def capacity(self) -> int:
-        """(S + 1) x B: the groups that may be in progress at once (more when some of the groups
-        that start never complete: a crashed session)."""
-        return self._stretch((self.staleness.value + 1) * self.batch_groups.value)
-
-    def _stretch(self, capacity: int) -> int:
-        rate = self.completion_rate
-        if rate is None or rate >= 1.0:
-            return capacity
-        return math.ceil(capacity / max(rate, 0.5))
+        """(S + 1) x B: the groups that may be in progress at once."""
+        return (self.staleness.value + 1) * self.batch_groups.value
 
     def surplus(self, current_version: int | None) -> int:
-        """Groups the trainer holds beyond what its steps consumed (estimated from versions)."""
+        """The trainer's groups that still claim a place: its batch in training, and those it
+        holds beyond it that will still be fresh at its next step."""
         with self._lock:
-            return self._surplus_locked(current_version)
+            return self._claims_locked(current_version).total
 
-    def _surplus_locked(self, current_version: int | None) -> int:
-        steps = self._bursts_ended
-        if current_version is not None:
-            if self.first_version is None or current_version < self.first_version:
-                self.first_version = current_version
-            steps = max(steps, current_version - self.first_version)
-        return max(0, self.served - self._batch_locked() * steps)
+    def _hold(self, groups: int, versions: Iterable[int | None]) -> None:
+        """(Lock held.) The trainer took ``groups`` groups: it throws away those too old for the
+        step it collects, and once it holds a full batch it trains on the oldest B."""
+        batch = self._batch_locked()
+        job_version = self._last_job_version
+        version = self._version_locked(job_version)
+        if version is not None:
+            floor = version - self.staleness.value
+            self._held = [v for v in self._held if v >= floor]
+        taken = [UNVERSIONED if v is None else v for v in versions]
+        taken += [UNVERSIONED] * (groups - len(taken))
+        self._held = sorted(self._held + taken)[-MAX_HELD:]
+        while len(self._held) >= batch and self._batches <= self._steps_locked(job_version, batch):
+            del self._held[:batch]
+            self._batches += 1
+
+    def _claims_locked(self, current_version: int | None) -> Claims:
+        """What the trainer holds, modelled from what it took and the steps it completed. It
+        polls only while it collects: once it holds a full batch it trains on the oldest B of
+        them, and a group that starts now is for its next step. Of the groups it holds beyond
+        that batch, those too old for its next step are not counted (it will throw them
+        away)."""
+        batch = self._batch_locked()
+        version = self._version_locked(current_version)
+        self._last_job_version = current_version
+        steps = self._steps_locked(current_version, batch)
+        training = batch if self._batches > steps else 0
+        if version is None:
+            return Claims(training, len(self._held), 0)
+        floor = version + (1 if training else 0) - self.staleness.value
+        fresh = sum(1 for v in self._held if v >= floor)
+        return Claims(training, fresh, len(self._held) - fresh)
+
+    def _version_locked(self, current_version: int | None) -> int | None:
+        """The freshest current version known: the job's or the proxy's stamp."""
+        known = [v for v in (current_version, self.proxy_version) if v is not None]
+        return max(known) if known else None
+
+    def _steps_locked(self, current_version: int | None, batch: int) -> int:
+        """The trainer's training steps completed, the largest of: the weight versions advanced
+        since the job's first, by each source (the job's current version from the trainer or the
+        rows, and the proxy's stamp as the gate saw it in answers: the freshest, as it moves when
+        a step ends); the trainer's bursts of polls ended; and the full batches it took, less the
+        one it may be training on."""
+        steps = max(self._bursts_ended, self._batches - 1, 0)
+        for source, version in (("job", current_version), ("proxy", self.proxy_version)):
+            if version is None:
+                continue
+            first = self.first_versions.setdefault(source, version)
+            if version < first:  # the job's version went back: count from there
+                self.first_versions[source] = first = version
+            steps = max(steps, version - first)
+        return steps
+
+    def saw_version(self, version: int) -> None:
+        """The LLM proxy stamped ``version`` on an answer (the gate reads it as it forwards): the
+        trainer's steps are seen as they end, not when rows of the new version complete groups.
+        A wrong version cannot make the budget exceed the capacity less the groups in
+        progress: it only makes the trainer's claims look smaller."""
+        if version >= 0:
+            with self._lock:
+                self.first_versions.setdefault("proxy", version)
+                if self.proxy_version is None or version > self.proxy_version:
+                    self.proxy_version = version
 
     def report(self, in_progress: dict[str, int], current_version: int | None) -> dict[str, object]:
         """``GET /admission``: the budget, its inputs with where each came from, and why."""
-        surplus = self.surplus(current_version)
-        total = sum(v for k, v in in_progress.items() if k != "stalled") + surplus
+        with self._lock:
+            claims = self._claims_locked(current_version)
+            version = self._version_locked(current_version)
+            held, admitted = self.held, len(self.admitted)
+        progress = sum(v for k, v in in_progress.items() if k != "stalled")
+        total = progress + claims.total
         staleness, batch = self.staleness, self.batch_groups
-        capacity = self._stretch((staleness.value + 1) * batch.value)
+        capacity = (staleness.value + 1) * batch.value
         budget = max(0, capacity - total)
         if budget:
             why = (
-                f"{total} groups in progress of the {capacity} = (S {staleness.value} + 1) x "
-                f"B {batch.value} the trainer can take within the staleness bound: {budget} more "
-                "may start"
+                f"{total} groups in progress or held by the trainer, of the {capacity} = (S "
+                f"{staleness.value} + 1) x B {batch.value} it can train on within the staleness "
+                f"bound: {budget} more may start"
             )
         else:
             why = (
-                f"{total} groups in progress fill the {capacity} = (S {staleness.value} + 1) x "
-                f"B {batch.value} the trainer can take within the staleness bound: a new group "
-                "would be generated only to be thrown away, so none may start until the trainer "
-                "takes some"
+                f"{total} groups in progress or held by the trainer fill the {capacity} = (S "
+                f"{staleness.value} + 1) x B {batch.value} it can train on within the staleness "
+                "bound: a new group would be generated only to be thrown away, so none may start "
+                "until the trainer takes some"
             )
-        with self._lock:
-            held, admitted = self.held, len(self.admitted)
         return {
             "budget": budget,
             "capacity": capacity,
             "inputs": {
                 "staleness": staleness.as_dict(),
                 "batch_groups": batch.as_dict(),
-                "in_progress": {"value": total - surplus, "source": "observed", **in_progress},
+                "in_progress": {"value": progress, "source": "observed", **in_progress},
+                "trainer_surplus": {
+                    "value": claims.total,
+                    "training": claims.training,
+                    "fresh": claims.fresh,
+                    "going_stale": claims.going_stale,
+                    "source": "estimated: the groups served less B per step completed (weight "
+                    "versions advanced, the trainer's bursts of polls, or its full batches); the "
+                    "batch it trains on, and the groups it holds that its next step can take",
+                },
                 "completion_rate": {
                     "value": self.completion_rate,
-                    "source": "learned: the share of started groups that reached K (capacity is "
-                    "divided by it, at most doubled); null until 20 groups ended",
-                },
-                "trainer_surplus": {
-                    "value": surplus,
-                    "source": "estimated: groups served minus B per step (weight versions "
-                    "advanced, or the trainer's bursts of polls)",
+                    "source": "observed: the share of started groups that reached K (not in the "
+                    "budget: a group that lost a session leaves the in-progress count as soon as "
+                    "that is seen); null until 20 groups ended",
                 },
             },
             "current_weight_version": current_version,
+            "proxy_weight_version": self.proxy_version,
+            "version_for_staleness": version,
             "why": why,
             "gate": {
                 "admitted_groups": admitted,
@@ -212,8 +294,8 @@ class Admission:
             if started:
                 self.admitted.add(group_id)
                 return True
-            surplus = self._surplus_locked(current_version)
-            if self.capacity_locked() - in_progress - surplus > 0:
+            claims = self._claims_locked(current_version).total
+            if self.capacity_locked() - in_progress - claims > 0:
                 self.admitted.add(group_id)
                 self.admitted_total += 1
                 return True
@@ -227,7 +309,7 @@ class Admission:
 
     def capacity_locked(self) -> int:
         """(S + 1) x B, with the lock held."""
-        return self._stretch((self.staleness.value + 1) * self._batch_locked())
+        return (self.staleness.value + 1) * self._batch_locked()
 
     def _batch_locked(self) -> int:
         """B, with the lock held (without taking it again)."""

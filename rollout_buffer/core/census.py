@@ -25,6 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple, TypeGuard
 
+from rollout_buffer.core.liveness import Liveness
+
 # A group one of whose sessions ended without a result, so that it can never reach K.
 SESSION_WITHOUT_RESULT = "session_without_result"
 SPANS_KEPT = 200
@@ -78,7 +80,7 @@ class Census:
         # how long groups took from their first trainable row to ready (the last completions)
         self.spans: deque[float] = deque(maxlen=SPANS_KEPT)
         self.reached_k = 0  # groups that became ready
-        self.gaps: deque[float] = deque(maxlen=SPANS_KEPT)  # between a session's model calls
+        self.liveness = Liveness()  # the running sessions' model calls through the gate
         self.stalled: set[str] = set()  # groups seen stalled (a session failed for good)
         self.group_sessions: defaultdict[str, set[str]] = defaultdict(set)
         self.session_group: dict[str, str] = {}
@@ -109,6 +111,7 @@ class Census:
                 continue  # a late row of a decided group: the accumulator counts it
             self._place(fact.session_id, fact.group_id)
             self.started.add(fact.group_id)
+            self.liveness.row(fact.session_id, now)
             timing = self.timing.get(fact.session_id)
             if timing is None:
                 self.timing[fact.session_id] = [now, now, 1.0]
@@ -139,6 +142,7 @@ class Census:
         seconds = 0.0
         rows = 0
         sessions = self.group_sessions.pop(group_id, set())
+        self.liveness.forget(sessions)
         for session_id in sessions:
             timing = self.timing.pop(session_id, None)
             if timing is not None:
@@ -179,43 +183,43 @@ class Census:
         }
 
     def sign(self, session_id: str, now: float) -> None:
-        """A model call of the session went through the pacing gate: a sign of life. The gaps
-        between a session's calls tell how long a live session stays silent."""
+        """A model call of the session went through the pacing gate: a sign of life."""
         timing = self.timing.get(session_id)
         if timing is None:
             if self.session_group.get(session_id) in self.settled:
                 return  # a late session of a decided group: nothing would settle its timing
             self.timing[session_id] = [now, now, 0.0]
-            return
-        self.gaps.append(now - timing[1])
-        timing[1] = now
+        else:
+            timing[1] = now
+        self.liveness.call_started(session_id, now)
+
+    def answered(self, session_id: str, now: float) -> None:
+        """A model call of the session came back through the gate (answered, or abandoned)."""
+        self.liveness.call_ended(session_id, now)
 
     def silent_after(self) -> float | None:
-        """Seconds without a sign after which a started session is taken for dead (four times
-        the median gap between a session's calls); None until enough calls were seen."""
-        if len(self.gaps) < 20:
-            return None
-        ordered = sorted(self.gaps)
-        return max(1.0, 4.0 * ordered[len(ordered) // 2])
+        """Seconds of quiet after which a started session with no call in flight is taken for
+        dead (:meth:`Liveness.quiet_after`); None until enough calls were seen."""
+        return self.liveness.quiet_after()
 
-    def dead_sessions_only(
-        self, group_id: str, completed: set[str], now: float, silent: float | None = -1.0
+    def lost(
+        self, group_id: str, completed: set[str], k: int, now: float, silent: float | None
     ) -> bool:
-        """Every session of the group that has no result yet has started and been silent for
-        longer than a live one is (so it failed for good); False without call figures.
-        ``silent``: :meth:`silent_after`, when the caller asks for many groups (it sorts)."""
-        if silent is not None and silent < 0:
-            silent = self.silent_after()
-        if silent is None:
+        """The group cannot reach K: so many of its sessions ended without a result or died
+        (quiet for longer than ``silent``, :meth:`silent_after`, with no call in flight) that
+        fewer than K can still complete. One dead session is enough when the group runs K."""
+        sessions = self.group_sessions.get(group_id)
+        if not sessions:
             return False
-        waiting = self.group_sessions.get(group_id, set()) - completed
-        if not waiting:
-            return False
-        for session_id in waiting:
-            timing = self.timing.get(session_id)
-            if timing is None or now - timing[1] <= silent:
-                return False  # not started yet (waiting for a place in the pool), or alive
-        return True
+        gone = 0
+        for session_id in sessions:
+            if session_id in completed:
+                continue
+            if session_id in self.without_result or (
+                silent is not None and self.liveness.dead(session_id, now, silent)
+            ):
+                gone += 1
+        return gone > 0 and max(len(sessions), k) - gone < k
 
     def completed_in(self, seconds: float) -> None:
         """A group became ready ``seconds`` after its first trainable row."""

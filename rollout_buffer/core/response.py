@@ -22,10 +22,18 @@ class Body(list[Any]):
     groups it carries, and what to run once it has been sent (or abandoned)."""
 
     def __init__(
-        self, chunks: list[Any], groups: int = 0, on_close: Callable[[], None] | None = None
+        self,
+        chunks: list[Any],
+        groups: int = 0,
+        on_close: Callable[[], None] | None = None,
+        *,
+        versions: list[int | None] | None = None,
+        replayed: bool = False,
     ) -> None:
         super().__init__(chunks)
         self.groups = groups
+        self.versions = versions or []  # each served group's weight version (None: it has none)
+        self.replayed = replayed  # a batch served before, sent again to a retrying trainer
         self._on_close = on_close
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import resource
 import socket
 import threading
@@ -46,6 +47,9 @@ FD_WANTED = 65536  # descriptors the gate asks for (its calls take one or two ea
 MAX_STARTED_SESSIONS = 100_000  # sessions remembered as started (~100 bytes each)
 RECHECK_S = 1.0  # a held call asks again at least this often (the budget moves with polls)
 CONNECT_TIMEOUT_S = 10.0
+# the proxy's version stamp in an answer; searched in the last bytes of a chunk with the next
+VERSION_STAMP = re.compile(rb'"weight_version"\s*:\s*(\d{1,12})(?![\d.eE])')
+VERSION_TAIL_BYTES = 64
 HOP_BY_HOP = {
     b"connection",
     b"keep-alive",
@@ -79,7 +83,9 @@ class Gate:
         may_start: Callable[[str], bool],
         running: Callable[[str], None] = lambda session: None,
         seen: Callable[[str], None] = lambda session: None,
+        answered: Callable[[str], None] = lambda session: None,
         on_hold: Callable[[int], None] = lambda delta: None,
+        on_version: Callable[[int], None] = lambda version: None,
     ) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
@@ -91,7 +97,9 @@ class Gate:
         self.may_start = may_start
         self.running = running
         self.seen = seen
+        self.answered = answered
         self.on_hold = on_hold
+        self.on_version = on_version
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -268,6 +276,8 @@ class Gate:
             if not relay.done():
                 relay.cancel()
             self.in_flight -= 1
+            if session is not None:
+                self.answered(session)
 
     async def _admit(self, session: str, reader: asyncio.StreamReader) -> bool:
         """Hold the first call of ``session`` until its group may start. False when its client
@@ -336,17 +346,47 @@ class Gate:
             out = [method + b" " + target + b" HTTP/1.1", *kept, b"Connection: close", b"", b""]
             up_writer.write(b"\r\n".join(out) + body)
             await up_writer.drain()
+            stamp = VersionStamp()
             while True:
                 chunk = await up_reader.read(65536)
                 if not chunk:
                     break
+                stamp.feed(chunk)
                 writer.write(chunk)
                 await writer.drain()
             self.forwarded += 1
+            if stamp.version is not None:
+                self.on_version(stamp.version)
         finally:
             up_writer.close()
             with contextlib.suppress(Exception):
                 await up_writer.wait_closed()
+
+
+class VersionStamp:
+    """The weight version the LLM proxy stamped on a successful answer
+    (``metadata.weight_version``, SPEC §2), read from the bytes as they are forwarded: a
+    version's number may straddle two chunks, so the end of the previous chunk is searched with
+    the next. An answer that is not a 2xx, or a stamp that is not a plain integer, gives None."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self._ok: bool | None = None  # the status line: 2xx or not, once read
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> None:
+        if self._ok is None:
+            head = (self._tail + chunk)[:16]
+            if len(head) < 12:
+                self._tail += chunk
+                return
+            self._ok = head.startswith(b"HTTP/1.") and head[9:10] == b"2"
+        if not self._ok:
+            return
+        text = self._tail + chunk
+        for match in VERSION_STAMP.finditer(text):
+            self.version = int(match.group(1))
+        self._tail = text[-VERSION_TAIL_BYTES:]
 
 
 def raise_descriptor_limit(wanted: int = FD_WANTED) -> int:

@@ -55,7 +55,9 @@ class Pacing:
                 may_start=self.may_start,
                 running=self.running,
                 seen=self.seen,
+                answered=self.answered,
                 on_hold=lambda delta: self.admission.holding(delta),
+                on_version=lambda version: self.admission.saw_version(version),
             )
 
     def _new_admission(self) -> Admission:
@@ -93,10 +95,10 @@ class Pacing:
         if self.gate is not None:
             self.gate.close()
 
-    def took(self, groups: int) -> None:
-        """A poll served ``groups`` groups: the trainer's demand (B is learned from it), and held
-        first calls ask again."""
-        self.admission.took(groups)
+    def took(self, groups: int, versions: list[int | None]) -> None:
+        """A poll served ``groups`` groups (of these weight versions): the trainer's demand (B is
+        learned from it), and held first calls ask again."""
+        self.admission.took(groups, versions)
         if self.gate is not None:
             self.gate.poke()
 
@@ -124,7 +126,7 @@ class Pacing:
                 "session %r is not in job_environments: its calls are not paced", session_id
             )
         self._unknown_since.pop(session_id, None)
-        version = job_state.accumulator.current_version
+        version = job_state.accumulator.known_version
         if not admission.ask(group, in_progress, started=started, current_version=version):
             return False
         job_state.accumulator.first_call(session_id)  # through the gate: the session's first sign
@@ -135,6 +137,12 @@ class Pacing:
         job_state = self.jobs.current
         if job_state is not None:
             job_state.accumulator.sign(session_id)
+
+    def answered(self, session_id: str) -> None:
+        """A model call of the session came back through the gate."""
+        job_state = self.jobs.current
+        if job_state is not None:
+            job_state.accumulator.answered(session_id)
 
     def running(self, session_id: str) -> None:
         """A session seen mid-way (the service restarted under it): its group is admitted."""
@@ -155,7 +163,7 @@ class Pacing:
         else:
             progress = job_state.accumulator.progress(admission.admitted)
             admission.completion_rate = job_state.accumulator.completion_rate()
-            version = job_state.accumulator.current_version
+            version = job_state.accumulator.known_version
         doc = admission.report(progress, version)
         doc["pacing"] = self.config.pacing
         doc["job_session"] = None if job_state is None else job_state.job_id

@@ -344,7 +344,12 @@ class Serving:
             n_bytes=plan.batch.n_bytes,
             build_s=time.perf_counter() - started,
         )
-        return Body(chunks, len(built), on_close=lambda: self.history.sent(entry))
+        return Body(
+            chunks,
+            len(built),
+            on_close=lambda: self.history.sent(entry),
+            versions=[t.min_wv for t, _ in built],
+        )
 
     def _failed(self, job_state: JobState, t: Take, exc: Exception) -> bool:
         """Count an unexpected build failure of a group; True once it has failed MAX_BUILD_FAILURES

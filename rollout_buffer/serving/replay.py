@@ -158,7 +158,12 @@ class Replayer:
             raise r.error
         logger.info("replayed batch %s for request_id %s", batch.batch_id, batch.request_id)
         # one rebuilt copy per batch, shared by concurrent retries and held until the last is sent
-        return Body(r.chunks, len(batch.group_ids), on_close=lambda: self._unref(batch.batch_id, r))
+        return Body(
+            r.chunks,
+            len(batch.group_ids),
+            on_close=lambda: self._unref(batch.batch_id, r),
+            replayed=True,
+        )
 
     def _unref(self, batch_id: str, r: _Replay) -> None:
         with self._replay_lock:

@@ -120,6 +120,7 @@ def trainer(args: argparse.Namespace, url: str, llm: FakeLLM) -> dict[str, Any]:
     stale: list[str] = []
     started = time.monotonic()
     for _step in range(args.steps):
+        collect_from = time.monotonic()
         while True:
             for gid in [g for g, v in held.items() if v < version - S]:
                 stale.append(gid)  # older than current - 1: thrown away, as upstream does
@@ -141,7 +142,8 @@ def trainer(args: argparse.Namespace, url: str, llm: FakeLLM) -> dict[str, Any]:
         if args.trace:
             doc = http(url + "/admission")
             print(
-                f"  step {_step}: t={time.monotonic() - started:.1f}s version {version} held "
+                f"  step {_step}: t={time.monotonic() - started:.1f}s collected in "
+                f"{time.monotonic() - collect_from:.1f}s version {version} held "
                 f"{len(held)} stale {len(stale)} admission {doc['budget']}/{doc['capacity']} "
                 f"{doc['inputs']['in_progress']} "
                 f"surplus {doc['inputs']['trainer_surplus']['value']}",
@@ -197,6 +199,8 @@ def account(
         if gen_trained + gen_discarded
         else 0.0,
         "trained_per_min": len(trained) / result["elapsed_s"] * 60,
+        # complete groups made per minute: with pacing off, the producers' speed
+        "generated_per_min": n_total / result["elapsed_s"] * 60,
         "elapsed_s": result["elapsed_s"],
     }
 
@@ -208,7 +212,7 @@ def main() -> int:
     p.add_argument("--train-s", type=float, default=8.0, help="T: seconds a training step takes")
     p.add_argument("--poll-s", type=float, default=5.0, help="the trainer's poll cadence")
     p.add_argument("--call-s", type=float, default=0.5, help="seconds a model call takes")
-    p.add_argument("--pool", type=int, default=16, help="the launcher's concurrent sessions")
+    p.add_argument("--pool", type=int, default=24, help="the launcher's concurrent sessions")
     p.add_argument("--trace", action="store_true", help="print each step's admission figures")
     p.add_argument("--only", choices=("off", "on"), help="run one mode only")
     args = p.parse_args()
@@ -230,7 +234,8 @@ def main() -> int:
                 f"{r['trained_per_min']:6.1f}/min; discarded {r['discarded_groups']:3d} groups "
                 f"({r['discarded_share_groups']:.1%} of groups, "
                 f"{r['discarded_share_s']:.1%} of generation seconds); "
-                f"{r['incomplete_groups']} incomplete (a session crashed)",
+                f"{r['incomplete_groups']} incomplete (a session crashed); "
+                f"{r['generated_per_min']:.1f} complete groups generated/min",
                 flush=True,
             )
     for mode, rs in results.items():

@@ -67,8 +67,8 @@ def test_a_group_taken_for_stalled_that_completes_after_all_is_no_failure() -> N
 
 
 def test_a_held_calls_question_sorts_the_call_gaps_once_not_once_per_pending_group() -> None:
-    """progress() asks every pending group whether its waiting sessions have all gone silent;
-    the threshold sorts the last 200 gaps between calls: once per question (a held call asks
+    """progress() asks every pending group whether its sessions have gone quiet for good; the
+    threshold sorts the last 200 quiet spans between calls: once per question (a held call asks
     once a second, hundreds of them), not once per pending group (0.8 ms a question at 128)."""
     accumulator = Accumulator("j", 8, max_steps=10)
     groups = 64
@@ -77,6 +77,8 @@ def test_a_held_calls_question_sorts_the_call_gaps_once_not_once_per_pending_gro
         for i in range(8):
             accumulator.first_call(f"s{g}-{i}")
             accumulator.sign(f"s{g}-{i}")
+            accumulator.answered(f"s{g}-{i}")
+            accumulator.sign(f"s{g}-{i}")  # its second call: a gap between calls
         accumulator.ingest([(g + 1, f"s{g}-0", f"g{g}", 1)])  # one session completed: pending
     assert len(accumulator.pending) == groups and accumulator.census.silent_after() is not None
     calls = 0

@@ -1,0 +1,145 @@
+"""The admission budget's arithmetic (issue 23), driven directly: the trainer's steps seen from
+the proxy's version stamps and from its full batches, its surplus counted only while it is still
+fresh, and which quiet sessions are taken for dead."""
+
+from __future__ import annotations
+
+from rollout_buffer.core.admission import Admission
+from rollout_buffer.core.census import Census
+from rollout_buffer.core.liveness import Liveness
+
+B = 8
+
+
+def admission(staleness: int = 1) -> Admission:
+    clock = [0.0]
+    return Admission(staleness=staleness, batch_groups=B, idle_gap_s=5.0, clock=lambda: clock[0])
+
+
+def budget(a: Admission, in_progress: int = 0, version: int | None = None) -> int:
+    return int(
+        a.report({"running": in_progress, "stalled": 0}, version)["budget"]  # type: ignore[call-overload]
+    )
+
+
+def test_at_the_start_s_plus_one_batches_may_start() -> None:
+    assert budget(admission()) == 2 * B
+    assert budget(admission(staleness=0)) == B
+
+
+def test_the_batch_in_training_claims_its_place_until_the_step_ends() -> None:
+    """The trainer takes exactly B (version 0) and trains: a group that starts now is for its next
+    step, so only B more may be in progress. When the proxy stamps version 1 (the step ended),
+    the batch is consumed and (S + 1) x B may be again."""
+    a = admission()
+    a.saw_version(0)
+    a.took(B, [0] * B)
+    assert budget(a) == B
+    a.saw_version(1)
+    assert budget(a) == 2 * B
+
+
+def test_a_surplus_that_its_next_step_cannot_take_is_not_counted() -> None:
+    """The trainer took 11 groups of version 0 and trains on 8: the 3 it holds are fresh for
+    its next step (version 1 accepts 0 with S 1); once it trains step 1, they would be too old for
+    step 2, so they no longer claim a place and new groups replace them."""
+    a = admission()
+    a.saw_version(0)
+    a.took(11, [0] * 11)
+    report = a.report({"running": 0}, None)
+    assert report["budget"] == 2 * B - B - 3
+    a.saw_version(1)
+    a.took(5, [1] * 5)  # the next step: 3 held + 5 new = a batch, trained on at version 1
+    surplus = a.report({"running": 0}, None)["inputs"]["trainer_surplus"]  # type: ignore[index]
+    assert surplus["training"] == B and surplus["going_stale"] == 0
+    a.took(2, [0, 0])  # two more of version 0: held beyond the batch, too old for step 2
+    surplus = a.report({"running": 0}, None)["inputs"]["trainer_surplus"]  # type: ignore[index]
+    assert surplus["going_stale"] == 2 and surplus["fresh"] == 0
+    assert budget(a) == B
+
+
+def test_versions_of_two_sources_count_steps_from_their_own_start() -> None:
+    """The rows' current version is unknown (None) at first and the proxy stamps 7: seven steps
+    have not passed. Steps count from each source's first version."""
+    a = admission()
+    a.saw_version(7)
+    a.took(B, [7] * B)
+    assert budget(a) == B  # still training on that batch
+    assert budget(a, version=3) == B  # the job's version, first seen: no step from it either
+    a.saw_version(8)
+    assert budget(a, version=3) == 2 * B
+
+
+def test_a_wrong_version_cannot_lift_the_budget_above_capacity_less_in_progress() -> None:
+    a = admission()
+    a.took(B, [0] * B)
+    a.saw_version(0)
+    a.saw_version(10**9)
+    assert budget(a, in_progress=5) == 2 * B - 5
+
+
+def test_a_session_with_a_call_in_flight_is_alive_however_long_the_call() -> None:
+    life = Liveness()
+    for i in range(30):  # live sessions: 0.1 s between a call's answer and the next call
+        life.call_started(f"s{i}", 0.0)
+        life.call_ended(f"s{i}", 1.0)
+        life.call_started(f"s{i}", 1.1)
+    quiet = life.quiet_after()
+    assert quiet is not None and quiet >= 1.0
+    assert not life.dead("s0", 1000.0, quiet)  # its second call is still in flight
+    life.call_ended("s0", 1000.0)
+    assert not life.dead("s0", 1000.0 + quiet / 2, quiet)
+    assert life.dead("s0", 1000.0 + quiet + 0.1, quiet)
+    assert not life.dead("never-called", 2000.0, quiet)  # waits for a place in the pool
+
+
+def test_rows_arriving_late_after_a_sessions_last_call_raise_the_quiet_threshold() -> None:
+    """A session that just finished is quiet while its terminal row is on its way (the launcher
+    flushes every few seconds): it must not be taken for dead meanwhile."""
+    life = Liveness()
+    for i in range(30):
+        life.call_started(f"s{i}", 0.0)
+        life.call_ended(f"s{i}", 0.5)
+        life.call_started(f"s{i}", 0.6)
+        life.call_ended(f"s{i}", 1.0)
+        life.row(f"s{i}", 5.0)  # its rows arrive 4 s after its last call
+    quiet = life.quiet_after()
+    assert quiet is not None and quiet >= 8.0
+
+
+def test_one_dead_session_loses_a_group_of_k_but_not_an_oversampled_one() -> None:
+    census = Census(max_steps=10)
+    census.schedule([("a", "g"), ("b", "g"), ("c", "h"), ("d", "h"), ("e", "h")])
+    for i in range(30):
+        census.sign(f"x{i}", 0.0)
+        census.answered(f"x{i}", 0.1)
+        census.sign(f"x{i}", 0.2)
+    for session in "abcde":
+        census.sign(session, 0.0)
+        census.answered(session, 0.5)
+    census.sign("b", 0.6)  # b makes its next call: alive
+    quiet = census.silent_after()
+    assert quiet is not None
+    later = 0.5 + quiet + 1.0
+    assert census.lost("g", set(), 2, later, quiet)  # a is dead: g (K 2, two sessions) is lost
+    assert not census.lost("g", {"a"}, 2, later, quiet)  # unless a completed (its row came)
+    assert census.lost("h", {"e"}, 2, later, quiet)  # c and d dead: one of three left for K 2
+    census.sign("d", later)  # d alive after all, c dead: two of three can still complete
+    assert not census.lost("h", {"e"}, 2, later + 0.1, quiet)
+
+
+def test_the_gate_reads_the_proxys_version_stamp_across_chunks_and_only_from_a_2xx() -> None:
+    from rollout_buffer.runtime.gate import VersionStamp
+
+    answer = b'HTTP/1.1 200 OK\r\n\r\n{"choices": [], "metadata": {"weight_version": 12345}}'
+    for cut in range(1, len(answer)):  # wherever the chunks break, the stamp is read whole
+        stamp = VersionStamp()
+        stamp.feed(answer[:cut])
+        stamp.feed(answer[cut:])
+        assert stamp.version == 12345, cut
+    refused = VersionStamp()
+    refused.feed(b'HTTP/1.1 429 Too Many\r\n\r\n{"metadata": {"weight_version": 99}}')
+    assert refused.version is None
+    odd = VersionStamp()
+    odd.feed(b'HTTP/1.1 200 OK\r\n\r\n{"metadata": {"weight_version": 1.5}}')
+    assert odd.version is None
