@@ -290,6 +290,11 @@ class Accumulator(Handover, Policies):
         with self.lock:
             self.census.sign(session_id, self.clock())
 
+    def arrived(self, session_id: str) -> None:
+        """A session's first model call reached the pacing gate (held or let through)."""
+        with self.lock:
+            self.census.arrived(session_id, self.clock())
+
     def answered(self, session_id: str) -> None:
         """A model call of the session came back through the pacing gate."""
         with self.lock:

@@ -184,9 +184,14 @@ class Admission:
         return Claims(training, fresh, len(self._held) - fresh)
 
     def _version_locked(self, current_version: int | None) -> int | None:
-        """The freshest current version known: the job's or the proxy's stamp."""
+        """The trainer's version as best known: the freshest of the job's and the proxy's stamp,
+        and at least the first one plus the trainer's bursts ended (a poll after an idle gap
+        comes from its next step, before any answer carries the new version)."""
         known = [v for v in (current_version, self.proxy_version) if v is not None]
-        return max(known) if known else None
+        if not known:
+            return None
+        first = min(self.first_versions.values(), default=min(known))
+        return max(*known, first + self._bursts_ended)
 
     def _steps_locked(self, current_version: int | None, batch: int) -> int:
         """The trainer's training steps completed, the largest of: the weight versions advanced
@@ -220,6 +225,7 @@ class Admission:
         with self._lock:
             claims = self._claims_locked(current_version)
             version = self._version_locked(current_version)
+            steps = self._steps_locked(current_version, self._batch_locked())
             held, admitted = self.held, len(self.admitted)
         progress = sum(v for k, v in in_progress.items() if k != "stalled")
         total = progress + claims.total
@@ -251,6 +257,7 @@ class Admission:
                     "training": claims.training,
                     "fresh": claims.fresh,
                     "going_stale": claims.going_stale,
+                    "steps_completed": steps,
                     "source": "estimated: the groups served less B per step completed (weight "
                     "versions advanced, the trainer's bursts of polls, or its full batches); the "
                     "batch it trains on, and the groups it holds that its next step can take",

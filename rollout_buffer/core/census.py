@@ -85,6 +85,8 @@ class Census:
         self.group_sessions: defaultdict[str, set[str]] = defaultdict(set)
         self.session_group: dict[str, str] = {}
         self.scheduled: set[str] = set()  # listed in job_environments
+        self.place: dict[str, int] = {}  # a listed session's place in job_environments
+        self._places = 0
         self.placed: set[str] = set()  # placed in their group by a row of theirs
         self.trainable: set[str] = set()  # wrote at least one trainable row
         self.without_result: set[str] = set()  # ended without a terminal row
@@ -99,6 +101,9 @@ class Census:
             if _text(session_id) and _text(group_id):
                 self.scheduled.add(session_id)
                 self._know(session_id, group_id)
+                if session_id not in self.place:
+                    self.place[session_id] = self._places
+                    self._places += 1
 
     def observe(self, facts: Iterable[StepFact], *, trainable: bool, now: float) -> set[str]:
         """Rows of the job (trainable or not); the groups that just got a session without a
@@ -144,6 +149,7 @@ class Census:
         sessions = self.group_sessions.pop(group_id, set())
         self.liveness.forget(sessions)
         for session_id in sessions:
+            self.place.pop(session_id, None)
             timing = self.timing.pop(session_id, None)
             if timing is not None:
                 seconds += timing[1] - timing[0]
@@ -193,6 +199,19 @@ class Census:
             timing[1] = now
         self.liveness.call_started(session_id, now)
 
+    def _dead(self, session_id: str, now: float, silent: float) -> bool:
+        """Quiet for good at the gate, or passed over by the launcher before its first call."""
+        if session_id in self.liveness.calls:
+            return self.liveness.dead(session_id, now, silent)
+        if session_id in self.liveness.arrived:
+            return False  # held at the gate: its group is not admitted
+        place = self.place.get(session_id)
+        return place is not None and self.liveness.passed(place, now, silent)
+
+    def arrived(self, session_id: str, now: float) -> None:
+        """The session's first model call reached the gate (held or let through)."""
+        self.liveness.arrive(session_id, self.place.get(session_id), now)
+
     def answered(self, session_id: str, now: float) -> None:
         """A model call of the session came back through the gate (answered, or abandoned)."""
         self.liveness.call_ended(session_id, now)
@@ -216,7 +235,7 @@ class Census:
             if session_id in completed:
                 continue
             if session_id in self.without_result or (
-                silent is not None and self.liveness.dead(session_id, now, silent)
+                silent is not None and self._dead(session_id, now, silent)
             ):
                 gone += 1
         return gone > 0 and max(len(sessions), k) - gone < k

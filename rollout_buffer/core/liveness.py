@@ -15,6 +15,11 @@ A call in flight, however long (a model call may take fifteen minutes), keeps it
 The threshold is the larger of four times the median and twice the 95th percentile of the recent
 quiet spans of either kind, and at least a second; nothing is dead until twenty gaps were seen.
 
+A session that failed before its first model call never shows at the gate. The launcher starts
+its sessions in the order of ``job_environments``, so one that has not arrived at the gate (its
+first call, held or not) while a session listed after it arrived longer than that threshold ago
+was passed over: it failed at its start.
+
 Owns: each running session's calls in flight and when it last went quiet, and the recent spans. It
 must not decide groups: the accumulator asks, under its lock (this class has no lock of its own).
 """
@@ -37,6 +42,12 @@ class Liveness:
         self.calls: dict[str, list[float]] = {}
         self.gaps: deque[float] = deque(maxlen=SPANS_KEPT)  # a call's end to the next one's start
         self.lags: deque[float] = deque(maxlen=SPANS_KEPT)  # a call's end to a row of the session
+        self.arrived: set[str] = set()  # sessions whose first call reached the gate (held or not)
+        # first calls of the last few seconds, (when, the session's place in job_environments),
+        # and the largest place among the older ones: the launcher has passed every session
+        # listed before it
+        self._arrivals: deque[tuple[float, int]] = deque()
+        self._passed = -1
 
     def call_started(self, session_id: str, now: float) -> None:
         entry = self.calls.get(session_id)
@@ -73,6 +84,22 @@ class Liveness:
                 threshold = max(threshold, 4.0 * median, 2.0 * p95)
         return threshold
 
+    def arrive(self, session_id: str, place: int | None, now: float) -> None:
+        """The session's first call reached the gate; ``place``: its place in job_environments
+        (None: not listed)."""
+        if session_id not in self.arrived:
+            self.arrived.add(session_id)
+            if place is not None:
+                self._arrivals.append((now, place))
+
+    def passed(self, place: int, now: float, quiet_s: float) -> bool:
+        """A session listed at ``place`` that has not arrived: did the launcher start one listed
+        after it longer than ``quiet_s`` ago?"""
+        horizon = now - quiet_s
+        while self._arrivals and self._arrivals[0][0] <= horizon:
+            self._passed = max(self._passed, self._arrivals.popleft()[1])
+        return self._passed > place
+
     def dead(self, session_id: str, now: float, quiet_s: float) -> bool:
         """No call in flight, and quiet for longer than ``quiet_s`` (:meth:`quiet_after`). A
         session never seen at the gate is not dead: it has not started (it waits for a place in
@@ -84,3 +111,4 @@ class Liveness:
         """Sessions of a decided group."""
         for session_id in sessions:
             self.calls.pop(session_id, None)
+            self.arrived.discard(session_id)

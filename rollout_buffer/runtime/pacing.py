@@ -107,6 +107,7 @@ class Pacing:
         job_state = self.jobs.current
         if job_state is None:
             return True
+        job_state.accumulator.arrived(session_id)  # (once: a held call asks again and again)
         admission = self.admission
         admission.prune(
             job_state.accumulator.decided

@@ -348,7 +348,7 @@ class Serving:
             chunks,
             len(built),
             on_close=lambda: self.history.sent(entry),
-            versions=[t.min_wv for t, _ in built],
+            versions=[min(g.weight_versions, default=None) for _, g in built],
         )
 
     def _failed(self, job_state: JobState, t: Take, exc: Exception) -> bool:

@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections import defaultdict
@@ -106,9 +107,15 @@ def one_run(args: argparse.Namespace, pacing: bool, index: int) -> dict[str, Any
             http(url + "/start_rollout", {"num_repeat_per_sample": K, "job_session": job})
             result = trainer(args, url, llm)
             stats = http(url + "/stats")
+            if args.dump:
+                with open(f"{args.dump}.{job}.json", "w") as out:
+                    json.dump({"calls": llm.calls, "events": result["events"]}, out)
         finally:
             server.stop()
         sessions = groups_of_sessions(db_url, job)
+        if args.dump:
+            with open(f"{args.dump}.{job}.sessions.json", "w") as out:
+                json.dump(sessions, out)
         return account(result, stats, llm, sessions, pacing)
 
 
@@ -119,6 +126,15 @@ def trainer(args: argparse.Namespace, url: str, llm: FakeLLM) -> dict[str, Any]:
     trained: list[str] = []
     stale: list[str] = []
     started = time.monotonic()
+    events: list[tuple[float, str, Any]] = []  # for --dump: (time, what, detail)
+    sampling = threading.Event()
+    if args.dump:  # the budget every half second, to see what held it
+
+        def sample() -> None:
+            while not sampling.wait(0.5):
+                events.append((time.monotonic(), "admission", http(url + "/admission")))
+
+        threading.Thread(target=sample, daemon=True).start()
     for _step in range(args.steps):
         collect_from = time.monotonic()
         while True:
@@ -128,6 +144,11 @@ def trainer(args: argparse.Namespace, url: str, llm: FakeLLM) -> dict[str, Any]:
             if len(held) >= B:
                 break
             doc = http(url + "/get_rollout_data", {})
+            got = {
+                item["instance_id"]: int(item["extra_info"].get("weight_version") or 0)
+                for item in (doc.get("data") or {}).get("data") or []
+            }
+            events.append((time.monotonic(), "poll", got))
             if doc.get("success"):
                 for item in doc["data"]["data"]:
                     v = int(item["extra_info"].get("weight_version") or 0)
@@ -139,6 +160,7 @@ def trainer(args: argparse.Namespace, url: str, llm: FakeLLM) -> dict[str, Any]:
         for gid in batch:
             del held[gid]
         trained.extend(batch)
+        events.append((time.monotonic(), "train", {"step": _step, "version": version}))
         if args.trace:
             doc = http(url + "/admission")
             print(
@@ -152,10 +174,17 @@ def trainer(args: argparse.Namespace, url: str, llm: FakeLLM) -> dict[str, Any]:
         time.sleep(args.train_s)  # training
         version += 1
         llm.version = version  # the proxy stamps the new policy's version from now on
+    sampling.set()
     elapsed = time.monotonic() - started
     # what is left: the trainer's surplus and the buffer's ready groups, stale or not
     stale.extend(g for g, v in held.items() if v < version - S)
-    return {"trained": trained, "stale": stale, "elapsed_s": elapsed, "version": version}
+    return {
+        "trained": trained,
+        "stale": stale,
+        "elapsed_s": elapsed,
+        "version": version,
+        "events": events,
+    }
 
 
 def account(
@@ -215,6 +244,7 @@ def main() -> int:
     p.add_argument("--pool", type=int, default=24, help="the launcher's concurrent sessions")
     p.add_argument("--trace", action="store_true", help="print each step's admission figures")
     p.add_argument("--only", choices=("off", "on"), help="run one mode only")
+    p.add_argument("--dump", help="write each run's model calls and trainer events to DUMP.*.json")
     args = p.parse_args()
     print(
         f"pacing bench: K={K} B={B} S={S} T={args.train_s}s steps={args.steps} "

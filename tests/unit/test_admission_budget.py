@@ -143,3 +143,39 @@ def test_the_gate_reads_the_proxys_version_stamp_across_chunks_and_only_from_a_2
     odd = VersionStamp()
     odd.feed(b'HTTP/1.1 200 OK\r\n\r\n{"metadata": {"weight_version": 1.5}}')
     assert odd.version is None
+
+
+def test_a_session_the_launcher_passed_over_before_its_first_call_is_dead() -> None:
+    """The launcher starts sessions in job_environments order: a session that never reached the
+    gate while one listed after it did, longer ago than live sessions stay quiet, failed at its
+    start. One held at the gate is not dead: its group is not admitted."""
+    census = Census(max_steps=10)
+    census.schedule([("a", "g"), ("b", "g"), ("c", "h"), ("d", "h")])
+    for i in range(30):
+        census.sign(f"x{i}", 0.0)
+        census.answered(f"x{i}", 0.1)
+        census.sign(f"x{i}", 0.2)
+    quiet = census.silent_after()
+    assert quiet is not None
+    census.arrived("a", 1.0)
+    census.sign("a", 1.0)  # a runs; b (listed next) never calls: it failed at its start
+    census.arrived("c", 1.0)  # c is held at the gate (h not admitted)
+    assert not census.lost("g", set(), 2, 1.0 + quiet / 2, quiet)  # too soon to tell
+    assert census.lost("g", set(), 2, 1.0 + quiet + 0.5, quiet)
+    assert not census.lost("h", set(), 2, 1.0 + quiet + 0.5, quiet)  # d after c: not passed
+
+
+def test_a_poll_after_an_idle_gap_is_from_the_trainers_next_version() -> None:
+    """The trainer comes back after a training step before any answer carries the new version:
+    the groups it holds that the new version's staleness bound rejects are not counted."""
+    clock = [0.0]
+    a = Admission(staleness=1, batch_groups=B, idle_gap_s=5.0, clock=lambda: clock[0])
+    a.saw_version(0)
+    a.took(10, [0] * 10)  # a batch of 8 to train on, 2 held
+    clock[0] = 8.0
+    a.saw_version(1)
+    a.took(8, [1] * 8)  # step 1: trains 2 of version 0 and 6 of version 1, holds 2 of version 1
+    clock[0] = 16.0  # step 2 (version 2) polls before the proxy stamps 2: version 0 is too old
+    a.took(1, [0])
+    surplus = a.report({"running": 0}, None)["inputs"]["trainer_surplus"]  # type: ignore[index]
+    assert surplus["training"] == 0 and surplus["fresh"] == 2, surplus
