@@ -347,6 +347,18 @@ class Gate:
             up_writer.write(b"\r\n".join(out) + body)
             await up_writer.drain()
             stamp = VersionStamp()
+            # the gate answers one call per connection: the client is told so, or it would send
+            # its next call on a connection the gate is closing (a keep-alive client, like
+            # requests, then sees it dropped and backs off 2 s before retrying, SPEC §5)
+            try:
+                head = await up_reader.readuntil(b"\r\n\r\n")
+            except asyncio.LimitOverrunError:
+                self.upstream_errors += 1
+                await _answer(writer, 502, "the LLM proxy's answer has a head over 64 KiB")
+                return
+            stamp.feed(head)
+            writer.write(_closing(head))
+            await writer.drain()
             while True:
                 chunk = await up_reader.read(65536)
                 if not chunk:
@@ -407,6 +419,17 @@ def raise_descriptor_limit(wanted: int = FD_WANTED) -> int:
         logger.info("pacing gate: open-descriptor limit raised from %d to %d", soft, target)
         return target
     return soft
+
+
+def _closing(head: bytes) -> bytes:
+    """An answer's head, saying that the connection closes after it."""
+    lines = head.split(b"\r\n")
+    kept = [
+        line
+        for line in lines[1:]
+        if line and line.partition(b":")[0].strip().lower() not in (b"connection", b"keep-alive")
+    ]
+    return b"\r\n".join([lines[0], *kept, b"Connection: close", b"", b""])
 
 
 def _continues(body: bytes) -> bool:
