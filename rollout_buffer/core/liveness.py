@@ -48,6 +48,7 @@ class Liveness:
         # listed before it
         self._arrivals: deque[tuple[float, int]] = deque()
         self._passed = -1
+        self.in_order = True  # False once a session arrived after being passed over
 
     def call_started(self, session_id: str, now: float) -> None:
         entry = self.calls.get(session_id)
@@ -90,6 +91,10 @@ class Liveness:
         if session_id not in self.arrived:
             self.arrived.add(session_id)
             if place is not None:
+                if place < self._passed:
+                    # it was taken for dead: the launcher does not start sessions in the order
+                    # of job_environments, and the rule would take queued sessions for dead
+                    self.in_order = False
                 self._arrivals.append((now, place))
 
     def passed(self, place: int, now: float, quiet_s: float) -> bool:
@@ -98,7 +103,7 @@ class Liveness:
         horizon = now - quiet_s
         while self._arrivals and self._arrivals[0][0] <= horizon:
             self._passed = max(self._passed, self._arrivals.popleft()[1])
-        return self._passed > place
+        return self.in_order and self._passed > place
 
     def dead(self, session_id: str, now: float, quiet_s: float) -> bool:
         """No call in flight, and quiet for longer than ``quiet_s`` (:meth:`quiet_after`). A

@@ -8,9 +8,10 @@ Fixed parameters (printed with the results):
   cadence while it waits, --poll-s).
 - The producers: the service's simulated launcher, making its model calls to a stand-in LLM proxy
   (a real HTTP server) that answers each call after --call-s and stamps the weight version, which
-  the trainer advances at each step. A pool of --pool sessions, session lengths 2-6 steps (3x
+  the trainer advances at each step. A pool of --pool sessions (24), session lengths 2-6 steps (3x
   spread), 5% of sessions crashing. With the defaults the producers are about twice as fast as the
-  trainer.
+  trainer: each run prints the complete groups generated per minute (with pacing off, about 128
+  against the trainer's 60).
 - Runs alternate pacing off and on (--runs each), each --steps trainer steps long.
 
 Per run and as medians (with min-max): the share of generated groups and of generation seconds
@@ -20,8 +21,9 @@ no pacing can save them. A group's generation seconds are its sessions' seconds 
 their first model call to their last answer, as the stand-in proxy saw them. Groups still in
 progress, or fresh and not yet taken, when the last step ends are left out of both.
 
-    python tests/bench/pacing.py                 # 3 runs each, ~8 minutes
+    python tests/bench/pacing.py                 # 3 runs each, ~10 minutes
     python tests/bench/pacing.py --runs 1 --steps 6
+    python tests/bench/pacing.py --only on --dump /tmp/d   # calls, polls and /admission over time
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -235,6 +238,8 @@ def account(
 
 
 def main() -> int:
+    # a TERM (timeout, kill) unwinds the run: its service and launcher are stopped, not orphaned
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--runs", type=int, default=3, help="runs with pacing off and with it on")
     p.add_argument("--steps", type=int, default=10, help="trainer steps per run")

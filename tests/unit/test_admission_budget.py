@@ -179,3 +179,26 @@ def test_a_poll_after_an_idle_gap_is_from_the_trainers_next_version() -> None:
     a.took(1, [0])
     surplus = a.report({"running": 0}, None)["inputs"]["trainer_surplus"]  # type: ignore[index]
     assert surplus["training"] == 0 and surplus["fresh"] == 2, surplus
+
+
+def test_a_launcher_out_of_order_turns_the_passed_over_rule_off() -> None:
+    """A session taken for passed over that arrives after all: the launcher does not start
+    sessions in job_environments order, and the rule would take its queued sessions for dead
+    (the budget would then admit group after group)."""
+    census = Census(max_steps=10)
+    census.schedule([("a", "g"), ("b", "g"), ("c", "h"), ("d", "h"), ("e", "i"), ("f", "i")])
+    for i in range(30):
+        census.sign(f"x{i}", 0.0)
+        census.answered(f"x{i}", 0.1)
+        census.sign(f"x{i}", 0.2)
+    quiet = census.silent_after()
+    assert quiet is not None
+    census.arrived("c", 1.0)
+    census.sign("c", 1.0)
+    later = 1.0 + quiet + 0.5
+    assert census.lost("g", set(), 2, later, quiet)  # a and b passed over by c
+    census.arrived("a", later)  # a arrives after all: out of order
+    census.sign("a", later)
+    assert not census.lost("g", set(), 2, later + 0.1, quiet)  # a runs; b may be queued
+    census.arrived("f", later + 0.1)
+    assert not census.lost("i", set(), 2, later + 10 * quiet, quiet)  # e queued, not dead
