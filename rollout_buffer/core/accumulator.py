@@ -290,6 +290,11 @@ class Accumulator(Handover, Policies):
         with self.lock:
             self.census.sign(session_id, self.clock())
 
+    def quiet_after(self) -> float | None:
+        """Seconds of quiet after which a session is taken for dead (None: not yet learned)."""
+        with self.lock:
+            return self.census.silent_after()
+
     def arrived(self, session_id: str) -> None:
         """A session's first model call reached the pacing gate (held or let through)."""
         with self.lock:

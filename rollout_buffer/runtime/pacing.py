@@ -166,6 +166,12 @@ class Pacing:
             admission.completion_rate = job_state.accumulator.completion_rate()
             version = job_state.accumulator.known_version
         doc = admission.report(progress, version)
+        quiet = None if job_state is None else job_state.accumulator.quiet_after()
+        inputs = doc["inputs"]
+        if isinstance(inputs, dict):  # how long a session stays quiet before it is taken for dead
+            inputs["in_progress"]["session_dead_after_s"] = (
+                None if quiet is None else round(quiet, 2)
+            )
         doc["pacing"] = self.config.pacing
         doc["job_session"] = None if job_state is None else job_state.job_id
         gate = doc["gate"]
