@@ -341,12 +341,13 @@ class Gate:
             # a 502 is retried by the launcher's LLM client, as any 5xx (SPEC §5)
             await _answer(writer, 502, f"the LLM proxy cannot be reached: {exc}")
             return
+        answered = False
+        stamp = VersionStamp()
         try:
             kept = [h for h in headers if h.partition(b":")[0].strip().lower() not in HOP_BY_HOP]
             out = [method + b" " + target + b" HTTP/1.1", *kept, b"Connection: close", b"", b""]
             up_writer.write(b"\r\n".join(out) + body)
             await up_writer.drain()
-            stamp = VersionStamp()
             # the gate answers one call per connection: the client is told so, or it would send
             # its next call on a connection the gate is closing (a keep-alive client, like
             # requests, then sees it dropped and backs off 2 s before retrying, SPEC §5)
@@ -359,6 +360,7 @@ class Gate:
             stamp.feed(head)
             writer.write(_closing(head))
             await writer.drain()
+            answered = True
             while True:
                 chunk = await up_reader.read(65536)
                 if not chunk:
@@ -366,10 +368,13 @@ class Gate:
                 stamp.feed(chunk)
                 writer.write(chunk)
                 await writer.drain()
-            self.forwarded += 1
-            if stamp.version is not None:
-                self.on_version(stamp.version)
         finally:
+            # counted and read even when cancelled: a client that has the whole answer closes
+            # its end at once (the answer said Connection: close), often before the proxy's end
+            if answered:
+                self.forwarded += 1
+                if stamp.version is not None:
+                    self.on_version(stamp.version)
             up_writer.close()
             with contextlib.suppress(Exception):
                 await up_writer.wait_closed()

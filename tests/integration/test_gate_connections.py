@@ -1,5 +1,9 @@
 """The pacing gate answers one call per connection, and says so (issue 23, found by the
-benchmark): a keep-alive client (requests, as the simulated launcher and many LLM clients use)
+benchmark). Every answer is counted and its version stamp read, even when the client, told the
+connection closes, closes its end before the proxy closes its own (the gate then cancels the
+relay: one stamp in ten was lost that way).
+
+Before, a keep-alive client (requests, as the simulated launcher and many LLM clients use)
 sent its next call on the connection the gate was closing, saw it dropped, and backed off 2 s
 before retrying (SPEC §5): 116 retries in one benchmark run, each session's calls stretched."""
 
