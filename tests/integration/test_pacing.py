@@ -196,3 +196,70 @@ def test_waste_is_measured_per_group_and_by_reason(harness_factory: Any, db_url:
         'reason="stale"} 1' in metrics
     )
     assert 'rollout_buffer_discarded_generation_share{job_session="job1"}' in metrics
+
+
+def test_the_budget_sees_a_step_end_in_the_proxys_stamp_and_drops_a_stale_surplus(
+    harness_factory: Any, db_url: str, llm: FakeLLM
+) -> None:
+    """S 1, B 1: two groups may be ahead. The trainer takes two groups of version 7 (one to train
+    on, one held): nothing more may start. The proxy stamps 8 on an answer through the gate (the
+    step ended): the batch is consumed, one group may start. It stamps 9: the held group of
+    version 7 is too old for the trainer's next step, so it no longer claims a place either."""
+    port = free_port()
+    h = harness_factory(
+        db_url,
+        pacing="gate",
+        gate_port=port,
+        proxy_host="127.0.0.1",
+        proxy_port=llm.port,
+        pacing_staleness=1,
+        pacing_batch_groups=1,
+        pacing_idle_gap_s=60,  # no idle gap ends a burst here: only the stamp tells
+    )
+    w = Writer(db_url)
+
+    def admission_at(version: int) -> dict[str, Any]:
+        llm.version = version
+        call(port, "a1")  # a session of an admitted group: never held
+        return wait_until(
+            lambda: (
+                (d := h.client.get("/admission").get_json())["proxy_weight_version"] == version
+                and d
+            ),
+            5,
+            lambda: f"{h.client.get('/admission').get_json()}",
+        )
+
+    try:
+        schedule(w, "g1", ["a1", "a2"])
+        schedule(w, "g2", ["b1", "b2"])
+        h.start(k=2)
+        h.settle()
+        for sid in ("a1", "a2", "b1", "b2"):
+            call(port, sid)  # stamped 7
+        for group, sessions in (("g1", ("a1", "a2")), ("g2", ("b1", "b2"))):
+            for sid in sessions:
+                w.step(
+                    group,
+                    sid,
+                    1,
+                    completed=True,
+                    step_reward=float(sid[1]),
+                    env_state={"weight_version": 7},
+                )
+        h.settle()
+        assert len(h.poll()["data"]["data"]) == 4
+        doc = admission_at(7)
+        surplus = doc["inputs"]["trainer_surplus"]
+        assert (surplus["training"], surplus["fresh"], doc["budget"]) == (1, 1, 0), doc
+
+        doc = admission_at(8)
+        surplus = doc["inputs"]["trainer_surplus"]
+        assert (surplus["training"], surplus["fresh"], doc["budget"]) == (0, 1, 1), doc
+
+        doc = admission_at(9)
+        surplus = doc["inputs"]["trainer_surplus"]
+        assert (surplus["fresh"], surplus["going_stale"], doc["budget"]) == (0, 1, 2), doc
+        assert doc["version_for_staleness"] == 9
+    finally:
+        w.close()
