@@ -50,7 +50,7 @@ CONNECT_TIMEOUT_S = 10.0
 # the proxy's version stamp in an answer; searched in the last bytes of a chunk with the next
 VERSION_STAMP = re.compile(rb'"weight_version"\s*:\s*(\d{1,12})(?![\d.eE])')
 VERSION_TAIL_BYTES = 64
-HOP_BY_HOP = {
+NOT_RELAYED = {  # hop-by-hop, and Expect: the gate has read the whole body already
     b"connection",
     b"keep-alive",
     b"proxy-connection",
@@ -58,6 +58,7 @@ HOP_BY_HOP = {
     b"upgrade",
     b"te",
     b"trailer",
+    b"expect",
 }
 
 
@@ -225,23 +226,16 @@ class Gate:
             await _answer(writer, 400, "a request line is METHOD TARGET VERSION")
             return
         headers = [h for h in lines[1:] if h]
-        length = 0
-        for h in headers:
-            name, _, value = h.partition(b":")
-            if name.strip().lower() == b"content-length":
-                text = value.strip()
-                if not text.isdigit():  # not a number, or negative: no body can be read by it
-                    await _answer(writer, 400, "Content-Length is a non-negative integer")
-                    return
-                length = int(text)
-                if length > MAX_BODY_BYTES:  # never buffered: it would take the service's memory
-                    await _answer(
-                        writer, 413, f"the gate forwards bodies of at most {MAX_BODY_BYTES} bytes"
-                    )
-                    return
-            elif name.strip().lower() == b"transfer-encoding":
-                await _answer(writer, 411, "the gate takes bodies with a Content-Length")
-                return
+        try:
+            length, expects = _body_of(headers)
+        except _Refused as refused:
+            await _answer(writer, refused.status, str(refused))
+            return
+        if expects and length:
+            # curl and libcurl-based clients ask before sending a large body, and wait a second
+            # for the answer: the gate takes every body (it reads it before asking the budget)
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await writer.drain()
         body = await reader.readexactly(length) if length else b""
         session = _session_of(target.decode("latin-1"))
         if session is not None and not self._remembered(session):
@@ -344,30 +338,49 @@ class Gate:
         answered = False
         stamp = VersionStamp()
         try:
-            kept = [h for h in headers if h.partition(b":")[0].strip().lower() not in HOP_BY_HOP]
+            # the gate sends the whole body at once: the proxy has nothing to agree to first
+            kept = [h for h in headers if h.partition(b":")[0].strip().lower() not in NOT_RELAYED]
             out = [method + b" " + target + b" HTTP/1.1", *kept, b"Connection: close", b"", b""]
             up_writer.write(b"\r\n".join(out) + body)
             await up_writer.drain()
+            while True:
+                try:
+                    head = await up_reader.readuntil(b"\r\n\r\n")
+                except asyncio.LimitOverrunError:
+                    self.upstream_errors += 1
+                    await _answer(writer, 502, "the LLM proxy's answer has a head over 64 KiB")
+                    return
+                status = _status(head)
+                if status is None or not 100 <= status < 200 or status == 101:
+                    break
+                writer.write(head)  # an interim answer (103 Early Hints): the final one follows
+                await writer.drain()
+            stamp.feed(head)
             # the gate answers one call per connection: the client is told so, or it would send
             # its next call on a connection the gate is closing (a keep-alive client, like
             # requests, then sees it dropped and backs off 2 s before retrying, SPEC §5)
-            try:
-                head = await up_reader.readuntil(b"\r\n\r\n")
-            except asyncio.LimitOverrunError:
-                self.upstream_errors += 1
-                await _answer(writer, 502, "the LLM proxy's answer has a head over 64 KiB")
-                return
-            stamp.feed(head)
             writer.write(_closing(head))
             await writer.drain()
             answered = True
-            while True:
-                chunk = await up_reader.read(65536)
-                if not chunk:
-                    break
-                stamp.feed(chunk)
-                writer.write(chunk)
-                await writer.drain()
+            # the answer ends where its framing says, whether or not the proxy closes then; the
+            # stamp is read from the payload, never from a chunk's size line
+            framing = _framing(head, method, status)
+            if framing == CHUNKED:
+                await _relay_chunked(up_reader, writer, stamp)
+            else:
+                remaining = framing
+                while remaining != 0:
+                    want = 65536 if remaining < 0 else min(remaining, 65536)
+                    chunk = await up_reader.read(want)
+                    if not chunk:
+                        if remaining > 0:  # cut short: the client sees its answer cut, retries
+                            raise asyncio.IncompleteReadError(b"", remaining)
+                        break
+                    if remaining > 0:
+                        remaining -= len(chunk)
+                    stamp.feed(chunk)
+                    writer.write(chunk)
+                    await writer.drain()
         finally:
             # counted and read even when cancelled: a client that has the whole answer closes
             # its end at once (the answer said Connection: close), often before the proxy's end
@@ -424,6 +437,106 @@ def raise_descriptor_limit(wanted: int = FD_WANTED) -> int:
         logger.info("pacing gate: open-descriptor limit raised from %d to %d", soft, target)
         return target
     return soft
+
+
+CHUNKED = -2  # _framing: the body is chunked
+UNTIL_CLOSE = -1  # _framing: the body runs until the proxy closes
+
+
+def _status(head: bytes) -> int | None:
+    """An answer's status code, None when its status line is not HTTP's."""
+    parts = head.split(b"\r\n", 1)[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+        return None
+    return int(parts[1])
+
+
+def _framing(head: bytes, method: bytes, status: int | None) -> int:
+    """Where the answer's body ends (RFC 9112 6.3): its length (0: none), CHUNKED, or
+    UNTIL_CLOSE."""
+    if method.upper() == b"HEAD" or status in (204, 304):
+        return 0
+    length: int | None = None
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"transfer-encoding":
+            codings = [c.strip() for c in value.lower().split(b",")]
+            return CHUNKED if codings[-1] == b"chunked" else UNTIL_CLOSE
+        if name == b"content-length" and value.strip().isdigit():
+            length = int(value.strip())
+    return UNTIL_CLOSE if length is None else length
+
+
+async def _relay_chunked(
+    up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stamp: VersionStamp
+) -> None:
+    """Relay a chunked body as it comes, byte for byte, up to its last chunk and trailers; only
+    the chunks' data goes to ``stamp``."""
+    while True:
+        line = await _line(up_reader)
+        writer.write(line)
+        size_text = line.split(b";", 1)[0].strip()
+        if not size_text or any(c not in b"0123456789abcdefABCDEF" for c in size_text):
+            raise ConnectionError(f"the LLM proxy sent a bad chunk size line {line[:40]!r}")
+        size = int(size_text, 16)
+        if size == 0:
+            while line != b"\r\n":  # the trailers, up to the empty line
+                line = await _line(up_reader)
+                writer.write(line)
+            await writer.drain()
+            return
+        while size:
+            data = await up_reader.read(min(size, 65536))
+            if not data:
+                raise asyncio.IncompleteReadError(b"", size)
+            size -= len(data)
+            stamp.feed(data)
+            writer.write(data)
+            await writer.drain()
+        writer.write(await up_reader.readexactly(2))  # the chunk's CRLF
+
+
+async def _line(up_reader: asyncio.StreamReader) -> bytes:
+    """A line of a chunked body (a size line, a trailer), with its CRLF."""
+    try:
+        return await up_reader.readuntil(b"\r\n")
+    except asyncio.LimitOverrunError as exc:
+        raise ConnectionError("the LLM proxy sent a chunked body's line over 64 KiB") from exc
+
+
+class _Refused(Exception):
+    """A request the gate answers with an error itself."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _body_of(headers: list[bytes]) -> tuple[int, bool]:
+    """A request's body length, and whether its client waits for ``100 Continue`` before
+    sending it; raises :class:`_Refused` for a request the gate does not forward."""
+    length: int | None = None
+    expects = False
+    for h in headers:
+        name, _, value = h.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            text = value.strip()
+            if not text.isdigit():  # not a number, or negative: no body can be read by it
+                raise _Refused(400, "Content-Length is a non-negative integer")
+            if length is not None and int(text) != length:
+                # the gate would read the body by one and the proxy by the other: the proxy would
+                # see another request than the one paced (RFC 9112 6.3: an error)
+                raise _Refused(400, "two different Content-Lengths")
+            length = int(text)
+            if length > MAX_BODY_BYTES:  # never buffered: it would take the service's memory
+                raise _Refused(413, f"the gate forwards bodies of at most {MAX_BODY_BYTES} bytes")
+        elif name == b"transfer-encoding":
+            raise _Refused(411, "the gate takes bodies with a Content-Length")
+        elif name == b"expect" and value.strip().lower() == b"100-continue":
+            expects = True
+    return length or 0, expects
 
 
 def _closing(head: bytes) -> bytes:
