@@ -309,10 +309,11 @@ class Accumulator(Handover, Policies):
         with self.lock:
             self.census.arrived(session_id, self.clock())
 
-    def answered(self, session_id: str) -> None:
-        """A model call of the session came back through the pacing gate."""
+    def answered(self, session_id: str, retried: bool = False) -> None:
+        """A model call of the session came back through the pacing gate (``retried``: so that
+        its client retries it after a backoff)."""
         with self.lock:
-            self.census.answered(session_id, self.clock())
+            self.census.answered(session_id, self.clock(), retried)
 
     def first_call(self, session_id: str) -> None:
         """A session's first model call went through the pacing gate: its first sign."""

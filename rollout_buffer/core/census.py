@@ -212,9 +212,10 @@ class Census:
         """The session's first model call reached the gate (held or let through)."""
         self.liveness.arrive(session_id, self.place.get(session_id), now)
 
-    def answered(self, session_id: str, now: float) -> None:
-        """A model call of the session came back through the gate (answered, or abandoned)."""
-        self.liveness.call_ended(session_id, now)
+    def answered(self, session_id: str, now: float, retried: bool = False) -> None:
+        """A model call of the session came back through the gate (answered, or abandoned;
+        ``retried``: so that its client retries it after a backoff)."""
+        self.liveness.call_ended(session_id, now, retried)
 
     def silent_after(self) -> float | None:
         """Seconds of quiet after which a started session with no call in flight is taken for

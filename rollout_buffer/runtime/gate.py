@@ -67,8 +67,10 @@ class Gate:
 
     ``may_start(session_id)`` answers True (forward now) or False (hold, ask again later);
     ``running(session_id)`` says a session is seen mid-way (its call carries a model answer: the
-    gate restarted under it), so its group is admitted. Both are called on the gate's thread and
-    must be quick. ``upstream`` is the real proxy's base URL
+    gate restarted under it), so its group is admitted. ``answered(session_id, retried)`` says a
+    call ended; ``retried``: in a way the launcher's client retries after a backoff (no answer,
+    a 5xx or a 429, SPEC §5), so the session is alive though quiet meanwhile. They are called
+    on the gate's thread and must be quick. ``upstream`` is the real proxy's base URL
     (``http://host:port``): a call to ``/v1/<session>/chat/completions`` here goes to the same
     path there.
     """
@@ -84,7 +86,7 @@ class Gate:
         may_start: Callable[[str], bool],
         running: Callable[[str], None] = lambda session: None,
         seen: Callable[[str], None] = lambda session: None,
-        answered: Callable[[str], None] = lambda session: None,
+        answered: Callable[[str, bool], None] = lambda session, retried: None,
         on_hold: Callable[[int], None] = lambda delta: None,
         on_version: Callable[[int], None] = lambda version: None,
     ) -> None:
@@ -253,7 +255,8 @@ class Gate:
         if session is not None:
             self.seen(session)  # a sign of life: a silent session is taken for dead sooner
         self.in_flight += 1
-        relay = asyncio.ensure_future(self._relay(method, target, headers, body, writer))
+        call = _Call()
+        relay = asyncio.ensure_future(self._relay(method, target, headers, body, writer, call))
         # the client going away (its timeout: it retries) ends the upstream call too, as a direct
         # connection would: an upstream that aborts a request whose client left (vLLM does) stops
         # generating for nobody, and a hung upstream does not keep a task and a socket for ever
@@ -271,7 +274,8 @@ class Gate:
                 relay.cancel()
             self.in_flight -= 1
             if session is not None:
-                self.answered(session)
+                status = call.status
+                self.answered(session, status is None or status == 429 or status >= 500)
 
     async def _admit(self, session: str, reader: asyncio.StreamReader) -> bool:
         """Hold the first call of ``session`` until its group may start. False when its client
@@ -325,7 +329,10 @@ class Gate:
         headers: list[bytes],
         body: bytes,
         writer: asyncio.StreamWriter,
+        call: _Call,
     ) -> None:
+        """Forward the call to the proxy and its answer back; ``call.status`` is the status
+        the client was answered (once its head is sent)."""
         try:
             up_reader, up_writer = await asyncio.wait_for(
                 asyncio.open_connection(self.upstream_host, self.upstream_port), CONNECT_TIMEOUT_S
@@ -333,6 +340,7 @@ class Gate:
         except (OSError, asyncio.TimeoutError) as exc:
             self.upstream_errors += 1
             # a 502 is retried by the launcher's LLM client, as any 5xx (SPEC §5)
+            call.status = 502
             await _answer(writer, 502, f"the LLM proxy cannot be reached: {exc}")
             return
         answered = False
@@ -348,6 +356,7 @@ class Gate:
                     head = await up_reader.readuntil(b"\r\n\r\n")
                 except asyncio.LimitOverrunError:
                     self.upstream_errors += 1
+                    call.status = 502
                     await _answer(writer, 502, "the LLM proxy's answer has a head over 64 KiB")
                     return
                 status = _status(head)
@@ -359,6 +368,7 @@ class Gate:
             # the gate answers one call per connection: the client is told so, or it would send
             # its next call on a connection the gate is closing (a keep-alive client, like
             # requests, then sees it dropped and backs off 2 s before retrying, SPEC §5)
+            call.status = status
             writer.write(_closing(head))
             await writer.drain()
             answered = True
@@ -391,6 +401,12 @@ class Gate:
             up_writer.close()
             with contextlib.suppress(Exception):
                 await up_writer.wait_closed()
+
+
+class _Call:
+    """What became of a forwarded call: the status its client was answered (None: none)."""
+
+    status: int | None = None
 
 
 class VersionStamp:
