@@ -87,7 +87,7 @@ class Gate:
         running: Callable[[str], None] = lambda session: None,
         seen: Callable[[str], None] = lambda session: None,
         answered: Callable[[str, bool], None] = lambda session, retried: None,
-        on_hold: Callable[[int], None] = lambda delta: None,
+        on_hold: Callable[[], None] = lambda: None,
         on_version: Callable[[int], None] = lambda version: None,
     ) -> None:
         parts = urlsplit(upstream)
@@ -118,6 +118,9 @@ class Gate:
         self.max_started_sessions = MAX_STARTED_SESSIONS
         self.sessions_started = 0  # (a session forgotten and seen again counts again)
         self.in_flight = 0
+        # first calls held now: the gate's, whatever job is active (``on_hold`` tells the
+        # active job's figures of each call held)
+        self.held = 0
         self.forwarded = 0
         self.upstream_errors = 0
 
@@ -166,6 +169,7 @@ class Gate:
         return {
             "port": self.port,
             "in_flight": self.in_flight,
+            "held_calls": self.held,
             "forwarded": self.forwarded,
             "upstream_errors": self.upstream_errors,
             "sessions_started": self.sessions_started,
@@ -283,7 +287,8 @@ class Gate:
         must not reach the model when the group is admitted (a duplicate first call, generated
         for nobody), nor stay counted as held."""
         if not self.may_start(session):
-            self.on_hold(+1)
+            self.held += 1
+            self.on_hold()
             # a client sends nothing after its request: end of stream means it is gone
             gone: asyncio.Future[Any] = asyncio.ensure_future(reader.read(1))
             try:
@@ -305,7 +310,7 @@ class Gate:
                     self._wake.clear()
             finally:
                 gone.cancel()
-                self.on_hold(-1)
+                self.held -= 1
         self._started(session)
         return True
 

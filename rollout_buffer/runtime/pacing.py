@@ -56,7 +56,7 @@ class Pacing:
                 running=self.running,
                 seen=self.seen,
                 answered=self.answered,
-                on_hold=lambda delta: self.admission.holding(delta),
+                on_hold=lambda: self.admission.holding(),
                 on_version=lambda version: self.admission.saw_version(version),
             )
 
