@@ -261,10 +261,15 @@ class Accumulator(Handover, Policies):
                 if now - g.last_seen > stall_s
                 or self.census.lost(g.group_id, set(g.completed), self.k, now, silent_s)
             ]
-            # a group with no trainable row yet (only terminal rows are, with --message-cut 0)
+            # a group with no trainable row yet (only terminal rows are, with --message-cut 0);
+            # one set aside (lost, no sign for long) is not looked at again until a sign
+            aside = self.census.set_aside
             lost_running = {
-                gid for gid in running if self.census.lost(gid, set(), self.k, now, silent_s)
+                gid
+                for gid in running
+                if gid in aside or self.census.lost(gid, set(), self.k, now, silent_s)
             }
+            self.census.set_aside_quiet(lost_running - aside, now, silent_s)
             self.census.stalled.update(stalled_now)
             self.census.stalled.update(lost_running)
             stalled = len(stalled_now)
