@@ -320,10 +320,11 @@ class Accumulator(Handover, Policies):
         with self.lock:
             self.census.answered(session_id, self.clock(), retried)
 
-    def first_call(self, session_id: str) -> None:
-        """A session's first model call went through the pacing gate: its first sign."""
+    def first_call(self, session_id: str, resumed: bool = False) -> None:
+        """A session's first model call went through the pacing gate: its first sign
+        (``resumed``: the service restarted under the session)."""
         with self.lock:
-            self.census.first_call(session_id, self.clock())
+            self.census.first_call(session_id, self.clock(), resumed)
 
     def _tombstone(self, gid: str, reason: str, out: Decisions) -> None:
         """(Lock held.) Drop a group that no trainable row has shown yet: its later rows are late

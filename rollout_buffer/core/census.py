@@ -76,6 +76,10 @@ class Census:
     def __init__(self, max_steps: int | None) -> None:
         self.max_steps = max_steps
         self.started: set[str] = set()  # groups with a sign of life (a row, or a gate call)
+        # groups that started before the gate saw them (their first sign a row, or a call that
+        # carries a model answer: the service restarted under them): the gate has no first
+        # call of their sessions, so none of them is taken for passed over
+        self.resumed: set[str] = set()
         # session -> [first sign, last row, rows] on the monotonic clock, until its group is decided
         self.timing: dict[str, list[float]] = {}
         self.served = Generated()
@@ -122,6 +126,8 @@ class Census:
             if fact.group_id in self.settled:
                 continue  # a late row of a decided group: the accumulator counts it
             self._place(fact.session_id, fact.group_id)
+            if fact.group_id not in self.started:
+                self.resumed.add(fact.group_id)
             self.started.add(fact.group_id)
             self.set_aside.discard(fact.group_id)
             self.liveness.row(fact.session_id, now)
@@ -138,13 +144,16 @@ class Census:
                 doomed.add(fact.group_id)
         return doomed
 
-    def first_call(self, session_id: str, now: float) -> str | None:
-        """A session's first model call through the pacing gate: its first sign. Returns its
-        group (None when job_environments has not listed it)."""
+    def first_call(self, session_id: str, now: float, resumed: bool = False) -> str | None:
+        """A session's first model call through the pacing gate: its first sign (``resumed``:
+        a call that carries a model answer, the service restarted under the session). Returns
+        its group (None when job_environments has not listed it)."""
         group_id = self.session_group.get(session_id)
         if group_id in self.settled:
             return group_id  # a late session of a decided group: nothing would settle its timing
         if group_id is not None:
+            if resumed and group_id not in self.started:
+                self.resumed.add(group_id)
             self.started.add(group_id)
             self.set_aside.discard(group_id)
         self.timing.setdefault(session_id, [now, now, 0.0])
@@ -174,6 +183,7 @@ class Census:
             self.placed.discard(session_id)
         self.settled.add(group_id)
         self.started.discard(group_id)
+        self.resumed.discard(group_id)
         self.set_aside.discard(group_id)
         target = self.served if outcome == "served" else self.discarded[outcome]
         target.add(len(sessions), rows, seconds)
@@ -218,7 +228,11 @@ class Census:
         if session_id in self.liveness.arrived:
             return False  # held at the gate: its group is not admitted
         place = self.place.get(session_id)
-        return place is not None and self.liveness.passed(place, now, silent)
+        return (
+            place is not None
+            and self.session_group.get(session_id) not in self.resumed
+            and self.liveness.passed(place, now, silent)
+        )
 
     def arrived(self, session_id: str, now: float) -> None:
         """The session's first model call reached the gate (held or let through)."""

@@ -153,7 +153,7 @@ class Pacing:
             return
         group, _started = job_state.accumulator.group_of(session_id)
         self.admission.admit(group)
-        job_state.accumulator.first_call(session_id)
+        job_state.accumulator.first_call(session_id, resumed=True)
 
     def report(self) -> dict[str, Any]:
         """``GET /admission``."""
