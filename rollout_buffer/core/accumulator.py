@@ -244,18 +244,32 @@ class Accumulator(Handover, Policies):
             now = self.clock()
             stall_s = self.census.stall_after()
             silent_s = self.census.silent_after()  # once, not per group: it sorts the gaps
-            undecided = self.pending.keys() | self.ready.keys() | self.taken.keys()
-            running = (self.census.started | admitted) - undecided - self.decided.keys()
+            # each group looked up, not a set difference with the decided ones: `set - keys()`
+            # walks the keys, and a long job decides groups by the hundred thousand (11 ms a
+            # question at 100k: every held call asks once a second)
+            running = {
+                gid
+                for gid in self.census.started | admitted
+                if gid not in self.pending
+                and gid not in self.ready
+                and gid not in self.taken
+                and gid not in self.decided
+            }
             stalled_now = [
                 g.group_id
                 for g in self.pending.values()
                 if now - g.last_seen > stall_s
                 or self.census.lost(g.group_id, set(g.completed), self.k, now, silent_s)
             ]
-            # a group with no trainable row yet (only terminal rows are, with --message-cut 0)
+            # a group with no trainable row yet (only terminal rows are, with --message-cut 0);
+            # one set aside (lost, no sign for long) is not looked at again until a sign
+            aside = self.census.set_aside
             lost_running = {
-                gid for gid in running if self.census.lost(gid, set(), self.k, now, silent_s)
+                gid
+                for gid in running
+                if gid in aside or self.census.lost(gid, set(), self.k, now, silent_s)
             }
+            self.census.set_aside_quiet(lost_running - aside, now, silent_s)
             self.census.stalled.update(stalled_now)
             self.census.stalled.update(lost_running)
             stalled = len(stalled_now)
@@ -300,15 +314,17 @@ class Accumulator(Handover, Policies):
         with self.lock:
             self.census.arrived(session_id, self.clock())
 
-    def answered(self, session_id: str) -> None:
-        """A model call of the session came back through the pacing gate."""
+    def answered(self, session_id: str, retried: bool = False) -> None:
+        """A model call of the session came back through the pacing gate (``retried``: so that
+        its client retries it after a backoff)."""
         with self.lock:
-            self.census.answered(session_id, self.clock())
+            self.census.answered(session_id, self.clock(), retried)
 
-    def first_call(self, session_id: str) -> None:
-        """A session's first model call went through the pacing gate: its first sign."""
+    def first_call(self, session_id: str, resumed: bool = False) -> None:
+        """A session's first model call went through the pacing gate: its first sign
+        (``resumed``: the service restarted under the session)."""
         with self.lock:
-            self.census.first_call(session_id, self.clock())
+            self.census.first_call(session_id, self.clock(), resumed)
 
     def _tombstone(self, gid: str, reason: str, out: Decisions) -> None:
         """(Lock held.) Drop a group that no trainable row has shown yet: its later rows are late

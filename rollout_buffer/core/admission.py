@@ -104,7 +104,6 @@ class Admission:
         self._batches = 0  # batches it started training on
         self._last_job_version: int | None = None  # the job's current version last given
         self.proxy_version: int | None = None  # the largest version the proxy stamped (gate)
-        self.held = 0  # first calls the gate holds now
         self.admitted_total = 0
         self.held_total = 0
 
@@ -226,7 +225,7 @@ class Admission:
             claims = self._claims_locked(current_version)
             version = self._version_locked(current_version)
             steps = self._steps_locked(current_version, self._batch_locked())
-            held, admitted = self.held, len(self.admitted)
+            admitted = len(self.admitted)
         progress = sum(v for k, v in in_progress.items() if k != "stalled")
         total = progress + claims.total
         staleness, batch = self.staleness, self.batch_groups
@@ -275,7 +274,7 @@ class Admission:
             "why": why,
             "gate": {
                 "admitted_groups": admitted,
-                "held_calls": held,
+                "held_calls": 0,  # the gate's, when pacing is on (it holds calls of any job)
                 "admitted_total": self.admitted_total,
                 "held_total": self.held_total,
             },
@@ -326,12 +325,10 @@ class Admission:
             return max(1, int(statistics.median(self._bursts)))
         return DEFAULT_BATCH_GROUPS
 
-    def holding(self, delta: int) -> None:
-        """The gate holds one more (+1) or one fewer (-1) first call."""
+    def holding(self) -> None:
+        """The gate holds a first call of this job."""
         with self._lock:
-            self.held += delta
-            if delta > 0:
-                self.held_total += 1
+            self.held_total += 1
 
     def prune(self, decided: Container[str]) -> None:
         """Forget the admitted groups that have been decided, whenever the admitted set has

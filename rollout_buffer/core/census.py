@@ -32,6 +32,9 @@ SESSION_WITHOUT_RESULT = "session_without_result"
 SPANS_KEPT = 200
 STALL_FACTOR = 3.0  # idle this many times the 90th percentile of the spans: stalled
 STALL_MIN_S = 2.0
+# a lost group none of whose sessions showed a sign for this long (and four times the quiet
+# threshold) is set aside: not looked at again until one of them does
+SET_ASIDE_S = 600.0
 
 
 class StepFact(NamedTuple):
@@ -73,6 +76,10 @@ class Census:
     def __init__(self, max_steps: int | None) -> None:
         self.max_steps = max_steps
         self.started: set[str] = set()  # groups with a sign of life (a row, or a gate call)
+        # groups that started before the gate saw them (their first sign a row, or a call that
+        # carries a model answer: the service restarted under them): the gate has no first
+        # call of their sessions, so none of them is taken for passed over
+        self.resumed: set[str] = set()
         # session -> [first sign, last row, rows] on the monotonic clock, until its group is decided
         self.timing: dict[str, list[float]] = {}
         self.served = Generated()
@@ -82,6 +89,10 @@ class Census:
         self.reached_k = 0  # groups that became ready
         self.liveness = Liveness()  # the running sessions' model calls through the gate
         self.stalled: set[str] = set()  # groups seen stalled (a session failed for good)
+        # lost groups with no sign for long (every session of a broken task died before a
+        # trainable row: nothing decides such a group before the job ends): each question of
+        # the budget looked at each of their sessions again (16 ms at a thousand groups of 8)
+        self.set_aside: set[str] = set()
         self.group_sessions: defaultdict[str, set[str]] = defaultdict(set)
         self.session_group: dict[str, str] = {}
         self.scheduled: set[str] = set()  # listed in job_environments
@@ -115,7 +126,10 @@ class Census:
             if fact.group_id in self.settled:
                 continue  # a late row of a decided group: the accumulator counts it
             self._place(fact.session_id, fact.group_id)
+            if fact.group_id not in self.started:
+                self.resumed.add(fact.group_id)
             self.started.add(fact.group_id)
+            self.set_aside.discard(fact.group_id)
             self.liveness.row(fact.session_id, now)
             timing = self.timing.get(fact.session_id)
             if timing is None:
@@ -130,14 +144,18 @@ class Census:
                 doomed.add(fact.group_id)
         return doomed
 
-    def first_call(self, session_id: str, now: float) -> str | None:
-        """A session's first model call through the pacing gate: its first sign. Returns its
-        group (None when job_environments has not listed it)."""
+    def first_call(self, session_id: str, now: float, resumed: bool = False) -> str | None:
+        """A session's first model call through the pacing gate: its first sign (``resumed``:
+        a call that carries a model answer, the service restarted under the session). Returns
+        its group (None when job_environments has not listed it)."""
         group_id = self.session_group.get(session_id)
         if group_id in self.settled:
             return group_id  # a late session of a decided group: nothing would settle its timing
         if group_id is not None:
+            if resumed and group_id not in self.started:
+                self.resumed.add(group_id)
             self.started.add(group_id)
+            self.set_aside.discard(group_id)
         self.timing.setdefault(session_id, [now, now, 0.0])
         return group_id
 
@@ -165,6 +183,8 @@ class Census:
             self.placed.discard(session_id)
         self.settled.add(group_id)
         self.started.discard(group_id)
+        self.resumed.discard(group_id)
+        self.set_aside.discard(group_id)
         target = self.served if outcome == "served" else self.discarded[outcome]
         target.add(len(sessions), rows, seconds)
 
@@ -190,6 +210,8 @@ class Census:
 
     def sign(self, session_id: str, now: float) -> None:
         """A model call of the session went through the pacing gate: a sign of life."""
+        if self.set_aside:
+            self.set_aside.discard(self.session_group.get(session_id, ""))
         timing = self.timing.get(session_id)
         if timing is None:
             if self.session_group.get(session_id) in self.settled:
@@ -206,15 +228,25 @@ class Census:
         if session_id in self.liveness.arrived:
             return False  # held at the gate: its group is not admitted
         place = self.place.get(session_id)
-        return place is not None and self.liveness.passed(place, now, silent)
+        return (
+            place is not None
+            and self.session_group.get(session_id) not in self.resumed
+            and self.liveness.passed(place, now, silent)
+        )
 
     def arrived(self, session_id: str, now: float) -> None:
         """The session's first model call reached the gate (held or let through)."""
+        in_order = self.liveness.in_order
         self.liveness.arrive(session_id, self.place.get(session_id), now)
+        if self.set_aside:
+            self.set_aside.discard(self.session_group.get(session_id, ""))
+            if in_order and not self.liveness.in_order:
+                self.set_aside.clear()  # sessions taken for passed over may only be queued
 
-    def answered(self, session_id: str, now: float) -> None:
-        """A model call of the session came back through the gate (answered, or abandoned)."""
-        self.liveness.call_ended(session_id, now)
+    def answered(self, session_id: str, now: float, retried: bool = False) -> None:
+        """A model call of the session came back through the gate (answered, or abandoned;
+        ``retried``: so that its client retries it after a backoff)."""
+        self.liveness.call_ended(session_id, now, retried)
 
     def silent_after(self) -> float | None:
         """Seconds of quiet after which a started session with no call in flight is taken for
@@ -239,6 +271,31 @@ class Census:
             ):
                 gone += 1
         return gone > 0 and max(len(sessions), k) - gone < k
+
+    def set_aside_quiet(self, group_ids: Iterable[str], now: float, silent: float | None) -> None:
+        """Of these lost groups, set aside those none of whose sessions showed a sign (a call, a
+        row) for :data:`SET_ASIDE_S` and four times ``silent``: :meth:`lost` is not asked again
+        about them until one does (a call, a row or a first call of one of them)."""
+        if silent is None:
+            return
+        horizon = now - max(SET_ASIDE_S, 4.0 * silent)
+        for group_id in group_ids:
+            if self._last_sign(group_id) < horizon:
+                self.set_aside.add(group_id)
+
+    def _last_sign(self, group_id: str) -> float:
+        """When a session of the group last showed a sign (infinite: a call is in flight)."""
+        last = float("-inf")
+        for session_id in self.group_sessions.get(group_id, ()):
+            entry = self.liveness.calls.get(session_id)
+            if entry is not None:
+                if entry[0] > 0:
+                    return float("inf")
+                last = max(last, entry[1])
+            timing = self.timing.get(session_id)
+            if timing is not None:
+                last = max(last, timing[1])
+        return last
 
     def completed_in(self, seconds: float) -> None:
         """A group became ready ``seconds`` after its first trainable row."""

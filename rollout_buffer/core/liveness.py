@@ -12,6 +12,10 @@ been quiet for longer than live sessions are:
   way, and must not be taken for dead meanwhile).
 
 A call in flight, however long (a model call may take fifteen minutes), keeps its session alive.
+So does a call that ended in a way the launcher's client retries (no answer, a 5xx or a 429: the
+proxy restarting, or reloading its weights): the client backs off up to 30 s plus 20 % before its
+next try (SPEC §5), so its session is not taken for dead before that has passed, and that backoff
+is not one of the quiet spans the threshold is learned from.
 The threshold is the larger of four times the median and twice the 95th percentile of the recent
 quiet spans of either kind, and at least a second; nothing is dead until twenty gaps were seen.
 
@@ -32,13 +36,16 @@ from collections.abc import Iterable
 SPANS_KEPT = 200  # recent quiet spans of each kind the threshold is taken from
 MIN_GAPS = 20  # gaps between calls seen before any session is taken for dead
 MIN_QUIET_S = 1.0
+# the launcher's LLM client backs off at most 30 s, plus up to 20 % jitter (SPEC §5)
+RETRY_QUIET_S = 36.0
 
 
 class Liveness:
     """Calls in flight and quiet spans of the running sessions (see the module docstring)."""
 
     def __init__(self) -> None:
-        # session -> [calls in flight, when its last call ended (or its first began)]
+        # session -> [calls in flight, when its last call ended (or its first began), how long
+        # it may stay quiet whatever the threshold (its client backs off: RETRY_QUIET_S, else 0)]
         self.calls: dict[str, list[float]] = {}
         self.gaps: deque[float] = deque(maxlen=SPANS_KEPT)  # a call's end to the next one's start
         self.lags: deque[float] = deque(maxlen=SPANS_KEPT)  # a call's end to a row of the session
@@ -53,17 +60,20 @@ class Liveness:
     def call_started(self, session_id: str, now: float) -> None:
         entry = self.calls.get(session_id)
         if entry is None:
-            self.calls[session_id] = [1.0, now]
+            self.calls[session_id] = [1.0, now, 0.0]
             return
-        if entry[0] <= 0:
+        if entry[0] <= 0 and not entry[2]:  # (a retry after a backoff: not an environment's step)
             self.gaps.append(max(0.0, now - entry[1]))
         entry[0] += 1
 
-    def call_ended(self, session_id: str, now: float) -> None:
+    def call_ended(self, session_id: str, now: float, retried: bool = False) -> None:
+        """A call of the session ended; ``retried``: so that its client retries it after a
+        backoff (no answer, a 5xx or a 429)."""
         entry = self.calls.get(session_id)
         if entry is not None:
             entry[0] = max(0.0, entry[0] - 1)
             entry[1] = now
+            entry[2] = RETRY_QUIET_S if retried else 0.0
 
     def row(self, session_id: str, now: float) -> None:
         """A row of the session reached the buffer: how long after its call ended."""
@@ -106,11 +116,12 @@ class Liveness:
         return self.in_order and self._passed > place
 
     def dead(self, session_id: str, now: float, quiet_s: float) -> bool:
-        """No call in flight, and quiet for longer than ``quiet_s`` (:meth:`quiet_after`). A
-        session never seen at the gate is not dead: it has not started (it waits for a place in
-        the launcher's pool), or pacing is off."""
+        """No call in flight, and quiet for longer than ``quiet_s`` (:meth:`quiet_after`), or
+        than its client's longest backoff when its last call is to be retried. A session never
+        seen at the gate is not dead: it has not started (it waits for a place in the launcher's
+        pool), or pacing is off."""
         entry = self.calls.get(session_id)
-        return entry is not None and entry[0] <= 0 and now - entry[1] > quiet_s
+        return entry is not None and entry[0] <= 0 and now - entry[1] > max(quiet_s, entry[2])
 
     def forget(self, sessions: Iterable[str]) -> None:
         """Sessions of a decided group."""

@@ -50,7 +50,7 @@ CONNECT_TIMEOUT_S = 10.0
 # the proxy's version stamp in an answer; searched in the last bytes of a chunk with the next
 VERSION_STAMP = re.compile(rb'"weight_version"\s*:\s*(\d{1,12})(?![\d.eE])')
 VERSION_TAIL_BYTES = 64
-HOP_BY_HOP = {
+NOT_RELAYED = {  # hop-by-hop, and Expect: the gate has read the whole body already
     b"connection",
     b"keep-alive",
     b"proxy-connection",
@@ -58,6 +58,7 @@ HOP_BY_HOP = {
     b"upgrade",
     b"te",
     b"trailer",
+    b"expect",
 }
 
 
@@ -66,8 +67,10 @@ class Gate:
 
     ``may_start(session_id)`` answers True (forward now) or False (hold, ask again later);
     ``running(session_id)`` says a session is seen mid-way (its call carries a model answer: the
-    gate restarted under it), so its group is admitted. Both are called on the gate's thread and
-    must be quick. ``upstream`` is the real proxy's base URL
+    gate restarted under it), so its group is admitted. ``answered(session_id, retried)`` says a
+    call ended; ``retried``: in a way the launcher's client retries after a backoff (no answer,
+    a 5xx or a 429, SPEC §5), so the session is alive though quiet meanwhile. They are called
+    on the gate's thread and must be quick. ``upstream`` is the real proxy's base URL
     (``http://host:port``): a call to ``/v1/<session>/chat/completions`` here goes to the same
     path there.
     """
@@ -83,8 +86,8 @@ class Gate:
         may_start: Callable[[str], bool],
         running: Callable[[str], None] = lambda session: None,
         seen: Callable[[str], None] = lambda session: None,
-        answered: Callable[[str], None] = lambda session: None,
-        on_hold: Callable[[int], None] = lambda delta: None,
+        answered: Callable[[str, bool], None] = lambda session, retried: None,
+        on_hold: Callable[[], None] = lambda: None,
         on_version: Callable[[int], None] = lambda version: None,
     ) -> None:
         parts = urlsplit(upstream)
@@ -115,6 +118,9 @@ class Gate:
         self.max_started_sessions = MAX_STARTED_SESSIONS
         self.sessions_started = 0  # (a session forgotten and seen again counts again)
         self.in_flight = 0
+        # first calls held now: the gate's, whatever job is active (``on_hold`` tells the
+        # active job's figures of each call held)
+        self.held = 0
         self.forwarded = 0
         self.upstream_errors = 0
 
@@ -163,6 +169,7 @@ class Gate:
         return {
             "port": self.port,
             "in_flight": self.in_flight,
+            "held_calls": self.held,
             "forwarded": self.forwarded,
             "upstream_errors": self.upstream_errors,
             "sessions_started": self.sessions_started,
@@ -225,23 +232,16 @@ class Gate:
             await _answer(writer, 400, "a request line is METHOD TARGET VERSION")
             return
         headers = [h for h in lines[1:] if h]
-        length = 0
-        for h in headers:
-            name, _, value = h.partition(b":")
-            if name.strip().lower() == b"content-length":
-                text = value.strip()
-                if not text.isdigit():  # not a number, or negative: no body can be read by it
-                    await _answer(writer, 400, "Content-Length is a non-negative integer")
-                    return
-                length = int(text)
-                if length > MAX_BODY_BYTES:  # never buffered: it would take the service's memory
-                    await _answer(
-                        writer, 413, f"the gate forwards bodies of at most {MAX_BODY_BYTES} bytes"
-                    )
-                    return
-            elif name.strip().lower() == b"transfer-encoding":
-                await _answer(writer, 411, "the gate takes bodies with a Content-Length")
-                return
+        try:
+            length, expects = _body_of(headers)
+        except _Refused as refused:
+            await _answer(writer, refused.status, str(refused))
+            return
+        if expects and length:
+            # curl and libcurl-based clients ask before sending a large body, and wait a second
+            # for the answer: the gate takes every body (it reads it before asking the budget)
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await writer.drain()
         body = await reader.readexactly(length) if length else b""
         session = _session_of(target.decode("latin-1"))
         if session is not None and not self._remembered(session):
@@ -259,7 +259,8 @@ class Gate:
         if session is not None:
             self.seen(session)  # a sign of life: a silent session is taken for dead sooner
         self.in_flight += 1
-        relay = asyncio.ensure_future(self._relay(method, target, headers, body, writer))
+        call = _Call()
+        relay = asyncio.ensure_future(self._relay(method, target, headers, body, writer, call))
         # the client going away (its timeout: it retries) ends the upstream call too, as a direct
         # connection would: an upstream that aborts a request whose client left (vLLM does) stops
         # generating for nobody, and a hung upstream does not keep a task and a socket for ever
@@ -277,7 +278,8 @@ class Gate:
                 relay.cancel()
             self.in_flight -= 1
             if session is not None:
-                self.answered(session)
+                status = call.status
+                self.answered(session, status is None or status == 429 or status >= 500)
 
     async def _admit(self, session: str, reader: asyncio.StreamReader) -> bool:
         """Hold the first call of ``session`` until its group may start. False when its client
@@ -285,7 +287,8 @@ class Gate:
         must not reach the model when the group is admitted (a duplicate first call, generated
         for nobody), nor stay counted as held."""
         if not self.may_start(session):
-            self.on_hold(+1)
+            self.held += 1
+            self.on_hold()
             # a client sends nothing after its request: end of stream means it is gone
             gone: asyncio.Future[Any] = asyncio.ensure_future(reader.read(1))
             try:
@@ -307,7 +310,7 @@ class Gate:
                     self._wake.clear()
             finally:
                 gone.cancel()
-                self.on_hold(-1)
+                self.held -= 1
         self._started(session)
         return True
 
@@ -331,7 +334,10 @@ class Gate:
         headers: list[bytes],
         body: bytes,
         writer: asyncio.StreamWriter,
+        call: _Call,
     ) -> None:
+        """Forward the call to the proxy and its answer back; ``call.status`` is the status
+        the client was answered (once its head is sent)."""
         try:
             up_reader, up_writer = await asyncio.wait_for(
                 asyncio.open_connection(self.upstream_host, self.upstream_port), CONNECT_TIMEOUT_S
@@ -339,35 +345,57 @@ class Gate:
         except (OSError, asyncio.TimeoutError) as exc:
             self.upstream_errors += 1
             # a 502 is retried by the launcher's LLM client, as any 5xx (SPEC §5)
+            call.status = 502
             await _answer(writer, 502, f"the LLM proxy cannot be reached: {exc}")
             return
         answered = False
         stamp = VersionStamp()
         try:
-            kept = [h for h in headers if h.partition(b":")[0].strip().lower() not in HOP_BY_HOP]
+            # the gate sends the whole body at once: the proxy has nothing to agree to first
+            kept = [h for h in headers if h.partition(b":")[0].strip().lower() not in NOT_RELAYED]
             out = [method + b" " + target + b" HTTP/1.1", *kept, b"Connection: close", b"", b""]
             up_writer.write(b"\r\n".join(out) + body)
             await up_writer.drain()
+            while True:
+                try:
+                    head = await up_reader.readuntil(b"\r\n\r\n")
+                except asyncio.LimitOverrunError:
+                    self.upstream_errors += 1
+                    call.status = 502
+                    await _answer(writer, 502, "the LLM proxy's answer has a head over 64 KiB")
+                    return
+                status = _status(head)
+                if status is None or not 100 <= status < 200 or status == 101:
+                    break
+                writer.write(head)  # an interim answer (103 Early Hints): the final one follows
+                await writer.drain()
+            stamp.feed(head)
             # the gate answers one call per connection: the client is told so, or it would send
             # its next call on a connection the gate is closing (a keep-alive client, like
             # requests, then sees it dropped and backs off 2 s before retrying, SPEC §5)
-            try:
-                head = await up_reader.readuntil(b"\r\n\r\n")
-            except asyncio.LimitOverrunError:
-                self.upstream_errors += 1
-                await _answer(writer, 502, "the LLM proxy's answer has a head over 64 KiB")
-                return
-            stamp.feed(head)
+            call.status = status
             writer.write(_closing(head))
             await writer.drain()
             answered = True
-            while True:
-                chunk = await up_reader.read(65536)
-                if not chunk:
-                    break
-                stamp.feed(chunk)
-                writer.write(chunk)
-                await writer.drain()
+            # the answer ends where its framing says, whether or not the proxy closes then; the
+            # stamp is read from the payload, never from a chunk's size line
+            framing = _framing(head, method, status)
+            if framing == CHUNKED:
+                await _relay_chunked(up_reader, writer, stamp)
+            else:
+                remaining = framing
+                while remaining != 0:
+                    want = 65536 if remaining < 0 else min(remaining, 65536)
+                    chunk = await up_reader.read(want)
+                    if not chunk:
+                        if remaining > 0:  # cut short: the client sees its answer cut, retries
+                            raise asyncio.IncompleteReadError(b"", remaining)
+                        break
+                    if remaining > 0:
+                        remaining -= len(chunk)
+                    stamp.feed(chunk)
+                    writer.write(chunk)
+                    await writer.drain()
         finally:
             # counted and read even when cancelled: a client that has the whole answer closes
             # its end at once (the answer said Connection: close), often before the proxy's end
@@ -378,6 +406,12 @@ class Gate:
             up_writer.close()
             with contextlib.suppress(Exception):
                 await up_writer.wait_closed()
+
+
+class _Call:
+    """What became of a forwarded call: the status its client was answered (None: none)."""
+
+    status: int | None = None
 
 
 class VersionStamp:
@@ -424,6 +458,106 @@ def raise_descriptor_limit(wanted: int = FD_WANTED) -> int:
         logger.info("pacing gate: open-descriptor limit raised from %d to %d", soft, target)
         return target
     return soft
+
+
+CHUNKED = -2  # _framing: the body is chunked
+UNTIL_CLOSE = -1  # _framing: the body runs until the proxy closes
+
+
+def _status(head: bytes) -> int | None:
+    """An answer's status code, None when its status line is not HTTP's."""
+    parts = head.split(b"\r\n", 1)[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/") or not parts[1].isdigit():
+        return None
+    return int(parts[1])
+
+
+def _framing(head: bytes, method: bytes, status: int | None) -> int:
+    """Where the answer's body ends (RFC 9112 6.3): its length (0: none), CHUNKED, or
+    UNTIL_CLOSE."""
+    if method.upper() == b"HEAD" or status in (204, 304):
+        return 0
+    length: int | None = None
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"transfer-encoding":
+            codings = [c.strip() for c in value.lower().split(b",")]
+            return CHUNKED if codings[-1] == b"chunked" else UNTIL_CLOSE
+        if name == b"content-length" and value.strip().isdigit():
+            length = int(value.strip())
+    return UNTIL_CLOSE if length is None else length
+
+
+async def _relay_chunked(
+    up_reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stamp: VersionStamp
+) -> None:
+    """Relay a chunked body as it comes, byte for byte, up to its last chunk and trailers; only
+    the chunks' data goes to ``stamp``."""
+    while True:
+        line = await _line(up_reader)
+        writer.write(line)
+        size_text = line.split(b";", 1)[0].strip()
+        if not size_text or any(c not in b"0123456789abcdefABCDEF" for c in size_text):
+            raise ConnectionError(f"the LLM proxy sent a bad chunk size line {line[:40]!r}")
+        size = int(size_text, 16)
+        if size == 0:
+            while line != b"\r\n":  # the trailers, up to the empty line
+                line = await _line(up_reader)
+                writer.write(line)
+            await writer.drain()
+            return
+        while size:
+            data = await up_reader.read(min(size, 65536))
+            if not data:
+                raise asyncio.IncompleteReadError(b"", size)
+            size -= len(data)
+            stamp.feed(data)
+            writer.write(data)
+            await writer.drain()
+        writer.write(await up_reader.readexactly(2))  # the chunk's CRLF
+
+
+async def _line(up_reader: asyncio.StreamReader) -> bytes:
+    """A line of a chunked body (a size line, a trailer), with its CRLF."""
+    try:
+        return await up_reader.readuntil(b"\r\n")
+    except asyncio.LimitOverrunError as exc:
+        raise ConnectionError("the LLM proxy sent a chunked body's line over 64 KiB") from exc
+
+
+class _Refused(Exception):
+    """A request the gate answers with an error itself."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _body_of(headers: list[bytes]) -> tuple[int, bool]:
+    """A request's body length, and whether its client waits for ``100 Continue`` before
+    sending it; raises :class:`_Refused` for a request the gate does not forward."""
+    length: int | None = None
+    expects = False
+    for h in headers:
+        name, _, value = h.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            text = value.strip()
+            if not text.isdigit():  # not a number, or negative: no body can be read by it
+                raise _Refused(400, "Content-Length is a non-negative integer")
+            if length is not None and int(text) != length:
+                # the gate would read the body by one and the proxy by the other: the proxy would
+                # see another request than the one paced (RFC 9112 6.3: an error)
+                raise _Refused(400, "two different Content-Lengths")
+            length = int(text)
+            if length > MAX_BODY_BYTES:  # never buffered: it would take the service's memory
+                raise _Refused(413, f"the gate forwards bodies of at most {MAX_BODY_BYTES} bytes")
+        elif name == b"transfer-encoding":
+            raise _Refused(411, "the gate takes bodies with a Content-Length")
+        elif name == b"expect" and value.strip().lower() == b"100-continue":
+            expects = True
+    return length or 0, expects
 
 
 def _closing(head: bytes) -> bytes:

@@ -56,7 +56,7 @@ class Pacing:
                 running=self.running,
                 seen=self.seen,
                 answered=self.answered,
-                on_hold=lambda delta: self.admission.holding(delta),
+                on_hold=lambda: self.admission.holding(),
                 on_version=lambda version: self.admission.saw_version(version),
             )
 
@@ -139,11 +139,12 @@ class Pacing:
         if job_state is not None:
             job_state.accumulator.sign(session_id)
 
-    def answered(self, session_id: str) -> None:
-        """A model call of the session came back through the gate."""
+    def answered(self, session_id: str, retried: bool = False) -> None:
+        """A model call of the session came back through the gate (``retried``: so that its
+        client retries it after a backoff)."""
         job_state = self.jobs.current
         if job_state is not None:
-            job_state.accumulator.answered(session_id)
+            job_state.accumulator.answered(session_id, retried)
 
     def running(self, session_id: str) -> None:
         """A session seen mid-way (the service restarted under it): its group is admitted."""
@@ -152,7 +153,7 @@ class Pacing:
             return
         group, _started = job_state.accumulator.group_of(session_id)
         self.admission.admit(group)
-        job_state.accumulator.first_call(session_id)
+        job_state.accumulator.first_call(session_id, resumed=True)
 
     def report(self) -> dict[str, Any]:
         """``GET /admission``."""

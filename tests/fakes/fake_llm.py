@@ -4,6 +4,13 @@ It answers ``POST <anything>/<session_id>/chat/completions`` with an OpenAI-shap
 ``metadata.weight_version`` is :attr:`FakeLLM.version` (the proxy stamps the policy version, SPEC
 §2), after ``delay_s``; every call is recorded with its session and the time it arrived and was
 answered. Any other path gets a 404 (the upstream proxy has no clear-sessions endpoint).
+
+An unlucky proxy, on request: ``status`` answers every call with that status (a 503 while it
+reloads weights: the launcher's client backs off and retries); ``chunk_bytes`` sends the body
+with ``Transfer-Encoding: chunked`` in chunks of that many bytes; ``early_hints`` sends an
+interim ``103 Early Hints`` before the answer; ``keep_open`` ignores the caller's
+``Connection: close`` and waits for another request on the connection. A caller that
+sends ``Expect: 100-continue`` gets an interim ``100 Continue`` first (http.server does that).
 """
 
 from __future__ import annotations
@@ -27,9 +34,22 @@ class _Server(ThreadingHTTPServer):
 class FakeLLM:
     """A recording model endpoint; usable as a context manager."""
 
-    def __init__(self, *, delay_s: float = 0.0, version: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        delay_s: float = 0.0,
+        version: int = 0,
+        status: int = 200,
+        chunk_bytes: int | None = None,
+        early_hints: bool = False,
+        keep_open: bool = False,
+    ) -> None:
         self.delay_s = delay_s
         self.version = version
+        self.status = status
+        self.chunk_bytes = chunk_bytes
+        self.early_hints = early_hints
+        self.keep_open = keep_open
         self._lock = threading.Lock()
         self.calls: list[dict[str, Any]] = []
         owner = self
@@ -56,11 +76,15 @@ class FakeLLM:
                         {
                             "session": parts[-3],
                             "path": self.path,
+                            "headers": {k.lower(): v for k, v in self.headers.items()},
                             "arrived": arrived,
                             "answered": time.monotonic(),
                             "body": json.loads(body or b"{}"),
                         }
                     )
+                if owner.status != 200:
+                    self._send(owner.status, {"detail": "unavailable"})
+                    return
                 self._send(
                     200,
                     {
@@ -79,11 +103,25 @@ class FakeLLM:
 
             def _send(self, status: int, doc: dict[str, Any]) -> None:
                 data = json.dumps(doc).encode()
+                if owner.early_hints:
+                    self.wfile.write(b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>\r\n\r\n")
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                size = owner.chunk_bytes
+                if size:
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    for i in range(0, len(data), size):
+                        piece = data[i : i + size]
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                        self.wfile.flush()
+                    self.wfile.write(b"0\r\n\r\n")
+                else:
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                if owner.keep_open:
+                    self.close_connection = False  # whatever the caller asked
 
         self._server = _Server(("127.0.0.1", 0), Handler)
         self.port = self._server.server_address[1]

@@ -93,6 +93,28 @@ def test_a_session_with_a_call_in_flight_is_alive_however_long_the_call() -> Non
     assert not life.dead("never-called", 2000.0, quiet)  # waits for a place in the pool
 
 
+def test_a_session_whose_call_its_client_retries_is_alive_for_its_longest_backoff() -> None:
+    """A call answered 5xx or 429, or not at all, is retried after a backoff of up to 30 s plus
+    20 % (SPEC §5): its session is quiet meanwhile, but alive; past that it is dead. The backoff
+    is not an environment's step: the threshold is not learned from it."""
+    from rollout_buffer.core.liveness import RETRY_QUIET_S
+
+    life = Liveness()
+    for i in range(30):
+        life.call_started(f"s{i}", 0.0)
+        life.call_ended(f"s{i}", 1.0)
+        life.call_started(f"s{i}", 1.1)
+    quiet = life.quiet_after()
+    assert quiet is not None and quiet < 2.0
+    life.call_ended("s0", 10.0, retried=True)
+    assert not life.dead("s0", 10.0 + 30.0, quiet)
+    assert life.dead("s0", 10.0 + RETRY_QUIET_S + 0.1, quiet)
+    life.call_started("s0", 40.0)  # its retry, after a 30 s backoff
+    assert life.quiet_after() == quiet
+    life.call_ended("s0", 41.0)  # answered: the usual threshold again
+    assert life.dead("s0", 41.0 + quiet + 0.1, quiet)
+
+
 def test_rows_arriving_late_after_a_sessions_last_call_raise_the_quiet_threshold() -> None:
     """A session that just finished is quiet while its terminal row is on its way (the launcher
     flushes every few seconds): it must not be taken for dead meanwhile."""
