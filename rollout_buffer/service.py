@@ -209,9 +209,12 @@ class Service:
     def get_rollout_data(self, conns: LazyPair, poll: PollRequest) -> Body:
         """Serve ready groups (or replay the batch bound to request_id), long-polling up to
         wait_s."""
+        began = time.monotonic()  # the trainer's idle gaps are between its polls, empty or not
         body = self.serving.get_rollout_data(conns, poll)
-        if not body.replayed:  # a retry of a batch already counted takes nothing new
-            self.pacing.took(body.groups, body.versions)
+        if body.replayed:  # a retry of a batch already counted takes nothing new
+            self.pacing.took(0, [], began)
+        else:
+            self.pacing.took(body.groups, body.versions, began)
         return body
 
     def admission(self) -> dict[str, Any]:

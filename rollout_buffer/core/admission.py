@@ -92,7 +92,7 @@ class Admission:
         self._bursts: deque[int] = deque(maxlen=BURSTS_KEPT)
         self._bursts_ended = 0
         self._burst = 0  # groups taken in the burst under way
-        self._last_take: float | None = None
+        self._last_poll: float | None = None  # when the trainer's last poll ended
         self.admitted: set[str] = set()  # groups the gate let start (decided ones: pruned)
         self._pruned_size = 0
         self.served = 0  # groups the trainer took (polls)
@@ -108,19 +108,26 @@ class Admission:
         self.held_total = 0
 
     # -- the trainer's demand ---------------------------------------------------------------------
-    def took(self, groups: int, versions: Iterable[int | None] = ()) -> None:
-        """A poll took ``groups`` groups (``versions``: each one's weight version, None when it
-        has none): a poll after an idle gap starts a new burst."""
+    def took(
+        self, groups: int, versions: Iterable[int | None] = (), *, began: float | None = None
+    ) -> None:
+        """A poll that began at ``began`` (default: now) took ``groups`` groups (``versions``:
+        each one's weight version, None when it has none). A poll that began an idle gap after
+        the trainer's last poll ended, empty or not, starts a new burst: the trainer trained
+        meanwhile. Between the polls that took groups, it may have been polling all along,
+        waiting for groups (producers slower than it): those gaps are not steps."""
         now = self.clock()
         with self._lock:
-            if self._last_take is not None and now - self._last_take > self.idle_gap_s:
+            began = now if began is None else began
+            if self._last_poll is not None and began - self._last_poll > self.idle_gap_s:
                 if self._burst:
                     self._bursts.append(self._burst)
                     self._bursts_ended += 1
                 self._burst = 0
+            # (two threads' polls overlap: the trainer polled until the later end)
+            self._last_poll = now if self._last_poll is None else max(self._last_poll, now)
             if groups:
                 self._burst += groups
-                self._last_take = now
                 self.served += groups
                 self._hold(groups, versions)
 

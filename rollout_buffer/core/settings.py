@@ -298,7 +298,8 @@ SETTINGS: tuple[Setting, ...] = (
         PREFIX + "PACING_IDLE_GAP_SECONDS",
         10.0,
         number(0.001),
-        "a gap between the trainer's polls longer than this ends a burst (how B is learned)",
+        "a gap between the trainer's polls (empty or not, from one's end to the next one's "
+        "start) longer than this ends a burst (how B is learned)",
     ),
     Setting(
         "advertise_url",

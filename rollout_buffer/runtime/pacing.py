@@ -95,10 +95,11 @@ class Pacing:
         if self.gate is not None:
             self.gate.close()
 
-    def took(self, groups: int, versions: list[int | None]) -> None:
-        """A poll served ``groups`` groups (of these weight versions): the trainer's demand (B is
-        learned from it), and held first calls ask again."""
-        self.admission.took(groups, versions)
+    def took(self, groups: int, versions: list[int | None], began: float | None = None) -> None:
+        """A poll that began at ``began`` (monotonic) served ``groups`` groups (of these weight
+        versions): the trainer's demand (B is learned from it), and held first calls ask
+        again."""
+        self.admission.took(groups, versions, began=began)
         if self.gate is not None:
             self.gate.poke()
 
