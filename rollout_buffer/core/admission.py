@@ -102,6 +102,10 @@ class Admission:
         # and has not started training on (sorted; a group without a version: UNVERSIONED)
         self._held: list[int] = []
         self._batches = 0  # batches it started training on
+        # it polls only while it collects: a poll that began after a batch formed says it is
+        # done with that batch (a trainer that polls without pause has no idle gap)
+        self._batch_formed_at: float | None = None
+        self._batches_done = 0
         self._last_job_version: int | None = None  # the job's current version last given
         self.proxy_version: int | None = None  # the largest version the proxy stamped (gate)
         self.admitted_total = 0
@@ -115,10 +119,13 @@ class Admission:
         each one's weight version, None when it has none). A poll that began an idle gap after
         the trainer's last poll ended, empty or not, starts a new burst: the trainer trained
         meanwhile. Between the polls that took groups, it may have been polling all along,
-        waiting for groups (producers slower than it): those gaps are not steps."""
+        waiting for groups (producers slower than it): those gaps are not steps. A poll that
+        began after the trainer's last full batch was taken says it is done with it."""
         now = self.clock()
         with self._lock:
             began = now if began is None else began
+            if self._batch_formed_at is not None and began > self._batch_formed_at:
+                self._batches_done = self._batches
             if self._last_poll is not None and began - self._last_poll > self.idle_gap_s:
                 if self._burst:
                     self._bursts.append(self._burst)
@@ -129,7 +136,7 @@ class Admission:
             if groups:
                 self._burst += groups
                 self.served += groups
-                self._hold(groups, versions)
+                self._hold(groups, versions, now)
 
     @property
     def batch_groups(self) -> Input:
@@ -156,7 +163,7 @@ class Admission:
         with self._lock:
             return self._claims_locked(current_version).total
 
-    def _hold(self, groups: int, versions: Iterable[int | None]) -> None:
+    def _hold(self, groups: int, versions: Iterable[int | None], now: float) -> None:
         """(Lock held.) The trainer took ``groups`` groups: it throws away those too old for the
         step it collects, and once it holds a full batch it trains on the oldest B."""
         batch = self._batch_locked()
@@ -171,6 +178,7 @@ class Admission:
         while len(self._held) >= batch and self._batches <= self._steps_locked(job_version, batch):
             del self._held[:batch]
             self._batches += 1
+            self._batch_formed_at = now
 
     def _claims_locked(self, current_version: int | None) -> Claims:
         """What the trainer holds, modelled from what it took and the steps it completed. It
@@ -204,8 +212,8 @@ class Admission:
         since the job's first, by each source (the job's current version from the trainer or the
         rows, and the proxy's stamp as the gate saw it in answers: the freshest, as it moves when
         a step ends); the trainer's bursts of polls ended; and the full batches it took, less the
-        one it may be training on."""
-        steps = max(self._bursts_ended, self._batches - 1, 0)
+        one it may be training on unless it polled since."""
+        steps = max(self._bursts_ended, self._batches - 1, self._batches_done, 0)
         for source, version in (("job", current_version), ("proxy", self.proxy_version)):
             if version is None:
                 continue

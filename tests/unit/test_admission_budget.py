@@ -203,6 +203,23 @@ def test_a_poll_after_an_idle_gap_is_from_the_trainers_next_version() -> None:
     assert surplus["training"] == 0 and surplus["fresh"] == 2, surplus
 
 
+def test_a_trainer_that_polls_without_pause_is_not_taken_for_one_that_never_trains() -> None:
+    """A trainer that polls all the time (no idle gap) with versions that do not move (a proxy
+    that stamps none, or a constant one): its steps showed only as full batches less the one it
+    trains on, so after its first batch the budget stayed spent for good (the kill -9 test's
+    drain, polling every 20 ms, waited for ever). It polls only while it collects: a poll that
+    begins after a batch formed says it is done with that batch."""
+    clock = [0.0]
+    a = Admission(staleness=0, batch_groups=2, idle_gap_s=10.0, clock=lambda: clock[0])
+    for _step in range(5):
+        clock[0] += 0.1
+        a.took(2, [3, 3])  # a full batch: it trains on it
+        assert budget(a) == 0  # a group that starts now is for its next step
+        clock[0] += 0.1
+        a.took(0)  # it polls again: it collects its next batch
+        assert budget(a) == 2
+
+
 def test_a_launcher_out_of_order_turns_the_passed_over_rule_off() -> None:
     """A session taken for passed over that arrives after all: the launcher does not start
     sessions in job_environments order, and the rule would take its queued sessions for dead
