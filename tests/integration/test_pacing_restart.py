@@ -7,6 +7,7 @@ new groups next to them. Real gate, real HTTP server standing in for the proxy."
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -52,6 +53,7 @@ def test_sessions_running_before_a_restart_are_not_taken_for_passed_over(
             pacing_batch_groups=3,
         )
         stop = threading.Event()
+        threads: list[threading.Thread] = []
         try:
             h.start(k=2)
             h.settle()
@@ -59,10 +61,11 @@ def test_sessions_running_before_a_restart_are_not_taken_for_passed_over(
 
             def run(session: str) -> None:  # g3 starts now, and runs: quick steps
                 while not stop.is_set():
-                    requests.post(URL.format(port=port, session=session), json=HI, timeout=5)
+                    with contextlib.suppress(requests.exceptions.RequestException):
+                        requests.post(URL.format(port=port, session=session), json=HI, timeout=5)
                     time.sleep(0.02)
 
-            threads = [threading.Thread(target=run, args=(s,), daemon=True) for s in ("c1", "c2")]
+            threads += [threading.Thread(target=run, args=(s,), daemon=True) for s in ("c1", "c2")]
             for t in threads:
                 t.start()
             accumulator = h.service.jobs.current.accumulator
@@ -78,4 +81,6 @@ def test_sessions_running_before_a_restart_are_not_taken_for_passed_over(
             assert "d1" not in llm.sessions()
         finally:
             stop.set()
+            for t in threads:
+                t.join(10)
             w.close()
