@@ -7,13 +7,15 @@ weight version is at most S behind its own, so at most (S + 1) x B groups may be
 
     budget = (S + 1) x B - groups in progress - the trainer's surplus
 
-The trainer's surplus is what it has taken beyond what its steps consumed: the upstream client's
-``{}`` polls take every ready group, and keeps the ones it did not train on, and those go stale
-in its hands. Each step consumes B groups; the steps are counted both as the weight versions the
-job advanced and as the trainer's bursts of polls (a gap longer than the idle gap ends one), and
-the larger count is taken (the versions of the rows lag behind the trainer's). The surplus is the
-groups served minus B x the steps completed: the batch the trainer is training on counts, since a
-group that starts now can only be trained after it.
+The trainer's surplus is modelled from what the buffer served it, each group with its weight
+version: the upstream client's ``{}`` polls take every ready group and keep the ones it does not
+train on yet. It polls only while it collects; once it holds B groups it trains on the oldest B,
+and that batch claims its place until the step ends (a group that starts now is for the next
+step). The steps it completed are the largest of: the weight versions advanced (the job's, and
+the proxy's stamp as the gate reads it, which moves the moment a step ends), its bursts of polls
+(an idle gap ends one), and its full batches (a poll after a full batch ends that step). Of the
+groups it holds beyond its batch, those too old for its next step claim no place: it will throw
+them away, and new groups must replace them.
 
 S and B are settings; where one is not set it is learned from what the buffer observes (S from the
 staleness policy, B from the groups the trainer takes between its idle gaps) and, until then, a
