@@ -45,6 +45,29 @@ def call(port: int, session: str) -> dict[str, Any]:
     return {"session": session, "sent": sent, "done": time.monotonic(), "doc": r.json()}
 
 
+URL = "http://127.0.0.1:{port}/v1/{session}/chat/completions"
+HI = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def gated(
+    harness_factory: Any, db_url: str, llm: FakeLLM, port: int | None = None, **overrides: Any
+) -> tuple[Any, int]:
+    """A service with the pacing gate on (on ``port``, else a free one) forwarding to ``llm``:
+    S 0, B 1 and an idle gap of 0.2 s unless overridden."""
+    port = port or free_port()
+    settings: dict[str, Any] = {
+        "pacing": "gate",
+        "gate_port": port,
+        "proxy_host": "127.0.0.1",
+        "proxy_port": llm.port,
+        "pacing_staleness": 0,
+        "pacing_batch_groups": 1,
+        "pacing_idle_gap_s": 0.2,
+    }
+    h = harness_factory(db_url, **{**settings, **overrides})
+    return h, port
+
+
 @pytest.fixture
 def llm() -> Any:
     with FakeLLM(version=7) as server:

@@ -10,7 +10,7 @@ import pytest
 import requests
 from fakes.fake_llm import FakeLLM
 from support import Writer, wait_until
-from test_pacing import call, free_port, schedule
+from test_pacing import call, gated, schedule
 
 from rollout_buffer.core.errors import ConfigError
 
@@ -25,21 +25,6 @@ def llm() -> Any:
 def db_url(lite_url: str) -> str:
     """The gate does not depend on the backend: these run on SQLite only."""
     return lite_url
-
-
-def gated(harness_factory: Any, db_url: str, llm: FakeLLM, **overrides: Any) -> tuple[Any, int]:
-    port = free_port()
-    settings: dict[str, Any] = {
-        "pacing": "gate",
-        "gate_port": port,
-        "proxy_host": "127.0.0.1",
-        "proxy_port": llm.port,
-        "pacing_staleness": 0,
-        "pacing_batch_groups": 1,
-        "pacing_idle_gap_s": 0.2,
-    }
-    h = harness_factory(db_url, **{**settings, **overrides})
-    return h, port
 
 
 def held_calls(h: Any) -> int:

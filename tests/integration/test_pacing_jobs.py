@@ -12,10 +12,7 @@ import pytest
 import requests
 from fakes.fake_llm import FakeLLM
 from support import Writer, wait_until
-from test_pacing import free_port, schedule
-
-URL = "http://127.0.0.1:{port}/v1/{session}/chat/completions"
-HI = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+from test_pacing import HI, URL, gated, schedule
 
 
 @pytest.fixture
@@ -28,16 +25,7 @@ def test_held_calls_are_counted_right_across_a_new_job_session(
     harness_factory: Any, db_url: str
 ) -> None:
     with FakeLLM(version=3) as llm:
-        port = free_port()
-        h = harness_factory(
-            db_url,
-            pacing="gate",
-            gate_port=port,
-            proxy_host="127.0.0.1",
-            proxy_port=llm.port,
-            pacing_staleness=0,
-            pacing_batch_groups=1,
-        )
+        h, port = gated(harness_factory, db_url, llm, pacing_batch_groups=1, pacing_idle_gap_s=10.0)
         w = Writer(db_url)
         pool = concurrent.futures.ThreadPoolExecutor(1)
         try:

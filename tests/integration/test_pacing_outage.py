@@ -13,10 +13,7 @@ import pytest
 import requests
 from fakes.fake_llm import FakeLLM
 from support import Writer, wait_until
-from test_pacing import free_port, schedule
-
-URL = "http://127.0.0.1:{port}/v1/{session}/chat/completions"
-HI = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+from test_pacing import HI, URL, gated, schedule
 
 
 @pytest.fixture
@@ -29,16 +26,7 @@ def test_sessions_backing_off_from_a_failing_proxy_keep_their_groups_place(
     harness_factory: Any, db_url: str
 ) -> None:
     with FakeLLM(version=3) as llm:
-        port = free_port()
-        h = harness_factory(
-            db_url,
-            pacing="gate",
-            gate_port=port,
-            proxy_host="127.0.0.1",
-            proxy_port=llm.port,
-            pacing_staleness=0,
-            pacing_batch_groups=2,
-        )
+        h, port = gated(harness_factory, db_url, llm, pacing_batch_groups=2, pacing_idle_gap_s=10.0)
         w = Writer(db_url)
         try:
             schedule(w, "g1", ["a1", "a2"])

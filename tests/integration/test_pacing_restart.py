@@ -16,10 +16,7 @@ import pytest
 import requests
 from fakes.fake_llm import FakeLLM
 from support import Writer, wait_until
-from test_pacing import free_port, schedule
-
-URL = "http://127.0.0.1:{port}/v1/{session}/chat/completions"
-HI = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+from test_pacing import HI, URL, free_port, schedule
 
 
 @pytest.fixture
