@@ -120,7 +120,8 @@ class Service:
         self.runtime.add(self.loop)
         if self.serving.prebuilt.enabled:
             self.runtime.add(self.serving.prebuilt)
-        self.pacing = Pacing(config, self.jobs)  # the admission budget, and the gate when on
+        # the admission budget, and the gate when on
+        self.pacing = Pacing(config, self.jobs, self.signals)
         self._started = False
         self._closed = False
 

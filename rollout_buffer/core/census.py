@@ -130,7 +130,7 @@ class Census:
                 self.resumed.add(fact.group_id)
             self.started.add(fact.group_id)
             self.set_aside.discard(fact.group_id)
-            self.liveness.row(fact.session_id, now)
+            self.liveness.row(fact.session_id, now, fact.step_id, bool(fact.terminal))
             timing = self.timing.get(fact.session_id)
             if timing is None:
                 self.timing[fact.session_id] = [now, now, 1.0]
@@ -219,7 +219,10 @@ class Census:
             self.timing[session_id] = [now, now, 0.0]
         else:
             timing[1] = now
-        self.liveness.call_started(session_id, now)
+        # a session of a group that showed a row before a call through the gate ran before the
+        # service saw it: its calls were not all counted
+        counted = self.session_group.get(session_id) not in self.resumed
+        self.liveness.call_started(session_id, now, counted)
 
     def _dead(self, session_id: str, now: float, silent: float) -> bool:
         """Quiet for good at the gate, or passed over by the launcher before its first call."""
@@ -289,9 +292,9 @@ class Census:
         for session_id in self.group_sessions.get(group_id, ()):
             entry = self.liveness.calls.get(session_id)
             if entry is not None:
-                if entry[0] > 0:
+                if entry.in_flight > 0:
                     return float("inf")
-                last = max(last, entry[1])
+                last = max(last, entry.last_end)
             timing = self.timing.get(session_id)
             if timing is not None:
                 last = max(last, timing[1])

@@ -45,7 +45,9 @@ RESUME_WINDOW_S = 120.0  # after the gate starts, a call with an assistant turn 
 HEAD_TIMEOUT_S = 60.0  # a connection that never finishes its head is closed (slowloris)
 FD_WANTED = 65536  # descriptors the gate asks for (its calls take one or two each)
 MAX_STARTED_SESSIONS = 100_000  # sessions remembered as started (~100 bytes each)
-RECHECK_S = 1.0  # a held call asks again at least this often (the budget moves with polls)
+# a held call asks again at least this often: the budget moves with polls and rows (the gate is
+# poked then) and as sessions that went quiet are taken for dead (no event says when)
+RECHECK_S = 0.25
 CONNECT_TIMEOUT_S = 10.0
 # the proxy's version stamp in an answer; searched in the last bytes of a chunk with the next
 VERSION_STAMP = re.compile(rb'"weight_version"\s*:\s*(\d{1,12})(?![\d.eE])')

@@ -26,6 +26,7 @@ from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ConfigError
 from rollout_buffer.runtime.gate import Gate
 from rollout_buffer.runtime.jobs import Jobs
+from rollout_buffer.runtime.signals import Signals
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +34,22 @@ logger = logging.getLogger(__name__)
 # census to read it (the launcher lists its sessions when it starts, before any call); after
 # that the session is let through unpaced rather than held for good.
 UNKNOWN_SESSION_WAIT_S = 10.0
+# A refusal for want of budget stands this long for the other held calls, unless the trainer
+# polls or rows arrive meanwhile: the gate asks again for every held call several times a second,
+# and working out the groups in progress costs about a quarter of a millisecond at a hundred
+# groups of eight, under the accumulator's lock. A call of an admitted or started group is never
+# refused for it.
+REFUSAL_STANDS_S = 0.1
 
 
 class Pacing:
     """The admission budget, and the gate when pacing is on."""
 
-    def __init__(self, config: Config, jobs: Jobs) -> None:
+    def __init__(self, config: Config, jobs: Jobs, signals: Signals | None = None) -> None:
         self.config = config
         self.jobs = jobs
         self._lock = threading.Lock()
+        self._refused_until = float("-inf")  # (monotonic) see REFUSAL_STANDS_S
         self._job: str | None = None
         self._admission = self._new_admission()
         self._unknown_since: dict[str, float] = {}
@@ -59,6 +67,8 @@ class Pacing:
                 on_hold=lambda: self.admission.holding(),
                 on_version=lambda version: self.admission.saw_version(version),
             )
+            if signals is not None:  # a crashed session shows in its last row: ask again then
+                signals.on_rows(self.rows_read)
 
     def _new_admission(self) -> Admission:
         c = self.config
@@ -100,6 +110,14 @@ class Pacing:
         versions): the trainer's demand (B is learned from it), and held first calls ask
         again."""
         self.admission.took(groups, versions, began=began)
+        self._refused_until = float("-inf")
+        if self.gate is not None:
+            self.gate.poke()
+
+    def rows_read(self) -> None:
+        """(The loop's thread.) Rows of the active job arrived: a session may have shown that it
+        crashed (its last row, not terminal, and no next call), so held calls ask again now."""
+        self._refused_until = float("-inf")
         if self.gate is not None:
             self.gate.poke()
 
@@ -110,6 +128,14 @@ class Pacing:
             return True
         job_state.accumulator.arrived(session_id)  # (once: a held call asks again and again)
         admission = self.admission
+        group, started = job_state.accumulator.group_of(session_id)
+        if (
+            time.monotonic() < self._refused_until
+            and not started
+            and group is not None
+            and group not in admission.admitted
+        ):
+            return False  # the budget was spent a moment ago (REFUSAL_STANDS_S)
         admission.prune(
             job_state.accumulator.decided
         )  # decided groups are not in progress: asked as started
@@ -117,7 +143,6 @@ class Pacing:
         progress = job_state.accumulator.progress(admission.admitted)
         admission.completion_rate = job_state.accumulator.completion_rate()
         in_progress = sum(v for k, v in progress.items() if k != "stalled")
-        group, started = job_state.accumulator.group_of(session_id)
         if (
             group is None and not job_state.census.no_schedule
         ):  # (a writer without the list: no wait)
@@ -130,6 +155,7 @@ class Pacing:
         self._unknown_since.pop(session_id, None)
         version = job_state.accumulator.known_version
         if not admission.ask(group, in_progress, started=started, current_version=version):
+            self._refused_until = time.monotonic() + REFUSAL_STANDS_S
             return False
         job_state.accumulator.first_call(session_id)  # through the gate: the session's first sign
         return True

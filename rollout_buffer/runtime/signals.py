@@ -1,4 +1,5 @@
-"""The signals between the service's threads: the loop's wake, its first bootstrap, ready groups.
+"""The signals between the service's threads: the loop's wake, its first bootstrap, ready groups,
+rows read.
 
 Built first, before the parts that signal each other, so no part needs a part built after it: the
 lease (a role change), serving and the API (a nudge, a wait for the bootstrap) and the loop (ready
@@ -85,6 +86,18 @@ class Signals:
         self.wake = threading.Event()  # the loop's: set to run a tick now
         self.bootstrapped = threading.Event()  # the loop loaded the active job from the database
         self.ready = ReadySignal()
+        self._on_rows: list[Callable[[], None]] = []
+
+    def on_rows(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` (it must be quick and must not block) whenever the loop read rows of
+        the active job: the pacing gate's held calls ask again, as a session that crashed shows
+        in its last row."""
+        self._on_rows.append(listener)
+
+    def rows_read(self) -> None:
+        """(The loop's thread.) Rows of the active job were read."""
+        for listener in self._on_rows:
+            listener()
 
     def nudge(self) -> None:
         """Ask the loop for a tick now."""

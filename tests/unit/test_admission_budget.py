@@ -241,3 +241,68 @@ def test_a_launcher_out_of_order_turns_the_passed_over_rule_off() -> None:
     assert not census.lost("g", set(), 2, later + 0.1, quiet)  # a runs; b may be queued
     census.arrived("f", later + 0.1)
     assert not census.lost("i", set(), 2, later + 10 * quiet, quiet)  # e queued, not dead
+
+
+def live_sessions(life: Liveness, gap_s: float = 0.05) -> None:
+    """Thirty sessions that made two calls, ``gap_s`` apart (their environment's step)."""
+    for i in range(30):
+        life.call_started(f"x{i}", 0.0)
+        life.call_ended(f"x{i}", 0.5)
+        life.call_started(f"x{i}", 0.5 + gap_s)
+
+
+def test_a_session_whose_last_row_came_and_was_not_its_last_is_dead_sooner() -> None:
+    """A crash looks like a finish at the gate (no next call) until the rows say which: the row of
+    its last call, not terminal, says it owes the environment's next call, so it is dead once it
+    has been quiet longer than sessions are between calls, not after the rows' lag too (the
+    launcher flushes every few seconds: that lag is what a finish needs)."""
+    from rollout_buffer.core.liveness import MIN_OWED_S
+
+    life = Liveness()
+    live_sessions(life)
+    for i in range(30):
+        life.call_ended(f"x{i}", 1.0)
+        life.row(f"x{i}", 4.5, 2, terminal=True)  # rows arrive 3.5 s after the call (a flush)
+    quiet = life.quiet_after()
+    assert quiet is not None and quiet >= 7.0 and life.owed_after_s == MIN_OWED_S
+    for session in ("crashed", "finished", "flushing"):
+        life.call_started(session, 10.0)
+        life.call_ended(session, 10.5)
+        life.call_started(session, 10.55)
+        life.call_ended(session, 11.0)
+    life.row("crashed", 11.2, 1)
+    life.row("crashed", 11.3, 2)  # the row of its last (second) call: not terminal
+    life.row("finished", 11.3, 1)
+    life.row("finished", 11.3, 2, terminal=True)
+    life.row("flushing", 11.3, 1)  # the row of its last call is still on its way
+    soon = 11.0 + MIN_OWED_S + 0.1
+    assert life.dead("crashed", soon, quiet)
+    assert not life.dead("finished", soon, quiet)
+    assert not life.dead("flushing", soon, quiet)
+    assert life.dead("flushing", 11.0 + quiet + 0.1, quiet)  # the usual threshold still holds
+    life.call_started("crashed", soon + 0.1)  # it calls after all: alive while its call runs
+    assert not life.dead("crashed", soon + 0.2, quiet)
+
+
+def test_a_retried_call_or_a_session_seen_mid_way_does_not_make_a_session_owe_a_call() -> None:
+    """A call its client retries has no row: the row of the call before it is not the row of
+    its last call. A session the service saw only mid-way (counted False: it restarted under it)
+    has rows of calls the gate never saw: its steps are not compared with its calls."""
+    from rollout_buffer.core.liveness import MIN_OWED_S
+
+    life = Liveness()
+    live_sessions(life)
+    assert life.quiet_after() is not None
+    life.call_started("retrying", 10.0)
+    life.call_ended("retrying", 10.5)  # step 1, answered
+    life.call_started("retrying", 10.55)
+    life.call_ended("retrying", 11.0, retried=True)  # step 2: a 503, its client backs off
+    life.row("retrying", 11.2, 1)
+    life.call_started("resumed", 10.0, counted=False)
+    life.call_ended("resumed", 11.0)
+    life.row("resumed", 11.2, 7)  # its seventh step: the gate saw only one call
+    later = 11.0 + MIN_OWED_S + 0.2
+    quiet = life.quiet_after()
+    assert quiet is not None and later < 11.0 + quiet
+    assert not life.dead("retrying", later, quiet)
+    assert not life.dead("resumed", later, quiet)
