@@ -246,7 +246,7 @@ class Accumulator(Handover, Policies):
             silent_s = self.census.silent_after()  # once, not per group: it sorts the gaps
             # each group looked up, not a set difference with the decided ones: `set - keys()`
             # walks the keys, and a long job decides groups by the hundred thousand (11 ms a
-            # question at 100k: every held call asks once a second)
+            # question at 100k: held calls ask several times a second)
             running = {
                 gid
                 for gid in self.census.started | admitted

@@ -17,7 +17,8 @@ sessions are between calls alone (the row says it did not finish). With the laun
 flushed every few seconds, that tells a crash from a finish as soon as the crashed session's last
 row arrives, instead of a flush interval or more after it. The step of a row (``step_id``, 1-based,
 one per model call: SPEC §2) is compared with the calls the gate saw answered; a session the
-service saw only mid-way (it restarted under it) is not judged so.
+service saw only mid-way (it restarted under it), or with a row of a step beyond its calls (rows
+that are not one per call, or a wrong ``step_id``), is not judged so.
 
 A call in flight, however long (a model call may take fifteen minutes), keeps its session alive.
 So does a call that ended in a way the launcher's client retries (no answer, a 5xx or a 429: the
@@ -129,6 +130,11 @@ class Liveness:
                 entry.finished = True
             elif isinstance(step, int) and step > entry.step:
                 entry.step = step
+                if step > entry.answered:
+                    # a row of a step whose model call the gate did not see answered: this
+                    # launcher's rows are not one per call (or the row is wrong), and its steps
+                    # cannot tell that it owes a call
+                    entry.counted = False
 
     def quiet_after(self) -> float | None:
         """Seconds of quiet after which a session with no call in flight is taken for dead; None

@@ -306,3 +306,26 @@ def test_a_retried_call_or_a_session_seen_mid_way_does_not_make_a_session_owe_a_
     assert quiet is not None and later < 11.0 + quiet
     assert not life.dead("retrying", later, quiet)
     assert not life.dead("resumed", later, quiet)
+
+
+def test_a_row_of_a_step_beyond_the_sessions_calls_turns_the_rule_off_for_it() -> None:
+    """Rows that are not one per model call (a launcher that writes a row of its own, or a wrong
+    step_id): a session with more steps than calls would look as if it owed a call whenever it is
+    quiet, a finished one too before its terminal row arrives. Its steps are no longer compared
+    with its calls: only the usual quiet threshold takes it for dead."""
+    from rollout_buffer.core.liveness import MIN_OWED_S
+
+    life = Liveness()
+    live_sessions(life)
+    quiet = life.quiet_after()
+    assert quiet is not None
+    life.call_started("extra", 10.0)
+    life.row("extra", 10.1, 1)  # a row before its first call was answered
+    life.call_ended("extra", 10.5)
+    life.row("extra", 10.6, 2)
+    assert not life.dead("extra", 10.5 + MIN_OWED_S + 0.1, quiet)
+    assert life.dead("extra", 10.5 + quiet + 0.1, quiet)
+    life.call_started("wrong", 10.0)
+    life.call_ended("wrong", 10.5)
+    life.row("wrong", 10.6, 10**9)  # a hostile step_id
+    assert not life.dead("wrong", 10.5 + MIN_OWED_S + 0.1, quiet)

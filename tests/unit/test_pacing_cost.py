@@ -1,5 +1,6 @@
 """The cost of a held call's question to the budget (issue 23): it must not grow with the groups
-the job has already decided (the gate asks again for every held call at least once a second)."""
+the job has already decided (the gate asks again for every held call when rows arrive, and
+every 0.25 s)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,19 @@ from types import SimpleNamespace
 from rollout_buffer.core.accumulator import Accumulator
 from rollout_buffer.core.config import Config
 from rollout_buffer.runtime.pacing import Pacing
+
+
+def serve_ready(accumulator: Accumulator) -> None:
+    """A poll takes every ready group and commits it as served."""
+    takes = accumulator.take_ready(None)
+    accumulator.commit(
+        SimpleNamespace(
+            served=[SimpleNamespace(group_id=t.group_id, take=t, rewards=()) for t in takes],
+            drops=[],
+            rows=[],
+            batch=None,
+        )
+    )
 
 
 def test_may_start_does_not_grow_with_the_groups_the_job_decided() -> None:
@@ -23,18 +37,11 @@ def test_may_start_does_not_grow_with_the_groups_the_job_decided() -> None:
     for i in range(n):
         assert pacing.may_start(f"s{i}")
         accumulator.ingest([(i + 1, f"s{i}", f"g{i}", 1)])
-        for t in accumulator.take_ready(None):
-            accumulator.commit(
-                SimpleNamespace(
-                    served=[SimpleNamespace(group_id=t.group_id, take=t, rewards=())],
-                    drops=[],
-                    rows=[],
-                    batch=None,
-                )
-            )
+        serve_ready(accumulator)
     assert pacing.may_start(f"s{n}")  # one group in progress: the budget of one is spent
     started = time.perf_counter()
     for _ in range(200):
+        pacing.rows_read()  # rows arrived: the budget is worked out again (no standing refusal)
         assert not pacing.may_start(f"s{n + 1}")
     elapsed = time.perf_counter() - started
     assert elapsed < 0.1, f"200 questions of a held call took {elapsed:.3f} s"
@@ -44,7 +51,7 @@ def test_may_start_does_not_grow_with_the_groups_the_job_decided() -> None:
 def test_may_start_does_not_grow_with_a_hundred_thousand_decided_groups() -> None:
     """The groups in progress were found with a set difference against every decided group
     (`set - dict.keys()` walks the keys): 11 ms a question at 100k decided groups, under the
-    accumulator's lock, for every first call and every held call once a second (a job's 100k
+    accumulator's lock, for every first call and every held call's round (a job's 100k
     sessions took six minutes of questions alone)."""
     accumulator = Accumulator("j", 1, max_steps=10)
     config = Config.from_env({}, pacing_staleness=0, pacing_batch_groups=1)
@@ -57,19 +64,12 @@ def test_may_start_does_not_grow_with_a_hundred_thousand_decided_groups() -> Non
         for i in range(lo, lo + step):
             pacing.admission.admit(f"g{i}")
         accumulator.ingest([(i + 1, f"s{i}", f"g{i}", 1) for i in range(lo, lo + step)])
-        takes = accumulator.take_ready(None)
-        accumulator.commit(
-            SimpleNamespace(
-                served=[SimpleNamespace(group_id=t.group_id, take=t, rewards=()) for t in takes],
-                drops=[],
-                rows=[],
-                batch=None,
-            )
-        )
+        serve_ready(accumulator)
     assert len(accumulator.decided) == n
     assert pacing.may_start(f"s{n}")  # one group in progress: the budget of one is spent
     started = time.perf_counter()
     for _ in range(200):
+        pacing.rows_read()  # rows arrived: the budget is worked out again (no standing refusal)
         assert not pacing.may_start(f"s{n + 1}")
     elapsed = time.perf_counter() - started
     assert elapsed < 0.1, f"200 questions of a held call took {elapsed:.3f} s"
@@ -108,11 +108,12 @@ def zombies(groups: int, k: int = 8) -> tuple[Accumulator, Pacing, list[float]]:
 def test_a_held_calls_question_does_not_grow_with_groups_that_died_long_ago() -> None:
     """Every question re-examined every session of every group that died before a trainable
     row: 16 ms a question at 1,000 such groups of 8 (a broken task a hundred, over a long job),
-    under the accumulator's lock, for every held call once a second and at every poll."""
+    under the accumulator's lock, for every round of held calls and at every poll."""
     accumulator, pacing, _clock = zombies(1000)
     assert pacing.may_start("h0")  # the budget of one is spent
     started = time.perf_counter()
     for _ in range(200):
+        pacing.rows_read()  # rows arrived: the budget is worked out again (no standing refusal)
         assert not pacing.may_start("h1")
     elapsed = time.perf_counter() - started
     assert elapsed < 0.2, f"200 questions of a held call took {elapsed:.3f} s"
@@ -168,7 +169,7 @@ def test_a_group_taken_for_stalled_that_completes_after_all_is_no_failure() -> N
 def test_a_held_calls_question_sorts_the_call_gaps_once_not_once_per_pending_group() -> None:
     """progress() asks every pending group whether its sessions have gone quiet for good; the
     threshold sorts the last 200 quiet spans between calls: once per question (a held call asks
-    once a second, hundreds of them), not once per pending group (0.8 ms a question at 128)."""
+    several times a second), not once per pending group (0.8 ms a question at 128)."""
     accumulator = Accumulator("j", 8, max_steps=10)
     groups = 64
     accumulator.observe([(f"s{g}-{i}", f"g{g}") for g in range(groups) for i in range(8)], [])
@@ -214,3 +215,24 @@ def test_the_gate_raises_a_low_descriptor_limit() -> None:
     )
     soft, hard = (int(v) for v in out.stdout.split())
     assert soft >= min(hard, 4096), out.stdout
+
+
+def test_a_standing_refusal_never_holds_an_admitted_group_nor_outlives_a_poll() -> None:
+    """A refusal for want of budget stands a moment for the other held calls (a round of hundreds
+    works the budget out once), but never for a session of a group already admitted, and not
+    past the trainer's next poll: the place it frees goes at once."""
+    accumulator = Accumulator("j", 2, max_steps=10)
+    config = Config.from_env({}, pacing_staleness=0, pacing_batch_groups=1)
+    pacing = Pacing(
+        config, SimpleNamespace(current=SimpleNamespace(job_id="j", accumulator=accumulator))
+    )
+    accumulator.observe([("a0", "g0"), ("a1", "g0"), ("b0", "g1"), ("b1", "g1")], [])
+    assert pacing.may_start("a0")  # g0 takes the budget of one
+    assert not pacing.may_start("b0")  # g1 waits: the refusal stands for a moment
+    assert pacing.may_start("a1")  # g0's other session is never held
+    accumulator.ingest([(1, "a0", "g0", 1), (2, "a1", "g0", 1)])
+    serve_ready(accumulator)
+    pacing.took(1, [None])  # the trainer takes g0 and trains on it...
+    assert not pacing.may_start("b0")  # (a group that starts now is for its next step)
+    pacing.took(0, [])  # ...and polls again: it is done with g0, and g1 goes now
+    assert pacing.may_start("b0")
