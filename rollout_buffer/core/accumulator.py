@@ -299,6 +299,11 @@ class Accumulator(Handover, Policies):
             )
             return group, started
 
+    def place_of(self, session_id: str) -> int | None:
+        """The session's place in job_environments (None: not listed)."""
+        with self.lock:
+            return self.census.place.get(session_id)
+
     def sign(self, session_id: str) -> None:
         """A model call of the session went through the pacing gate."""
         with self.lock:

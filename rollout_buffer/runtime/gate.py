@@ -17,8 +17,9 @@ admitted groups are learned again from the rows). The launcher must run with
 ``AIEVOBOX_LLM_MAX_CONCURRENCY=0``: with its semaphore on, held calls keep their slots and the
 launcher deadlocks (SPEC §5); the service sets it.
 
-Owns: the gate's socket, its event loop and thread, and the held calls. It must not decide
-admission (it asks) nor touch the accumulator.
+Owns: the gate's socket, its event loop and thread, and the calls it forwards (the held ones are
+:mod:`rollout_buffer.runtime.held`'s). It must not decide admission (it asks) nor touch the
+accumulator.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
 from urllib.parse import urlsplit
+
+from rollout_buffer.runtime.held import HeldCalls
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +47,6 @@ RESUME_WINDOW_S = 120.0  # after the gate starts, a call with an assistant turn 
 HEAD_TIMEOUT_S = 60.0  # a connection that never finishes its head is closed (slowloris)
 FD_WANTED = 65536  # descriptors the gate asks for (its calls take one or two each)
 MAX_STARTED_SESSIONS = 100_000  # sessions remembered as started (~100 bytes each)
-# a held call asks again at least this often: the budget moves with polls and rows (the gate is
-# poked then) and as sessions that went quiet are taken for dead (no event says when)
-RECHECK_S = 0.25
 CONNECT_TIMEOUT_S = 10.0
 # the proxy's version stamp in an answer; searched in the last bytes of a chunk with the next
 VERSION_STAMP = re.compile(rb'"weight_version"\s*:\s*(\d{1,12})(?![\d.eE])')
@@ -91,6 +90,7 @@ class Gate:
         answered: Callable[[str, bool], None] = lambda session, retried: None,
         on_hold: Callable[[], None] = lambda: None,
         on_version: Callable[[int], None] = lambda version: None,
+        place: Callable[[str], int | None] = lambda session: None,
     ) -> None:
         parts = urlsplit(upstream)
         if parts.scheme != "http" or not parts.hostname:
@@ -107,8 +107,8 @@ class Gate:
         self.on_version = on_version
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._asker: asyncio.Task[None] | None = None  # the held calls' (HeldCalls.run)
         self._thread: threading.Thread | None = None
-        self._wake: asyncio.Event | None = None
         self._ready = threading.Event()
         self._started_at = time.monotonic()
         # the launcher's client retries a refused call within 30 s (SPEC §5), and a running
@@ -121,8 +121,9 @@ class Gate:
         self.sessions_started = 0  # (a session forgotten and seen again counts again)
         self.in_flight = 0
         # first calls held now: the gate's, whatever job is active (``on_hold`` tells the
-        # active job's figures of each call held)
-        self.held = 0
+        # active job's figures of each call held); let go in the launcher's order (``place``:
+        # a session's place in job_environments)
+        self.held_calls = HeldCalls(may_start, place, on_hold)
         self.forwarded = 0
         self.upstream_errors = 0
 
@@ -160,18 +161,18 @@ class Gate:
             self._sock = None
 
     def poke(self) -> None:
-        """The budget may have moved (a poll took groups, a group was decided): held calls ask
-        again now."""
-        loop, wake = self._loop, self._wake
-        if loop is not None and wake is not None and not loop.is_closed():
+        """The budget may have moved (a poll took groups, rows arrived): held calls ask again
+        now."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(wake.set)
+                loop.call_soon_threadsafe(self.held_calls.wake)
 
     def stats(self) -> dict[str, int]:
         return {
             "port": self.port,
             "in_flight": self.in_flight,
-            "held_calls": self.held,
+            "held_calls": self.held_calls.held,
             "forwarded": self.forwarded,
             "upstream_errors": self.upstream_errors,
             "sessions_started": self.sessions_started,
@@ -182,9 +183,9 @@ class Gate:
         loop = asyncio.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)
-        self._wake = asyncio.Event()
         try:
             server = loop.run_until_complete(asyncio.start_server(self._serve, sock=self._sock))
+            self._asker = loop.create_task(self.held_calls.run())
             self._ready.set()
             loop.run_forever()
             server.close()
@@ -284,35 +285,10 @@ class Gate:
                 self.answered(session, status is None or status == 429 or status >= 500)
 
     async def _admit(self, session: str, reader: asyncio.StreamReader) -> bool:
-        """Hold the first call of ``session`` until its group may start. False when its client
-        went away meanwhile (the launcher's client times a call out and retries it): that call
-        must not reach the model when the group is admitted (a duplicate first call, generated
-        for nobody), nor stay counted as held."""
-        if not self.may_start(session):
-            self.held += 1
-            self.on_hold()
-            # a client sends nothing after its request: end of stream means it is gone
-            gone: asyncio.Future[Any] = asyncio.ensure_future(reader.read(1))
-            try:
-                assert self._wake is not None
-                while not self.may_start(session):
-                    wake: asyncio.Future[object] = asyncio.ensure_future(self._wake.wait())
-                    watched: set[asyncio.Future[object]] = {wake, gone}
-                    try:
-                        await asyncio.wait(
-                            watched, timeout=RECHECK_S, return_when=asyncio.FIRST_COMPLETED
-                        )
-                    finally:
-                        wake.cancel()
-                    if gone.done():
-                        if gone.cancelled() or gone.exception() or not gone.result():
-                            return False
-                        # bytes after the request (a pipelining client): not gone; stop watching
-                        gone = asyncio.get_running_loop().create_future()
-                    self._wake.clear()
-            finally:
-                gone.cancel()
-                self.held -= 1
+        """Hold the first call of ``session`` until its group may start (:class:`HeldCalls`).
+        False when its client went away meanwhile."""
+        if not await self.held_calls.admit(session, reader):
+            return False
         self._started(session)
         return True
 

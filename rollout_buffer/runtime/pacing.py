@@ -66,6 +66,7 @@ class Pacing:
                 answered=self.answered,
                 on_hold=lambda: self.admission.holding(),
                 on_version=lambda version: self.admission.saw_version(version),
+                place=self.place,
             )
             if signals is not None:  # a crashed session shows in its last row: ask again then
                 signals.on_rows(self.rows_read)
@@ -159,6 +160,12 @@ class Pacing:
             return False
         job_state.accumulator.first_call(session_id)  # through the gate: the session's first sign
         return True
+
+    def place(self, session_id: str) -> int | None:
+        """The session's place in job_environments (the launcher starts sessions in that order):
+        held calls go in it."""
+        job_state = self.jobs.current
+        return None if job_state is None else job_state.accumulator.place_of(session_id)
 
     def seen(self, session_id: str) -> None:
         """A model call of the session went through the gate."""
