@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple, TypeGuard
 
-from rollout_buffer.core.liveness import Liveness
+from rollout_buffer.core.liveness import RETRY_QUIET_S, Liveness
 
 # A group one of whose sessions ended without a result, so that it can never reach K.
 SESSION_WITHOUT_RESULT = "session_without_result"
@@ -35,6 +35,12 @@ STALL_MIN_S = 2.0
 # a lost group none of whose sessions showed a sign for this long (and four times the quiet
 # threshold) is set aside: not looked at again until one of them does
 SET_ASIDE_S = 600.0
+# a session of a group that ran before the gate saw it (the service restarted under it) that has
+# made no call through the gate this long after the gate saw its first call (and after its last
+# row) is taken for dead: a call in flight at the restart is retried within the launcher's
+# longest backoff (SPEC §5), and nothing else would ever decide it (no gap between calls may ever
+# be learned while every other session is held, and a group with no trainable row has no TTL)
+RESUMED_QUIET_S = RETRY_QUIET_S
 
 
 class StepFact(NamedTuple):
@@ -105,6 +111,7 @@ class Census:
         # millions of sessions: only their group stays known, for the gate and their late rows)
         self.settled: set[str] = set()  # decided groups
         self.settled_counts = {"scheduled": 0, "trainable": 0, "without_result": 0}
+        self.resumed_quiet_s = RESUMED_QUIET_S
 
     def schedule(self, sessions: Iterable[tuple[str, str]]) -> None:
         """Sessions listed in ``job_environments``: (session_id, group_id)."""
@@ -224,18 +231,24 @@ class Census:
         counted = self.session_group.get(session_id) not in self.resumed
         self.liveness.call_started(session_id, now, counted)
 
-    def _dead(self, session_id: str, now: float, silent: float) -> bool:
-        """Quiet for good at the gate, or passed over by the launcher before its first call."""
+    def _dead(self, session_id: str, now: float, silent: float | None) -> bool:
+        """Quiet for good at the gate, passed over by the launcher before its first call, or (a
+        session that ran before the gate saw it) no call since the gate came up
+        (:data:`RESUMED_QUIET_S`). ``silent``: :meth:`silent_after` (None: not learned yet)."""
         if session_id in self.liveness.calls:
-            return self.liveness.dead(session_id, now, silent)
+            return silent is not None and self.liveness.dead(session_id, now, silent)
         if session_id in self.liveness.arrived:
             return False  # held at the gate: its group is not admitted
+        if self.session_group.get(session_id) in self.resumed:
+            since = self.liveness.first_seen
+            if since is None:
+                return False  # the gate saw no call: pacing is off, or it has just come up
+            timing = self.timing.get(session_id)
+            if timing is not None:
+                since = max(since, timing[1])
+            return now - since > max(self.resumed_quiet_s, silent or 0.0)
         place = self.place.get(session_id)
-        return (
-            place is not None
-            and self.session_group.get(session_id) not in self.resumed
-            and self.liveness.passed(place, now, silent)
-        )
+        return silent is not None and place is not None and self.liveness.passed(place, now, silent)
 
     def arrived(self, session_id: str, now: float) -> None:
         """The session's first model call reached the gate (held or let through)."""
@@ -269,9 +282,7 @@ class Census:
         for session_id in sessions:
             if session_id in completed:
                 continue
-            if session_id in self.without_result or (
-                silent is not None and self._dead(session_id, now, silent)
-            ):
+            if session_id in self.without_result or self._dead(session_id, now, silent):
                 gone += 1
         return gone > 0 and max(len(sessions), k) - gone < k
 

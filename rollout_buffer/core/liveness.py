@@ -87,6 +87,7 @@ class Liveness:
         # how long a session that owes a call may stay quiet: set with :meth:`quiet_after`
         self.owed_after_s = float("inf")
         self.arrived: set[str] = set()  # sessions whose first call reached the gate (held or not)
+        self.first_seen: float | None = None  # when the gate saw its first call (held or not)
         # first calls of the last few seconds, (when, the session's place in job_environments),
         # and the largest place among the older ones: the launcher has passed every session
         # listed before it
@@ -97,6 +98,8 @@ class Liveness:
     def call_started(self, session_id: str, now: float, counted: bool = True) -> None:
         """A call of the session reached the gate (``counted``: the gate saw all its calls; False
         for a session that ran before the service did)."""
+        if self.first_seen is None:
+            self.first_seen = now
         entry = self.calls.get(session_id)
         if entry is None:
             self.calls[session_id] = Calls(now, counted)
@@ -154,6 +157,8 @@ class Liveness:
     def arrive(self, session_id: str, place: int | None, now: float) -> None:
         """The session's first call reached the gate; ``place``: its place in job_environments
         (None: not listed)."""
+        if self.first_seen is None:
+            self.first_seen = now
         if session_id not in self.arrived:
             self.arrived.add(session_id)
             if place is not None:

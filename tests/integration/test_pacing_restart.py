@@ -81,3 +81,45 @@ def test_sessions_running_before_a_restart_are_not_taken_for_passed_over(
             for t in threads:
                 t.join(10)
             w.close()
+
+
+def test_a_group_whose_sessions_died_before_a_restart_does_not_hold_its_place_for_ever(
+    harness_factory: Any, db_url: str
+) -> None:
+    """g1's sessions wrote a step each and died, then the service restarted (kill -9). The gate
+    has no call of them, and none comes: every other session is held, so no gap between calls is
+    ever learned, and g1 has no trainable row (no TTL decides it). g1 held the budget of one for
+    good and the held calls were never released (seen with the simulator: a kill -9 left a
+    launcher's whole pool held). A session of a group that ran before the restart and makes no
+    call once its client's longest backoff has passed since the gate saw any call is taken for
+    dead: only waste if it was in a long step after all."""
+    with FakeLLM(version=3) as llm:
+        w = Writer(db_url)
+        schedule(w, "g1", ["a1", "a2"])
+        schedule(w, "g2", ["b1", "b2"])
+        for session in ("a1", "a2"):
+            w.step("g1", session, 1, trainable=False)  # before the restart; then they died
+        port = free_port()
+        h = harness_factory(
+            db_url,
+            pacing="gate",
+            gate_port=port,
+            proxy_host="127.0.0.1",
+            proxy_port=llm.port,
+            pacing_staleness=0,
+            pacing_batch_groups=1,
+        )
+        try:
+            h.start(k=2)
+            h.settle()
+            census = h.service.jobs.current.accumulator.census
+            census.resumed_quiet_s = 1.0  # (the launcher's client backs off up to 36 s)
+            assert h.client.get("/admission").get_json()["budget"] == 0
+            sent = time.monotonic()
+            r = requests.post(URL.format(port=port, session="b1"), json=HI, timeout=15)
+            assert r.status_code == 200
+            assert time.monotonic() - sent >= 1.0, "b1 went before g1's sessions could call"
+            doc = h.client.get("/admission").get_json()
+            assert doc["inputs"]["in_progress"]["stalled"] == 1, doc["inputs"]["in_progress"]
+        finally:
+            w.close()
