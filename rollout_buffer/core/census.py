@@ -232,11 +232,16 @@ class Census:
         self.liveness.call_started(session_id, now, counted)
 
     def _dead(self, session_id: str, now: float, silent: float | None) -> bool:
-        """Quiet for good at the gate, passed over by the launcher before its first call, or (a
-        session that ran before the gate saw it) no call since the gate came up
-        (:data:`RESUMED_QUIET_S`). ``silent``: :meth:`silent_after` (None: not learned yet)."""
+        """Quiet for good at the gate (for :data:`RESUMED_QUIET_S` while ``silent`` is not
+        learned), passed over by the launcher before its first call, or (a session that ran
+        before the gate saw it) no call since the gate came up (:data:`RESUMED_QUIET_S`).
+        ``silent``: :meth:`silent_after` (None: not learned yet)."""
         if session_id in self.liveness.calls:
-            return silent is not None and self.liveness.dead(session_id, now, silent)
+            # before the threshold is learned (twenty gaps between calls), a session quiet for
+            # longer than its client's longest backoff: if the first admitted groups all died
+            # early no gap is ever seen while every other first call is held
+            quiet = self.resumed_quiet_s if silent is None else silent
+            return self.liveness.dead(session_id, now, quiet)
         if session_id in self.liveness.arrived:
             return False  # held at the gate: its group is not admitted
         if self.session_group.get(session_id) in self.resumed:

@@ -27,7 +27,9 @@ next try (SPEC §5), so its session is not taken for dead before that has passed
 is not one of the quiet spans the threshold is learned from.
 The threshold is the larger of four times the median and twice the 95th percentile of the recent
 quiet spans of either kind, and at least a second (for a session that owes a call: of the gaps
-between calls only, and at least half a second); nothing is dead until twenty gaps were seen.
+between calls only, and at least half a second); until twenty gaps were seen, the census takes
+a session quiet for longer than its client's longest backoff for dead (the first admitted groups
+may all die before twenty gaps, and then none would ever be seen while every other call is held).
 
 A session that failed before its first model call never shows at the gate. The launcher starts
 its sessions in the order of ``job_environments``, so one that has not arrived at the gate (its

@@ -236,3 +236,35 @@ def test_a_standing_refusal_never_holds_an_admitted_group_nor_outlives_a_poll() 
     assert not pacing.may_start("b0")  # (a group that starts now is for its next step)
     pacing.took(0, [])  # ...and polls again: it is done with g0, and g1 goes now
     assert pacing.may_start("b0")
+
+
+def test_groups_whose_sessions_all_died_before_twenty_gaps_do_not_hold_the_budget_for_good() -> (
+    None
+):
+    """The first admitted groups' sessions each made one call and died (a broken task at the head
+    of the list): no gap between calls was ever seen, and none will be while every other first
+    call is held, so nothing was taken for dead (the threshold is learned from twenty gaps) and
+    a group with no trainable row has no TTL: the held calls were never released. Before the
+    threshold is learned, a session quiet for longer than its client's longest backoff is
+    dead."""
+    from rollout_buffer.core.census import RESUMED_QUIET_S
+
+    clock = [0.0]
+    accumulator = Accumulator("j", 2, max_steps=10, clock=lambda: clock[0])
+    config = Config.from_env({}, pacing_staleness=0, pacing_batch_groups=1)
+    pacing = Pacing(
+        config, SimpleNamespace(current=SimpleNamespace(job_id="j", accumulator=accumulator))
+    )
+    accumulator.observe([("a1", "g1"), ("a2", "g1"), ("b1", "g2"), ("b2", "g2")], [])
+    for session in ("a1", "a2"):
+        assert pacing.may_start(session)
+        accumulator.sign(session)
+        clock[0] += 0.5
+        accumulator.answered(session)
+    assert not pacing.may_start("b1")  # g1 takes the budget of one
+    clock[0] += 10.0
+    pacing.rows_read()
+    assert not pacing.may_start("b1")  # a long step: not dead yet
+    clock[0] += RESUMED_QUIET_S
+    pacing.rows_read()
+    assert pacing.may_start("b1"), accumulator.progress(pacing.admission.admitted)
