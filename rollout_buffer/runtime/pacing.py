@@ -50,6 +50,9 @@ class Pacing:
         self.jobs = jobs
         self._lock = threading.Lock()
         self._refused_until = float("-inf")  # (monotonic) see REFUSAL_STANDS_S
+        # bumped by each event that may free the budget (a poll, rows): a refusal worked out from
+        # the figures before one must not stand after it
+        self._moves = 0
         self._job: str | None = None
         self._admission = self._new_admission()
         self._unknown_since: dict[str, float] = {}
@@ -111,6 +114,7 @@ class Pacing:
         versions): the trainer's demand (B is learned from it), and held first calls ask
         again."""
         self.admission.took(groups, versions, began=began)
+        self._moves += 1
         self._refused_until = float("-inf")
         if self.gate is not None:
             self.gate.poke()
@@ -118,6 +122,7 @@ class Pacing:
     def rows_read(self) -> None:
         """(The loop's thread.) Rows of the active job arrived: a session may have shown that it
         crashed (its last row, not terminal, and no next call), so held calls ask again now."""
+        self._moves += 1
         self._refused_until = float("-inf")
         if self.gate is not None:
             self.gate.poke()
@@ -128,6 +133,7 @@ class Pacing:
         if job_state is None:
             return True
         job_state.accumulator.arrived(session_id)  # (once: a held call asks again and again)
+        moves = self._moves
         admission = self.admission
         group, started = job_state.accumulator.group_of(session_id)
         if (
@@ -157,6 +163,8 @@ class Pacing:
         version = job_state.accumulator.known_version
         if not admission.ask(group, in_progress, started=started, current_version=version):
             self._refused_until = time.monotonic() + REFUSAL_STANDS_S
+            if moves != self._moves:  # a poll or rows came meanwhile: the budget may be free now
+                self._refused_until = float("-inf")
             return False
         job_state.accumulator.first_call(session_id)  # through the gate: the session's first sign
         return True

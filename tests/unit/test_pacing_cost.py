@@ -268,3 +268,31 @@ def test_groups_whose_sessions_all_died_before_twenty_gaps_do_not_hold_the_budge
     clock[0] += RESUMED_QUIET_S
     pacing.rows_read()
     assert pacing.may_start("b1"), accumulator.progress(pacing.admission.admitted)
+
+
+def test_a_refusal_worked_out_before_rows_arrived_does_not_stand_after_them() -> None:
+    """The gate's thread works the budget out while the loop's thread reads rows that free it (a
+    session ended at the step cap: its group can never complete) and says so (rows_read: held
+    calls ask again now). The refusal, worked out from the figures before those rows, stood
+    REFUSAL_STANDS_S after them: the held calls the rows' poke asked were refused unasked."""
+    from rollout_buffer.core.census import StepFact
+
+    accumulator = Accumulator("j", 2, max_steps=3)
+    config = Config.from_env({}, pacing_staleness=0, pacing_batch_groups=1)
+    pacing = Pacing(
+        config, SimpleNamespace(current=SimpleNamespace(job_id="j", accumulator=accumulator))
+    )
+    accumulator.observe([("a1", "g1"), ("a2", "g1"), ("b1", "g2"), ("c1", "g3")], [])
+    assert pacing.may_start("a1")  # g1 takes the budget of one
+    progress = accumulator.progress
+
+    def rows_arrive_meanwhile(admitted: set[str]) -> dict[str, int]:
+        figures = progress(admitted)
+        accumulator.observe([], [StepFact("a2", "g1", 3, False)])  # a2 hit the step cap
+        pacing.rows_read()
+        return figures
+
+    accumulator.progress = rows_arrive_meanwhile  # type: ignore[method-assign]
+    assert not pacing.may_start("b1")  # worked out before the rows
+    accumulator.progress = progress  # type: ignore[method-assign]
+    assert pacing.may_start("c1"), "refused by a refusal older than the rows that freed the budget"
