@@ -143,13 +143,8 @@ class Pacing:
             and group not in admission.admitted
         ):
             return False  # the budget was spent a moment ago (REFUSAL_STANDS_S)
-        admission.prune(
-            job_state.accumulator.decided
-        )  # decided groups are not in progress: asked as started
-        # counted before this call marks its group started: a group never waits for itself
-        progress = job_state.accumulator.progress(admission.admitted)
-        admission.completion_rate = job_state.accumulator.completion_rate()
-        in_progress = sum(v for k, v in progress.items() if k != "stalled")
+        # before the budget is worked out: a session not listed is not paced by it (and it is
+        # asked at every round while it waits for the census)
         if (
             group is None and not job_state.census.no_schedule
         ):  # (a writer without the list: no wait)
@@ -160,6 +155,13 @@ class Pacing:
                 "session %r is not in job_environments: its calls are not paced", session_id
             )
         self._unknown_since.pop(session_id, None)
+        admission.prune(
+            job_state.accumulator.decided
+        )  # decided groups are not in progress: asked as started
+        # counted before this call marks its group started: a group never waits for itself
+        progress = job_state.accumulator.progress(admission.admitted)
+        admission.completion_rate = job_state.accumulator.completion_rate()
+        in_progress = sum(v for k, v in progress.items() if k != "stalled")
         version = job_state.accumulator.known_version
         if not admission.ask(group, in_progress, started=started, current_version=version):
             self._refused_until = time.monotonic() + REFUSAL_STANDS_S

@@ -296,3 +296,30 @@ def test_a_refusal_worked_out_before_rows_arrived_does_not_stand_after_them() ->
     assert not pacing.may_start("b1")  # worked out before the rows
     accumulator.progress = progress  # type: ignore[method-assign]
     assert pacing.may_start("c1"), "refused by a refusal older than the rows that freed the budget"
+
+
+def test_a_held_call_of_a_session_not_listed_yet_does_not_work_the_budget_out() -> None:
+    """A session job_environments has not listed waits for the census to read it, asked at every
+    round like any held call; each question worked out the groups in progress, though the
+    answer does not depend on them: 0.3 s a round for 500 such calls next to 200 groups of 8, on
+    the gate's event loop (every call it forwards waited) and under the accumulator's lock."""
+    accumulator = Accumulator("j", 8, max_steps=10)
+    config = Config.from_env({}, pacing_staleness=1, pacing_batch_groups=100)
+    reader = SimpleNamespace(no_schedule=False)  # job_environments is read
+    job = SimpleNamespace(job_id="j", accumulator=accumulator, census=reader)
+    pacing = Pacing(config, SimpleNamespace(current=job))
+    accumulator.observe([(f"s{g}-{i}", f"g{g}") for g in range(200) for i in range(8)], [])
+    for g in range(200):
+        assert pacing.may_start(f"s{g}-0")
+        for i in range(8):
+            accumulator.sign(f"s{g}-{i}")
+            accumulator.answered(f"s{g}-{i}")
+    for _ in range(25):
+        for i in range(8):
+            accumulator.sign(f"live{i}")
+            accumulator.answered(f"live{i}")
+    started = time.perf_counter()
+    for i in range(500):
+        assert not pacing.may_start(f"unlisted{i}")  # it waits for the census to list it
+    elapsed = time.perf_counter() - started
+    assert elapsed < 0.05, f"a round of 500 held calls of unlisted sessions took {elapsed:.3f} s"
