@@ -11,7 +11,8 @@ A first call that comes while calls are held waits its turn too.
 
 One task asks for all of them: when the gate is poked (the trainer polled, rows arrived) and
 every :data:`RECHECK_S` (a session that went quiet is taken for dead as time passes, with no event
-to say so). A held call whose client goes away leaves the queue.
+to say so), at most once every :data:`ROUND_GAP_S`. A held call whose client goes away leaves the
+queue.
 
 Owns: the queue of held calls and the task that asks for them. It must not decide admission (it
 asks ``may_start``) nor read the budget.
@@ -31,6 +32,9 @@ logger = logging.getLogger(__name__)
 # the held calls are asked again at least this often: the budget moves with polls and rows (the
 # gate is poked then) and as sessions that went quiet are taken for dead (no event says when)
 RECHECK_S = 0.25
+# rounds are at least this far apart: a trainer polling back to back pokes the gate at every poll,
+# and a round asks every held call (hundreds): one a poll took about a millisecond of each poll
+ROUND_GAP_S = 0.02
 UNPLACED = float("inf")  # a session job_environments has not listed (yet): after the listed ones
 
 
@@ -107,9 +111,15 @@ class HeldCalls:
     async def run(self) -> None:
         """The task that asks for the held calls, in the launcher's order."""
         self._wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        last_round = float("-inf")
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), RECHECK_S)
+            wait = last_round + ROUND_GAP_S - loop.time()
+            if wait > 0:  # (pokes meanwhile are answered by this round)
+                await asyncio.sleep(wait)
+            last_round = loop.time()
             self._wake.clear()
             if self._queue:
                 try:

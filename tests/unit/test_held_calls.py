@@ -59,3 +59,33 @@ def test_held_calls_go_in_the_launchers_order_and_a_client_that_leaves_is_forgot
         asker.cancel()
 
     asyncio.run(scenario())
+
+
+def test_a_burst_of_pokes_makes_one_round_not_one_each() -> None:
+    """A trainer polling back to back pokes the gate at every poll; each round asks every held
+    call. Pokes within ROUND_GAP_S of a round are answered by one more round, not one each."""
+    from rollout_buffer.runtime.held import ROUND_GAP_S
+
+    asked: list[str] = []
+
+    def may_start(session: str) -> bool:
+        asked.append(session)
+        return False
+
+    async def scenario() -> None:
+        calls = HeldCalls(may_start, lambda session: 0, lambda: None)
+        asker = asyncio.ensure_future(calls.run())
+        await asyncio.sleep(0)
+        held = asyncio.ensure_future(calls.admit("s1", asyncio.StreamReader()))
+        await asyncio.sleep(ROUND_GAP_S * 2)  # its first question, and one round
+        asked.clear()
+        for _ in range(50):  # fifty polls within a round's gap
+            calls.wake()
+            await asyncio.sleep(0)
+        await asyncio.sleep(ROUND_GAP_S * 1.5)
+        assert 1 <= len(asked) <= 3, asked  # (one, or two on a loaded machine; 17 without the gap)
+        held.cancel()
+        asker.cancel()
+        await asyncio.gather(held, asker, return_exceptions=True)
+
+    asyncio.run(scenario())
