@@ -73,10 +73,13 @@ def test_a_step_capped_sessions_group_is_dropped_at_once_and_every_session_clear
     for sid in doomed[:2]:
         writer.session("doomed", sid, 2, trainable=False, complete=False)
         writer.step("doomed", sid, 3, completed=True, step_reward=0.5)
-    writer.session("doomed", "d-capped", MAX_STEPS, trainable=False, complete=False)
     for i, sid in enumerate(fine):
         writer.step("fine", sid, 1, trainable=False)
         writer.step("fine", sid, 2, completed=True, step_reward=0.1 * (i + 1))
+    # the capped session's rows once the rest are read: a tick between the writes could read them
+    # before d-ok-2's trainable row, and count d-ok-2 without one when the group drops
+    h.settle()
+    writer.session("doomed", "d-capped", MAX_STEPS, trainable=False, complete=False)
     h.settle()
 
     # dropped now, with a reason of its own: the TTL (1,800 s) is nowhere near

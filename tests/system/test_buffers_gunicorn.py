@@ -184,6 +184,12 @@ def test_two_named_buffers_on_one_database_never_touch_each_others_job(db_url, t
         assert r.status_code == 409, (r.status_code, r.text)
         body = r.json()
         assert body["ok"] is False and body["buffer"] == "alpha" and "'alpha'" in body["error"]
+        # (a-pending was written last: alpha may read it after the trainers drained the rest)
+        wait_until(
+            lambda: requests.get(alpha.url + "/stats", timeout=10).json()["groups"]["pending"] == 1,
+            15,
+            "a-pending is pending on alpha",
+        )
         stats_a = requests.get(alpha.url + "/stats", timeout=10).json()
         stats_b = requests.get(beta.url + "/stats", timeout=10).json()
         assert health(alpha.url)["job_session"] == "job-a"
