@@ -12,6 +12,14 @@ from rollout_buffer.core.config import Config
 from rollout_buffer.runtime.pacing import Pacing
 
 
+def paced(accumulator: Accumulator) -> Pacing:
+    """The pacing of a job on ``accumulator``: a budget of one group, (S 0 + 1) x B 1."""
+    config = Config.from_env({}, pacing_staleness=0, pacing_batch_groups=1)
+    return Pacing(
+        config, SimpleNamespace(current=SimpleNamespace(job_id="j", accumulator=accumulator))
+    )
+
+
 def serve_ready(accumulator: Accumulator) -> None:
     """A poll takes every ready group and commits it as served."""
     takes = accumulator.take_ready(None)
@@ -27,10 +35,7 @@ def serve_ready(accumulator: Accumulator) -> None:
 
 def test_may_start_does_not_grow_with_the_groups_the_job_decided() -> None:
     accumulator = Accumulator("j", 1, max_steps=10)
-    config = Config.from_env({}, pacing_staleness=0, pacing_batch_groups=1)
-    pacing = Pacing(
-        config, SimpleNamespace(current=SimpleNamespace(job_id="j", accumulator=accumulator))
-    )
+    pacing = paced(accumulator)
     n = 10_000
     accumulator.observe([(f"s{i}", f"g{i}") for i in range(n + 2)], [])
     # a long job: each group admitted by the gate, then served
@@ -54,10 +59,7 @@ def test_may_start_does_not_grow_with_a_hundred_thousand_decided_groups() -> Non
     accumulator's lock, for every first call and every held call's round (a job's 100k
     sessions took six minutes of questions alone)."""
     accumulator = Accumulator("j", 1, max_steps=10)
-    config = Config.from_env({}, pacing_staleness=0, pacing_batch_groups=1)
-    pacing = Pacing(
-        config, SimpleNamespace(current=SimpleNamespace(job_id="j", accumulator=accumulator))
-    )
+    pacing = paced(accumulator)
     n, step = 100_000, 2_000
     accumulator.observe([(f"s{i}", f"g{i}") for i in range(n + 2)], [])
     for lo in range(0, n, step):  # admitted by the gate, completed and served, a poll at a time
@@ -82,10 +84,7 @@ def zombies(groups: int, k: int = 8) -> tuple[Accumulator, Pacing, list[float]]:
     decides them (only pending groups expire) and nothing else does until the job ends."""
     clock = [0.0]
     accumulator = Accumulator("j", k, max_steps=10, clock=lambda: clock[0])
-    config = Config.from_env({}, pacing_staleness=0, pacing_batch_groups=1)
-    pacing = Pacing(
-        config, SimpleNamespace(current=SimpleNamespace(job_id="j", accumulator=accumulator))
-    )
+    pacing = paced(accumulator)
     listed = [(f"z{g}-{i}", f"zg{g}") for g in range(groups) for i in range(k)]
     accumulator.observe(listed + [(f"h{i}", f"hg{i}") for i in range(3)], [])
     for g in range(groups):
@@ -222,10 +221,7 @@ def test_a_standing_refusal_never_holds_an_admitted_group_nor_outlives_a_poll() 
     works the budget out once), but never for a session of a group already admitted, and not
     past the trainer's next poll: the place it frees goes at once."""
     accumulator = Accumulator("j", 2, max_steps=10)
-    config = Config.from_env({}, pacing_staleness=0, pacing_batch_groups=1)
-    pacing = Pacing(
-        config, SimpleNamespace(current=SimpleNamespace(job_id="j", accumulator=accumulator))
-    )
+    pacing = paced(accumulator)
     accumulator.observe([("a0", "g0"), ("a1", "g0"), ("b0", "g1"), ("b1", "g1")], [])
     assert pacing.may_start("a0")  # g0 takes the budget of one
     assert not pacing.may_start("b0")  # g1 waits: the refusal stands for a moment
@@ -251,10 +247,7 @@ def test_groups_whose_sessions_all_died_before_twenty_gaps_do_not_hold_the_budge
 
     clock = [0.0]
     accumulator = Accumulator("j", 2, max_steps=10, clock=lambda: clock[0])
-    config = Config.from_env({}, pacing_staleness=0, pacing_batch_groups=1)
-    pacing = Pacing(
-        config, SimpleNamespace(current=SimpleNamespace(job_id="j", accumulator=accumulator))
-    )
+    pacing = paced(accumulator)
     accumulator.observe([("a1", "g1"), ("a2", "g1"), ("b1", "g2"), ("b2", "g2")], [])
     for session in ("a1", "a2"):
         assert pacing.may_start(session)
@@ -278,10 +271,7 @@ def test_a_refusal_worked_out_before_rows_arrived_does_not_stand_after_them() ->
     from rollout_buffer.core.census import StepFact
 
     accumulator = Accumulator("j", 2, max_steps=3)
-    config = Config.from_env({}, pacing_staleness=0, pacing_batch_groups=1)
-    pacing = Pacing(
-        config, SimpleNamespace(current=SimpleNamespace(job_id="j", accumulator=accumulator))
-    )
+    pacing = paced(accumulator)
     accumulator.observe([("a1", "g1"), ("a2", "g1"), ("b1", "g2"), ("c1", "g3")], [])
     assert pacing.may_start("a1")  # g1 takes the budget of one
     progress = accumulator.progress
