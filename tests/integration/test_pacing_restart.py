@@ -16,7 +16,7 @@ import pytest
 import requests
 from fakes.fake_llm import FakeLLM
 from support import Writer, wait_until
-from test_pacing import HI, URL, free_port, schedule
+from test_pacing import HI, URL, free_port, gated, schedule
 
 
 @pytest.fixture
@@ -40,14 +40,8 @@ def test_sessions_running_before_a_restart_are_not_taken_for_passed_over(
         for group, session in (("g1", "a1"), ("g1", "a2"), ("g2", "b1"), ("g2", "b2")):
             w.step(group, session, 1, trainable=False)  # before the restart: a step each
         port = free_port()
-        h = harness_factory(  # the service, just restarted
-            db_url,
-            pacing="gate",
-            gate_port=port,
-            proxy_host="127.0.0.1",
-            proxy_port=llm.port,
-            pacing_staleness=0,
-            pacing_batch_groups=3,
+        h, _port = gated(  # the service, just restarted (with the default idle gap)
+            harness_factory, db_url, llm, port, pacing_batch_groups=3, pacing_idle_gap_s=10.0
         )
         stop = threading.Event()
         threads: list[threading.Thread] = []
@@ -100,14 +94,8 @@ def test_a_group_whose_sessions_died_before_a_restart_does_not_hold_its_place_fo
         for session in ("a1", "a2"):
             w.step("g1", session, 1, trainable=False)  # before the restart; then they died
         port = free_port()
-        h = harness_factory(
-            db_url,
-            pacing="gate",
-            gate_port=port,
-            proxy_host="127.0.0.1",
-            proxy_port=llm.port,
-            pacing_staleness=0,
-            pacing_batch_groups=1,
+        h, _port = gated(  # (with the default idle gap)
+            harness_factory, db_url, llm, port, pacing_batch_groups=1, pacing_idle_gap_s=10.0
         )
         try:
             h.start(k=2)
