@@ -68,6 +68,18 @@ def kill9_worker(srv: Server) -> None:
     assert problem is None, f"{problem}\n{log_tail(srv.log_path)}"
 
 
+def recorded_drops(db_url: str) -> dict[str, str]:
+    """{group_id: reason} of the groups rollout_buffer_groups holds as dropped."""
+    db = connect(db_url)
+    try:
+        rows = db.rows(
+            "SELECT group_id, reason FROM rollout_buffer_groups WHERE status = 'dropped'", ()
+        )
+    finally:
+        db.close()
+    return {g: r for g, r in rows}
+
+
 def new_server(db_url: str, tmp_path: Path, **env: str) -> Server:
     return Server(db_url, tmp_path / "srv", env=env)
 
@@ -161,6 +173,15 @@ def test_restart_keeps_drops_and_serves_nothing_twice_and_a_new_job_starts_clean
             return s if d.get("incomplete_group_ttl") == 1 and d.get("malformed_row") == 1 else None
 
         before = wait_until(both_dropped, 15, "ttl and malformed drops")
+        # /stats counts a drop as it is decided, a moment before the tick records it: the crash
+        # comes once both are in the database, which is what a restart promises to keep
+        wait_until(
+            lambda: (
+                recorded_drops(db_url) == {"bad": "malformed_row", "ttl": "incomplete_group_ttl"}
+            ),
+            15,
+            "both drops recorded",
+        )
         kill9_and_restart(srv)
 
         after = wait_until(
