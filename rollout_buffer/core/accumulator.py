@@ -286,6 +286,12 @@ class Accumulator(Handover, Policies):
         with self.lock:
             return self.census.completion_rate()
 
+    def lost_groups(self) -> int:
+        """Groups seen stalled so far (a session failed for good), less those that reached K
+        after all."""
+        with self.lock:
+            return len(self.census.stalled)
+
     def group_of(self, session_id: str) -> tuple[str | None, bool]:
         """A session's group, when known, and whether that group has started (a row, or another
         session's call through the gate; a decided group has: its late sessions are never held,

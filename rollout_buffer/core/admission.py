@@ -5,7 +5,7 @@ AReaL's rule is the starting point: the trainer takes B groups a step and accept
 weight version is at most S behind its own, so at most (S + 1) x B groups may be in progress
 (running, pending, ready or built) without producing a group the trainer will throw away:
 
-    budget = (S + 1) x B - groups in progress - the trainer's surplus
+    budget = (S + 1) x B + spares left - groups in progress - the trainer's surplus
 
 The trainer's surplus is modelled from what the buffer served it, each group with its weight
 version: the upstream client's ``{}`` polls take every ready group and keep the ones it does not
@@ -16,6 +16,14 @@ the proxy's stamp as the gate reads it, which moves the moment a step ends), its
 (an idle gap ends one), and its full batches (a poll after a full batch ends that step). Of the
 groups it holds beyond its batch, those too old for its next step claim no place: it will throw
 them away, and new groups must replace them.
+
+A group that loses a session (its environment crashed) never completes: the budget admits its
+replacement once that is seen, and the trainer waits for it when the loss came late in its step.
+Where groups are lost often, a few spare groups a step hedge that: the first losses of a step use
+them up, and none is admitted again for them. A spare left unused is thrown away (too old for the
+step after), so there are as many as keep the expected number left unused, from the share of
+groups lost so far, within ``ROLLOUT_BUFFER_PACING_SPARE_WASTE`` x B; none where groups are
+rarely lost.
 
 S and B are settings; where one is not set it is learned from what the buffer observes (S from the
 staleness policy, B from the groups the trainer takes between its idle gaps) and, until then, a
@@ -31,6 +39,8 @@ progress and the current version.
 
 from __future__ import annotations
 
+import functools
+import math
 import statistics
 import threading
 import time
@@ -44,6 +54,7 @@ DEFAULT_BATCH_GROUPS = 8
 UNVERSIONED = 2**62  # a served group without a weight version: never too old
 MAX_HELD = 100_000  # groups the model of the trainer's holdings keeps (the youngest)
 BURSTS_KEPT = 5  # B is the median of the groups taken in the last few bursts
+DEFAULT_SPARE_WASTE = 0.03
 
 
 class Claims(NamedTuple):
@@ -79,11 +90,13 @@ class Admission:
         batch_groups: int | None,
         policy_staleness: int | None = None,
         idle_gap_s: float = 10.0,
+        spare_waste: float = DEFAULT_SPARE_WASTE,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._lock = threading.Lock()
         self.clock = clock
         self.idle_gap_s = idle_gap_s
+        self.spare_waste = spare_waste
         if staleness is not None:
             self.staleness = Input(staleness, "setting ROLLOUT_BUFFER_PACING_STALENESS")
         elif policy_staleness is not None:
@@ -99,6 +112,8 @@ class Admission:
         self._pruned_size = 0
         self.served = 0  # groups the trainer took (polls)
         self.completion_rate: float | None = None  # of the groups that started, reaching K
+        self.lost_groups = 0  # groups of the job seen lost so far (a session failed for good)
+        self._lost_at_batch = 0  # lost_groups when the trainer's last batch formed
         self.first_versions: dict[str, int] = {}  # each version source's first version seen
         # the trainer's holdings as the buffer models them: the versions of the groups it took
         # and has not started training on (sorted; a group without a version: UNVERSIONED)
@@ -181,6 +196,7 @@ class Admission:
             del self._held[:batch]
             self._batches += 1
             self._batch_formed_at = now
+            self._lost_at_batch = self.lost_groups  # the spares are for the step it collects next
 
     def _claims_locked(self, current_version: int | None) -> Claims:
         """What the trainer holds, modelled from what it took and the steps it completed. It
@@ -198,6 +214,14 @@ class Admission:
         floor = version + (1 if training else 0) - self.staleness.value
         fresh = sum(1 for v in self._held if v >= floor)
         return Claims(training, fresh, len(self._held) - fresh)
+
+    def _spares_locked(self) -> tuple[int, int]:
+        """(Lock held.) The spare groups of a step, and those left in the one under way: the
+        losses seen since the trainer's last batch formed use them up."""
+        lost_share = None if self.completion_rate is None else 1.0 - self.completion_rate
+        per_step = spares_for(self._batch_locked(), lost_share, self.spare_waste)
+        lost = max(0, self.lost_groups - self._lost_at_batch)
+        return per_step, max(0, per_step - lost)
 
     def _version_locked(self, current_version: int | None) -> int | None:
         """The trainer's version as best known: the freshest of the job's and the proxy's stamp,
@@ -228,8 +252,8 @@ class Admission:
     def saw_version(self, version: int) -> None:
         """The LLM proxy stamped ``version`` on an answer (the gate reads it as it forwards): the
         trainer's steps are seen as they end, not when rows of the new version complete groups.
-        A wrong version cannot make the budget exceed the capacity less the groups in
-        progress: it only makes the trainer's claims look smaller."""
+        A wrong version cannot make the budget exceed the capacity and the step's spares less
+        the groups in progress: it only makes the trainer's claims look smaller."""
         if version >= 0:
             with self._lock:
                 self.first_versions.setdefault("proxy", version)
@@ -243,17 +267,21 @@ class Admission:
             version = self._version_locked(current_version)
             steps = self._steps_locked(current_version, self._batch_locked())
             admitted = len(self.admitted)
+            spares, spares_left = self._spares_locked()
+            lost_this_step = max(0, self.lost_groups - self._lost_at_batch)
         progress = sum(v for k, v in in_progress.items() if k != "stalled")
         total = progress + claims.total
         staleness, batch = self.staleness, self.batch_groups
         capacity = (staleness.value + 1) * batch.value
-        budget = max(0, capacity - total)
+        budget = max(0, capacity + spares_left - total)
         if budget:
             why = (
                 f"{total} groups in progress or held by the trainer, of the {capacity} = (S "
                 f"{staleness.value} + 1) x B {batch.value} it can train on within the staleness "
                 f"bound: {budget} more may start"
             )
+            if spares_left:
+                why += f" (with {spares_left} spare: groups are lost often)"
         else:
             why = (
                 f"{total} groups in progress or held by the trainer fill the {capacity} = (S "
@@ -277,6 +305,15 @@ class Admission:
                     "source": "estimated: the groups served less B per step completed (weight "
                     "versions advanced, the trainer's bursts of polls, or its full batches); the "
                     "batch it trains on, and the groups it holds that its next step can take",
+                },
+                "spare": {
+                    "value": spares_left,
+                    "per_step": spares,
+                    "lost_this_step": lost_this_step,
+                    "waste_bound": self.spare_waste,
+                    "source": "learned: spare groups a step, so that those expected to go unused "
+                    "(from the share of groups lost so far) stay within waste_bound x B; the "
+                    "step's first losses use them up (ROLLOUT_BUFFER_PACING_SPARE_WASTE)",
                 },
                 "completion_rate": {
                     "value": self.completion_rate,
@@ -318,7 +355,8 @@ class Admission:
                 self.admitted.add(group_id)
                 return True
             claims = self._claims_locked(current_version).total
-            if self.capacity_locked() - in_progress - claims > 0:
+            _spares, spares_left = self._spares_locked()
+            if self.capacity_locked() + spares_left - in_progress - claims > 0:
                 self.admitted.add(group_id)
                 self.admitted_total += 1
                 return True
@@ -362,3 +400,47 @@ class Admission:
         if group_ids:
             with self._lock:
                 self.admitted -= group_ids
+
+
+def spares_for(batch: int, lost_share: float | None, waste: float) -> int:
+    """The most spare groups a step (at most ``batch``) for which the number expected to go unused
+    is within ``waste`` x ``batch``, when each group is lost with probability ``lost_share`` (None:
+    not known yet, no spare). The step's first losses use the spares up, so h of them go unused by
+    max(0, h - L), L the losses among the B + h groups: that grows with h, so the largest h is
+    found by bisection. The share is rounded to a thousandth: the answer is cached, as every
+    question of a held call asks it."""
+    if lost_share is None or lost_share <= 0.0 or waste <= 0.0 or batch < 1:
+        return 0
+    return _spares(batch, round(min(lost_share, 1.0), 3), waste)
+
+
+@functools.lru_cache(maxsize=256)
+def _spares(batch: int, p: float, waste: float) -> int:
+    lo, hi = 0, batch  # unused(lo) is within the bound; find the largest such h
+    while lo < hi:
+        h = (lo + hi + 1) // 2
+        if _expected_unused(h, batch + h, p) <= waste * batch:
+            lo = h
+        else:
+            hi = h - 1
+    return lo
+
+
+def _expected_unused(h: int, n: int, p: float) -> float:
+    """E[max(0, h - L)], L ~ Binomial(n, p) (in logarithms: n may be large)."""
+    if p <= 0.0:
+        return float(h)
+    if p >= 1.0:
+        return 0.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    total = 0.0
+    for lost in range(min(h, n + 1)):
+        log_pmf = (
+            math.lgamma(n + 1)
+            - math.lgamma(lost + 1)
+            - math.lgamma(n - lost + 1)
+            + lost * log_p
+            + (n - lost) * log_q
+        )
+        total += (h - lost) * math.exp(log_pmf)
+    return total

@@ -88,6 +88,7 @@ class Config:
     pacing_staleness: int | None = None
     pacing_batch_groups: int | None = None
     pacing_idle_gap_s: float = 10.0
+    pacing_spare_waste: float = 0.03
     advertise_url: str | None = None
     lease_s: float = 10.0
     buffer_name: str = ""

@@ -45,6 +45,14 @@ def number(lo: float | None = None) -> Callable[[str], float]:
     return parse
 
 
+def share(raw: str) -> float:
+    """A share: a number from 0 to 1."""
+    value = number(0.0)(raw)
+    if value > 1.0:
+        raise ValueError("a number from 0 to 1")
+    return value
+
+
 def choice(*choices: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         value = raw.strip().lower()

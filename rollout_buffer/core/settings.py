@@ -26,6 +26,7 @@ from rollout_buffer.core.parsers import (
     number,
     optional_integer,
     optional_text,
+    share,
     text,
 )
 
@@ -300,6 +301,15 @@ SETTINGS: tuple[Setting, ...] = (
         number(0.001),
         "a gap between the trainer's polls (empty or not, from one's end to the next one's "
         "start) longer than this ends a burst (how B is learned)",
+    ),
+    Setting(
+        "pacing_spare_waste",
+        PREFIX + "PACING_SPARE_WASTE",
+        0.03,
+        share,
+        "spare groups a step hedge the groups that lose a session (each would wait for a "
+        "replacement): as many as keep the spares expected to go unused, from the share of groups "
+        "lost so far, within this share of B; 0: no spares",
     ),
     Setting(
         "advertise_url",

@@ -81,6 +81,7 @@ class Pacing:
             batch_groups=c.pacing_batch_groups,
             policy_staleness=c.policy.max_off_policy,
             idle_gap_s=c.pacing_idle_gap_s,
+            spare_waste=c.pacing_spare_waste,
         )
 
     @property
@@ -161,6 +162,7 @@ class Pacing:
         # counted before this call marks its group started: a group never waits for itself
         progress = job_state.accumulator.progress(admission.admitted)
         admission.completion_rate = job_state.accumulator.completion_rate()
+        admission.lost_groups = job_state.accumulator.lost_groups()
         in_progress = sum(v for k, v in progress.items() if k != "stalled")
         version = job_state.accumulator.known_version
         if not admission.ask(group, in_progress, started=started, current_version=version):
@@ -209,6 +211,7 @@ class Pacing:
         else:
             progress = job_state.accumulator.progress(admission.admitted)
             admission.completion_rate = job_state.accumulator.completion_rate()
+            admission.lost_groups = job_state.accumulator.lost_groups()
             version = job_state.accumulator.known_version
         doc = admission.report(progress, version)
         quiet = None if job_state is None else job_state.accumulator.quiet_after()

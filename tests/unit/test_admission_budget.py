@@ -4,7 +4,9 @@ fresh, and which quiet sessions are taken for dead."""
 
 from __future__ import annotations
 
-from rollout_buffer.core.admission import Admission
+import math
+
+from rollout_buffer.core.admission import Admission, spares_for
 from rollout_buffer.core.census import Census
 from rollout_buffer.core.liveness import Liveness
 
@@ -329,3 +331,74 @@ def test_a_row_of_a_step_beyond_the_sessions_calls_turns_the_rule_off_for_it() -
     life.call_ended("wrong", 10.5)
     life.row("wrong", 10.6, 10**9)  # a hostile step_id
     assert not life.dead("wrong", 10.5 + MIN_OWED_S + 0.1, quiet)
+
+
+def test_spares_hedge_frequent_losses_only_within_the_waste_bound() -> None:
+    """The spares a step: none until the share of groups lost is known, none where groups are
+    rarely lost, one where about one group in five is (the pacing bench: 5% of sessions crash,
+    K 4), more for a larger B, never more than B, and none when the bound is 0. The number
+    expected to go unused is within the bound each time."""
+    assert spares_for(B, None, 0.05) == 0
+    assert spares_for(B, 0.0, 0.05) == 0
+    assert spares_for(B, 0.02, 0.05) == 0
+    assert spares_for(B, 0.185, 0.05) == 1
+    assert spares_for(B, 0.185, 0.0) == 0
+    assert spares_for(64, 0.185, 0.05) > spares_for(B, 0.185, 0.05)
+    assert spares_for(B, 1.0, 0.05) == B
+    for share in (0.01, 0.1, 0.185, 0.3, 0.5, 0.9):
+        for batch in (1, 8, 64, 200):
+            h = spares_for(batch, share, 0.05)
+            assert 0 <= h <= batch
+            # used up by the first losses: h - L of them go unused, L ~ Binomial(B + h, share)
+            n = batch + h
+            unused = sum(
+                (h - lost) * math.comb(n, lost) * share**lost * (1 - share) ** (n - lost)
+                for lost in range(h)
+            )
+            assert unused <= 0.05 * batch + 1e-9, (batch, share, h, unused)
+            if h < batch:  # and one more would go over it
+                n += 1
+                more = sum(
+                    (h + 1 - lost) * math.comb(n, lost) * share**lost * (1 - share) ** (n - lost)
+                    for lost in range(h + 1)
+                )
+                assert more > 0.05 * batch, (batch, share, h, more)
+
+
+def test_a_spare_is_admitted_with_each_batch_and_the_steps_first_loss_uses_it_up() -> None:
+    """One group in five is lost: when the trainer takes its batch, B + 1 may start for its next
+    step. The first group lost in that step uses the spare up (its replacement comes from the
+    budget as ever: the lost group left the groups in progress); the next batch brings a new
+    spare. /admission says so."""
+    a = admission(staleness=0)
+    a.completion_rate = 0.8
+    a.saw_version(0)
+    assert budget(a) == B + 1  # no batch taken yet: the job's start is a step too
+    a.took(B, [0] * B)  # the trainer trains on that batch; the next step's groups may start
+    a.saw_version(1)
+    assert budget(a) == B + 1
+    spare = a.report({"running": 0}, None)["inputs"]["spare"]  # type: ignore[index]
+    assert spare["value"] == 1 and spare["per_step"] == 1 and spare["lost_this_step"] == 0
+    assert a.ask("g-spare", B) is True  # B in progress: the spare starts
+    assert a.ask("g-over", B + 1) is False
+    a.lost_groups += 1  # one of them loses a session: it leaves the groups in progress
+    assert budget(a, in_progress=B) == 0  # the spare stands in for it: no replacement
+    a.lost_groups += 1  # a second loss in the step: its replacement may start
+    assert budget(a, in_progress=B - 1) == 1
+    spare = a.report({"running": 0}, None)["inputs"]["spare"]  # type: ignore[index]
+    assert spare["value"] == 0 and spare["lost_this_step"] == 2
+    a.took(B, [1] * B)  # the next batch: a new spare for the step after
+    a.saw_version(2)
+    assert budget(a) == B + 1
+
+
+def test_no_spare_where_groups_are_rarely_lost_or_the_bound_is_zero() -> None:
+    a = admission(staleness=0)
+    a.completion_rate = 0.99
+    assert budget(a) == B
+    clock = [0.0]
+    none = Admission(
+        staleness=0, batch_groups=B, idle_gap_s=5.0, spare_waste=0.0, clock=lambda: clock[0]
+    )
+    none.completion_rate = 0.5
+    assert budget(none) == B

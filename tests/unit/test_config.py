@@ -55,6 +55,8 @@ def test_defaults_with_aievobox_root(tmp_path):
             "expected only {job_id}, {k}, {db_url}, {storage_type}",
         ),
         ({"ROLLOUT_BUFFER_TOKN": "secret-token"}, "unknown setting ROLLOUT_BUFFER_TOKN;"),
+        ({"ROLLOUT_BUFFER_PACING_SPARE_WASTE": "5"}, "expected a number from 0 to 1"),
+        ({"ROLLOUT_BUFFER_PACING_SPARE_WASTE": "-0.1"}, "ROLLOUT_BUFFER_PACING_SPARE_WASTE='-0.1'"),
     ],
 )
 def test_bad_values_name_the_variable(env, needle):
