@@ -313,3 +313,22 @@ def test_a_held_call_of_a_session_not_listed_yet_does_not_work_the_budget_out() 
         assert not pacing.may_start(f"unlisted{i}")  # it waits for the census to list it
     elapsed = time.perf_counter() - started
     assert elapsed < 0.05, f"a round of 500 held calls of unlisted sessions took {elapsed:.3f} s"
+
+
+def test_the_spares_come_from_the_groups_the_accumulator_saw_lost() -> None:
+    """Twenty groups died (every group is lost so far): the budget's spare comes from the share
+    of groups lost and the losses seen since the trainer took its last batch, both from the
+    accumulator. Before the trainer took a batch, those twenty losses used the step's spare up;
+    once it takes one (and trains on it: its place is claimed), the next step has its spare, and
+    one group may start where none could without it. With the bound at 0 there is none."""
+    for waste, admitted in ((0.03, True), (0.0, False)):
+        _accumulator, pacing, _clock = zombies(20)
+        pacing.admission.spare_waste = waste
+        spare = pacing.report()["inputs"]["spare"]
+        assert spare["lost_this_step"] == 20 and spare["value"] == 0
+        assert spare["per_step"] == (1 if waste else 0)
+        pacing.admission.took(1, [None])  # the trainer's batch of one (B 1): it trains on it
+        assert pacing.may_start("h0") is admitted
+        assert pacing.report()["inputs"]["spare"]["lost_this_step"] == 0
+        pacing.rows_read()  # no standing refusal
+        assert not pacing.may_start("h1")
