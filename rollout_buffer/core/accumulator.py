@@ -270,8 +270,10 @@ class Accumulator(Handover, Policies):
                 if gid in aside or self.census.lost(gid, set(), self.k, now, silent_s)
             }
             self.census.set_aside_quiet(lost_running - aside, now, silent_s)
+            known = len(self.census.stalled)
             self.census.stalled.update(stalled_now)
             self.census.stalled.update(lost_running)
+            self.census.lost_total += len(self.census.stalled) - known
             stalled = len(stalled_now)
             return {
                 "running": len(running) - len(lost_running),
@@ -287,10 +289,12 @@ class Accumulator(Handover, Policies):
             return self.census.completion_rate()
 
     def lost_groups(self) -> int:
-        """Groups seen stalled so far (a session failed for good), less those that reached K
-        after all."""
+        """Groups taken for stalled so far (a session failed for good), those that reached K
+        after all too: it never goes down (the spares of the admission budget count a step's
+        losses as this less the count when the step began; one that went down with a group lost
+        in an earlier step made a loss of this step use no spare)."""
         with self.lock:
-            return len(self.census.stalled)
+            return self.census.lost_total
 
     def group_of(self, session_id: str) -> tuple[str | None, bool]:
         """A session's group, when known, and whether that group has started (a row, or another

@@ -95,6 +95,9 @@ class Census:
         self.reached_k = 0  # groups that became ready
         self.liveness = Liveness()  # the running sessions' model calls through the gate
         self.stalled: set[str] = set()  # groups seen stalled (a session failed for good)
+        # groups ever taken for stalled, those that reached K after all too: it never goes down,
+        # so the losses since a moment are this less the count then
+        self.lost_total = 0
         # lost groups with no sign for long (every session of a broken task died before a
         # trainable row: nothing decides such a group before the job ends): each question of
         # the budget looked at each of their sessions again (16 ms at a thousand groups of 8)

@@ -332,3 +332,39 @@ def test_the_spares_come_from_the_groups_the_accumulator_saw_lost() -> None:
         assert pacing.report()["inputs"]["spare"]["lost_this_step"] == 0
         pacing.rows_read()  # no standing refusal
         assert not pacing.may_start("h1")
+
+
+def test_a_group_lost_before_the_batch_that_completes_after_it_frees_no_second_spare() -> None:
+    """The losses of a step were the groups taken for lost now less those when the trainer took
+    its last batch: a group taken for lost before the batch that completes after it (it was only
+    slow) lowered the count, and the step's next loss then used no spare. Its replacement started
+    and the spare stood as well: one group more than the step's spares, for each such group. A
+    group taken for lost stays counted: the spare its loss used stands in for its replacement, and
+    it completes in the spare's place."""
+    clock = [0.0]
+    accumulator = Accumulator("j", 2, clock=lambda: clock[0], max_steps=10)
+    pacing = paced(accumulator)
+    pacing.admission.spare_waste = 1.0  # a spare a step (B 1) wherever a group is lost
+    pk = 0
+
+    def row(sid: str, gid: str) -> None:
+        nonlocal pk
+        pk += 1
+        accumulator.ingest([(pk, sid, gid, 1)])
+
+    for i in range(30):  # groups whose second session comes 0.1 s after the first
+        row(f"q{i}a", f"q{i}")
+        clock[0] += 0.1
+        row(f"q{i}b", f"q{i}")
+        serve_ready(accumulator)
+    row("slow-a", "slow")
+    clock[0] += 5.0  # idle far longer than groups take: taken for lost
+    spare = pacing.report()["inputs"]["spare"]
+    assert spare["per_step"] == 1 and spare["lost_this_step"] == 1
+    pacing.admission.took(1, [None])  # the trainer's batch: the next step has its spare
+    assert pacing.report()["inputs"]["spare"]["value"] == 1
+    row("slow-b", "slow")  # the slow group completes after all
+    row("dead-a", "dead")  # a group of this step loses a session
+    clock[0] += 5.0
+    spare = pacing.report()["inputs"]["spare"]
+    assert spare["lost_this_step"] == 1 and spare["value"] == 0
