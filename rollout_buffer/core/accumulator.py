@@ -273,7 +273,9 @@ class Accumulator(Handover, Policies):
             known = len(self.census.stalled)
             self.census.stalled.update(stalled_now)
             self.census.stalled.update(lost_running)
-            self.census.lost_total += len(self.census.stalled) - known
+            newly_lost = len(self.census.stalled) - known
+            self.census.lost_total += newly_lost
+            self.census.recent_ends.extend([False] * newly_lost)
             stalled = len(stalled_now)
             return {
                 "running": len(running) - len(lost_running),
@@ -287,6 +289,11 @@ class Accumulator(Handover, Policies):
         """The share of the groups that ended (ready, or stalled) that reached K."""
         with self.lock:
             return self.census.completion_rate()
+
+    def recent_lost_share(self) -> float | None:
+        """The share of the groups that ended last that were taken for lost (None: too few)."""
+        with self.lock:
+            return self.census.recent_lost_share()
 
     def lost_groups(self) -> int:
         """Groups taken for stalled so far (a session failed for good), those that reached K

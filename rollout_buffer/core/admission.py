@@ -21,9 +21,9 @@ A group that loses a session (its environment crashed) never completes: the budg
 replacement once that is seen, and the trainer waits for it when the loss came late in its step.
 Where groups are lost often, a few spare groups a step hedge that: the first losses of a step use
 them up, and none is admitted again for them. A spare left unused is thrown away (too old for the
-step after), so there are as many as keep the expected number left unused, from the share of
-groups lost so far, within ``ROLLOUT_BUFFER_PACING_SPARE_WASTE`` x B; none where groups are
-rarely lost.
+step after), so there are as many as keep the expected number left unused, from the share of the
+last groups ended that were lost, within ``ROLLOUT_BUFFER_PACING_SPARE_WASTE`` x B; none where
+groups are rarely lost.
 
 S and B are settings; where one is not set it is learned from what the buffer observes (S from the
 staleness policy, B from the groups the trainer takes between its idle gaps) and, until then, a
@@ -112,6 +112,7 @@ class Admission:
         self._pruned_size = 0
         self.served = 0  # groups the trainer took (polls)
         self.completion_rate: float | None = None  # of the groups that started, reaching K
+        self.lost_share: float | None = None  # of the groups that ended last, taken for lost
         self.lost_groups = 0  # groups of the job seen lost so far (a session failed for good)
         self._lost_at_batch = 0  # lost_groups when the trainer's last batch formed
         self.first_versions: dict[str, int] = {}  # each version source's first version seen
@@ -218,8 +219,7 @@ class Admission:
     def _spares_locked(self) -> tuple[int, int]:
         """(Lock held.) The spare groups of a step, and those left in the one under way: the
         losses seen since the trainer's last batch formed use them up."""
-        lost_share = None if self.completion_rate is None else 1.0 - self.completion_rate
-        per_step = spares_for(self._batch_locked(), lost_share, self.spare_waste)
+        per_step = spares_for(self._batch_locked(), self.lost_share, self.spare_waste)
         lost = max(0, self.lost_groups - self._lost_at_batch)
         return per_step, max(0, per_step - lost)
 
@@ -310,10 +310,12 @@ class Admission:
                     "value": spares_left,
                     "per_step": spares,
                     "lost_this_step": lost_this_step,
+                    "lost_share": self.lost_share,
                     "waste_bound": self.spare_waste,
                     "source": "learned: spare groups a step, so that those expected to go unused "
-                    "(from the share of groups lost so far) stay within waste_bound x B; the "
-                    "step's first losses use them up (ROLLOUT_BUFFER_PACING_SPARE_WASTE)",
+                    "(from lost_share, the share of the last 200 groups ended that were lost; "
+                    "null until 20 ended) stay within waste_bound x B; the step's first losses "
+                    "use them up (ROLLOUT_BUFFER_PACING_SPARE_WASTE)",
                 },
                 "completion_rate": {
                     "value": self.completion_rate,

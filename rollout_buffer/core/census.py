@@ -30,6 +30,8 @@ from rollout_buffer.core.liveness import RETRY_QUIET_S, Liveness
 # A group one of whose sessions ended without a result, so that it can never reach K.
 SESSION_WITHOUT_RESULT = "session_without_result"
 SPANS_KEPT = 200
+RECENT_ENDS = 200  # the groups that ended last, whose share lost sizes the budget's spares
+MIN_ENDS = 20  # groups ended before a share is given
 STALL_FACTOR = 3.0  # idle this many times the 90th percentile of the spans: stalled
 STALL_MIN_S = 2.0
 # a lost group none of whose sessions showed a sign for this long (and four times the quiet
@@ -98,6 +100,9 @@ class Census:
         # groups ever taken for stalled, those that reached K after all too: it never goes down,
         # so the losses since a moment are this less the count then
         self.lost_total = 0
+        # how the last RECENT_ENDS groups ended: True reached K, False taken for lost (a
+        # launcher's bad start or a burst of made-up groups weighs only until they roll out)
+        self.recent_ends: deque[bool] = deque(maxlen=RECENT_ENDS)
         # lost groups with no sign for long (every session of a broken task died before a
         # trainable row: nothing decides such a group before the job ends): each question of
         # the budget looked at each of their sessions again (16 ms at a thousand groups of 8)
@@ -323,12 +328,21 @@ class Census:
         """A group became ready ``seconds`` after its first trainable row."""
         self.spans.append(max(0.0, seconds))
         self.reached_k += 1
+        self.recent_ends.append(True)
 
     def completion_rate(self) -> float | None:
         """The share of the groups that ended (ready, or stalled) that reached K; None until
         twenty did."""
         ended = self.reached_k + len(self.stalled)
-        return None if ended < 20 else self.reached_k / ended
+        return None if ended < MIN_ENDS else self.reached_k / ended
+
+    def recent_lost_share(self) -> float | None:
+        """The share of the last :data:`RECENT_ENDS` groups that ended that were taken for lost;
+        None until :data:`MIN_ENDS` did."""
+        ends = self.recent_ends
+        if len(ends) < MIN_ENDS:
+            return None
+        return 1.0 - sum(ends) / len(ends)
 
     def stall_after(self) -> float:
         """Idle seconds after which a pending group is taken for stalled (one of its sessions

@@ -163,6 +163,7 @@ class Pacing:
         progress = job_state.accumulator.progress(admission.admitted)
         admission.completion_rate = job_state.accumulator.completion_rate()
         admission.lost_groups = job_state.accumulator.lost_groups()
+        admission.lost_share = job_state.accumulator.recent_lost_share()
         in_progress = sum(v for k, v in progress.items() if k != "stalled")
         version = job_state.accumulator.known_version
         if not admission.ask(group, in_progress, started=started, current_version=version):
@@ -212,6 +213,7 @@ class Pacing:
             progress = job_state.accumulator.progress(admission.admitted)
             admission.completion_rate = job_state.accumulator.completion_rate()
             admission.lost_groups = job_state.accumulator.lost_groups()
+            admission.lost_share = job_state.accumulator.recent_lost_share()
             version = job_state.accumulator.known_version
         doc = admission.report(progress, version)
         quiet = None if job_state is None else job_state.accumulator.quiet_after()

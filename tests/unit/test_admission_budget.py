@@ -371,7 +371,7 @@ def test_a_spare_is_admitted_with_each_batch_and_the_steps_first_loss_uses_it_up
     budget as ever: the lost group left the groups in progress); the next batch brings a new
     spare. /admission says so."""
     a = admission(staleness=0)
-    a.completion_rate = 0.8
+    a.lost_share = 0.2
     a.saw_version(0)
     assert budget(a) == B + 1  # no batch taken yet: the job's start is a step too
     a.took(B, [0] * B)  # the trainer trains on that batch; the next step's groups may start
@@ -394,11 +394,11 @@ def test_a_spare_is_admitted_with_each_batch_and_the_steps_first_loss_uses_it_up
 
 def test_no_spare_where_groups_are_rarely_lost_or_the_bound_is_zero() -> None:
     a = admission(staleness=0)
-    a.completion_rate = 0.99
+    a.lost_share = 0.01
     assert budget(a) == B
     clock = [0.0]
     none = Admission(
         staleness=0, batch_groups=B, idle_gap_s=5.0, spare_waste=0.0, clock=lambda: clock[0]
     )
-    none.completion_rate = 0.5
+    none.lost_share = 0.5
     assert budget(none) == B

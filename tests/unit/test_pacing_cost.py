@@ -368,3 +368,20 @@ def test_a_group_lost_before_the_batch_that_completes_after_it_frees_no_second_s
     clock[0] += 5.0
     spare = pacing.report()["inputs"]["spare"]
     assert spare["lost_this_step"] == 1 and spare["value"] == 0
+
+
+def test_a_bad_start_weighs_on_the_spares_only_until_two_hundred_groups_ended_since() -> None:
+    """Twenty groups died at the job's start (the proxy was down, or the launcher wrote made-up
+    groups): every group ended so far was lost, and a step's spares are B. The share that sizes
+    them is of the last 200 groups ended: once 200 more have completed it is 0 (over the whole
+    job it would still be one in eleven: at a large B, spares for thousands of groups)."""
+    accumulator, pacing, _clock = zombies(20, k=1)
+    spare = pacing.report()["inputs"]["spare"]
+    assert spare["lost_share"] == 1.0 and spare["per_step"] == 1  # B 1
+    accumulator.observe([(f"s{i}", f"g{i}") for i in range(200)], [])
+    for i in range(200):
+        accumulator.ingest([(i + 1, f"s{i}", f"g{i}", 1)])
+    doc = pacing.report()
+    assert doc["inputs"]["completion_rate"]["value"] == 200 / 220
+    assert doc["inputs"]["spare"]["lost_share"] == 0.0
+    assert doc["inputs"]["spare"]["per_step"] == 0
