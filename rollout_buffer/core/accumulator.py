@@ -326,6 +326,13 @@ class Accumulator(Handover, Policies):
         with self.lock:
             self.census.sign(session_id, self.clock())
 
+    def dead_after(self) -> float:
+        """Seconds of quiet after which a started session with no call in flight is taken for
+        dead now: the learned threshold, or until it is learned its client's longest backoff."""
+        with self.lock:
+            silent = self.census.silent_after()
+            return self.census.resumed_quiet_s if silent is None else silent
+
     def quiet_after(self) -> float | None:
         """Seconds of quiet after which a session is taken for dead (None: not yet learned)."""
         with self.lock:

@@ -216,7 +216,7 @@ class Pacing:
             admission.lost_share = job_state.accumulator.recent_lost_share()
             version = job_state.accumulator.known_version
         doc = admission.report(progress, version)
-        quiet = None if job_state is None else job_state.accumulator.quiet_after()
+        quiet = None if job_state is None else job_state.accumulator.dead_after()
         inputs = doc["inputs"]
         if isinstance(inputs, dict):  # how long a session stays quiet before it is taken for dead
             inputs["in_progress"]["session_dead_after_s"] = (

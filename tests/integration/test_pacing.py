@@ -85,6 +85,11 @@ def test_admission_is_published_with_its_inputs_and_why(harness_factory: Any, db
     }
     assert doc["inputs"]["batch_groups"]["source"].startswith("setting")
     assert doc["inputs"]["in_progress"]["value"] == 0
+    # no gap between calls seen yet: a session quiet for its client's longest backoff is dead
+    assert doc["inputs"]["in_progress"]["session_dead_after_s"] == 36.0
+    spare = doc["inputs"]["spare"]  # no group ended yet: no share lost, no spare
+    assert spare["value"] == 0 and spare["per_step"] == 0 and spare["lost_share"] is None
+    assert spare["waste_bound"] == 0.03 and "ROLLOUT_BUFFER_PACING_SPARE_WASTE" in spare["source"]
     assert "current_weight_version" in doc and doc["why"]
     assert doc["pacing"] == "off"
 
