@@ -290,18 +290,16 @@ class Accumulator(Handover, Policies):
         with self.lock:
             return self.census.completion_rate()
 
-    def recent_lost_share(self) -> float | None:
-        """The share of the groups that ended last that were taken for lost (None: too few)."""
+    def ends(self) -> tuple[float | None, int, float | None]:
+        """How groups ended, for the admission budget, in one look: the completion rate; the
+        groups taken for stalled so far (a session failed for good), those that reached K after
+        all too, so that it never goes down (the spares count a step's losses as this less the
+        count when the step began; one that went down with a group lost in an earlier step made a
+        loss of this step use no spare); and the share of the groups that ended last that were
+        taken for lost (None: too few)."""
         with self.lock:
-            return self.census.recent_lost_share()
-
-    def lost_groups(self) -> int:
-        """Groups taken for stalled so far (a session failed for good), those that reached K
-        after all too: it never goes down (the spares of the admission budget count a step's
-        losses as this less the count when the step began; one that went down with a group lost
-        in an earlier step made a loss of this step use no spare)."""
-        with self.lock:
-            return self.census.lost_total
+            census = self.census
+            return census.completion_rate(), census.lost_total, census.recent_lost_share()
 
     def group_of(self, session_id: str) -> tuple[str | None, bool]:
         """A session's group, when known, and whether that group has started (a row, or another

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from rollout_buffer.core.accumulator import Accumulator
 from rollout_buffer.core.admission import Admission
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ConfigError
@@ -161,9 +162,7 @@ class Pacing:
         )  # decided groups are not in progress: asked as started
         # counted before this call marks its group started: a group never waits for itself
         progress = job_state.accumulator.progress(admission.admitted)
-        admission.completion_rate = job_state.accumulator.completion_rate()
-        admission.lost_groups = job_state.accumulator.lost_groups()
-        admission.lost_share = job_state.accumulator.recent_lost_share()
+        see_ends(admission, job_state.accumulator)
         in_progress = sum(v for k, v in progress.items() if k != "stalled")
         version = job_state.accumulator.known_version
         if not admission.ask(group, in_progress, started=started, current_version=version):
@@ -211,9 +210,7 @@ class Pacing:
             version = None
         else:
             progress = job_state.accumulator.progress(admission.admitted)
-            admission.completion_rate = job_state.accumulator.completion_rate()
-            admission.lost_groups = job_state.accumulator.lost_groups()
-            admission.lost_share = job_state.accumulator.recent_lost_share()
+            see_ends(admission, job_state.accumulator)
             version = job_state.accumulator.known_version
         doc = admission.report(progress, version)
         quiet = None if job_state is None else job_state.accumulator.dead_after()
@@ -228,3 +225,10 @@ class Pacing:
         if self.gate is not None and isinstance(gate, dict):
             gate.update(self.gate.stats())
         return doc
+
+
+def see_ends(admission: Admission, accumulator: Accumulator) -> None:
+    """Tell the budget how the job's groups ended (its completion rate, and the losses its spares
+    are sized and used up by)."""
+    rate, lost, lost_share = accumulator.ends()
+    admission.completion_rate, admission.lost_groups, admission.lost_share = rate, lost, lost_share
