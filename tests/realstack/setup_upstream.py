@@ -88,9 +88,9 @@ def normalized(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+def run(argv: list[str]) -> None:
     print("+ " + " ".join(argv), flush=True)
-    return subprocess.run(argv, check=True, text=True, **kw)  # type: ignore[call-overload]
+    subprocess.run(argv, check=True)
 
 
 def git(source: Path, *args: str) -> bytes:
@@ -138,7 +138,9 @@ def extract(copy: Path, rev: str, tree: Path) -> dict[str, object]:
             f"git archive of {copy} at {commit[:12]} failed: {exc.stderr.decode().strip()}"
         ) from None
     with tarfile.open(fileobj=io.BytesIO(data)) as archive:
-        archive.extractall(tree, filter="data")
+        # (the "data" filter refuses links and paths out of the tree; Python 3.10.12+, 3.11.4+)
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        archive.extractall(tree, **safe)
     subject = git(source, "log", "-1", "--format=%s", commit).decode().strip()
     return {"copy": str(copy), "commit": commit, "subject": subject}
 
@@ -234,6 +236,13 @@ def main(argv: list[str] | None = None) -> int:
         smoke(py, tree)
     except SetupError as exc:
         print(f"setup_upstream: {exc}", file=sys.stderr)
+        return 1
+    except subprocess.CalledProcessError as exc:  # venv or pip: their output is above
+        print(
+            f"setup_upstream: {' '.join(map(str, exc.cmd))} failed (exit {exc.returncode}); "
+            "installing needs the package registry that pip is set up for",
+            file=sys.stderr,
+        )
         return 1
     manifest = {
         **origin,

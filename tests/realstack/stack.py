@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import os
 import threading
@@ -138,20 +139,24 @@ class Outcome:
 
     def held(self) -> dict[str, Any]:
         """The gate's held first calls over the run, from ``/admission`` sampled every
-        ADMISSION_EVERY_S: the most at once, held call-seconds, the first and last time any was
-        held, and how many at the end. Empty when the gate publishes no held count."""
-        samples = [(t, held_count(doc)) for t, doc in self.admission]
-        counted = [(t, n) for t, n in samples if n is not None]
+        ADMISSION_EVERY_S: how many were held (at least: the rises of the count; a call held and
+        let go between two samples is missed), the most at once, held call-seconds and their mean
+        a call, the first and last time any was held, and how many at the end. Empty when the gate
+        publishes no held count."""
+        counted = [n for _t, doc in self.admission if (n := held_count(doc)) is not None]
         if not counted:
             return {}
-        seconds = sum(n * ADMISSION_EVERY_S for _t, n in counted)
-        when = [t for t, n in counted if n > 0]
+        calls = sum(max(0, b - a) for a, b in itertools.pairwise([0, *counted]))
+        seconds = sum(counted) * ADMISSION_EVERY_S
+        when = [t for t, doc in self.admission if held_count(doc)]
         return {
-            "max": max(n for _t, n in counted),
+            "calls": calls,
+            "max": max(counted),
             "call_s": round(seconds, 1),
+            "mean_s": round(seconds / calls, 1) if calls else None,
             "first_s": round(when[0], 1) if when else None,
             "last_s": round(when[-1], 1) if when else None,
-            "at_end": counted[-1][1],
+            "at_end": counted[-1],
         }
 
     def figures(self) -> dict[str, Any]:
@@ -312,13 +317,14 @@ def _drive(
         json={"num_repeat_per_sample": params.k, "job_session": job},
         timeout=120,
     )
-    answer.raise_for_status()
+    if answer.status_code != 200:  # the launcher could not start, or exited at once: its log says
+        raise RuntimeError(f"/start_rollout answered {answer.status_code}: {answer.text}")
     sampler = Sampler(url, started)
     sampler.start()
     trainer = Trainer(url, llm, params, started)
     listed: dict[str, set[str]] = {}
     try:
-        while not trainer.out_of_time():
+        while not trainer.out_of_time() and not trainer.nothing_more:
             listed = listed or listed_groups(db_url, job)[0]
             if listed and set(listed) <= set(trainer.served) and not trainer.buffered:
                 break  # every group served and trained on
@@ -375,6 +381,19 @@ class Trainer:
         self.polls = self.empty_polls = self.steps = 0
         self.last_group_s: float | None = None  # when the last group so far was served
         self.trained_s: float | None = None  # when the last step so far ended
+        self.nothing_more = False  # the launcher is gone and the service has nothing left
+
+    def launcher_gone(self) -> bool:
+        """The launcher exited, every row it wrote was read, and no group is left to serve:
+        nothing more can come (a launcher that failed ends the run at once)."""
+        stats = self.http.get(self.url + "/stats", timeout=30).json()
+        launcher, groups = stats.get("launcher") or {}, stats.get("groups") or {}
+        return (
+            launcher.get("running") is False
+            and launcher.get("exit_code") is not None
+            and stats.get("lag_rows") == 0
+            and not any(groups.get(key) for key in ("pending", "ready", "in_flight"))
+        )
 
     def out_of_time(self) -> bool:
         return time.monotonic() - self.started >= self.params.timeout_s
@@ -388,6 +407,9 @@ class Trainer:
             if doc.get("success"):
                 break
             self.empty_polls += 1
+            if self.launcher_gone():
+                self.nothing_more = True
+                return
             time.sleep(self.params.empty_sleep_s)
         else:
             return
