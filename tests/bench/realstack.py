@@ -16,7 +16,7 @@ the wall time (``/start_rollout`` to the trainer's last step), and on/off of the
 
     python tests/bench/realstack.py                       # one run each, about a minute
     python tests/bench/realstack.py --runs 3 --batch-groups 2 4
-    python tests/bench/realstack.py --json /tmp/realstack.json
+    python tests/bench/realstack.py --json /tmp/realstack.json --dump /tmp/realstack-runs
 """
 
 from __future__ import annotations
@@ -35,7 +35,15 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "realstack")]
 
-from stack import VARIABLE, Params, Upstream, UpstreamError, run, skip_reason  # noqa: E402
+from stack import (  # noqa: E402  (importable once sys.path has tests/realstack, above)
+    VARIABLE,
+    Outcome,
+    Params,
+    Upstream,
+    UpstreamError,
+    run,
+    skip_reason,
+)
 
 
 def held_text(held: dict[str, Any]) -> str:
@@ -44,9 +52,20 @@ def held_text(held: dict[str, Any]) -> str:
     if not held["max"]:
         return "none"
     return (
-        f"{held['calls']}, {held['max']} at once, {held['mean_s']:g} s each on average, "
-        f"from {held['first_s']:g} to {held['last_s']:g} s; {held['at_end']} still held at the end"
+        f"{held['max']} at most, {held['call_s']:g} call-s, from {held['first_s']:g} to "
+        f"{held['last_s']:g} s; {held['at_end']} at the end"
     )
+
+
+def dump(path: Path, outcome: Outcome) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "figures": outcome.figures(),
+        "admission": [{"t": round(t, 3), **doc} for t, doc in outcome.admission],
+        "calls": [{k: v for k, v in c.items() if k != "body"} for c in outcome.calls],
+        "stats": outcome.stats,
+    }
+    path.write_text(json.dumps(doc) + "\n")
 
 
 def row(fig: dict[str, Any], batch: int, ratio: str) -> str:
@@ -82,6 +101,10 @@ def main() -> int:
         help="leave ROLLOUT_BUFFER_PACING_BATCH_GROUPS unset (the gate's own B)",
     )
     parser.add_argument("--json", help="write every run's figures to this file")
+    parser.add_argument(
+        "--dump",
+        help="write each run's /admission samples, model calls and /stats to DIR/<run>.json",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the runs' directories")
     args = parser.parse_args()
     if args.setup:
@@ -121,6 +144,8 @@ def main() -> int:
                 elif off_wall:
                     ratio = f"> {outcome.elapsed_s / off_wall:.2f}"
                 results.append({"run": name, "params": dataclasses.asdict(params), **fig})
+                if args.dump:
+                    dump(Path(args.dump) / f"{name}.json", outcome)
                 lines.append(row(fig, batch, ratio))
                 print(f"{name}: {json.dumps(fig)}", flush=True)
     print()

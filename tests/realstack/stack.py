@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import json
 import os
 import threading
@@ -139,24 +138,19 @@ class Outcome:
 
     def held(self) -> dict[str, Any]:
         """The gate's held first calls over the run, from ``/admission`` sampled every
-        ADMISSION_EVERY_S: how many were held (at least: the rises of the count; a call held and
-        let go between two samples is missed), the most at once, held call-seconds and their mean
-        a call, the first and last time any was held, and how many at the end. Empty when the gate
-        publishes no held count."""
-        counted = [n for _t, doc in self.admission if (n := held_count(doc)) is not None]
+        ADMISSION_EVERY_S: the most held at once, the call-seconds held, the first and last time
+        any was held, and how many were still held at the end. Empty when the gate publishes no
+        held count."""
+        counted = [(t, n) for t, doc in self.admission if (n := held_count(doc)) is not None]
         if not counted:
             return {}
-        calls = sum(max(0, b - a) for a, b in itertools.pairwise([0, *counted]))
-        seconds = sum(counted) * ADMISSION_EVERY_S
-        when = [t for t, doc in self.admission if held_count(doc)]
+        when = [t for t, n in counted if n]
         return {
-            "calls": calls,
-            "max": max(counted),
-            "call_s": round(seconds, 1),
-            "mean_s": round(seconds / calls, 1) if calls else None,
+            "max": max(n for _t, n in counted),
+            "call_s": round(sum(n for _t, n in counted) * ADMISSION_EVERY_S, 1),
             "first_s": round(when[0], 1) if when else None,
             "last_s": round(when[-1], 1) if when else None,
-            "at_end": counted[-1],
+            "at_end": counted[-1][1],
         }
 
     def figures(self) -> dict[str, Any]:
