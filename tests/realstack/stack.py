@@ -35,7 +35,7 @@ from typing import Any
 import requests
 from fakes.fake_llm import FakeLLM
 
-from rollout_buffer.storage.db import connect
+from rollout_buffer.storage.db import StorageError, connect
 from rollout_buffer.tools.runner import ServerProcess, clean_env, free_port, log_tail
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -277,6 +277,14 @@ def listed_groups(db_url: str, job: str) -> tuple[dict[str, set[str]], set[str]]
     return dict(groups), {str(s) for (s,) in ended}
 
 
+def listed_so_far(db_url: str, job: str) -> dict[str, set[str]]:
+    """The launcher's groups, or none while it has not made its tables yet."""
+    try:
+        return listed_groups(db_url, job)[0]
+    except StorageError:
+        return {}
+
+
 def run(upstream: Upstream, params: Params, pacing: bool, workdir: Path) -> Outcome:
     """One run: start the service, /start_rollout, poll as the upstream client until every
     group the launcher listed was served or ``timeout_s`` passed; then read what happened."""
@@ -317,30 +325,42 @@ def _drive(
     sampler.start()
     trainer = Trainer(url, llm, params, started)
     listed: dict[str, set[str]] = {}
+
+    def all_served() -> bool:
+        """Every group of the dataset listed (the launcher lists them in batches) and served."""
+        return len(listed) >= params.groups and set(listed) <= set(trainer.served)
+
     try:
         while not trainer.out_of_time() and not trainer.nothing_more:
-            listed = listed or listed_groups(db_url, job)[0]
-            if listed and set(listed) <= set(trainer.served) and not trainer.buffered:
+            if len(listed) < params.groups:
+                listed = listed_so_far(db_url, job)
+            if all_served() and not trainer.buffered:
                 break  # every group served and trained on
-            if trainer.buffered >= params.batch_groups or (
-                listed and set(listed) <= set(trainer.served)
-            ):
+            if trainer.buffered >= params.batch_groups or all_served():
                 trainer.train()  # (the last step takes what is left)
             else:
                 trainer.fetch()
         elapsed = time.monotonic() - started
         health = http.get(url + "/health", timeout=30).json()
+        done = all_served()
+        deadline = time.monotonic() + 30  # a launcher that made every group is on its way out
+        while (
+            done and (health.get("launcher") or {}).get("running") and time.monotonic() < deadline
+        ):
+            time.sleep(0.2)
+            health = http.get(url + "/health", timeout=30).json()
         stats = http.get(url + "/stats", timeout=30).json()
     finally:
         sampler.stopping.set()
         sampler.join(15)
+    complete = all_served()
     listed, terminal = listed_groups(db_url, job)
     return Outcome(
         pacing="gate" if pacing else "off",
         params=params,
         job=job,
         elapsed_s=elapsed,
-        wall_s=trainer.trained_s if set(listed) <= set(trainer.served) else None,
+        wall_s=trainer.trained_s if complete and set(listed) <= set(trainer.served) else None,
         served_s=trainer.last_group_s,
         served=dict(trainer.served),
         listed=listed,

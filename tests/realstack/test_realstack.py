@@ -64,10 +64,15 @@ def trainable_rows(outcome: Outcome) -> int:
         db.close()
 
 
+def said(outcome: Outcome) -> str:
+    """The run's figures, and where its logs are, for a failure's message."""
+    return f"{json.dumps(outcome.figures())} (logs in {outcome.workdir})"
+
+
 def assert_every_group_once_whole(outcome: Outcome) -> None:
     """Every group the launcher listed reached the trainer once, with its K sessions' rows,
     each row once; nothing else reached it."""
-    figures = json.dumps(outcome.figures())
+    figures = said(outcome)
     assert len(outcome.listed) == PARAMS.groups, figures
     assert all(len(s) == K for s in outcome.listed.values()), outcome.listed
     assert set(outcome.served) == set(outcome.listed), figures
@@ -85,7 +90,7 @@ def assert_every_group_once_whole(outcome: Outcome) -> None:
 def assert_nothing_lost(outcome: Outcome) -> None:
     """No session failed (each has a terminal row), no group was dropped, the launcher ran to
     its end, and every trainable row is accounted for."""
-    figures = json.dumps(outcome.figures())
+    figures = said(outcome)
     sessions = {s for members in outcome.listed.values() for s in members}
     assert sessions <= outcome.terminal, f"sessions without a result: {figures}"
     assert outcome.drops() == {}, figures
@@ -104,7 +109,7 @@ def assert_nothing_lost(outcome: Outcome) -> None:
 
 
 def test_pacing_off_serves_every_group_once_whole(off_run: Outcome) -> None:
-    assert off_run.all_served, json.dumps(off_run.figures())
+    assert off_run.all_served, said(off_run)
     assert_every_group_once_whole(off_run)
     assert_nothing_lost(off_run)
     assert off_run.held().get("max", 0) == 0, off_run.held()  # no gate: nothing held
@@ -125,8 +130,8 @@ def test_pacing_on_finishes_within_twice_the_pacing_off_time(
     bound = 2 * off_run.wall_s
     params = dataclasses.replace(PARAMS, timeout_s=bound)
     on = run(upstream, params, pacing=True, workdir=tmp_path_factory.mktemp("on"))
-    figures = json.dumps({"off": off_run.figures(), "on": on.figures()})
-    print("pacing on:", figures)
+    figures = f"pacing off: {said(off_run)}; pacing on: {said(on)}"
+    print(figures)
     assert on.wall_s is not None and on.wall_s <= bound, f"not done within {bound:.1f} s: {figures}"
     assert_every_group_once_whole(on)
     assert_nothing_lost(on)
