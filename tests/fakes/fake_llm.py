@@ -3,7 +3,9 @@
 It answers ``POST <anything>/<session_id>/chat/completions`` with an OpenAI-shaped completion whose
 ``metadata.weight_version`` is :attr:`FakeLLM.version` (the proxy stamps the policy version, SPEC
 §2), after ``delay_s``; every call is recorded with its session and the time it arrived and was
-answered. Any other path gets a 404 (the upstream proxy has no clear-sessions endpoint).
+answered. Any other path gets a 404 (the upstream proxy has no clear-sessions endpoint), except
+``POST /admin/clear_sessions`` with ``clear_status`` set: that status, its JSON body kept in
+:attr:`FakeLLM.clears` (a proxy that frees sessions, on the same port as its model endpoint).
 
 An unlucky proxy, on request: ``status`` answers every call with that status (a 503 while it
 reloads weights: the launcher's client backs off and retries); ``chunk_bytes`` sends the body
@@ -43,6 +45,7 @@ class FakeLLM:
         chunk_bytes: int | None = None,
         early_hints: bool = False,
         keep_open: bool = False,
+        clear_status: int | None = None,
     ) -> None:
         self.delay_s = delay_s
         self.version = version
@@ -50,8 +53,10 @@ class FakeLLM:
         self.chunk_bytes = chunk_bytes
         self.early_hints = early_hints
         self.keep_open = keep_open
+        self.clear_status = clear_status
         self._lock = threading.Lock()
         self.calls: list[dict[str, Any]] = []
+        self.clears: list[Any] = []
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -64,6 +69,11 @@ class FakeLLM:
                 arrived = time.monotonic()
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
+                if self.path == "/admin/clear_sessions" and owner.clear_status is not None:
+                    with owner._lock:
+                        owner.clears.append(json.loads(body or b"null"))
+                    self._send(owner.clear_status, {"cleared": True})
+                    return
                 parts = self.path.rstrip("/").split("/")
                 if parts[-2:] != ["chat", "completions"] or len(parts) < 3:
                     self._send(404, {"detail": "Not Found"})
