@@ -220,12 +220,10 @@ class Service:
     def get_rollout_data(self, conns: LazyPair, poll: PollRequest) -> Body:
         """Serve ready groups (or replay the batch bound to request_id), long-polling up to
         wait_s."""
-        # the poll's arrival, not its end, tells pacing that the trainer is back
+        # the poll's arrival, not its end, tells pacing that the trainer is back (what it serves,
+        # pacing learns with each group's decision)
         self.signals.changed((None, "poll", poll.min_groups, poll.current_weight_version))
-        body = self.serving.get_rollout_data(conns, poll)
-        # (a replay: a retry of a batch already counted serves nothing new)
-        self.signals.changed((None, "served", 0 if body.replayed else body.groups))
-        return body
+        return self.serving.get_rollout_data(conns, poll)
 
     def admission(self) -> dict[str, Any]:
         """``GET /admission``: how many more groups may start now, and why."""

@@ -106,7 +106,8 @@ class Accumulator(Handover, Policies):
         """(Lock held, or in the constructor.) Tell the followers of one change, with the job it
         is of: ``("job",)`` (a new accumulator), ``("listed", session, group, place)``,
         ``("started", group)`` (its first row, or ready no more), ``("ready", group)``,
-        ``("decided", group)``, ``("version", v)`` (the newest weight version of a row)."""
+        ``("decided", group, served)`` (served: to the trainer, else dropped), ``("version", v)``
+        (the newest weight version of a row)."""
         self.feed((self.job_id, *event))
 
     # -- versions ---------------------------------------------------------------------------------

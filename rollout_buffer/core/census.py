@@ -151,7 +151,7 @@ class Census:
             self.placed.discard(session_id)
         self.settled.add(group_id)
         self.started.discard(group_id)
-        self.publish(("decided", group_id))
+        self.publish(("decided", group_id, outcome == "served"))
         target = self.served if outcome == "served" else self.discarded[outcome]
         target.add(len(sessions), rows, seconds)
 

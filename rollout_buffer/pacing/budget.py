@@ -82,13 +82,13 @@ class Budget:
         self.first: dict[str, int] = {}  # version source -> its first version
         self.version: dict[str, int] = {}  # version source -> its newest version
         self.forgiven = 0  # held groups a poll's arrival showed the trainer no longer holds
-        self.last_take = 0  # without versions: counted until the next poll arrives
+        self.last_take = 0  # served since the last poll arrived (counted without versions)
 
     # -- what it is told (any thread) ------------------------------------------------------------
     def publish(self, event: tuple[Any, ...]) -> None:
         """A change of an accumulator, ``(job, kind, ...)`` (see ``Accumulator.publish``); or a
         poll that arrived, ``(None, "poll", min_groups, current_weight_version)`` (None: the
-        body states none), and what it served, ``(None, "served", groups)``."""
+        body states none)."""
         self.inbox.append(event)
 
     # -- reading the inbox (lock held) ------------------------------------------------------------
@@ -98,7 +98,7 @@ class Budget:
             if kind == "job":
                 self._new_job(job)
             elif job is None:
-                self._trainer(kind, args)
+                self._poll(*args)
             elif job == self.job:
                 self._change(kind, args)
 
@@ -116,16 +116,14 @@ class Budget:
         elif kind == "decided":
             self.decided.add(args[0])
             self.groups.pop(args[0], None)
+            if args[1]:  # served to the trainer
+                self.served += 1
+                self.last_take += 1
         elif kind == "version":
             self._saw_version("rows", args[0])
 
-    def _trainer(self, kind: str, args: list[Any]) -> None:
-        if kind == "served":
-            self.served += args[0]
-            if args[0]:
-                self.last_take = args[0]
-            return
-        min_groups, version = args  # a poll arrived
+    def _poll(self, min_groups: int | None, version: int | None) -> None:
+        """A poll arrived."""
         if min_groups is not None:
             self.stated_batch = min_groups
         if version is not None:

@@ -574,9 +574,8 @@ class Gate:
                 up.receive_data(await up_reader.read(65536))
                 continue
             if isinstance(event, h11.InformationalResponse):
-                if event.status_code != 101:
-                    writer.write(conn.send(event))
-            elif isinstance(event, h11.Response):
+                continue  # (103 Early Hints: not for a model call's client; 100 was answered)
+            if isinstance(event, h11.Response):
                 kept = [
                     (n, v) for n, v in event.headers if n not in HOP_BY_HOP - {b"content-length"}
                 ]

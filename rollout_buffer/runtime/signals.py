@@ -90,8 +90,8 @@ class Signals:
 
     def on_change(self, listener: Callable[[tuple[Any, ...]], None]) -> None:
         """Call ``listener`` with each change of the active job (``Accumulator.publish``: under the
-        accumulator's lock, so it must only note it) and each poll (``(None, "poll",
-        min_groups, current_weight_version)``, ``(None, "served", groups)``)."""
+        accumulator's lock, so it must only note it) and each poll's arrival (``(None, "poll",
+        min_groups, current_weight_version)``)."""
         self._on_change.append(listener)
 
     def changed(self, event: tuple[Any, ...]) -> None:

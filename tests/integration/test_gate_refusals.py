@@ -183,7 +183,7 @@ def test_what_is_not_a_launcher_model_call_is_refused_and_never_reaches_the_prox
 
 def test_a_listed_session_is_forwarded_as_the_proxy_reads_it(gate: Any, llm: FakeLLM) -> None:
     """Judged and forwarded percent-decoded: s%31 is s1 (the proxy reads it so)."""
-    h, port = gate
+    _h, port = gate
     r = requests.post(url(port, "s%31"), json=HI, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["metadata"]["weight_version"] == 7
@@ -223,7 +223,7 @@ def test_a_session_listed_while_its_call_is_held_goes(
 
 
 def test_a_head_over_64_kib_gets_431(gate: Any, llm: FakeLLM) -> None:
-    h, port = gate
+    _h, port = gate
     big = b"X-Big: " + b"a" * 70_000 + b"\r\n"
     got, doc = refusal(raw(port, post("/v1/s1/chat/completions", f"127.0.0.1:{port}", extra=big)))
     assert (got, doc["reason"]) == (431, "head_too_large")
@@ -233,7 +233,7 @@ def test_a_head_over_64_kib_gets_431(gate: Any, llm: FakeLLM) -> None:
 def test_a_body_over_the_limit_gets_413_before_it_is_read(
     harness_factory: Any, lite_url: str, llm: FakeLLM
 ) -> None:
-    h, port = gated(harness_factory, lite_url, llm, gate_max_body_bytes=4096)
+    _h, port = gated(harness_factory, lite_url, llm, gate_max_body_bytes=4096)
     head = (
         f"POST /v1/s1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
         "Content-Length: 100000000\r\n\r\n"
