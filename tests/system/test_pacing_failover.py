@@ -174,7 +174,5 @@ def test_a_same_host_standby_serves_the_adopted_launchers_gate(tmp_path, pg_url,
     run(pg_url, tmp_path, how)
 
 
-def test_a_paused_owner_closes_its_gate_when_it_wakes_and_the_new_owner_serves_it(
-    tmp_path, pg_url
-):
+def test_a_paused_owner_closes_its_gate_when_it_wakes_and_the_new_owner_serves_it(tmp_path, pg_url):
     run(pg_url, tmp_path, "sigstop")
