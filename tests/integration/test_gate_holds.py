@@ -4,6 +4,7 @@ of a service, forwarding to a real HTTP server standing in for the LLM proxy."""
 from __future__ import annotations
 
 import concurrent.futures
+import socket
 import time
 from typing import Any
 
@@ -249,3 +250,45 @@ def test_pacing_off_has_no_gate_and_admission_says_off(harness_factory: Any, lit
     assert h.client.get("/admission").get_json() == {"pacing": "off"}
     assert h.service.pacing is None
     assert "gate" not in h.client.get("/metrics").get_data(as_text=True)
+
+
+def test_a_call_goes_through_while_the_accumulators_lock_is_held(
+    harness_factory: Any, lite_url: str, llm: FakeLLM
+) -> None:
+    """The gate learns the job from the accumulator's change feed, never from its lock: a long
+    ingest batch (which holds it) does not stall a model call."""
+    h, port = gated(harness_factory, lite_url, llm)
+    w = two_groups(h, lite_url)
+    try:
+        call(port, "a1")
+        accumulator = h.service.jobs.current.accumulator
+        with accumulator.lock:  # as an ingest batch of 20,000 rows does
+            started = time.monotonic()
+            assert call(port, "a2", timeout=5).status_code == 200
+            assert time.monotonic() - started < 2.0
+            assert h.client.get("/admission").status_code == 200
+    finally:
+        w.close()
+
+
+def test_connections_past_the_bound_are_refused_and_the_rest_still_served(
+    harness_factory: Any, lite_url: str, llm: FakeLLM
+) -> None:
+    """The bound is half the descriptors left to the process (thousands here): lowered to 3 for
+    the test, the fourth connection gets 503 connections while three stall."""
+    h, port = gated(harness_factory, lite_url, llm)
+    w = two_groups(h, lite_url)
+    h.service.pacing.gate.max_connections = 3
+    stalls = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+    try:
+        wait_until(lambda: admission(h)["gate"]["connections"] == 3, 5)
+        r = call(port, "a1")
+        assert r.status_code == 503 and r.json()["reason"] == "connections", r.text
+        assert r.headers["retry-after"] == "1"
+        assert llm.calls == []
+        for s in stalls:
+            s.close()
+        wait_until(lambda: admission(h)["gate"]["connections"] == 0, 5)
+        assert call(port, "a1").status_code == 200
+    finally:
+        w.close()
