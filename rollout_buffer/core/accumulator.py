@@ -99,7 +99,7 @@ class Accumulator(Handover, Policies):
         )  # every undecided group: the oldest and the low-water mark in O(log n)
         self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
         # every session of the job, those without a trainable row too (max_steps: the launcher's)
-        self.census = Census(max_steps, self.publish)
+        self.census = Census(max_steps, self.publish, self.decided)
         self.publish(("job",))
 
     def publish(self, event: tuple[Any, ...]) -> None:
@@ -109,6 +109,14 @@ class Accumulator(Handover, Policies):
         ``("decided", group, served)`` (served: to the trainer, else dropped), ``("version", v)``
         (the newest weight version of a row)."""
         self.feed((self.job_id, *event))
+
+    def restore_decided(self, decided: dict[str, str]) -> None:
+        """The groups decided before a restart (before the accumulator is shared: no lock): their
+        late rows are late, and followers learn them (not as served now: the trainer's
+        holdings start again with this instance)."""
+        self.decided.update(decided)
+        for group_id in decided:
+            self.publish(("decided", group_id, False))
 
     # -- versions ---------------------------------------------------------------------------------
     @property

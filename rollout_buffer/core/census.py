@@ -24,7 +24,7 @@ drops the groups it names, under the accumulator's lock (the census has no lock 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeGuard
 
@@ -73,10 +73,14 @@ class Census:
     """The sessions of one job and how they ended (see the module docstring)."""
 
     def __init__(
-        self, max_steps: int | None, publish: Callable[[tuple[Any, ...]], None] = ignore
+        self,
+        max_steps: int | None,
+        publish: Callable[[tuple[Any, ...]], None] = ignore,
+        decided: Container[str] = frozenset(),
     ) -> None:
         self.max_steps = max_steps
         self.publish = publish
+        self.decided = decided  # the accumulator's decided groups, those of before a restart too
         self.started: set[str] = set()  # undecided groups with a row of any kind
         # session -> [first row, last row, rows] on the monotonic clock, until its group is decided
         self.timing: dict[str, list[float]] = {}
@@ -110,7 +114,7 @@ class Census:
         for fact in facts:
             if not (_text(fact.session_id) and _text(fact.group_id)):
                 continue  # the accumulator rejects such rows; the census cannot place them
-            if fact.group_id in self.settled:
+            if fact.group_id in self.settled or fact.group_id in self.decided:
                 continue  # a late row of a decided group: the accumulator counts it
             self._place(fact.session_id, fact.group_id)
             if fact.group_id not in self.started:

@@ -180,9 +180,7 @@ class Jobs:
             policy=self.config.policy,
             max_steps=step_cap(self.config),
         )
-        accumulator.decided.update(
-            totals.decided
-        )  # before the accumulator is shared: no lock needed
+        accumulator.restore_decided(totals.decided)
         accumulator.counts.load(totals)
         row = store.get_job(job_id)
         if (

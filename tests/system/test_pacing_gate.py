@@ -82,21 +82,29 @@ def test_kill_9_with_calls_held_loses_nothing_and_a_restart_serves_the_gate_agai
             gate = admission(srv)["gate"]["listening"]
             wait_until(lambda: admission(srv)["gate"]["held_calls"], 20, "first calls held")
             received: dict[str, list[dict[str, Any]]] = {}
-            wait_until(lambda: received.update(poll(srv.url)) or len(received) >= 2, 30)
+
+            def take() -> None:  # the trainer polls on, as it does
+                for gid, items in poll(srv.url).items():
+                    assert gid not in received, f"group {gid} served twice"
+                    received[gid] = items
+
+            wait_until(lambda: take() or len(received) >= 2, 30)
             assert admission(srv)["gate"]["held_calls"]
             kill9(srv)  # held and running calls lose their connection: the launcher retries
             calls_before = len(llm.calls)
             srv.start()
             back_at = time.monotonic()
-            assert admission(srv)["gate"]["listening"] == gate
-            wait_until(lambda: len(llm.calls) > calls_before, 45, "a model call after the restart")
+            wait_until(lambda: admission(srv)["gate"]["listening"] == gate, 10, "the gate again")
+            wait_until(
+                lambda: take() or len(llm.calls) > calls_before,
+                45,
+                lambda: f"a model call after the restart ({admission(srv)})",
+            )
             resumed_after = llm.calls[calls_before]["arrived"] - back_at
             assert resumed_after <= 30.0, f"sessions resumed {resumed_after:.1f} s after restart"
 
             def drained() -> bool:
-                for gid, items in poll(srv.url).items():
-                    assert gid not in received, f"group {gid} served twice"
-                    received[gid] = items
+                take()
                 stats = requests.get(srv.url + "/stats", timeout=10).json()
                 return bool(stats["launcher"].get("finished")) and len(received) == groups
 
