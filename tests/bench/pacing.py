@@ -100,6 +100,7 @@ def one_run(
                 "ROLLOUT_BUFFER_PACING": "gate" if pacing else "off",
                 "ROLLOUT_BUFFER_GATE_PORT": str(free_port()),
                 "ROLLOUT_BUFFER_PACING_STALENESS": str(S),
+                "ROLLOUT_BUFFER_PACING_SESSION_TIMEOUT_SECONDS": str(args.session_timeout_s),
                 # the {} poller states no B: the docs tell its users to set it
                 **(
                     {"ROLLOUT_BUFFER_PACING_BATCH_GROUPS": str(B)}
@@ -319,6 +320,12 @@ def main() -> int:
     p.add_argument("--poll-s", type=float, default=5.0, help="the trainer's poll cadence")
     p.add_argument("--call-s", type=float, default=0.5, help="seconds a model call takes")
     p.add_argument("--pool", type=int, default=24, help="the launcher's concurrent sessions")
+    p.add_argument(
+        "--session-timeout-s",
+        type=float,
+        default=60.0,
+        help="ROLLOUT_BUFFER_PACING_SESSION_TIMEOUT_SECONDS (the environment's steps take 0 s)",
+    )
     p.add_argument("--trace", action="store_true", help="print each step's admission figures")
     p.add_argument("--only", choices=("off", "on"), help="run one mode only")
     p.add_argument(
