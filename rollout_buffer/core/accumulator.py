@@ -107,8 +107,14 @@ class Accumulator(Handover, Policies):
         is of: ``("job",)`` (a new accumulator), ``("listed", session, group, place)``,
         ``("started", group)`` (its first row, or ready no more), ``("ready", group)``,
         ``("decided", group, served)`` (served: to the trainer, else dropped), ``("version", v)``
-        (the newest weight version of a row)."""
+        (the newest weight version of a row), ``("ended",)`` (another job replaces it)."""
         self.feed((self.job_id, *event))
+
+    def end(self) -> None:
+        """Another job replaces this one: followers forget it (``("ended",)``) before its groups
+        are dropped, so that their drops start none of its held sessions."""
+        with self.lock:
+            self.publish(("ended",))
 
     def restore_decided(self, decided: dict[str, str]) -> None:
         """The groups decided before a restart (before the accumulator is shared: no lock): their

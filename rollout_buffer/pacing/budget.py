@@ -97,6 +97,8 @@ class Budget:
             job, kind, *args = self.inbox.popleft()
             if kind == "job":
                 self._new_job(job)
+            elif kind == "ended" and job == self.job:
+                self._new_job(None)  # its held sessions are no job's now
             elif job is None:
                 self._poll(*args)
             elif job == self.job:

@@ -235,6 +235,7 @@ class Jobs:
                 self.outbox.act(store, job_id, prev.accumulator.set_k(k)[1])
             return prev
         if prev is not None and prev.job_id != job_id:
+            prev.accumulator.end()  # followers first: its drops free nothing for its sessions
             plan = prev.accumulator.drop_all(JOB_ENDED, include_ready=True)
             self.outbox.act(store, prev.job_id, plan)
             if plan.drops:

@@ -292,3 +292,27 @@ def test_connections_past_the_bound_are_refused_and_the_rest_still_served(
         assert call(port, "a1").status_code == 200
     finally:
         w.close()
+
+
+def test_a_job_switch_with_calls_held_refuses_them_and_the_old_jobs_sessions(
+    harness_factory: Any, lite_url: str, llm: FakeLLM, pool: Any
+) -> None:
+    """Calls held for job1's sessions are not job2's: after the switch they are refused
+    (not_listed), never admitted into job2's budget nor forwarded."""
+    h, port = gated(harness_factory, lite_url, llm)
+    w = two_groups(h, lite_url)
+    try:
+        call(port, "a1")
+        pending = pool.submit(call, port, "b1")
+        wait_until(lambda: held(h) == 1, 5)
+        schedule(w, "n1", ["c1"], job="job2")
+        h.start(k=1, job="job2")
+        h.settle()
+        r = pending.result(timeout=20)
+        assert r.status_code == 403 and r.json()["reason"] == "not_listed", r.text
+        assert call(port, "c1").status_code == 200  # job2's own session goes
+        assert call(port, "a2").json()["reason"] == "not_listed"  # job1's: not any more
+        assert llm.sessions() == ["a1", "c1"]
+        assert admission(h)["job_session"] == "job2"
+    finally:
+        w.close()

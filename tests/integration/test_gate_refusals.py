@@ -291,3 +291,26 @@ def test_the_gate_url_needs_its_secret_when_one_is_set(
     shown += h.client.get("/stats").get_data(as_text=True)
     shown += h.client.get("/health").get_data(as_text=True)
     assert secret not in shown
+
+
+def test_the_secret_is_in_no_answer_nor_log_of_a_launcher_that_fails(
+    harness_factory: Any, lite_url: str, llm: FakeLLM, caplog: Any
+) -> None:
+    """The launcher's argv carries the gate's URL: a /start_rollout answer that shows its argv
+    and the tail of its log (which prints its argv) shows no secret."""
+    secret = "zq-very-secret-0123456789"
+    printer = "import sys; print(' '.join(sys.argv)); sys.exit(3)"
+    _h, _port = gated(
+        harness_factory,
+        lite_url,
+        llm,
+        gate_secret=secret,
+        launcher="auto",
+        launcher_cmd=("python3", "-c", printer, "--llm-base-url", "{llm_base_url}"),
+    )
+    r = _h.client.post("/start_rollout", json={"num_repeat_per_sample": 1})
+    assert r.status_code == 500, r.get_data(as_text=True)
+    answer = r.get_data(as_text=True)
+    assert "--llm-base-url" in answer and "/v1" in answer
+    assert secret not in answer
+    assert secret not in caplog.text
