@@ -157,6 +157,7 @@ class Gate:
         self._wake: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._said_unlisted = False
+        self._poked = False
 
     # -- lifecycle (the service's threads) --------------------------------------------------------
     def start(self) -> None:
@@ -178,9 +179,11 @@ class Gate:
     def poke(self) -> None:
         """(Any thread.) The budget may have moved: held calls are asked again now."""
         loop, wake = self._loop, self._wake
-        if loop is not None and wake is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(wake.set)
+        if self._poked or loop is None or wake is None or loop.is_closed():
+            return  # (one wake-up for a burst: a job lists thousands of sessions at once)
+        self._poked = True
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(wake.set)
 
     def url(self) -> str | None:
         """The URL the launcher is handed; None while the gate does not listen."""
@@ -269,6 +272,7 @@ class Gate:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), ROUND_S)
             self._wake.clear()
+            self._poked = False
             try:
                 self._round()
             except Exception:  # a bug: the held calls must still be asked next time
