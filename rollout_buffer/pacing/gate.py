@@ -3,11 +3,8 @@ model calls, and holds a first call while the budget is spent.
 
 It forwards ``POST <base path>/<session_id>/chat/completions`` to the LLM proxy's
 ``/v1/<session_id>/chat/completions``, for a session the job lists, and answers everything else
-itself with a JSON error and a ``reason`` (:data:`STATUS`). Nothing refused reaches the proxy.
-
-HTTP framing is h11's, on both sides (see docs/pacing.md for why). h11 accepts a bare LF, unfolds
-obsolete line folding and takes the first of two equal ``Content-Length`` headers: the head is
-checked for these before h11 reads it (:func:`framing_problem`).
+itself with a JSON error and a ``reason``. Nothing refused reaches the proxy. One exchange (its
+framing, limits and forwarding) is :mod:`~rollout_buffer.pacing.http`'s.
 
 It runs an asyncio loop on a thread of its own in the service's process: a held or forwarded call
 costs a coroutine and one or two descriptors, never a request thread. Only the owner listens
@@ -22,61 +19,39 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
-import json
 import logging
-import re
 import resource
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
-from urllib.parse import quote, unquote
+from typing import Any
 
 import h11
 
 from rollout_buffer.pacing.budget import Budget
+from rollout_buffer.pacing.http import (
+    STATUS,
+    Address,
+    Gone,
+    Refused,
+    answer,
+    forward,
+    judge,
+    read_body,
+    read_head,
+)
 
 logger = logging.getLogger(__name__)
 
-MAX_HEAD_BYTES = 64 * 1024
 NOT_LISTED_WAIT_S = 10.0  # the launcher lists its sessions when it starts, before any call
 NO_SESSIONS_S = 60.0  # no session listed this long after the job began: pacing cannot work
 ROUND_S = 0.2  # held calls are asked again at least this often (sessions go quiet with time)
 KEEP_S = 0.5  # how often the gate checks that it should listen, and where
 LOG_EVERY_S = 60.0  # each refusal reason is logged at most this often
 RESERVED_FDS = 512  # descriptors left to the web server, the database and the launcher
-CONNECT_TIMEOUT_S = 10.0
-STATUS = {
-    "path": 404,
-    "method": 405,
-    "target": 400,
-    "host": 421,
-    "origin": 403,
-    "not_listed": 403,
-    "head_too_large": 431,
-    "body_too_large": 413,
-    "malformed": 400,
-    "held_bytes": 503,
-    "connections": 503,
-    "max_hold": 503,
-    "stalled": 408,  # (never sent: the connection is closed)
-}
-HOP_BY_HOP = {
-    b"connection",
-    b"keep-alive",
-    b"proxy-connection",
-    b"transfer-encoding",
-    b"te",
-    b"trailer",
-    b"upgrade",
-    b"expect",
-    b"host",
-    b"content-length",
-}
 
 
 @dataclass(frozen=True)
@@ -85,30 +60,6 @@ class Limits:
     stall_s: float
     max_held_bytes: int
     max_hold_s: float
-
-
-class Address(NamedTuple):
-    """Where the gate listens, the Host its callers must name, and the base path (with the secret,
-    if any) of its URL."""
-
-    bind: str
-    port: int
-    host: str  # as in the URL
-    base_path: str  # e.g. /<secret>/v1
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}{self.base_path}"
-
-
-class Refused(Exception):
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class Gone(Exception):
-    """The client went away, or stalled: the connection is closed without an answer."""
 
 
 class Waiter:
@@ -351,7 +302,7 @@ class Gate:
         except Refused as refused:
             self._count(refused.reason)
             with contextlib.suppress(Exception):
-                await _answer(writer, conn, refused)
+                await answer(writer, conn, refused)
         except Gone as gone:
             if str(gone) == "stalled":
                 self._count("stalled")
@@ -366,115 +317,23 @@ class Gate:
     async def _serve(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: h11.Connection
     ) -> None:
-        request = await self._head(reader, conn)
-        session = self._judge(request)
-        body = await self._body(reader, writer, conn, request)
+        limits = self.limits
+        request = await read_head(reader, conn, limits.stall_s)
+        session = judge(request, self.bound)
+        body = await read_body(reader, writer, conn, request, limits.max_body_bytes, limits.stall_s)
         group = await self._admit(session, len(body), reader)
         self.budget_call(group, +1)
         try:
-            await self._forward(request, session, body, reader, writer, conn)
+            if await forward(self.upstream, request, session, body, reader, writer, conn):
+                self.forwarded += 1
+            else:
+                self.upstream_errors += 1
         finally:
             self.budget_call(group, -1)
 
     def budget_call(self, group: str, delta: int) -> None:
         with self.budget.lock:
             self.budget.call(group, delta)
-
-    async def _read(self, reader: asyncio.StreamReader, timeout: float | None = None) -> bytes:
-        """The next bytes of a request: it stalls when none come within ``timeout`` (default:
-        ROLLOUT_BUFFER_GATE_STALL_SECONDS)."""
-        try:
-            wait = self.limits.stall_s if timeout is None else max(0.0, timeout)
-            data = await asyncio.wait_for(reader.read(65536), wait)
-        except asyncio.TimeoutError:
-            raise Gone("stalled") from None
-        if not data:
-            raise Gone("closed")
-        return data
-
-    async def _head(self, reader: asyncio.StreamReader, conn: h11.Connection) -> h11.Request:
-        """Read and check a request's head (within the stall limit, all of it); the body's first
-        bytes stay in ``conn``."""
-        data = b""
-        deadline = time.monotonic() + self.limits.stall_s
-        while (end := head_end(data)) < 0:
-            if len(data) > MAX_HEAD_BYTES:
-                raise Refused("head_too_large", f"a request head is at most {MAX_HEAD_BYTES} bytes")
-            data += await self._read(reader, deadline - time.monotonic())
-        if end > MAX_HEAD_BYTES:
-            raise Refused("head_too_large", f"a request head is at most {MAX_HEAD_BYTES} bytes")
-        problem = framing_problem(data[:end])
-        if problem:
-            raise Refused("malformed", problem)
-        conn.receive_data(data)
-        try:
-            event = conn.next_event()
-        except h11.RemoteProtocolError as exc:
-            raise Refused(
-                "malformed", f"the request is not HTTP/1.1 as it must be: {exc}"
-            ) from None
-        assert isinstance(event, h11.Request)  # (the whole head is there)
-        return event
-
-    def _judge(self, request: h11.Request) -> str:
-        """The session of a call that may go to the proxy; raises Refused for any other."""
-        target = request.target
-        if request.method == b"CONNECT" or not target.startswith(b"/"):
-            raise Refused("target", "the gate takes origin-form targets only (/path)")
-        if request.method != b"POST":
-            raise Refused("method", "the gate forwards POST only")
-        bound = self.bound
-        headers = dict(request.headers)
-        if bound is None or headers.get(b"host", b"").decode("latin-1").lower() != (
-            f"{bound.host}:{bound.port}".lower()
-        ):
-            raise Refused("host", "the Host is not the gate's")
-        if b"origin" in headers:
-            raise Refused("origin", "a browser's request (it has an Origin) is never forwarded")
-        path = target.decode("latin-1")
-        base, _, rest = path.rpartition("/chat/completions")
-        prefix, _, raw_session = base.rpartition("/")
-        if rest or not hmac.compare_digest(prefix.encode(), bound.base_path.encode()):
-            raise Refused(
-                "path", "the gate forwards POST <base>/<session_id>/chat/completions only"
-            )
-        try:
-            session = unquote(raw_session, errors="strict")
-        except UnicodeDecodeError:
-            session = ""
-        if not session or "/" in session or session in (".", ".."):
-            raise Refused("path", "the session id is not a path segment")
-        return session
-
-    async def _body(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        conn: h11.Connection,
-        request: h11.Request,
-    ) -> bytes:
-        limit = self.limits.max_body_bytes
-        length = dict(request.headers).get(b"content-length")
-        if length is not None and int(length) > limit:
-            raise Refused("body_too_large", f"a model call's body is at most {limit} bytes")
-        if conn.they_are_waiting_for_100_continue:
-            writer.write(conn.send(h11.InformationalResponse(status_code=100, headers=[])))
-        body = bytearray()
-        while True:
-            try:
-                event = conn.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise Refused("malformed", f"the request's body is malformed: {exc}") from None
-            if event is h11.NEED_DATA:
-                conn.receive_data(await self._read(reader))
-            elif isinstance(event, h11.Data):
-                body += event.data
-                if len(body) > limit:
-                    raise Refused("body_too_large", f"a model call's body is at most {limit} bytes")
-            elif isinstance(event, h11.EndOfMessage):
-                return bytes(body)
-            else:
-                raise Gone("closed")
 
     async def _admit(self, session: str, size: int, reader: asyncio.StreamReader) -> str:
         """Wait until the session's call may go; its group. Raises Refused (not listed, the
@@ -512,90 +371,6 @@ class Gate:
         return listed[0]
 
     # -- forwarding ---------------------------------------------------------------------------
-    async def _forward(
-        self,
-        request: h11.Request,
-        session: str,
-        body: bytes,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        conn: h11.Connection,
-    ) -> None:
-        relay = asyncio.ensure_future(self._relay(request, session, body, writer, conn))
-        gone = asyncio.ensure_future(reader.read(1))
-        try:
-            await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not relay.done():
-                relay.cancel()  # its client left: the proxy stops generating for nobody
-            await asyncio.gather(relay, return_exceptions=True)
-        finally:
-            gone.cancel()
-            relay.cancel()
-
-    async def _relay(
-        self,
-        request: h11.Request,
-        session: str,
-        body: bytes,
-        writer: asyncio.StreamWriter,
-        conn: h11.Connection,
-    ) -> None:
-        host, port = self.upstream
-        try:
-            up_reader, up_writer = await asyncio.wait_for(
-                asyncio.open_connection(host, port), CONNECT_TIMEOUT_S
-            )
-        except (OSError, asyncio.TimeoutError) as exc:
-            self.upstream_errors += 1  # a 502: the launcher's client retries it (SPEC §5)
-            await _answer(writer, conn, Refused("", f"the LLM proxy cannot be reached: {exc}"), 502)
-            return
-        up = h11.Connection(h11.CLIENT)
-        headers = [(n, v) for n, v in request.headers if n not in HOP_BY_HOP]
-        headers += [(b"host", f"{host}:{port}".encode()), (b"connection", b"close")]
-        headers.append((b"content-length", str(len(body)).encode()))
-        target = "/v1/" + quote(session, safe="") + "/chat/completions"
-        try:
-            up_writer.write(up.send(h11.Request(method=b"POST", target=target, headers=headers)))
-            up_writer.write(up.send(h11.Data(data=body)) + up.send(h11.EndOfMessage()))
-            await self._answer_back(up, up_reader, writer, conn)
-        except h11.RemoteProtocolError as exc:
-            self.upstream_errors += 1
-            if conn.our_state is h11.SEND_RESPONSE:
-                await _answer(writer, conn, Refused("", f"the LLM proxy's answer: {exc}"), 502)
-        finally:
-            up_writer.close()
-
-    async def _answer_back(
-        self,
-        up: h11.Connection,
-        up_reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        conn: h11.Connection,
-    ) -> None:
-        while True:
-            event = up.next_event()
-            if event is h11.NEED_DATA:
-                up.receive_data(await up_reader.read(65536))
-                continue
-            if isinstance(event, h11.InformationalResponse):
-                continue  # (103 Early Hints: not for a model call's client; 100 was answered)
-            if isinstance(event, h11.Response):
-                kept = [
-                    (n, v) for n, v in event.headers if n not in HOP_BY_HOP - {b"content-length"}
-                ]
-                kept.append((b"connection", b"close"))  # one call per connection
-                writer.write(conn.send(h11.Response(status_code=event.status_code, headers=kept)))
-            elif isinstance(event, h11.Data):
-                writer.write(conn.send(h11.Data(data=event.data)))
-            elif isinstance(event, h11.EndOfMessage):
-                writer.write(conn.send(h11.EndOfMessage()))
-                self.forwarded += 1
-                await writer.drain()
-                return
-            else:  # the proxy closed early: the client sees its answer cut, and retries
-                raise ConnectionError("the LLM proxy closed the connection mid-answer")
-            await writer.drain()
-
     # -- counting refusals ----------------------------------------------------------------------
     def _count(self, reason: str) -> None:
         self.refused[reason] += 1
@@ -614,61 +389,6 @@ _HELD_MESSAGES = {
     "not_listed": "the current job does not list this session in job_environments",
     "max_hold": "held for ROLLOUT_BUFFER_GATE_MAX_HOLD_SECONDS; retry",
 }
-
-
-async def _answer(
-    writer: asyncio.StreamWriter, conn: h11.Connection, refused: Refused, status: int = 0
-) -> None:
-    """A JSON error from the gate itself (it closes the connection)."""
-    status = status or STATUS[refused.reason]
-    doc: dict[str, Any] = {"ok": False, "status": status, "error": str(refused)}
-    if refused.reason:
-        doc["reason"] = refused.reason
-    body = json.dumps(doc).encode()
-    headers = [
-        ("content-type", "application/json"),
-        ("content-length", str(len(body))),
-        ("connection", "close"),
-    ]
-    if status == 503:
-        headers.append(("retry-after", "1"))
-    if status == 405:
-        headers.append(("allow", "POST"))
-    writer.write(conn.send(h11.Response(status_code=status, headers=headers)))
-    writer.write(conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
-    await writer.drain()
-
-
-def head_end(data: bytes) -> int:
-    """Where a request's head ends (after its empty line, bare LFs counted), or -1."""
-    ends = [i for i in (data.find(b"\n\r\n"), data.find(b"\n\n")) if i >= 0]
-    if not ends:
-        return -1
-    first = min(ends)
-    return first + (3 if data[first + 1 : first + 2] == b"\r" else 2)
-
-
-_BARE_LF = re.compile(rb"(?<!\r)\n")
-_FOLDED = re.compile(rb"\n[ \t]")
-
-
-def framing_problem(head: bytes) -> str | None:
-    """What h11 would let through that the gate refuses: a bare LF, obsolete line folding, and
-    two Content-Length or Transfer-Encoding headers, or both (RFC 9112 6.3)."""
-    if _BARE_LF.search(head):
-        return "a line of the head ends with a bare LF"
-    if _FOLDED.search(head):
-        return "a header is folded over two lines (obsolete)"
-    names = [line.split(b":", 1)[0].strip().lower() for line in head.split(b"\r\n")[1:]]
-    lengths, codings = names.count(b"content-length"), names.count(b"transfer-encoding")
-    if lengths > 1 or codings > 1 or (lengths and codings) or b"," in _value(head, b"length"):
-        return "the body's length is given twice, or two ways"
-    return None
-
-
-def _value(head: bytes, name: bytes) -> bytes:
-    match = re.search(rb"\ncontent-" + name + rb":([^\r\n]*)", head, re.I)
-    return match.group(1) if match else b""
 
 
 def raise_descriptor_limit(wanted: int = 65536) -> int:
