@@ -16,8 +16,8 @@ class's own lock.
 - The trainer holds what it was served less B for each step it completed. Its steps are the
   weight versions it advanced: the ``current_weight_version`` its polls send, else the newest
   version of the rows once they show two. A trainer that polls lacks groups for its step, so it
-  holds at most B - 1 when a poll arrives. With no version, its last take counts until its next
-  poll arrives.
+  held at most B - 1 when its last poll arrived, plus what it was served since. With no version,
+  what it was served since its last poll arrived counts.
 
 Owns: the job's groups as pacing sees them, the trainer's model, and the calls in flight per
 group. It must not do I/O nor read the accumulator.
@@ -81,7 +81,6 @@ class Budget:
         self.served = 0
         self.first: dict[str, int] = {}  # version source -> its first version
         self.version: dict[str, int] = {}  # version source -> its newest version
-        self.forgiven = 0  # held groups a poll's arrival showed the trainer no longer holds
         self.last_take = 0  # served since the last poll arrived (counted without versions)
 
     # -- what it is told (any thread) ------------------------------------------------------------
@@ -131,9 +130,6 @@ class Budget:
         if version is not None:
             self._saw_version("poll", version)
         self.last_take = 0
-        steps = self.steps()
-        if steps is not None:  # it polls: it lacks groups for its step
-            self.forgiven += max(0, self._holds(steps) - (self.batch()[0] - 1))
 
     def _saw_version(self, source: str, version: int) -> None:
         self.first[source] = min(self.first.get(source, version), version)
@@ -160,7 +156,10 @@ class Budget:
     def _holds(self, steps: int | None) -> int:
         if steps is None:
             return self.last_take
-        return max(0, self.served - self.batch()[0] * steps - self.forgiven)
+        # a trainer that polls lacks groups for its step: it held at most B - 1 when its last
+        # poll arrived (the versions lag behind its steps until rows of the new one arrive)
+        batch = self.batch()[0]
+        return min(max(0, self.served - batch * steps), batch - 1 + self.last_take)
 
     def gone(self, group: Group, now: float) -> bool:
         return not group.ready and not group.in_flight and now - group.since > self.timeout_s
