@@ -114,12 +114,13 @@ class Census:
         for fact in facts:
             if not (_text(fact.session_id) and _text(fact.group_id)):
                 continue  # the accumulator rejects such rows; the census cannot place them
-            if fact.group_id in self.settled or fact.group_id in self.decided:
+            if fact.group_id in self.settled:
                 continue  # a late row of a decided group: the accumulator counts it
             self._place(fact.session_id, fact.group_id)
             if fact.group_id not in self.started:
                 self.started.add(fact.group_id)
-                self.publish(("started", fact.group_id))
+                if fact.group_id not in self.decided:  # (decided before a restart)
+                    self.publish(("started", fact.group_id))
             timing = self.timing.get(fact.session_id)
             if timing is None:
                 self.timing[fact.session_id] = [now, now, 1.0]
