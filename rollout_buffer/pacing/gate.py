@@ -308,6 +308,8 @@ class Gate:
                 self._count("stalled")
         except (ConnectionError, asyncio.CancelledError, h11.ProtocolError):
             pass  # either side went away, or the gate closes: the client retries
+        except Exception:  # a bug: this call fails (its client retries), not the gate
+            logger.exception("the pacing gate failed a call")
         finally:
             self._connections.discard(task)
             writer.close()
