@@ -5,8 +5,9 @@ loop, the prebuilt draft's builder, the proxy notifier), the lock owner (``runti
 documents and checks the lock order), the signals between threads (``runtime.signals``), serving
 (``serving``), the active job (``jobs``), the durable state (``store``), recording and notifying
 (``notifications``), the launcher (``launcher``), ownership of the job (``lease``; a standby's
-answer is app.py's), ``/start_rollout`` and ``/stop_rollout`` (``serving.rollouts``). Only what is
-left here is the wiring, ``/health`` and ``/stats``.
+answer is app.py's), ``/start_rollout`` and ``/stop_rollout`` (``serving.rollouts``), and pacing
+(the ``rollout_buffer.pacing`` package, built only with ``ROLLOUT_BUFFER_PACING=gate``: this is the
+one module that imports it). Only what is left here is the wiring, ``/health`` and ``/stats``.
 
 The wiring has no lambda and no part built after the one that needs it: the locks, the signals
 and the runtime come first, then the parts, each with keyword-only arguments.
@@ -24,6 +25,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from rollout_buffer import pacing
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ClosedError, StorageError
 from rollout_buffer.core.history import History
@@ -34,11 +36,10 @@ from rollout_buffer.launcher.launcher import Launcher, launch_spec
 from rollout_buffer.launcher.supervisor import LaunchSpec, Supervisor
 from rollout_buffer.runtime.health import Health
 from rollout_buffer.runtime.jobs import Jobs, JobState
-from rollout_buffer.runtime.lease import Lease
+from rollout_buffer.runtime.lease import OWNER, Lease
 from rollout_buffer.runtime.locks import Locks
 from rollout_buffer.runtime.loop import Loop
 from rollout_buffer.runtime.notifications import Outbox
-from rollout_buffer.runtime.pacing import Pacing
 from rollout_buffer.runtime.proxy import ProxyNotifier
 from rollout_buffer.runtime.signals import Host, Signals
 from rollout_buffer.runtime.threads import Runtime
@@ -71,7 +72,7 @@ class Service:
         )
         self.outbox = Outbox(notifier=self.notifier, config=config)
         self.notifier.deliver_to(self.outbox.on_delivered)
-        self.jobs = Jobs(config, self.outbox, clock=clock)
+        self.jobs = Jobs(config, self.outbox, clock=clock, changes=self.signals.changed)
         self.health_state = Health(config, clock)
         self.instance_id = uuid.uuid4().hex
         self.lease = Lease(config, self.instance_id, on_change=self._lease_changed)
@@ -120,10 +121,19 @@ class Service:
         self.runtime.add(self.loop)
         if self.serving.prebuilt.enabled:
             self.runtime.add(self.serving.prebuilt)
-        # the admission budget, and the gate when on
-        self.pacing = Pacing(config, self.jobs, self.signals)
+        self.pacing = None  # built only when on: pacing off has no object, thread or port
+        if config.pacing == "gate":
+            self.pacing = pacing.build(
+                config, owner=self._owns, launcher_url=self.launcher.llm_base_url
+            )
+            self.launcher.route = self.pacing.route
+            self.signals.on_change(self.pacing.publish)
         self._started = False
         self._closed = False
+
+    def _owns(self) -> bool:
+        """(The gate's thread.) This instance owns the job: only then does the gate listen."""
+        return self.lease.role == OWNER and not self._closed
 
     def _lease_changed(self) -> None:
         """(The lease's thread.) On a role change the loop follows it now and a waiting poll answers
@@ -149,9 +159,8 @@ class Service:
         self._started = True
         if host is not None:
             self.signals.ready.follow(host)
-        # the gate first: a port that is taken fails the start before any thread (the lease, the
-        # loop) runs, and the launcher it will be handed is never started against no gate
-        self.pacing.start()
+        if self.pacing is not None:
+            self.pacing.start()  # it listens once this instance owns the job
         self.loop.mark_started()
         self.runtime.start()
         logger.info("rollout-buffer service started (db %s)", redact(self.config.db_url))
@@ -166,7 +175,8 @@ class Service:
         self.lease.leaving()  # a standby that stops takes nothing over, and is no longer one
         self.signals.ready.interrupt(close=True)
         self.runtime.stop_worker(self.serving.prebuilt, 5.0)
-        self.pacing.close()
+        if self.pacing is not None:
+            self.pacing.close()  # held and forwarded calls end: the launcher's client retries
         self.runtime.stop_worker(self.loop, timeout)
         job_state = self.jobs.current
         if self.supervisor.state()["running"]:
@@ -210,17 +220,14 @@ class Service:
     def get_rollout_data(self, conns: LazyPair, poll: PollRequest) -> Body:
         """Serve ready groups (or replay the batch bound to request_id), long-polling up to
         wait_s."""
-        began = time.monotonic()  # the trainer's idle gaps are between its polls, empty or not
-        body = self.serving.get_rollout_data(conns, poll)
-        if body.replayed:  # a retry of a batch already counted takes nothing new
-            self.pacing.took(0, [], began)
-        else:
-            self.pacing.took(body.groups, body.versions, began)
-        return body
+        # the poll's arrival, not its end, tells pacing that the trainer is back (what it serves,
+        # pacing learns with each group's decision)
+        self.signals.changed((None, "poll", poll.min_groups, poll.current_weight_version))
+        return self.serving.get_rollout_data(conns, poll)
 
     def admission(self) -> dict[str, Any]:
         """``GET /admission``: how many more groups may start now, and why."""
-        return self.pacing.report()
+        return {"pacing": "off"} if self.pacing is None else self.pacing.report()
 
     def start_rollout(
         self,

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rollout_buffer.core.accounting import Counts
-from rollout_buffer.core.census import SESSION_WITHOUT_RESULT, Census, StepFact
+from rollout_buffer.core.census import SESSION_WITHOUT_RESULT, Census, StepFact, ignore
 from rollout_buffer.core.group import Group, Undecided
 from rollout_buffer.core.handover import Handover
 from rollout_buffer.core.model import (
@@ -65,8 +65,13 @@ class Accumulator(Handover, Policies):
         clock: Callable[[], float] = time.monotonic,
         policy: Policy | None = None,
         max_steps: int | None = None,
+        changes: Callable[[tuple[Any, ...]], None] = ignore,
     ) -> None:
         self.job_id = job_id
+        # what followers (pacing) learn without the lock: each change, published under the lock
+        # at a cost that does not grow with the job (see :meth:`publish`)
+        self.feed = changes
+        self._rows_version: int | None = None  # the newest weight version of a row, published
         self.k = k
         self.clock = clock
         self.policy = policy or Policy()
@@ -94,7 +99,30 @@ class Accumulator(Handover, Policies):
         )  # every undecided group: the oldest and the low-water mark in O(log n)
         self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
         # every session of the job, those without a trainable row too (max_steps: the launcher's)
-        self.census = Census(max_steps)
+        self.census = Census(max_steps, self.publish, self.decided)
+        self.publish(("job",))
+
+    def publish(self, event: tuple[Any, ...]) -> None:
+        """(Lock held, or in the constructor.) Tell the followers of one change, with the job it
+        is of: ``("job",)`` (a new accumulator), ``("listed", session, group, place)``,
+        ``("started", group)`` (its first row, or ready no more), ``("ready", group)``,
+        ``("decided", group, served)`` (served: to the trainer, else dropped), ``("version", v)``
+        (the newest weight version of a row), ``("ended",)`` (another job replaces it)."""
+        self.feed((self.job_id, *event))
+
+    def end(self) -> None:
+        """Another job replaces this one: followers forget it (``("ended",)``) before its groups
+        are dropped, so that their drops start none of its held sessions."""
+        with self.lock:
+            self.publish(("ended",))
+
+    def restore_decided(self, decided: dict[str, str]) -> None:
+        """The groups decided before a restart (before the accumulator is shared: no lock): their
+        late rows are late, and followers learn them (not as served now: the trainer's
+        holdings start again with this instance)."""
+        self.decided.update(decided)
+        for group_id in decided:
+            self.publish(("decided", group_id, False))
 
     # -- versions ---------------------------------------------------------------------------------
     @property
@@ -185,6 +213,12 @@ class Accumulator(Handover, Policies):
                             g, out
                         )  # ready short of K at the TTL, it reached K while it waited
             self._doom(doomed, out)
+            newest = max(
+                (r[6] for r in rows if len(r) > 6 and type(r[6]) is int), default=None
+            )  # (a bool or a text is no version)
+            if newest is not None and (self._rows_version is None or newest > self._rows_version):
+                self._rows_version = newest
+                self.publish(("version", newest))
         return out
 
     def _add_row(self, g: Group, sid: str, pk: int, version: int | None, track_wv: bool) -> None:
@@ -232,126 +266,6 @@ class Accumulator(Handover, Policies):
                 self._tombstone(gid, SESSION_WITHOUT_RESULT, out)
             elif g.taken is None and gid in self.pending:
                 self._drop(g, SESSION_WITHOUT_RESULT, out)
-
-    def progress(self, admitted: set[str]) -> dict[str, int]:
-        """The groups in progress, for the admission budget: running (started, or admitted by
-        the gate, with no trainable row yet), pending, ready, and built (taken by a poll or the
-        prebuilt draft). A pending group idle for much longer than groups take to complete, or
-        whose sessions without a result have all gone silent at the gate, has a session that
-        failed for good: it is counted as ``stalled``, not in progress (it would hold the budget
-        until the TTL)."""
-        with self.lock:
-            now = self.clock()
-            stall_s = self.census.stall_after()
-            silent_s = self.census.silent_after()  # once, not per group: it sorts the gaps
-            # each group looked up, not a set difference with the decided ones: `set - keys()`
-            # walks the keys, and a long job decides groups by the hundred thousand (11 ms a
-            # question at 100k: held calls ask several times a second)
-            running = {
-                gid
-                for gid in self.census.started | admitted
-                if gid not in self.pending
-                and gid not in self.ready
-                and gid not in self.taken
-                and gid not in self.decided
-            }
-            stalled_now = [
-                g.group_id
-                for g in self.pending.values()
-                if now - g.last_seen > stall_s
-                or self.census.lost(g.group_id, set(g.completed), self.k, now, silent_s)
-            ]
-            # a group with no trainable row yet (only terminal rows are, with --message-cut 0);
-            # one set aside (lost, no sign for long) is not looked at again until a sign
-            aside = self.census.set_aside
-            lost_running = {
-                gid
-                for gid in running
-                if gid in aside or self.census.lost(gid, set(), self.k, now, silent_s)
-            }
-            self.census.set_aside_quiet(lost_running - aside, now, silent_s)
-            known = len(self.census.stalled)
-            self.census.stalled.update(stalled_now)
-            self.census.stalled.update(lost_running)
-            newly_lost = len(self.census.stalled) - known
-            self.census.lost_total += newly_lost
-            self.census.recent_ends.extend([False] * newly_lost)
-            stalled = len(stalled_now)
-            return {
-                "running": len(running) - len(lost_running),
-                "pending": len(self.pending) - stalled,
-                "ready": len(self.ready),
-                "built": len(self.taken),
-                "stalled": stalled + len(lost_running),
-            }
-
-    def completion_rate(self) -> float | None:
-        """The share of the groups that ended (ready, or stalled) that reached K."""
-        with self.lock:
-            return self.census.completion_rate()
-
-    def ends(self) -> tuple[float | None, int, float | None]:
-        """How groups ended, for the admission budget, in one look: the completion rate; the
-        groups taken for stalled so far (a session failed for good), those that reached K after
-        all too, so that it never goes down (the spares count a step's losses as this less the
-        count when the step began; one that went down with a group lost in an earlier step made a
-        loss of this step use no spare); and the share of the groups that ended last that were
-        taken for lost (None: too few)."""
-        with self.lock:
-            census = self.census
-            return census.completion_rate(), census.lost_total, census.recent_lost_share()
-
-    def group_of(self, session_id: str) -> tuple[str | None, bool]:
-        """A session's group, when known, and whether that group has started (a row, or another
-        session's call through the gate; a decided group has: its late sessions are never held,
-        as before the admitted groups were pruned of decided ones)."""
-        with self.lock:
-            group = self.census.session_group.get(session_id)
-            started = group is not None and (
-                group in self.census.started
-                or group in self.decided
-                or self._undecided(group) is not None
-            )
-            return group, started
-
-    def place_of(self, session_id: str) -> int | None:
-        """The session's place in job_environments (None: not listed)."""
-        with self.lock:
-            return self.census.place.get(session_id)
-
-    def sign(self, session_id: str) -> None:
-        """A model call of the session went through the pacing gate."""
-        with self.lock:
-            self.census.sign(session_id, self.clock())
-
-    def dead_after(self) -> float:
-        """Seconds of quiet after which a started session with no call in flight is taken for
-        dead now: the learned threshold, or until it is learned its client's longest backoff."""
-        with self.lock:
-            silent = self.census.silent_after()
-            return self.census.resumed_quiet_s if silent is None else silent
-
-    def quiet_after(self) -> float | None:
-        """Seconds of quiet after which a session is taken for dead (None: not yet learned)."""
-        with self.lock:
-            return self.census.silent_after()
-
-    def arrived(self, session_id: str) -> None:
-        """A session's first model call reached the pacing gate (held or let through)."""
-        with self.lock:
-            self.census.arrived(session_id, self.clock())
-
-    def answered(self, session_id: str, retried: bool = False) -> None:
-        """A model call of the session came back through the pacing gate (``retried``: so that
-        its client retries it after a backoff)."""
-        with self.lock:
-            self.census.answered(session_id, self.clock(), retried)
-
-    def first_call(self, session_id: str, resumed: bool = False) -> None:
-        """A session's first model call went through the pacing gate: its first sign
-        (``resumed``: the service restarted under the session)."""
-        with self.lock:
-            self.census.first_call(session_id, self.clock(), resumed)
 
     def _tombstone(self, gid: str, reason: str, out: Decisions) -> None:
         """(Lock held.) Drop a group that no trainable row has shown yet: its later rows are late

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollout_buffer.core.errors import ConfigError
+from rollout_buffer.core.hosts import is_loopback
 from rollout_buffer.core.model import Policy
 from rollout_buffer.core.parsers import buffer_name as parse_buffer_name
 from rollout_buffer.core.redact import redact
-from rollout_buffer.core.settings import KNOWN_ENV, PREFIX, SETTINGS
+from rollout_buffer.core.settings import KNOWN_ENV, PREFIX, REMOVED, SETTINGS
 
 logger = logging.getLogger(__name__)
+_warned: set[str] = set()  # removed settings warned of in this process
 
 
 @dataclass(frozen=True)
@@ -84,11 +86,16 @@ class Config:
     proxy_connect_timeout_s: float = 2.0
     proxy_read_timeout_s: float = 10.0
     pacing: str = "off"
+    gate_host: str = "127.0.0.1"
     gate_port: int | None = None
+    gate_secret: str | None = None
+    gate_max_body_bytes: int = 64 * 1024 * 1024
+    gate_stall_s: float = 30.0
+    gate_max_held_bytes: int = 1024 * 1024 * 1024
+    gate_max_hold_s: float = 300.0
     pacing_staleness: int | None = None
     pacing_batch_groups: int | None = None
-    pacing_idle_gap_s: float = 10.0
-    pacing_spare_waste: float = 0.03
+    pacing_session_timeout_s: float = 60.0
     advertise_url: str | None = None
     lease_s: float = 10.0
     buffer_name: str = ""
@@ -98,11 +105,6 @@ class Config:
     log_level: str = "INFO"
     threads: int = 16
     graceful_timeout_s: float = 60.0
-
-    @property
-    def gate_url(self) -> str:
-        """The pacing gate's base URL, as the launcher's --llm-base-url."""
-        return f"http://127.0.0.1:{self.gate_port or self.port + 1}/v1"
 
     def __post_init__(self) -> None:
         if self.storage_type not in ("sqlite", "postgres"):
@@ -118,12 +120,19 @@ class Config:
             url_kind(self.state_db_url, PREFIX + "STATE_DB_URL")
         for arg in self.launcher_cmd or ():
             try:
-                arg.format(job_id="job", k="1", db_url="sqlite:///x", storage_type="sqlite")
+                arg.format(
+                    job_id="job",
+                    k="1",
+                    db_url="sqlite:///x",
+                    storage_type="sqlite",
+                    llm_base_url="http://x/v1",
+                )
             except (KeyError, ValueError, IndexError, AttributeError) as exc:
                 raise ConfigError(
                     f"{PREFIX}LAUNCHER_CMD argument {arg!r} is not a valid template "
                     f"({type(exc).__name__}: {exc}): "
-                    "expected only {job_id}, {k}, {db_url}, {storage_type}; write a literal brace "
+                    "expected only {job_id}, {k}, {db_url}, {storage_type}, {llm_base_url}; write "
+                    "a literal brace "
                     "as {{ or }}"
                 ) from None
         if self.graceful_timeout_s <= self.stop_grace_s:
@@ -131,6 +140,12 @@ class Config:
                 f"{PREFIX}GRACEFUL_TIMEOUT_SECONDS={self.graceful_timeout_s} must exceed "
                 f"{PREFIX}STOP_GRACE_SECONDS={self.stop_grace_s}: gunicorn would KILL the worker "
                 "before the launcher is stopped"
+            )
+        if self.pacing == "gate" and not self.gate_secret and not is_loopback(self.gate_host):
+            raise ConfigError(
+                f"{PREFIX}GATE_HOST={self.gate_host!r} is beyond loopback: anyone who reaches it "
+                f"could call the LLM proxy; set {PREFIX}GATE_SECRET (at least 16 of "
+                "A-Z a-z 0-9 . _ ~ -), or keep the gate on 127.0.0.1"
             )
         try:
             parse_buffer_name(self.buffer_name)
@@ -181,7 +196,10 @@ class Config:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
         """Read the settings from ``environ`` (default ``os.environ``), then apply ``overrides``."""
         env = os.environ if environ is None else environ
-        unknown = sorted(k for k in env if k.startswith(PREFIX) and k not in KNOWN_ENV)
+        warn_removed(env)
+        unknown = sorted(
+            k for k in env if k.startswith(PREFIX) and k not in KNOWN_ENV and k not in REMOVED
+        )
         if unknown:
             raise ConfigError(  # the value is not shown: a misspelt token or URL is a secret too
                 f"unknown setting {unknown[0]}; known {PREFIX}* settings: "
@@ -235,6 +253,14 @@ class Config:
                 "expected LLM_PROXY_HOST and LLM_PROXY_PORT to name it"
             )
         return cls(**values)
+
+
+def warn_removed(env: Mapping[str, str]) -> None:
+    """One warning per removed setting that is set, naming what replaced it (once per process:
+    gunicorn reads the settings several times)."""
+    for name in sorted(set(env) & set(REMOVED) - _warned):
+        _warned.add(name)
+        logger.warning("%s is no longer read (ignored): %s", name, REMOVED[name])
 
 
 def absolute_sqlite_url(url: str, base: str) -> str:

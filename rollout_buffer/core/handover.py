@@ -208,6 +208,7 @@ class Handover:
                 status, reason = decided[t.group_id]
                 self._settle(g, out, self._late_served if status == SERVED else LATE_DROPPED)
                 self.decided[t.group_id] = status
+                self.census.publish(("decided", t.group_id, status == SERVED))
                 if status == SERVED:
                     self.counts.group_served(
                         len(t.served_pks), len(t.incomplete_pks), len(t.completed), t.rewards

@@ -130,7 +130,7 @@ class PollRequest:
     max_groups: int | None = None
     request_id: str | None = None
     wait_s: float = 0.0
-    min_groups: int = 1
+    min_groups: int | None = None  # None: the body has no such key (a long-poll waits for 1)
     max_off_policy: int | None = None  # overrides ROLLOUT_BUFFER_MAX_OFF_POLICY for this poll
     current_weight_version: int | None = (
         None  # the trainer's version (the job keeps the last one sent)

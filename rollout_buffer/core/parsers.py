@@ -45,14 +45,6 @@ def number(lo: float | None = None) -> Callable[[str], float]:
     return parse
 
 
-def share(raw: str) -> float:
-    """A share: a number from 0 to 1."""
-    value = number(0.0)(raw)
-    if value > 1.0:
-        raise ValueError("a number from 0 to 1")
-    return value
-
-
 def choice(*choices: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         value = raw.strip().lower()
@@ -128,6 +120,14 @@ def buffer_name(raw: str) -> str:
     if value and not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", value):
         raise ValueError("1-64 characters of A-Z a-z 0-9 . _ - (or empty: the unnamed buffer)")
     return value
+
+
+def path_secret(raw: str) -> str | None:
+    """A secret that is a whole URL path segment, or None (none) when empty."""
+    value = raw.strip()
+    if value and not re.fullmatch(r"[A-Za-z0-9._~-]{16,256}", value):
+        raise ValueError("16-256 characters of A-Z a-z 0-9 . _ ~ - (a path segment of a URL)")
+    return value or None
 
 
 def log_level(raw: str) -> str:

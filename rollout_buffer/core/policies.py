@@ -65,10 +65,8 @@ class Policies:
             self._drop(g, reason, out)
             return
         g.ready_at = self.clock()
-        self.census.completed_in(g.ready_at - g.first_seen)
-        # taken for stalled while it waited, it reached K after all: not a group that failed
-        self.census.stalled.discard(g.group_id)
         self.ready.push(g)
+        self.census.publish(("ready", g.group_id))
         out.newly_ready += 1
 
     def _choose(self, g: Group, out: Decisions) -> None:
@@ -151,6 +149,7 @@ class Policies:
                 ):  # K was raised: not ready any more (and open to more sessions)
                     del self.ready[gid]
                     self.pending[gid], g.chosen, moved = g, None, True
+                    self.census.publish(("started", gid))  # in progress again
                 elif len(g.completed) > k:  # K was lowered: over-sampling keeps the first K
                     self._choose(g, out)
             if moved:  # expire() stops at the first live group: put them back in idle order (rare)

@@ -27,12 +27,10 @@ class Body(list[Any]):
         groups: int = 0,
         on_close: Callable[[], None] | None = None,
         *,
-        versions: list[int | None] | None = None,
         replayed: bool = False,
     ) -> None:
         super().__init__(chunks)
         self.groups = groups
-        self.versions = versions or []  # each served group's weight version (None: it has none)
         self.replayed = replayed  # a batch served before, sent again to a retrying trainer
         self._on_close = on_close
 

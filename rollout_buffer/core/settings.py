@@ -26,7 +26,7 @@ from rollout_buffer.core.parsers import (
     number,
     optional_integer,
     optional_text,
-    share,
+    path_secret,
     text,
 )
 
@@ -58,7 +58,8 @@ SETTINGS: tuple[Setting, ...] = (
         None,
         command_line,
         "override the launcher command (split like a shell, never run by one); {job_id}, {k}, "
-        "{db_url}, {storage_type} are substituted, and --job-id/--rl-group-size appended if absent",
+        "{db_url}, {storage_type}, {llm_base_url} (the proxy's, or the pacing gate's) are "
+        "substituted, and --job-id/--rl-group-size appended if absent",
     ),
     Setting(
         "simulate_args",
@@ -266,50 +267,86 @@ SETTINGS: tuple[Setting, ...] = (
         PREFIX + "PACING",
         "off",
         choice("off", "gate"),
-        "gate: the launcher's --llm-base-url is the pacing gate, which holds the first model call "
-        "of a session of a group not admitted while the admission budget is spent (GET "
-        "/admission); off: every session starts at once",
+        "gate: the launcher's --llm-base-url is the pacing gate, which forwards only its model "
+        "calls to the LLM proxy and holds a new group's first call while the admission budget is "
+        "spent (GET /admission); needs the pacing extra; off: every session starts at once",
+    ),
+    Setting(
+        "gate_host",
+        PREFIX + "GATE_HOST",
+        "127.0.0.1",
+        text,
+        "the address the pacing gate listens on; beyond loopback it needs GATE_SECRET",
     ),
     Setting(
         "gate_port",
         PREFIX + "GATE_PORT",
         None,
         optional_integer(1),
-        "the pacing gate's port on 127.0.0.1 (default BUFFER_SERVER_PORT + 1); keep it fixed so "
-        "that the launcher's sessions find it again after a restart",
+        "the pacing gate's port (default BUFFER_SERVER_PORT + 1)",
+    ),
+    Setting(
+        "gate_secret",
+        PREFIX + "GATE_SECRET",
+        None,
+        path_secret,
+        "a path segment of the gate's URL that callers must know; required beyond loopback. "
+        "Local users can read it in the launcher's argv",
+    ),
+    Setting(
+        "gate_max_body_bytes",
+        PREFIX + "GATE_MAX_BODY_BYTES",
+        64 * 1024 * 1024,
+        integer(1024),
+        "the largest model call the gate takes (larger: 413 body_too_large)",
+    ),
+    Setting(
+        "gate_stall_s",
+        PREFIX + "GATE_STALL_SECONDS",
+        30.0,
+        number(0.1),
+        "a request head not whole within this, or a body with no byte for this long: the gate "
+        "closes the connection (stalled)",
+    ),
+    Setting(
+        "gate_max_held_bytes",
+        PREFIX + "GATE_MAX_HELD_BYTES",
+        1024 * 1024 * 1024,
+        integer(0),
+        "the bytes of held calls the gate keeps in all; past it a new first call gets 503 "
+        "held_bytes (the launcher retries)",
+    ),
+    Setting(
+        "gate_max_hold_s",
+        PREFIX + "GATE_MAX_HOLD_SECONDS",
+        300.0,
+        number(1.0),
+        "no call is held longer: it gets 503 max_hold and the launcher retries it (below its "
+        "900 s request timeout)",
     ),
     Setting(
         "pacing_staleness",
         PREFIX + "PACING_STALENESS",
         None,
         optional_integer(0),
-        "S of the admission budget (S + 1) x B: versions a group may lag behind the trainer's "
-        "(default: MAX_OFF_POLICY, else 1)",
+        "S of the budget (S + 1) x B: versions a group may lag behind the trainer's (default: "
+        "MAX_OFF_POLICY, else 1)",
     ),
     Setting(
         "pacing_batch_groups",
         PREFIX + "PACING_BATCH_GROUPS",
         None,
         optional_integer(1),
-        "B of the admission budget: groups the trainer takes a step (default: learned from the "
-        "groups it takes between idle gaps, 8 until then)",
+        "B of the budget: groups the trainer trains on a step (default: the min_groups its polls "
+        "state, else 8); set it for trainers that poll with {}",
     ),
     Setting(
-        "pacing_idle_gap_s",
-        PREFIX + "PACING_IDLE_GAP_SECONDS",
-        10.0,
-        number(0.001),
-        "a gap between the trainer's polls (empty or not, from one's end to the next one's "
-        "start) longer than this ends a burst (how B is learned)",
-    ),
-    Setting(
-        "pacing_spare_waste",
-        PREFIX + "PACING_SPARE_WASTE",
-        0.03,
-        share,
-        "spare groups a step hedge the groups that lose a session (each would wait for a "
-        "replacement): as many as keep the spares expected to go unused, from the share of groups "
-        "lost so far, within this share of B; 0: no spares",
+        "pacing_session_timeout_s",
+        PREFIX + "PACING_SESSION_TIMEOUT_SECONDS",
+        60.0,
+        number(1.0),
+        "a started group with no model call in flight and none for this long frees its place in "
+        "the budget (above the launcher's longest retry backoff, 36 s)",
     ),
     Setting(
         "advertise_url",
@@ -386,6 +423,15 @@ SETTINGS: tuple[Setting, ...] = (
     ),
 )
 
+# Settings that are no longer read, with what replaced them: still accepted for one release, with
+# a warning at start, and ignored.
+REMOVED = {
+    PREFIX + "PACING_IDLE_GAP_SECONDS": "B is ROLLOUT_BUFFER_PACING_BATCH_GROUPS, else the "
+    "min_groups of the trainer's polls, else 8 (it was learned from idle gaps)",
+    PREFIX + "PACING_SPARE_WASTE": "the budget has no spare groups any more; "
+    "ROLLOUT_BUFFER_PACING_SESSION_TIMEOUT_SECONDS frees a lost group's place",
+}
+
 # Every variable a setting reads, aliases included: any other ROLLOUT_BUFFER_* is a typo.
 KNOWN_ENV = {s.env for s in SETTINGS} | {a for s in SETTINGS for a in s.aliases}
 
@@ -397,4 +443,12 @@ def settings_table() -> str:
         default = "" if s.default is None else f"`{s.default}`"
         names = f"`{s.env}`" + "".join(f" (or `{a}`)" for a in s.aliases)
         rows.append(f"| {names} | {default} | {s.help} |")
+    rows += [
+        "",
+        "Removed settings: still accepted for this release, with a warning at start, and ignored.",
+        "",
+        "| variable | what replaced it |",
+        "|---|---|",
+    ]
+    rows += [f"| `{name}` | {why} |" for name, why in sorted(REMOVED.items())]
     return "\n".join(rows)

@@ -2,7 +2,9 @@
 (SPEC §5), never a shell string, and the environment it runs with.
 
 Owns: :func:`launch_spec` for the three kinds of launcher (a configured command, the built-in
-simulator, AIEvoBox's launcher.py). It must not start anything: the supervisor does.
+simulator, AIEvoBox's launcher.py), and :class:`ModelRoute`, where the launcher's model calls go
+(the LLM proxy, or what the composition root gives: the pacing gate). It must not start anything:
+the supervisor does.
 """
 
 from __future__ import annotations
@@ -10,27 +12,39 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import OperationFailed
 from rollout_buffer.launcher.supervisor import LaunchSpec
 
-# the service's own secrets stay with the service: the launcher needs none of them
-LAUNCHER_ENV_DROP = ("ROLLOUT_BUFFER_TOKEN",)
+# the service's own secrets stay with the service: the launcher needs none of them (the gate's is
+# in the URL it is handed)
+LAUNCHER_ENV_DROP = ("ROLLOUT_BUFFER_TOKEN", "ROLLOUT_BUFFER_GATE_SECRET")
 
 
-def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
+@dataclass(frozen=True)
+class ModelRoute:
+    """Where the launcher's model calls go: ``base_url`` (None: the LLM proxy's), with ``env``
+    added to its environment and ``simulator_args`` to the built-in simulator's argv."""
+
+    base_url: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    simulator_args: tuple[str, ...] = ()
+
+
+def launch_spec(config: Config, job_id: str, k: int, route: ModelRoute | None = None) -> LaunchSpec:
     """The launcher command for a job, from configuration only (argv list, never a shell).
 
     With over-sampling the launcher runs K + N sessions per group (its --rl-group-size and
     ``{k}``); the buffer serves the first K of each group to complete."""
+    route = route or ModelRoute()
     k += config.oversample
     env = {name: value for name, value in os.environ.items() if name not in LAUNCHER_ENV_DROP}
     env["PYTHONUNBUFFERED"] = "1"
-    if config.pacing == "gate":
-        # the launcher's LLM semaphore would let held first calls keep their slots and deadlock
-        # the running sessions (SPEC §5): no limit, the gate paces by group instead
-        env["AIEVOBOX_LLM_MAX_CONCURRENCY"] = "0"
+    env.update(route.env)
+    base_url = route.base_url or proxy_url(config)
     log_path = os.path.join(config.run_dir, f"launcher-{job_id}.log")
     kind = config.launcher_kind
     if kind == "command":
@@ -39,6 +53,7 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
             "k": str(k),
             "db_url": config.db_url,
             "storage_type": config.storage_type,
+            "llm_base_url": base_url,
         }
         # (the templates were validated by Config)
         argv = [arg.format(**subs) for arg in (config.launcher_cmd or ())]
@@ -53,9 +68,8 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
             sys.executable,
             "-m",
             "rollout_buffer.simulate",
-            *_launcher_flags(config, job_id, k, _env_args(config)),
-            # with pacing, its model calls go through the gate, as the real launcher's do
-            *(["--llm-calls"] if config.pacing == "gate" else []),
+            *_launcher_flags(config, job_id, k, _env_args(config), base_url),
+            *route.simulator_args,
             *(config.simulate_args or ()),
         ]
         # the directory that holds this package (rollout_buffer/launcher/command.py: three up), so
@@ -75,7 +89,7 @@ def launch_spec(config: Config, job_id: str, k: int) -> LaunchSpec:
     argv = [
         "python3",
         os.path.join(root, "launcher.py"),
-        *_launcher_flags(config, job_id, k, env_args),
+        *_launcher_flags(config, job_id, k, env_args, base_url),
     ]
     return LaunchSpec(tuple(argv), root, env, log_path)
 
@@ -109,15 +123,29 @@ def _env_args(config: Config) -> list[str]:
     return []
 
 
-def _launcher_flags(config: Config, job_id: str, k: int, env_args: list[str]) -> list[str]:
+def proxy_url(config: Config) -> str:
+    """The LLM proxy's base URL as the original passed it (SPEC §5)."""
+    if config.proxy_host:
+        return f"http://{config.proxy_host}:{config.proxy_port}/v1"
+    return "http://127.0.0.1:8000/v1"
+
+
+def llm_base_url(argv: list[str]) -> str | None:
+    """The ``--llm-base-url`` of a launcher's argv (its last one), or None."""
+    found = None
+    for flag, following in itertools.pairwise(argv):
+        if flag == "--llm-base-url":
+            found = following
+    for arg in argv:
+        if arg.startswith("--llm-base-url="):
+            found = arg.partition("=")[2]
+    return found
+
+
+def _launcher_flags(
+    config: Config, job_id: str, k: int, env_args: list[str], base_url: str
+) -> list[str]:
     """Every flag of the original command after ``launcher.py`` (SPEC §5), in its order."""
-    proxy = (
-        f"http://{config.proxy_host}:{config.proxy_port}/v1"
-        if config.proxy_host
-        else "http://127.0.0.1:8000/v1"
-    )
-    if config.pacing == "gate":
-        proxy = config.gate_url  # the gate forwards every call to the proxy (issue 23)
     return [
         "--mode",
         config.aievobox_mode,
@@ -127,7 +155,7 @@ def _launcher_flags(config: Config, job_id: str, k: int, env_args: list[str]) ->
         config.storage_type,
         *env_args,
         "--llm-base-url",
-        proxy,
+        base_url,
         "--llm-model",
         config.rl_model,
         "--llm-temperature",

@@ -23,7 +23,7 @@ from rollout_buffer.core.errors import OperationFailed, StorageError
 from rollout_buffer.core.model import LauncherState
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
-from rollout_buffer.launcher.command import launch_spec
+from rollout_buffer.launcher.command import ModelRoute, launch_spec, llm_base_url
 from rollout_buffer.launcher.processes import terminate_group
 from rollout_buffer.launcher.records import recorded, state_to_record, still_running
 from rollout_buffer.launcher.report import hints, log_tail, status
@@ -67,6 +67,10 @@ class Launcher:
         self._stop_due = False  # /stop_rollout of a launcher elsewhere, not recorded yet
         # our children another owner took over (reaped)
         self._released: list[subprocess.Popen[bytes]] = []
+        # where its model calls go: the LLM proxy, unless the composition root routes them
+        # (pacing: through the gate); raises OperationFailed when no launcher may start now
+        self.route: Callable[[], ModelRoute] = ModelRoute
+        self._url: tuple[int, str | None] = (0, None)  # (pid, its --llm-base-url)
 
     @property
     def managed(self) -> bool:
@@ -123,6 +127,17 @@ class Launcher:
             "will_restart": state["will_restart"],
         }
 
+    def llm_base_url(self) -> str | None:
+        """The ``--llm-base-url`` of the launcher running here, spawned or adopted (from /proc:
+        an adopted one was started by another instance), or None."""
+        state = self.supervisor.state()
+        pid = state["pid"] if state["running"] else None
+        if pid is None:
+            return None
+        if self._url[0] != pid:
+            self._url = (pid, llm_base_url(procfs.cmdline(pid)))
+        return self._url[1]
+
     def running_pid(self) -> int | None:
         """The pid of the job's launcher while it runs here, or may still run on another host."""
         state = self.supervisor.state()
@@ -149,7 +164,7 @@ class Launcher:
     def preflight(self, job_id: str, k: int) -> None:
         """A 500 now, before the job is switched, for a launcher that surely cannot start: the
         active job and its pending and ready groups must not be given up for it."""
-        spec = launch_spec(self.config, job_id, k)
+        spec = launch_spec(self.config, job_id, k, self.route())
         try:
             self.supervisor.preflight(spec)
         except LauncherError as exc:
@@ -163,7 +178,7 @@ class Launcher:
 
     def start(self, store: Store, job_id: str, k: int) -> int:
         """Spawn the job's launcher and record it; a failure is a 500 that says why."""
-        spec = launch_spec(self.config, job_id, k)
+        spec = launch_spec(self.config, job_id, k, self.route())
         try:
             pid = self.supervisor.start(spec)
         except LauncherError as exc:

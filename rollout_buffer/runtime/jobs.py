@@ -12,8 +12,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from rollout_buffer.core.accumulator import Accumulator
+from rollout_buffer.core.census import ignore
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import StorageError
 from rollout_buffer.core.model import JOB_ENDED, RESTART_TRAINING, Decisions, Drop
@@ -121,11 +123,17 @@ class Jobs:
     """Holds the active job (``current``) and swaps it."""
 
     def __init__(
-        self, config: Config, outbox: Outbox, *, clock: Callable[[], float] = time.monotonic
+        self,
+        config: Config,
+        outbox: Outbox,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        changes: Callable[[tuple[Any, ...]], None] = ignore,
     ) -> None:
         self.config = config
         self.outbox = outbox
         self.clock = clock
+        self.changes = changes  # each accumulator's change feed (Accumulator.publish)
         self.current: JobState | None = None
         self._tables_seen = False
         self._tables_warned = False
@@ -168,12 +176,11 @@ class Jobs:
             job_id,
             k,
             clock=self.clock,
+            changes=self.changes,
             policy=self.config.policy,
             max_steps=step_cap(self.config),
         )
-        accumulator.decided.update(
-            totals.decided
-        )  # before the accumulator is shared: no lock needed
+        accumulator.restore_decided(totals.decided)
         accumulator.counts.load(totals)
         row = store.get_job(job_id)
         if (
@@ -228,6 +235,7 @@ class Jobs:
                 self.outbox.act(store, job_id, prev.accumulator.set_k(k)[1])
             return prev
         if prev is not None and prev.job_id != job_id:
+            prev.accumulator.end()  # followers first: its drops free nothing for its sessions
             plan = prev.accumulator.drop_all(JOB_ENDED, include_ready=True)
             self.outbox.act(store, prev.job_id, plan)
             if plan.drops:

@@ -311,10 +311,8 @@ class Loop:
             job_state.reader.nothing_to_read()  # nothing can have been written
             return
         deadline = self.clock() + 1.0
-        read_any = False
         while True:
             rows = job_state.reader.read(launcher_db)
-            read_any = read_any or bool(rows)
             if job_state.accounted is not None:
                 read = rows
                 rows = job_state.accounted.filter(
@@ -347,8 +345,6 @@ class Loop:
             self.outbox.act(
                 store, job_state.job_id, job_state.accumulator.observe(scheduled, facts)
             )
-        if read_any or facts:
-            self.signals.rows_read()
 
     def _check_launcher(self, store: Store, job_state: JobState) -> None:
         lease = self.lease

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Host(Protocol):
@@ -86,18 +86,17 @@ class Signals:
         self.wake = threading.Event()  # the loop's: set to run a tick now
         self.bootstrapped = threading.Event()  # the loop loaded the active job from the database
         self.ready = ReadySignal()
-        self._on_rows: list[Callable[[], None]] = []
+        self._on_change: list[Callable[[tuple[Any, ...]], None]] = []
 
-    def on_rows(self, listener: Callable[[], None]) -> None:
-        """Call ``listener`` (it must be quick and must not block) whenever the loop read rows of
-        the active job: the pacing gate's held calls ask again, as a session that crashed shows
-        in its last row."""
-        self._on_rows.append(listener)
+    def on_change(self, listener: Callable[[tuple[Any, ...]], None]) -> None:
+        """Call ``listener`` with each change of the active job (``Accumulator.publish``: under the
+        accumulator's lock, so it must only note it) and each poll's arrival (``(None, "poll",
+        min_groups, current_weight_version)``)."""
+        self._on_change.append(listener)
 
-    def rows_read(self) -> None:
-        """(The loop's thread.) Rows of the active job were read."""
-        for listener in self._on_rows:
-            listener()
+    def changed(self, event: tuple[Any, ...]) -> None:
+        for listener in self._on_change:
+            listener(event)
 
     def nudge(self) -> None:
         """Ask the loop for a tick now."""

@@ -138,7 +138,7 @@ class Serving:
                 self._long_poll(
                     conns,
                     poll.wait_s,
-                    min(poll.min_groups, poll.max_groups or poll.min_groups),
+                    min(poll.min_groups or 1, poll.max_groups or poll.min_groups or 1),
                     poll.request_id,
                 )
             body = self._poll(conns, poll)
@@ -348,7 +348,6 @@ class Serving:
             chunks,
             len(built),
             on_close=lambda: self.history.sent(entry),
-            versions=[min(g.weight_versions, default=None) for _, g in built],
         )
 
     def _failed(self, job_state: JobState, t: Take, exc: Exception) -> bool:

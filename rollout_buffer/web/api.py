@@ -276,10 +276,11 @@ def parse_version(name: str, value: Any) -> int | None:
     return value
 
 
-def parse_min_groups(value: Any) -> int:
-    """min_groups: with wait_s, answer once this many groups are ready; an int >= 1, default 1."""
+def parse_min_groups(value: Any) -> int | None:
+    """min_groups: with wait_s, answer once this many groups are ready; an int >= 1 (None: not
+    stated, which waits for 1)."""
     if value is None:
-        return 1
+        return None
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
     if not _is_int(value) or value < 1:

@@ -50,6 +50,24 @@ class _Out:
         self.lines.append(f"{full}{{{text}}} {_fmt(value)}" if text else f"{full} {_fmt(value)}")
 
 
+def _gate(out: _Out, admission: dict[str, Any]) -> None:
+    """The pacing gate's refusals and held calls (nothing when pacing is off)."""
+    if "refused" not in admission:
+        return
+    out.metric(
+        "gate_refused_total",
+        "counter",
+        "Requests the pacing gate refused or closed, by reason.",
+        [({"reason": reason}, count) for reason, count in sorted(admission["refused"].items())],
+    )
+    out.metric(
+        "gate_held_calls",
+        "gauge",
+        "First model calls the pacing gate holds now.",
+        [({}, admission["gate"]["held_calls"])],
+    )
+
+
 def _waste(out: _Out, job: str, waste: dict[str, Any] | None) -> None:
     """What generating the groups cost, served against discarded by reason (issue 23)."""
     if not waste:
@@ -222,6 +240,7 @@ def render_metrics(service: Service) -> str:
         )
     out.sample(name + "_sum", {}, float(polls["seconds_total"]))
     out.sample(name + "_count", {}, polls["count"])
+    _gate(out, service.admission())
     out.metric(
         "launcher_running",
         "gauge",

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""Pacing: how much generation the trainer throws away, with the gate off and on (issue 23).
+"""Pacing: how much generation the trainer throws away, with the gate off and on (issues 23, 34).
 
 Fixed parameters (printed with the results):
 - K 4. The trainer trains B = 8 groups a step; each step takes T seconds (--train-s). Before each
   step it waits for B groups no older than its current version - 1 (S = 1) and throws the older
-  ones away, keeping the surplus for later steps, like the upstream client ({} polls on a 5 s
-  cadence while it waits, --poll-s).
+  ones away. Two trainers (--trainer):
+  - poller: like the upstream client, {} polls on a 5 s cadence while it waits (--poll-s),
+    keeping the surplus for later steps;
+  - longpoll: docs/client.md's loop, BufferClient.get_batch(min_groups=B, max_groups=B,
+    current_weight_version=its version), asking again for what it threw away.
 - The producers: the service's simulated launcher, making its model calls to a stand-in LLM proxy
   (a real HTTP server) that answers each call after --call-s and stamps the weight version, which
   the trainer advances at each step. A pool of --pool sessions (24), session lengths 2-6 steps (3x
@@ -48,6 +51,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from fakes.fake_llm import FakeLLM  # noqa: E402  (a real HTTP server standing in for the proxy)
 
+from rollout_buffer.client import BufferClient  # noqa: E402
 from rollout_buffer.storage.db import connect  # noqa: E402
 from rollout_buffer.tools.runner import ServerProcess, clean_env, free_port  # noqa: E402
 
@@ -73,7 +77,9 @@ def groups_of_sessions(db_url: str, job: str) -> dict[str, str]:
     return {r[0]: r[1] for r in rows}
 
 
-def one_run(args: argparse.Namespace, pacing: bool, index: int) -> dict[str, Any]:
+def one_run(
+    args: argparse.Namespace, pacing: bool, index: int, trainer_kind: str
+) -> dict[str, Any]:
     workdir = tempfile.mkdtemp(prefix=f"pacing-{'on' if pacing else 'off'}-")
     db_url = "sqlite://" + os.path.join(workdir, "launcher.db")
     job = f"pacing{index}"
@@ -94,9 +100,13 @@ def one_run(args: argparse.Namespace, pacing: bool, index: int) -> dict[str, Any
                 "ROLLOUT_BUFFER_PACING": "gate" if pacing else "off",
                 "ROLLOUT_BUFFER_GATE_PORT": str(free_port()),
                 "ROLLOUT_BUFFER_PACING_STALENESS": str(S),
-                "ROLLOUT_BUFFER_PACING_BATCH_GROUPS": str(B),
-                # the trainer polls every --poll-s while it collects, and not while it trains
-                "ROLLOUT_BUFFER_PACING_IDLE_GAP_SECONDS": str((args.poll_s + args.train_s) / 2),
+                "ROLLOUT_BUFFER_PACING_SESSION_TIMEOUT_SECONDS": str(args.session_timeout_s),
+                # the {} poller states no B: the docs tell its users to set it
+                **(
+                    {"ROLLOUT_BUFFER_PACING_BATCH_GROUPS": str(B)}
+                    if trainer_kind == "poller"
+                    else {}
+                ),
             },
             package_parent=ROOT,
         )
@@ -108,7 +118,7 @@ def one_run(args: argparse.Namespace, pacing: bool, index: int) -> dict[str, Any
             if problem:
                 raise SystemExit(f"the service did not start: {problem}")
             http(url + "/start_rollout", {"num_repeat_per_sample": K, "job_session": job})
-            result = trainer(args, url, llm)
+            result = (poller if trainer_kind == "poller" else longpoll)(args, url, llm)
             stats = http(url + "/stats")
             if args.dump:
                 with open(f"{args.dump}.{job}.json", "w") as out:
@@ -119,10 +129,51 @@ def one_run(args: argparse.Namespace, pacing: bool, index: int) -> dict[str, Any
         if args.dump:
             with open(f"{args.dump}.{job}.sessions.json", "w") as out:
                 json.dump(sessions, out)
-        return account(result, stats, llm, sessions, pacing)
+        out = account(result, stats, llm, sessions, pacing)
+        out["trainer"] = trainer_kind
+        out["waits"] = result["waits"]
+        return out
 
 
-def trainer(args: argparse.Namespace, url: str, llm: FakeLLM) -> dict[str, Any]:
+def longpoll(args: argparse.Namespace, url: str, llm: FakeLLM) -> dict[str, Any]:
+    """docs/client.md's loop: long-poll for B groups, throw away the stale ones (and ask for as
+    many again), train T seconds, advance the version."""
+    version = 0
+    trained: list[str] = []
+    stale: list[str] = []
+    waits: list[float] = []
+    started = time.monotonic()
+    with BufferClient(url, timeout=180) as client:
+        for _step in range(args.steps):
+            batch: list[str] = []
+            collect_from = time.monotonic()
+            while len(batch) < B:
+                need = B - len(batch)
+                got = client.get_batch(
+                    min_groups=need, max_groups=need, current_weight_version=version
+                )
+                for group in got.groups:
+                    v = min(int(i["extra_info"].get("weight_version") or 0) for i in group.items)
+                    (stale if v < version - S else batch).append(group.group_id)
+            waits.append(time.monotonic() - collect_from)
+            trained.extend(batch)
+            if args.trace:
+                doc = http(url + "/admission")
+                print(f"  step {_step}: waited {waits[-1]:.1f} s; {doc}", flush=True)
+            time.sleep(args.train_s)
+            version += 1
+            llm.version = version
+    return {
+        "trained": trained,
+        "stale": stale,
+        "elapsed_s": time.monotonic() - started,
+        "version": version,
+        "events": [],
+        "waits": waits,
+    }
+
+
+def poller(args: argparse.Namespace, url: str, llm: FakeLLM) -> dict[str, Any]:
     """The upstream client's loop: collect B fresh groups, train T seconds, advance the version."""
     version = 0
     held: dict[str, int] = {}  # group -> its oldest weight_version, kept across steps
@@ -138,6 +189,7 @@ def trainer(args: argparse.Namespace, url: str, llm: FakeLLM) -> dict[str, Any]:
                 events.append((time.monotonic(), "admission", http(url + "/admission")))
 
         threading.Thread(target=sample, daemon=True).start()
+    waits: list[float] = []
     for _step in range(args.steps):
         collect_from = time.monotonic()
         while True:
@@ -159,6 +211,7 @@ def trainer(args: argparse.Namespace, url: str, llm: FakeLLM) -> dict[str, Any]:
                     held[gid] = min(held.get(gid, v), v)
                 continue
             time.sleep(args.poll_s)
+        waits.append(time.monotonic() - collect_from)
         batch = sorted(held, key=lambda g: held[g])[:B]
         for gid in batch:
             del held[gid]
@@ -170,8 +223,7 @@ def trainer(args: argparse.Namespace, url: str, llm: FakeLLM) -> dict[str, Any]:
                 f"  step {_step}: t={time.monotonic() - started:.1f}s collected in "
                 f"{time.monotonic() - collect_from:.1f}s version {version} held "
                 f"{len(held)} stale {len(stale)} admission {doc['budget']}/{doc['capacity']} "
-                f"{doc['inputs']['in_progress']} "
-                f"surplus {doc['inputs']['trainer_surplus']['value']}",
+                f"{doc['terms']}",
                 flush=True,
             )
         time.sleep(args.train_s)  # training
@@ -187,6 +239,7 @@ def trainer(args: argparse.Namespace, url: str, llm: FakeLLM) -> dict[str, Any]:
         "elapsed_s": elapsed,
         "version": version,
         "events": events,
+        "waits": waits,
     }
 
 
@@ -237,6 +290,26 @@ def account(
     }
 
 
+def summarize(kind: str, results: dict[str, list[dict[str, Any]]]) -> None:
+    for mode, rs in results.items():
+        if not rs:
+            continue
+
+        def med(key: str, rs: list[dict[str, Any]] = rs) -> str:
+            values = [r[key] for r in rs]
+            return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+
+        print(
+            f"{kind} median pacing {mode}: discarded share of generation seconds "
+            f"{med('discarded_share_s')}, of groups {med('discarded_share_groups')}, "
+            f"groups trained per minute {med('trained_per_min')}"
+        )
+    if results["off"] and results["on"]:
+        off = statistics.median(r["trained_per_min"] for r in results["off"])
+        on = statistics.median(r["trained_per_min"] for r in results["on"])
+        print(f"{kind} trained per minute, on / off: {on / off:.3f}" if off else "none trained")
+
+
 def main() -> int:
     # a TERM (timeout, kill) unwinds the run: its service and launcher are stopped, not orphaned
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -247,8 +320,17 @@ def main() -> int:
     p.add_argument("--poll-s", type=float, default=5.0, help="the trainer's poll cadence")
     p.add_argument("--call-s", type=float, default=0.5, help="seconds a model call takes")
     p.add_argument("--pool", type=int, default=24, help="the launcher's concurrent sessions")
+    p.add_argument(
+        "--session-timeout-s",
+        type=float,
+        default=60.0,
+        help="ROLLOUT_BUFFER_PACING_SESSION_TIMEOUT_SECONDS (the environment's steps take 0 s)",
+    )
     p.add_argument("--trace", action="store_true", help="print each step's admission figures")
     p.add_argument("--only", choices=("off", "on"), help="run one mode only")
+    p.add_argument(
+        "--trainer", choices=("poller", "longpoll", "both"), default="both", help="which trainer"
+    )
     p.add_argument("--dump", help="write each run's model calls and trainer events to DUMP.*.json")
     args = p.parse_args()
     print(
@@ -257,39 +339,27 @@ def main() -> int:
         "length 2-6 steps, 5% crashing, runs alternate off/on",
         flush=True,
     )
-    results: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
-    for i in range(args.runs):
-        for pacing in (False, True):
-            if args.only and args.only != ("on" if pacing else "off"):
-                continue
-            r = one_run(args, pacing, 2 * i + int(pacing))
-            results[r["pacing"]].append(r)
-            print(
-                f"run {i + 1} pacing {r['pacing']:3}: trained {r['trained']:3d} groups, "
-                f"{r['trained_per_min']:6.1f}/min; discarded {r['discarded_groups']:3d} groups "
-                f"({r['discarded_share_groups']:.1%} of groups, "
-                f"{r['discarded_share_s']:.1%} of generation seconds); "
-                f"{r['incomplete_groups']} incomplete (a session crashed); "
-                f"{r['generated_per_min']:.1f} complete groups generated/min",
-                flush=True,
-            )
-    for mode, rs in results.items():
-        if not rs:
-            continue
-
-        def med(key: str, rs: list[dict[str, Any]] = rs) -> str:
-            values = [r[key] for r in rs]
-            return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
-
-        print(
-            f"median pacing {mode}: discarded share of generation seconds "
-            f"{med('discarded_share_s')}, of groups {med('discarded_share_groups')}, "
-            f"groups trained per minute {med('trained_per_min')}"
-        )
-    if results["off"] and results["on"]:
-        off = statistics.median(r["trained_per_min"] for r in results["off"])
-        on = statistics.median(r["trained_per_min"] for r in results["on"])
-        print(f"trained per minute, on / off: {on / off:.3f}" if off else "no group trained")
+    kinds = ("poller", "longpoll") if args.trainer == "both" else (args.trainer,)
+    for kind in kinds:
+        results: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+        for i in range(args.runs):
+            for pacing in (False, True):
+                if args.only and args.only != ("on" if pacing else "off"):
+                    continue
+                r = one_run(args, pacing, 2 * i + int(pacing), kind)
+                results[r["pacing"]].append(r)
+                waits = ", ".join(f"{w:.1f}" for w in r["waits"])
+                print(
+                    f"{kind} run {i + 1} pacing {r['pacing']:3}: trained {r['trained']:3d} "
+                    f"groups, {r['trained_per_min']:6.1f}/min; discarded "
+                    f"{r['discarded_groups']:3d} groups ({r['discarded_share_groups']:.1%} of "
+                    f"groups, {r['discarded_share_s']:.1%} of generation seconds); "
+                    f"{r['incomplete_groups']} incomplete (a session crashed); "
+                    f"{r['generated_per_min']:.1f} complete groups generated/min; waits per step "
+                    f"[{waits}] s",
+                    flush=True,
+                )
+        summarize(kind, results)
     return 0
 
 

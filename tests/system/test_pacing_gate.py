@@ -1,11 +1,20 @@
-"""Pacing with the gate against real processes (issue 23): a real gunicorn whose launcher is the
-simulator making its model calls through the gate to a real HTTP server standing in for the LLM
-proxy. A kill -9 of the service with pacing on loses no session and no row, and running sessions
-resume within 30 s of the service being back (their client's longest backoff)."""
+"""The pacing gate in a real gunicorn worker (issue 34), with the built-in simulator making its
+model calls through it (item 9) to a real HTTP server standing in for the LLM proxy.
+
+- kill -9 of the service with calls held loses nothing, and a restart on the same ports serves
+  the launcher again within its longest backoff (item 6);
+- 2,000 connections stalled on the gate leave /health, /get_rollout_data and /stats answering
+  within a second (item 2);
+- a trainer long-polling for B groups (docs/client.md's loop) waits at each step after the first
+  at most its first step's wait plus 2 s, with weight versions and without (item 4).
+"""
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import resource
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -13,13 +22,31 @@ from typing import Any
 import pytest
 import requests
 from fakes.fake_llm import FakeLLM
-from servers import Server, complete_groups, kill9
+from servers import Server, complete_groups, free_port, kill9
 from support import wait_until
 
-from rollout_buffer.tools.runner import free_port
+from rollout_buffer.client import BufferClient
+
+pytestmark = pytest.mark.slow
 
 K = 2
-GROUPS = 8
+
+
+def paced(url: str, tmp_path: Path, llm: FakeLLM, groups: int, **env: str) -> Server:
+    settings = {
+        "ROLLOUT_BUFFER_PACING": "gate",
+        "ROLLOUT_BUFFER_GATE_PORT": str(free_port()),
+        "LLM_PROXY_HOST": "127.0.0.1",
+        "LLM_PROXY_PORT": str(llm.port),
+        "ROLLOUT_BUFFER_SIMULATE_ARGS": f"--groups {groups} --pace 0.05 --fail-rate 0 "
+        "--cap-rate 0 --truncate-rate 0 --min-steps 2 --max-steps 3 --flush-interval 0.2 --seed 3",
+        **env,
+    }
+    return Server(url, tmp_path / "srv", launcher="simulate", env=settings)
+
+
+def admission(srv: Server) -> dict[str, Any]:
+    return dict(requests.get(srv.url + "/admission", timeout=10).json())
 
 
 def poll(url: str) -> dict[str, list[dict[str, Any]]]:
@@ -31,23 +58,19 @@ def poll(url: str) -> dict[str, list[dict[str, Any]]]:
     return got
 
 
-@pytest.mark.slow
-def test_kill_9_with_pacing_on_loses_nothing_and_sessions_resume(
+def test_kill_9_with_calls_held_loses_nothing_and_a_restart_serves_the_gate_again(
     lite_url: str, tmp_path: Path
 ) -> None:
+    groups = 8
     with FakeLLM(version=3) as llm:
-        gate_port = free_port()
-        env = {
-            "ROLLOUT_BUFFER_PACING": "gate",
-            "ROLLOUT_BUFFER_GATE_PORT": str(gate_port),
-            "ROLLOUT_BUFFER_PACING_STALENESS": "0",
-            "ROLLOUT_BUFFER_PACING_BATCH_GROUPS": "2",
-            "LLM_PROXY_HOST": "127.0.0.1",
-            "LLM_PROXY_PORT": str(llm.port),
-            "ROLLOUT_BUFFER_SIMULATE_ARGS": f"--groups {GROUPS} --pace 0.01 --fail-rate 0 "
-            "--cap-rate 0 --truncate-rate 0 --max-steps 3 --flush-interval 0.2 --seed 3",
-        }
-        srv = Server(lite_url, tmp_path / "srv", launcher="simulate", env=env)
+        srv = paced(
+            lite_url,
+            tmp_path,
+            llm,
+            groups,
+            ROLLOUT_BUFFER_PACING_STALENESS="0",
+            ROLLOUT_BUFFER_PACING_BATCH_GROUPS="2",
+        )
         srv.start()
         try:
             r = requests.post(
@@ -56,39 +79,117 @@ def test_kill_9_with_pacing_on_loses_nothing_and_sessions_resume(
                 timeout=60,
             )
             assert r.status_code == 200, r.text
-            # the budget of (0 + 1) x 2 groups is spent: later groups' first calls are held
-            wait_until(
-                lambda: requests.get(srv.url + "/admission", timeout=10).json()["gate"][
-                    "held_calls"
-                ],
-                20,
-                "first calls held by the gate",
-            )
+            gate = admission(srv)["gate"]["listening"]
+            wait_until(lambda: admission(srv)["gate"]["held_calls"], 20, "first calls held")
             received: dict[str, list[dict[str, Any]]] = {}
-            wait_until(lambda: received.update(poll(srv.url)) or len(received) >= 2, 30)
 
-            kill9(srv)  # held and running calls lose their connection: the launcher retries
-            down_at = time.monotonic()
-            calls_before = len(llm.calls)
-            srv.start()
-            back_at = time.monotonic()
-            wait_until(lambda: len(llm.calls) > calls_before, 45, "a model call after the restart")
-            resumed_after = llm.calls[calls_before]["arrived"] - back_at
-            assert resumed_after <= 30.0, f"sessions resumed {resumed_after:.1f} s after restart"
-            assert back_at - down_at < 30
-
-            def drained() -> bool:
+            def take() -> None:  # the trainer polls on, as it does
                 for gid, items in poll(srv.url).items():
                     assert gid not in received, f"group {gid} served twice"
                     received[gid] = items
-                stats = requests.get(srv.url + "/stats", timeout=10).json()
-                return bool(stats["launcher"].get("finished")) and len(received) == GROUPS
 
-            wait_until(drained, 120, f"all {GROUPS} groups served")
+            wait_until(lambda: take() or len(received) >= 2, 30)
+            assert admission(srv)["gate"]["held_calls"]
+            kill9(srv)  # held and running calls lose their connection: the launcher retries
+            calls_before = len(llm.calls)
+            srv.start()
+            back_at = time.monotonic()
+            wait_until(lambda: admission(srv)["gate"]["listening"] == gate, 10, "the gate again")
+            wait_until(
+                lambda: take() or len(llm.calls) > calls_before,
+                45,
+                lambda: f"a model call after the restart ({admission(srv)})",
+            )
+            resumed_after = llm.calls[calls_before]["arrived"] - back_at
+            assert resumed_after <= 30.0, f"sessions resumed {resumed_after:.1f} s after restart"
+
+            def drained() -> bool:
+                take()
+                stats = requests.get(srv.url + "/stats", timeout=10).json()
+                return bool(stats["launcher"].get("finished")) and len(received) == groups
+
+            wait_until(drained, 120, f"all {groups} groups served")
         finally:
             srv.stop()
-        # nothing lost: every session wrote every row, every group whole, once
-        assert set(received) == set(complete_groups(lite_url, "paced", k=K))
-        assert all(len(items) == K for items in received.values())
-        versions = {i["extra_info"]["weight_version"] for g in received.values() for i in g}
-        assert versions == {3}, "the version the proxy stamped, through the gate"
+    assert set(received) == set(complete_groups(lite_url, "paced", k=K))
+    assert all(len(items) == K for items in received.values())
+    versions = {i["extra_info"]["weight_version"] for g in received.values() for i in g}
+    assert versions == {3}, "the version the proxy stamped, through the gate"
+
+
+def test_the_api_answers_while_2000_connections_stall_on_the_gate(
+    lite_url: str, tmp_path: Path
+) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if min(hard, 4096) < 2100:
+        pytest.skip(f"this process may open {hard} descriptors, not the 2,100 the test needs")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    with FakeLLM() as llm:
+        srv = paced(lite_url, tmp_path, llm, 4)
+        srv.start()
+        sockets: list[socket.socket] = []
+        try:
+            requests.post(srv.url + "/start_rollout", json={"num_repeat_per_sample": K}, timeout=60)
+            host, port = admission(srv)["gate"]["listening"].split(":")
+            for _ in range(2000):
+                s = socket.create_connection((host, int(port)), timeout=10)
+                s.sendall(b"POST /v1/x/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Len")
+                sockets.append(s)
+            wait_until(
+                lambda: admission(srv)["gate"]["connections"] >= 1900, 30, "the stalls accepted"
+            )
+            for method, path in (
+                ("get", "/health"),
+                ("post", "/get_rollout_data"),
+                ("get", "/stats"),
+            ):
+                started = time.monotonic()
+                r = requests.request(method, srv.url + path, json={}, timeout=5)
+                took = time.monotonic() - started
+                assert r.status_code == 200, r.text
+                assert took < 1.0, f"{path} took {took:.2f} s during the stall"
+        finally:
+            for s in sockets:
+                with contextlib.suppress(OSError):
+                    s.close()
+            srv.stop()
+
+
+@pytest.mark.parametrize("versions", [True, False], ids=["versions", "no_versions"])
+def test_a_long_polling_trainer_waits_no_longer_after_its_first_step(
+    lite_url: str, tmp_path: Path, versions: bool
+) -> None:
+    """docs/client.md's loop: get_batch(min_groups=B, max_groups=B). With versions the proxy
+    stamps the trainer's version on each answer (rows carry it) and the trainer sends it; without,
+    neither. Pacing off it would not wait at all after its first step (the producers are faster)."""
+    b, steps, train_s = 4, 5, 2.0
+    with FakeLLM(delay_s=0.1) as llm:
+        srv = paced(
+            lite_url,
+            tmp_path,
+            llm,
+            60,
+            ROLLOUT_BUFFER_PACING_STALENESS="1",
+            AIEVOBOX_POOL_SIZE="16",
+        )
+        srv.start()
+        waits: list[float] = []
+        try:
+            with BufferClient(srv.url, timeout=120) as client:
+                client.start_rollout(num_repeat_per_sample=K, job_session="lp")
+                for step in range(steps):
+                    started = time.monotonic()
+                    batch = client.get_batch(
+                        min_groups=b,
+                        max_groups=b,
+                        current_weight_version=step if versions else None,
+                    )
+                    waits.append(time.monotonic() - started)
+                    assert len(batch.groups) == b
+                    time.sleep(train_s)  # training
+                    if versions:
+                        llm.version = step + 1  # the proxy serves the new weights
+            assert admission(srv)["inputs"]["batch_groups"]["value"] == b
+        finally:
+            srv.stop()
+    assert max(waits[1:]) <= waits[0] + 2.0, f"waits per step {waits}"

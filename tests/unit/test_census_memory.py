@@ -24,8 +24,6 @@ def test_a_decided_groups_sessions_cost_little_and_late_rows_nothing() -> None:
             census.settle(gid, "served")
             # an over-sampled session of the served group goes on writing
             census.observe([StepFact(sessions[0], gid, 4, False)], trainable=False, now=2.0)
-            census.first_call(sessions[1], now=2.0)
-            census.sign(sessions[2], now=2.0)
         per_session = (tracemalloc.get_traced_memory()[0] - base) / n
     finally:
         tracemalloc.stop()

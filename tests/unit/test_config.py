@@ -55,8 +55,8 @@ def test_defaults_with_aievobox_root(tmp_path):
             "expected only {job_id}, {k}, {db_url}, {storage_type}",
         ),
         ({"ROLLOUT_BUFFER_TOKN": "secret-token"}, "unknown setting ROLLOUT_BUFFER_TOKN;"),
-        ({"ROLLOUT_BUFFER_PACING_SPARE_WASTE": "5"}, "expected a number from 0 to 1"),
-        ({"ROLLOUT_BUFFER_PACING_SPARE_WASTE": "-0.1"}, "ROLLOUT_BUFFER_PACING_SPARE_WASTE='-0.1'"),
+        ({"ROLLOUT_BUFFER_GATE_SECRET": "short"}, "16-256 characters"),
+        ({"ROLLOUT_BUFFER_GATE_STALL_SECONDS": "0"}, "ROLLOUT_BUFFER_GATE_STALL_SECONDS='0'"),
     ],
 )
 def test_bad_values_name_the_variable(env, needle):
@@ -143,3 +143,63 @@ def test_a_relative_sqlite_url_is_resolved_once_where_the_launcher_resolves_it(
         and c.state_db_url == f"sqlite://{tmp_path}/st.db"
     )
     assert Config.from_env({"AIEVOBOX_DB_URL": "sqlite:///abs/x.db"}).db_url == "sqlite:///abs/x.db"
+
+
+def test_a_removed_setting_is_accepted_once_with_a_warning_naming_its_replacement(caplog):
+    """Issue 34: a pacing setting removed still starts the service this release, ignored, with
+    one warning that names what replaced it; a name that never existed still refuses."""
+    env = {"ROLLOUT_BUFFER_PACING_IDLE_GAP_SECONDS": "5", "ROLLOUT_BUFFER_PACING_SPARE_WASTE": "x"}
+    with caplog.at_level(logging.WARNING, logger="rollout_buffer.core.config"):
+        config = Config.from_env(env)
+        Config.from_env(env)  # read again (gunicorn does): no second warning
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2, warnings
+    assert "ROLLOUT_BUFFER_PACING_IDLE_GAP_SECONDS" in warnings[0]
+    assert "ROLLOUT_BUFFER_PACING_BATCH_GROUPS" in warnings[0]  # what replaced it
+    assert "ROLLOUT_BUFFER_PACING_SESSION_TIMEOUT_SECONDS" in warnings[1]
+    assert not hasattr(config, "pacing_idle_gap_s")
+    with pytest.raises(ConfigError, match="ROLLOUT_BUFFER_PACING_IDLE_GAP"):
+        Config.from_env({"ROLLOUT_BUFFER_PACING_IDLE_GAP": "5"})
+    assert "ROLLOUT_BUFFER_PACING_SPARE_WASTE" in settings_table()  # listed as removed
+
+
+def test_a_gate_beyond_loopback_needs_a_secret():
+    proxy = {"LLM_PROXY_HOST": "127.0.0.1", "LLM_PROXY_PORT": "8000"}
+    gate = {**proxy, "ROLLOUT_BUFFER_PACING": "gate", "ROLLOUT_BUFFER_GATE_HOST": "0.0.0.0"}
+    with pytest.raises(ConfigError, match="ROLLOUT_BUFFER_GATE_SECRET"):
+        Config.from_env(gate)
+    Config.from_env({**gate, "ROLLOUT_BUFFER_GATE_SECRET": "a" * 16})
+    Config.from_env({**proxy, "ROLLOUT_BUFFER_PACING": "gate"})  # loopback: no secret needed
+    with pytest.raises(ConfigError, match="LLM_PROXY_HOST"):
+        Config.from_env({"ROLLOUT_BUFFER_PACING": "gate"})
+
+
+def test_pacing_on_without_its_extra_refuses_to_start_naming_it(monkeypatch):
+    import builtins
+
+    from rollout_buffer import pacing
+
+    real_import = builtins.__import__
+
+    def no_h11(name, *args, **kwargs):
+        if name == "h11":
+            raise ImportError("No module named 'h11'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_h11)
+    config = Config.from_env(
+        {"ROLLOUT_BUFFER_PACING": "gate", "LLM_PROXY_HOST": "127.0.0.1", "LLM_PROXY_PORT": "1"}
+    )
+    with pytest.raises(ConfigError, match=r"pip install 'rollout-buffer\[pacing\]'"):
+        pacing.build(config, owner=lambda: False, launcher_url=lambda: None)
+
+
+def test_the_launcher_template_takes_the_model_base_url():
+    c = Config.from_env(
+        {
+            "ROLLOUT_BUFFER_LAUNCHER_CMD": "run --base {llm_base_url}",
+            "LLM_PROXY_HOST": "proxy",
+            "LLM_PROXY_PORT": "9",
+        }
+    )
+    assert launch_spec(c, "j", 1).argv[:3] == ("run", "--base", "http://proxy:9/v1")

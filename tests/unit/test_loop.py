@@ -82,23 +82,3 @@ def test_sync_waits_for_ticks_run_elsewhere_and_gives_up_when_stopping(parts: Pa
     parts.loop.stopping.set()
     assert parts.loop.sync(timeout=5.0) is False  # a stopped loop never ticks again
     assert parts.loop.wake.is_set()  # (it asked for one)
-
-
-def test_rows_read_are_signalled_so_held_calls_ask_again(parts: Parts) -> None:
-    """A session that crashed shows in its last row (not terminal, and no next call): the pacing
-    gate's held calls must ask again when rows arrive, not a second later. Rows of either kind
-    signal; a tick that read none does not."""
-    seen: list[str] = []
-    parts.signals.on_rows(lambda: seen.append("rows"))  # a recorder, not wiring
-    parts.tick()
-    parts.select(k=2)
-    parts.tick()
-    assert seen == []
-    parts.writer.step("g1", "s1", 1, trainable=False)
-    parts.tick()
-    assert seen == ["rows"]
-    parts.tick()
-    assert seen == ["rows"]
-    parts.writer.step("g1", "s1", 2, completed=True)
-    parts.tick()
-    assert seen == ["rows", "rows"]

@@ -41,9 +41,15 @@ def test_the_tools_are_pinned_extras_and_dev_includes_test():
     extras = _setup_cfg()["options.extras_require"]
     test, dev = _lines(extras["test"]), _lines(extras["dev"])
     assert {_name(r) for r in test} == TEST_ONLY
-    assert "rollout-buffer[test]" in dev
+    assert "rollout-buffer[test,pacing]" in dev  # CI installs dev: the pacing extra's tests run
     assert {_name(r) for r in dev} >= {"ruff", "mypy", "import-linter", "types-requests"}
-    unpinned = [r for r in test + dev if "==" not in r and r != "rollout-buffer[test]"]
+    unpinned = [r for r in test + dev if "==" not in r and r != "rollout-buffer[test,pacing]"]
     assert not unpinned, (
         f"pin every tool exactly (a tool upgrade is a change of its own): {unpinned}"
     )
+
+
+def test_the_pacing_extra_is_h11_pinned_to_the_tested_minor_range():
+    """An opt-in feature's dependency goes in its extra, pinned to the range CI tests."""
+    pacing = _lines(_setup_cfg()["options.extras_require"]["pacing"])
+    assert pacing == ["h11>=0.16,<0.17"]
