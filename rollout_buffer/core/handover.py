@@ -19,6 +19,7 @@ from rollout_buffer.core.model import (
     DROPPED,
     LATE_DROPPED,
     MALFORMED,
+    PARTIAL,
     REJECTED,
     ROW_DROPPED,
     SERVED,
@@ -147,6 +148,7 @@ class Handover:
                     len(s.take.incomplete_pks),
                     len(s.take.completed),
                     s.rewards,
+                    s.take.partial,
                 )
             for d in plan.drops:
                 g = self.taken.pop(d.group_id, None)
@@ -210,7 +212,11 @@ class Handover:
                 self.decided[t.group_id] = status
                 if status == SERVED:
                     self.counts.group_served(
-                        len(t.served_pks), len(t.incomplete_pks), len(t.completed), t.rewards
+                        len(t.served_pks),
+                        len(t.incomplete_pks),
+                        len(t.completed),
+                        t.rewards,
+                        reason == PARTIAL,
                     )
                 else:
                     self.counts.group_dropped(

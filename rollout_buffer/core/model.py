@@ -42,6 +42,8 @@ STALE = "stale"  # current version - min weight_version > max_off_policy
 ZERO_VARIANCE = "zero_variance"  # its sessions' terminal rewards are all equal (within epsilon)
 IMPLAUSIBLE_VERSION = "implausible_version"  # a row version that cannot be true (core.versions)
 OVERSAMPLED = "oversampled"  # rows of a session beyond the first K completed of its group
+# Recorded as the reason of a group served short of K (ROLLOUT_BUFFER_MIN_GROUP_SIZE).
+PARTIAL = "partial"
 
 
 class BadText(str):

@@ -22,6 +22,7 @@ from rollout_buffer.core.errors import JobOwned, StorageError
 from rollout_buffer.core.model import (
     DROPPED,
     INCOMPLETE_IN_SERVED,
+    PARTIAL,
     REJECTED,
     SERVED,
     Batch,
@@ -171,6 +172,8 @@ class Store:
         for r in self.db.fetchall(q.GROUP_TOTALS, (job_id,)):
             if r["status"] == SERVED:
                 t.groups_served += int(r["n_groups"])
+                if r["reason"] == PARTIAL:
+                    t.groups_partial += int(r["n_groups"])
                 t.served_rows += int(r["n_served"] or 0)
                 if r["n_dropped"]:
                     t.dropped[INCOMPLETE_IN_SERVED] += int(r["n_dropped"])

@@ -131,6 +131,12 @@ def render_metrics(service: Service) -> str:
         )
         out.metric("groups_served_total", "counter", "Groups served.", [(labels, groups["served"])])
         out.metric(
+            "groups_partial_total",
+            "counter",
+            "Groups served short of K (ROLLOUT_BUFFER_MIN_GROUP_SIZE); also in groups_served.",
+            [(labels, groups["partial"])],
+        )
+        out.metric(
             "groups_dropped_total",
             "counter",
             "Groups dropped, by reason.",
