@@ -341,6 +341,17 @@ class Store:
         """request_ids bound to the job's batches recorded since an epoch time."""
         return [r[0] for r in self.db.rows(q.RECENT_REQUEST_IDS, (job_id, since))]
 
+    def recent_request_ids_elsewhere(self, job_id: str, since: float) -> list[str]:
+        """request_ids bound to batches of the buffer's other jobs, recorded since an epoch
+        time."""
+        args = (since, self.buffer, job_id)
+        return [r[0] for r in self.db.rows(q.RECENT_REQUEST_IDS_ELSEWHERE, args)]
+
+    def batch_elsewhere(self, job_id: str, request_id: str) -> tuple[str, str] | None:
+        """(job, batch) of another of the buffer's jobs that a request_id is bound to, or None."""
+        r = self.db.fetchone(q.BATCH_ELSEWHERE, (self.buffer, job_id, request_id))
+        return None if r is None else (str(r["job_id"]), str(r["batch_id"]))
+
     def batch_exists(self, batch_id: str) -> bool:
         return self.db.scalar(q.BATCH_EXISTS, (batch_id,)) is not None
 

@@ -217,6 +217,12 @@ def render_metrics(service: Service) -> str:
         "Polls that returned groups.",
         [({}, polls["with_data"])],
     )
+    out.metric(
+        "polls_replayed_total",
+        "counter",
+        "Polls answered from a kept batch: a request_id retried, or resumed after a give-up.",
+        [({}, polls["replayed"])],
+    )
     name = PREFIX + "poll_duration_seconds"
     out.lines.append(f"# HELP {name} Time to answer POST /get_rollout_data.")
     out.lines.append(f"# TYPE {name} histogram")
