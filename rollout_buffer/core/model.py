@@ -88,6 +88,12 @@ class Policy:
         bound = self.max_off_policy if max_off_policy is None else max_off_policy
         return bound is not None and current - min_wv > bound
 
+    def serves(self, k: int, sessions: int) -> bool:
+        """Whether a group with this many completed sessions may be served under ``k``: at least
+        K, or (partial groups on) at least the minimum group size."""
+        least = self.min_group_size
+        return sessions >= k or (least is not None and least < k and sessions >= least)
+
     def zero_variance(self, rewards: list[float] | tuple[float, ...]) -> bool:
         """The sessions' terminal rewards have max - min <= epsilon (when the filter is on)."""
         return (

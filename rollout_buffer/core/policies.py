@@ -130,8 +130,7 @@ class Policies:
 
         A group that was ready under a smaller K (K raised since) is no exception: the trainer asked
         for the K in force, and a group short of it is never served but as a partial group."""
-        least = self.policy.min_group_size
-        if least is not None and least < self.k and len(g.completed) >= least:
+        if self.policy.serves(self.k, len(g.completed)):
             del self.pending[g.group_id]
             g.partial = True
             self._became_ready(g, out)
