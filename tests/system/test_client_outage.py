@@ -4,10 +4,10 @@ a real gunicorn on SQLite and Postgres, reached through a real TCP relay that is
 
 The trainers' long-polls are inside the server when the relay stalls; groups become ready, the
 server serves and records them, and its answers are held in the relay; then the relay is cut for
-40 s. The clients retry the same request_id within their retry window (120 s by default) and get
-the kept batches replayed. With a short window a client gives up: its BufferUnavailable carries
-the request_id, and the same client's next poll, or a new client's ``get_batch(request_id=...)``,
-returns the same batch."""
+40 s, and the server is killed -9 and restarted meanwhile. The clients retry the same request_id
+within their retry window (120 s by default) and get the kept batches replayed. A client that
+gives up (its retries used up) raises BufferUnavailable with the request_id, and the same
+client's next poll, or a new client's ``get_batch(request_id=...)``, returns the same batch."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import requests
 from fakes.tcp_forwarder import TcpForwarder
-from servers import Server, Trainer, free_port, serve
+from servers import Server, Trainer, free_port, kill9, serve
 from support import Writer, wait_until
 
 from rollout_buffer.client import (
@@ -157,7 +157,10 @@ def test_every_group_counted_as_served_reaches_the_trainers_across_a_40_s_outage
             stall_with_polls_inside(srv, relay, 2)
             serve_while_stalled(srv, w, ["b0", "b1", "b2", "b3"], 6)
             relay.down()  # the answers are lost; nothing answers for 40 s
-            time.sleep(OUTAGE_S)  # the outage itself: the clients retry all along
+            began = time.monotonic()
+            kill9(srv)  # and the service crashes: the batches are kept in its database only
+            srv.start()
+            time.sleep(OUTAGE_S - (time.monotonic() - began))  # the outage: the clients retry
             relay.up()
             w.group("c0", K, steps=1)
             w.group("c1", K, steps=1)
