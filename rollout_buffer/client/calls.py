@@ -117,11 +117,28 @@ def get_rollout_data(
         body["wait_s"] = wait_s
         if min_groups is not None:
             body["min_groups"] = min_groups
-    rid = conn.request_id(request_id)
-    if rid is not None:
-        body["request_id"] = rid
+    rid, resumed = conn.request_id(request_id)
     try:
-        doc = yield from call(conn, "POST", "/get_rollout_data", body, wait_s=wait_s)
+        doc = yield from _poll(conn, body, rid, wait_s)
+    except BufferError as exc:
+        # resumed by itself, and the service says it cannot answer it (its batch is past the
+        # replay window, or of another job): that poll is over; this call polls anew
+        if not resumed or exc.status not in (409, 410):
+            raise
+        logger.warning("request_id %s cannot be resumed (%s); polling anew", rid, exc.message)
+        doc = yield from _poll(conn, body, conn.request_id(None)[0], wait_s)
+    _warn_launcher_exited(conn, doc)
+    return doc
+
+
+def _poll(
+    conn: Connection, body: dict[str, Any], rid: str | None, wait_s: float
+) -> Steps[dict[str, Any]]:
+    """One poll with its retries; a poll given up on is kept for the client's next poll."""
+    if rid is not None:
+        body = {**body, "request_id": rid}
+    try:
+        return (yield from call(conn, "POST", "/get_rollout_data", body, wait_s=wait_s))
     except BufferUnavailable as exc:
         if rid is None:
             raise
@@ -139,8 +156,6 @@ def get_rollout_data(
         if rid is not None:
             conn.given_up(rid)
         raise
-    _warn_launcher_exited(conn, doc)
-    return doc
 
 
 def _warn_launcher_exited(conn: Connection, doc: dict[str, Any]) -> None:

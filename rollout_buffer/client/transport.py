@@ -223,22 +223,23 @@ class Connection:
         """The base URL the next call goes to first (the owner, once a standby named it)."""
         return self._owner or self.urls[self._next]
 
-    def request_id(self, given: str | None) -> str | None:
-        """The request_id of a poll: ``given``; else the one of the poll last given up on (taken:
-        one poll resumes it, never two at once); else a fresh one (None without request ids)."""
+    def request_id(self, given: str | None) -> tuple[str | None, bool]:
+        """The request_id of a poll, and whether it resumes one by itself: ``given``; else the
+        one of the poll last given up on (taken: one poll resumes it, never two at once); else a
+        fresh one (None without request ids)."""
         with self._resume_lock:
             pending = self._resume
             if given is not None:
                 if given == pending:
                     self._resume = None
-                return given
+                return given, False
             if not self.use_request_id:
-                return None
+                return None, False
             self._resume = None
         if pending is not None:
             logger.warning("resuming request_id %s: the poll given up on before", pending)
-            return pending
-        return uuid.uuid4().hex
+            return pending, True
+        return uuid.uuid4().hex, False
 
     def given_up(self, request_id: str) -> None:
         """A poll ended without the service's answer (unreachable, cancelled): the next poll of

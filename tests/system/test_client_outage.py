@@ -318,3 +318,25 @@ def test_iter_groups_resumes_a_poll_given_up_on_and_yields_its_batch_whole(lite_
         assert [g.group_id for g in groups] == ["g0", "g1"]
         assert {g.meta_info["request_id"] for g in groups} == {exc.request_id}
         client.close()
+
+
+def test_after_a_job_switch_a_poll_given_up_on_is_not_resumed_into_the_new_job(lite_url, tmp_path):
+    """The batch of the poll given up on belongs to job J. The trainer switches to job J2: the
+    client's next poll does not get J's batch, nor binds J2's groups to J's request_id: the service
+    refuses the id (409), the client logs it and polls anew. Passing the id explicitly raises."""
+    with relayed(lite_url, tmp_path) as (srv, relay, w):
+        url = f"http://127.0.0.1:{relay.port}"
+        client = BufferClient(url, retries=1, backoff_s=0.1)
+        exc = give_up(run_sync, client, srv, relay, w)
+        relay.up()
+        Trainer(srv).start_rollout("J2", k=K)
+        other_job = Writer(lite_url, job="J2")
+        other_job.group("new", K, steps=1)
+        other_job.close()
+        batch = client.get_batch(timeout=30)
+        assert [g.group_id for g in batch.groups] == ["new"]
+        assert batch.meta_info["request_id"] != exc.request_id and not batch.meta_info["replayed"]
+        with pytest.raises(BufferError, match="of job 'J'") as info:
+            BufferClient(url).get_batch(request_id=exc.request_id, timeout=30)
+        assert info.value.status == 409 and info.value.request_id == exc.request_id
+        client.close()
