@@ -129,3 +129,28 @@ def test_with_a_minimum_group_size_it_is_served_partial_and_counted(db_url, tmp_
         finally:
             srv.stop()
             w.close()
+
+
+def test_after_a_kill_9_a_group_short_of_the_raised_k_is_still_dropped_at_its_ttl(db_url, tmp_path):
+    with FakeProxy() as proxy:
+        srv = server(db_url, tmp_path, proxy)
+        w = Writer(db_url, job="J")
+        try:
+            srv.start()
+            trainer = Trainer(srv)
+            old, _ = raise_k(trainer, w)
+            kill9(srv)  # K = 3 is recorded; "old" is read again from its rows
+            srv.start()
+            wait_until(
+                lambda: old <= cleared(proxy, "incomplete_group_ttl"),
+                TTL_S + 15,
+                lambda: f"old's sessions cleared ({proxy.calls})",
+            )
+            assert trainer.poll()["success"] is False
+            s = trainer.stats()
+            assert s["k"] == 3 and s["groups"]["served"] == 0
+            assert s["groups"]["dropped"] == {"incomplete_group_ttl": 1}
+            assert_balanced(s)
+        finally:
+            srv.stop()
+            w.close()
