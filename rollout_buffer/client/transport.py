@@ -191,7 +191,9 @@ class Connection:
         use_request_id: bool = True,
         retry_window_s: float = RETRY_WINDOW_S,
     ) -> None:
-        if retries is not None and (not isinstance(retries, int) or retries < 0):
+        if retries is not None and (
+            not isinstance(retries, int) or isinstance(retries, bool) or retries < 0
+        ):
             raise ValueError(f"retries={retries!r}: expected None or an integer >= 0")
         if not 0 <= retry_window_s < float("inf"):
             raise ValueError(f"retry_window_s={retry_window_s!r}: expected seconds >= 0")
@@ -205,8 +207,9 @@ class Connection:
         self.timeout = float(timeout)
         self.retries = None if retries is None else int(retries)
         self.retry_window_s = float(retry_window_s)
-        # the request_id of the last poll given up on: the next poll resumes it (one poll only)
-        self._resume: str | None = None
+        # the request_ids of polls given up on (concurrent polls may give up at once), oldest
+        # first: each next poll resumes one of them (one poll each, never two at once)
+        self._resume: list[str] = []
         self._resume_lock = threading.Lock()
         self.backoff_s = float(backoff_s)
         self.backoff_max_s = float(backoff_max_s)
@@ -225,17 +228,16 @@ class Connection:
 
     def request_id(self, given: str | None) -> tuple[str | None, bool]:
         """The request_id of a poll, and whether it resumes one by itself: ``given``; else the
-        one of the poll last given up on (taken: one poll resumes it, never two at once); else a
+        oldest of the polls given up on (taken: one poll resumes it, never two at once); else a
         fresh one (None without request ids)."""
         with self._resume_lock:
-            pending = self._resume
             if given is not None:
-                if given == pending:
-                    self._resume = None
+                if given in self._resume:
+                    self._resume.remove(given)
                 return given, False
             if not self.use_request_id:
                 return None, False
-            self._resume = None
+            pending = self._resume.pop(0) if self._resume else None
         if pending is not None:
             logger.warning("resuming request_id %s: the poll given up on before", pending)
             return pending, True
@@ -245,7 +247,8 @@ class Connection:
         """A poll ended without the service's answer (unreachable, cancelled): the next poll of
         this client resumes its request_id, and gets its batch if the service served one."""
         with self._resume_lock:
-            self._resume = request_id
+            if request_id not in self._resume:
+                self._resume.append(request_id)
 
     def unreachable(self, base: str) -> None:
         """``base`` refused the connection: the next URL of the list goes first."""
