@@ -21,7 +21,10 @@ replayed, not lost. The original server has no request_id: pass ``use_request_id
 
 Errors: a 4xx answer raises :class:`BufferError` (with ``.status`` and the server's message);
 connection errors, timeouts and 5xx answers are retried with exponential backoff (honouring
-``Retry-After``), and :class:`BufferUnavailable` is raised once the retries are exhausted.
+``Retry-After``) for ``retry_window_s`` (120 s: a restart or a takeover), and
+:class:`BufferUnavailable` is raised then. For a poll, both carry its ``request_id``: the
+client's next poll resumes it by itself, and ``get_batch(request_id=...)`` from another client,
+so a batch the service served while its answer was lost still reaches the trainer.
 
 Failover (issue 12): give it every instance's URL (a list, or one string with commas). A standby
 answers 307 with the owner's URL: the client follows it itself (requests would drop the

@@ -6,8 +6,9 @@ retries, backoff (``asyncio.sleep``), request ids and standby handling are the b
 own steps (:mod:`rollout_buffer.client.calls`). No dependency beyond ``requests`` and the stdlib.
 
 A cancelled call (``asyncio.wait_for``, a task cancelled) stops waiting at once, but the request
-already sent still completes in its thread: a poll's batch is then served and not seen. Bound a
-poll with its own ``timeout``/``wait_s`` rather than by cancelling it.
+already sent still completes in its thread: a poll's batch may then be served and not seen. The
+client's next poll resumes its request_id and gets that batch. Bound a poll with its own
+``timeout``/``wait_s`` rather than by cancelling it.
 
 Owns: :class:`AsyncBufferClient` (its lifecycle, its thread pool, running steps on the loop).
 """

@@ -4,7 +4,10 @@ and, as a coroutine, of :class:`~rollout_buffer.client.AsyncBufferClient`.
 
 Delivery contract (SPEC section 4): every logical ``get_rollout_data`` call carries one fresh
 ``request_id`` (a uuid4 hex, never a counter) that is reused only for that call's retries, so a
-response lost in transit is replayed (``meta_info.replayed: true``) rather than lost.
+response lost in transit is replayed (``meta_info.replayed: true``) rather than lost. A poll given
+up on (the retry window passed, or the call was cancelled) raises with its ``request_id``, and
+the client's next poll resumes that id by itself: a batch the service served meanwhile is
+replayed to it, not lost (issue 35).
 
 Owns: the request bodies, the long-poll loop (:func:`get_batch`, :func:`iter_groups`) and the
 restart call after a trainer crash (:func:`resume`).
@@ -13,11 +16,19 @@ restart call after a trainer crash (:func:`resume`).
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from rollout_buffer.client.transport import Connection, Emit, Sleep, Steps, call, logger
+from rollout_buffer.client.transport import (
+    BufferError,
+    BufferUnavailable,
+    Connection,
+    Emit,
+    Sleep,
+    Steps,
+    call,
+    logger,
+)
 from rollout_buffer.client.views import Batch
 
 LONG_POLL_MAX_S = 60.0  # the longest wait_s the server accepts (a longer one is a 400)
@@ -86,7 +97,9 @@ def get_rollout_data(
     """POST /get_rollout_data; returns the raw response document.
 
     One logical call = one request_id (a fresh uuid4 hex unless given), reused for every retry,
-    so a response lost in transit is replayed rather than lost. ``success`` is false (with
+    so a response lost in transit is replayed rather than lost. A poll given up on raises
+    :class:`BufferUnavailable` with its ``request_id``; the next poll of this client resumes it
+    by itself, another client with ``request_id=``. ``success`` is false (with
     "No data available to read") when no group is ready. With ``wait_s`` the server holds the
     poll until ``min_groups`` (default 1) groups are ready or ``wait_s`` has passed (long-poll).
     ``current_weight_version`` tells the service the trainer's version (the job keeps the last
@@ -104,13 +117,45 @@ def get_rollout_data(
         body["wait_s"] = wait_s
         if min_groups is not None:
             body["min_groups"] = min_groups
-    if conn.use_request_id:
-        body["request_id"] = request_id or uuid.uuid4().hex
-    elif request_id is not None:
-        body["request_id"] = request_id
-    doc = yield from call(conn, "POST", "/get_rollout_data", body, wait_s=wait_s)
+    rid, resumed = conn.request_id(request_id)
+    try:
+        doc = yield from _poll(conn, body, rid, wait_s)
+    except BufferError as exc:
+        # resumed by itself, and the service says it cannot answer it (its batch is past the
+        # replay window, or of another job): that poll is over; this call polls anew
+        if not resumed or exc.status not in (409, 410):
+            raise
+        logger.warning("request_id %s cannot be resumed (%s); polling anew", rid, exc.message)
+        doc = yield from _poll(conn, body, conn.request_id(None)[0], wait_s)
     _warn_launcher_exited(conn, doc)
     return doc
+
+
+def _poll(
+    conn: Connection, body: dict[str, Any], rid: str | None, wait_s: float
+) -> Steps[dict[str, Any]]:
+    """One poll with its retries; a poll given up on is kept for the client's next poll."""
+    if rid is not None:
+        body = {**body, "request_id": rid}
+    try:
+        return (yield from call(conn, "POST", "/get_rollout_data", body, wait_s=wait_s))
+    except BufferUnavailable as exc:
+        if rid is None:
+            raise
+        conn.given_up(rid)
+        raise BufferUnavailable(
+            f"{exc.message}; request_id {rid}: its batch, if one was served, comes with this "
+            f"client's next poll, or with get_batch(request_id={rid!r}) from another",
+            status=exc.status,
+            request_id=rid,
+        ) from None
+    except BufferError as exc:  # answered (a 4xx): nothing to resume
+        exc.request_id = rid
+        raise
+    except BaseException:  # cancelled or interrupted: the service may have served it meanwhile
+        if rid is not None:
+            conn.given_up(rid)
+        raise
 
 
 def _warn_launcher_exited(conn: Connection, doc: dict[str, Any]) -> None:
@@ -142,8 +187,10 @@ def _next_batch(
     poll_interval: float,
     current_weight_version: Version,
     max_off_policy: int | None,
+    request_id: str | None = None,
 ) -> Steps[Batch | None]:
-    """Poll (at least once) until an answer holds groups; None once ``deadline`` has passed."""
+    """Poll (at least once) until an answer holds groups; None once ``deadline`` has passed.
+    ``request_id`` is the first poll's (the others get fresh ones)."""
     while True:
         wait = wait_s if deadline is None else min(wait_s, max(0.0, deadline - time.monotonic()))
         asked = time.monotonic()
@@ -153,11 +200,13 @@ def _next_batch(
         doc = yield from get_rollout_data(
             conn,
             max_groups=max_groups,
+            request_id=request_id,
             wait_s=wait,
             min_groups=min_groups,
             current_weight_version=version,
             max_off_policy=max_off_policy,
         )
+        request_id = None  # answered: bound to its batch, or to nothing
         batch = Batch.of(doc)
         if batch.groups:
             return batch
@@ -181,9 +230,14 @@ def get_batch(
     poll_interval: float = 3.0,
     current_weight_version: Version = None,
     max_off_policy: int | None = None,
+    request_id: str | None = None,
 ) -> Steps[Batch]:
     """The next batch the server serves, once ``min_groups`` groups are ready: a
     :class:`Batch` with its ``groups`` (at most ``max_groups``) and ``meta_info`` as served.
+
+    ``request_id`` resumes a poll given up on (``BufferUnavailable.request_id``, from this or
+    another client): its batch comes again, as it was served, whatever the other arguments say.
+    Without it, the poll this client last gave up on is resumed by itself.
 
     It long-polls (the server holds a poll at most 60 s, and then serves what is ready, so a
     batch can hold fewer than ``min_groups`` groups when they come slower than that) and raises
@@ -205,6 +259,7 @@ def get_batch(
         poll_interval=poll_interval,
         current_weight_version=current_weight_version,
         max_off_policy=max_off_policy,
+        request_id=request_id,
     )
     if batch is None:
         raise TimeoutError(f"get_batch: no group was ready within {timeout:g} s")
@@ -225,6 +280,9 @@ def iter_groups(
 ) -> Steps[None]:
     """Yield complete groups as :class:`Group` views in the order served (each unpacks as the
     ``(group_id, items)`` of old, and carries its batch's ``meta_info``).
+
+    Its first poll may resume a poll this client gave up on: that batch is yielded whole, even
+    past ``n`` (its groups were served to this trainer).
 
     Each poll long-polls up to ``wait_s`` (0 for the original server, which does not know it)
     until ``min_groups`` groups are ready (default 1; never more than the groups still wanted);
@@ -263,6 +321,17 @@ def iter_groups(
                 f"iter_groups: {yielded} of {n if n is not None else 'unbounded'} groups "
                 f"after {timeout:g} s"
             )
+        # a batch resumed after a poll given up on was asked for by that poll, maybe with more
+        # groups: it is yielded whole, as the service counted every group of it as served
+        whole = batch.meta_info.get("replayed") is True
+        if whole and n is not None and yielded + len(batch.groups) > n:
+            logger.warning(
+                "request_id %s: the resumed batch holds %d groups, %d more than still wanted; "
+                "all are yielded, as they were served",
+                batch.meta_info.get("request_id"),
+                len(batch.groups),
+                yielded + len(batch.groups) - n,
+            )
         for i, group in enumerate(batch.groups):
             if group.group_id in seen:
                 logger.error(
@@ -271,7 +340,7 @@ def iter_groups(
                     len(group.items),
                 )
                 continue
-            if n is not None and yielded >= n:
+            if n is not None and yielded >= n and not whole:
                 logger.warning(
                     "the server sent %d groups more than asked for; they are not yielded: %s",
                     len(batch.groups) - i,

@@ -9,8 +9,9 @@ long-poll by the very same code, and the state they share (which URL goes first)
 changed by the steps, on one thread at a time per client.
 
 Owns: the connection settings (:class:`Connection`), one attempt (:func:`once`: a standby's 307
-followed, the answer classified) and a call with retries (:func:`call`: backoff, Retry-After,
-the next URL when one refuses the connection). It must not import the service: HTTP only.
+followed, the answer classified), a call with retries (:func:`call`: backoff, Retry-After, the
+next URL when one refuses the connection, the retry window) and the request_id of the last poll
+given up on, which the client's next poll resumes. It must not import the service: HTTP only.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from __future__ import annotations
 import email.utils
 import logging
 import random
+import threading
 import time
+import uuid
 from collections.abc import Generator, Sequence
 from typing import Any, Generic, NamedTuple, TypeVar
 from urllib.parse import urljoin, urlsplit
@@ -28,23 +31,39 @@ import requests
 logger = logging.getLogger("rollout_buffer.client")  # one logger for the whole client package
 
 CONNECT_TIMEOUT_S = 5.0
+# How long a call keeps retrying after its first failure: a restart or a takeover, with room to
+# spare. The service keeps a batch answerable for its request_id twice as long, or more
+# (ROLLOUT_BUFFER_REPLAY_RETENTION_SECONDS).
+RETRY_WINDOW_S = 120.0
 MAX_REDIRECTS = 5  # standby -> owner is one; more means a loop between misconfigured instances
 
 R = TypeVar("R")
 
 
 class BufferError(Exception):
-    """The buffer answered with an error (HTTP 4xx) or could not be used."""
+    """The buffer answered with an error (HTTP 4xx) or could not be used.
 
-    def __init__(self, message: str, status: int | None = None, body: Any = None) -> None:
+    ``request_id`` is the poll's, for an error of a poll (None for the other calls)."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int | None = None,
+        body: Any = None,
+        request_id: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.body = body
+        self.request_id = request_id
 
 
 class BufferUnavailable(BufferError):
-    """The buffer could not be reached (connection errors, timeouts or 5xx) after every retry."""
+    """The buffer could not be reached (connection errors, timeouts or 5xx) within the retry
+    window. For a poll, ``request_id`` is the one given up on: the service may have served its
+    batch. The same client's next poll resumes it by itself; another client resumes it with
+    ``get_batch(request_id=...)``."""
 
 
 class Request(NamedTuple):
@@ -150,11 +169,14 @@ class Connection:
         separated by commas: the next is tried when one refuses the connection.
     :param token: bearer token (``ROLLOUT_BUFFER_TOKEN`` of the service), or None.
     :param timeout: read timeout of every call in seconds (the connect timeout is 5 s).
-    :param retries: retries after the first attempt on connection errors, timeouts and 5xx (the
-        default 8, with the default backoff, outlasts a takeover after the default 10 s lease).
+    :param retries: at most this many retries after the first attempt on connection errors,
+        timeouts and 5xx; None (the default): as many as ``retry_window_s`` allows.
     :param backoff_s: first retry delay; doubled per retry, capped at ``backoff_max_s``.
     :param backoff_max_s: the largest delay between attempts (also caps ``Retry-After``).
     :param use_request_id: send a request_id with every poll (False for the original server).
+    :param retry_window_s: a call retries for this long after its first failure (default 120 s:
+        a restart or a takeover), then raises :class:`BufferUnavailable`; ``retries``, when given,
+        ends it sooner.
     """
 
     def __init__(
@@ -163,13 +185,18 @@ class Connection:
         token: str | None = None,
         *,
         timeout: float = 120.0,
-        retries: int = 8,
+        retries: int | None = None,
         backoff_s: float = 0.5,
         backoff_max_s: float = 10.0,
         use_request_id: bool = True,
+        retry_window_s: float = RETRY_WINDOW_S,
     ) -> None:
-        if retries < 0:
-            raise ValueError(f"retries={retries!r}: expected an integer >= 0")
+        if retries is not None and (
+            not isinstance(retries, int) or isinstance(retries, bool) or retries < 0
+        ):
+            raise ValueError(f"retries={retries!r}: expected None or an integer >= 0")
+        if not 0 <= retry_window_s < float("inf"):
+            raise ValueError(f"retry_window_s={retry_window_s!r}: expected seconds >= 0")
         urls = url.split(",") if isinstance(url, str) else list(url)
         self.urls = [u.strip().rstrip("/") for u in urls if u.strip()]
         self.exited_launcher: Any = None  # the exited launcher last warned about (once each)
@@ -178,7 +205,12 @@ class Connection:
         self._next = 0  # the URL tried first
         self._owner: str | None = None  # where a standby sent us last: tried first while it answers
         self.timeout = float(timeout)
-        self.retries = int(retries)
+        self.retries = None if retries is None else int(retries)
+        self.retry_window_s = float(retry_window_s)
+        # the request_ids of polls given up on (concurrent polls may give up at once), oldest
+        # first: each next poll resumes one of them (one poll each, never two at once)
+        self._resume: list[str] = []
+        self._resume_lock = threading.Lock()
         self.backoff_s = float(backoff_s)
         self.backoff_max_s = float(backoff_max_s)
         self.use_request_id = use_request_id
@@ -193,6 +225,30 @@ class Connection:
     def url(self) -> str:
         """The base URL the next call goes to first (the owner, once a standby named it)."""
         return self._owner or self.urls[self._next]
+
+    def request_id(self, given: str | None) -> tuple[str | None, bool]:
+        """The request_id of a poll, and whether it resumes one by itself: ``given``; else the
+        oldest of the polls given up on (taken: one poll resumes it, never two at once); else a
+        fresh one (None without request ids)."""
+        with self._resume_lock:
+            if given is not None:
+                if given in self._resume:
+                    self._resume.remove(given)
+                return given, False
+            if not self.use_request_id:
+                return None, False
+            pending = self._resume.pop(0) if self._resume else None
+        if pending is not None:
+            logger.warning("resuming request_id %s: the poll given up on before", pending)
+            return pending, True
+        return uuid.uuid4().hex, False
+
+    def given_up(self, request_id: str) -> None:
+        """A poll ended without the service's answer (unreachable, cancelled): the next poll of
+        this client resumes its request_id, and gets its batch if the service served one."""
+        with self._resume_lock:
+            if request_id not in self._resume:
+                self._resume.append(request_id)
 
     def unreachable(self, base: str) -> None:
         """``base`` refused the connection: the next URL of the list goes first."""
@@ -302,9 +358,14 @@ def call(
 
     ``retry_500=False``: an HTTP 500 (a deterministic server-side failure, such as a launcher
     that cannot be started) raises :class:`BufferError` at once instead of being retried.
+
+    Retries go on for ``conn.retry_window_s`` after the first failure (the last wait is cut to
+    end with it), or until ``conn.retries`` were made when it is set, whichever comes first.
     """
     last: _Transient | None = None
-    for attempt in range(conn.retries + 1):
+    first_failure: float | None = None
+    attempt = 0
+    while True:
         try:
             # a long-poll may take wait_s before its first byte; an instance that refuses the
             # connection is left for the next one at once (each once per attempt)
@@ -319,21 +380,27 @@ def call(
             if exc.status == 500 and not retry_500:
                 raise BufferError(f"{method} {path} -> {exc.message}", status=500) from None
             retriable = retry_if_sent or not exc.sent or exc.status == 503
-            if not retriable or attempt == conn.retries:
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            window_left = first_failure + conn.retry_window_s - now
+            if not retriable or window_left <= 0 or attempt == conn.retries:
                 break
-            delay = conn.delay(attempt, exc.retry_after)
+            delay = min(conn.delay(attempt, exc.retry_after), window_left)
+            attempt += 1
             logger.warning(
-                "%s %s failed (%s); retry %d/%d in %.2f s",
+                "%s %s failed (%s); retry %d in %.2f s (%.0f s of the %g s retry window left)",
                 method,
                 path,
                 exc.message,
-                attempt + 1,
-                conn.retries,
+                attempt,
                 delay,
+                window_left,
+                conn.retry_window_s,
             )
             yield Sleep(delay)
     assert last is not None
     raise BufferUnavailable(
-        f"{method} {conn.url}{path} failed after {attempt + 1} attempt(s): {last.message}",
+        f"{method} {conn.url}{path} failed after {attempt + 1} attempt(s) in "
+        f"{time.monotonic() - (first_failure or time.monotonic()):.0f} s: {last.message}",
         status=last.status,
     )

@@ -27,6 +27,7 @@ class Counts:
         self.dropped: Counter[str] = Counter()  # rows, by reason
         self.rejected: Counter[str] = Counter()  # rows, by reason
         self.groups_served = 0
+        self.groups_partial = 0  # served short of K (ROLLOUT_BUFFER_MIN_GROUP_SIZE), also in served
         self.groups_dropped: Counter[str] = Counter()
         self.figures = Figures()
         self.filtered: Counter[str] = (
@@ -41,6 +42,7 @@ class Counts:
         self.dropped.update(totals.dropped)
         self.rejected.update(totals.rejected)
         self.groups_served = totals.groups_served
+        self.groups_partial = totals.groups_partial
         self.groups_dropped.update(totals.groups_dropped)
         for fig in totals.figures:
             self.figures.load(*fig)
@@ -56,10 +58,17 @@ class Counts:
         self.filtered[reason] += 1
 
     def group_served(
-        self, rows: int, incomplete_rows: int, sessions: int, rewards: Iterable[float]
+        self,
+        rows: int,
+        incomplete_rows: int,
+        sessions: int,
+        rewards: Iterable[float],
+        partial: bool = False,
     ) -> None:
-        """A group was served (its incomplete sessions' rows are dropped with it)."""
+        """A group was served (its incomplete sessions' rows are dropped with it); ``partial``:
+        short of K."""
         self.groups_served += 1
+        self.groups_partial += partial
         self.served_rows += rows
         if incomplete_rows:
             self.dropped[INCOMPLETE_IN_SERVED] += incomplete_rows
@@ -84,6 +93,7 @@ class Counts:
             },
             "groups": {
                 "served": self.groups_served,
+                "partial": self.groups_partial,
                 "dropped": dict(self.groups_dropped),
                 "dropped_total": sum(self.groups_dropped.values()),
             },

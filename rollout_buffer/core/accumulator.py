@@ -27,6 +27,7 @@ from rollout_buffer.core.group import Group, Undecided
 from rollout_buffer.core.handover import Handover
 from rollout_buffer.core.model import (
     DROPPED,
+    IMPLAUSIBLE_VERSION,
     INVALID_GROUP,
     INVALID_SESSION,
     LATE_DROPPED,
@@ -90,6 +91,9 @@ class Accumulator(Handover, Policies):
         self.decided: dict[str, str] = {}  # group_id -> served | dropped
         self.tainted: set[str] = set()  # sessions with a row lacking group_id
         self.tainted_groups: set[str] = set()  # groups with a row lacking a session_id
+        # taken groups (a poll's or the prebuilt draft's) a row with an implausible version came
+        # for: dropped when given back, never served from a draft built before it came
+        self.implausible: set[str] = set()
         self.session_group: dict[str, str] = {}  # session -> its undecided group (O(1) lookups)
         self.excluded: dict[
             str, set[str]
@@ -161,6 +165,9 @@ class Accumulator(Handover, Policies):
             self.changes += 1
             now = self.clock()
             track_wv, k = self._track_wv, self.k
+            # with a staleness bound, a row version the version rule refuses dooms its group now,
+            # complete or not (issue 35): not only when it completes, which it may never do
+            plausible = self.versions.plausible if self.policy.max_off_policy is not None else None
             # the census first: a group decided in this batch is settled with these rows' figures
             facts = (StepFact(r[1], r[2], r[4] if len(r) > 4 else None, bool(r[3])) for r in rows)
             doomed = self.census.observe(facts, trainable=True, now=now)
@@ -194,13 +201,13 @@ class Accumulator(Handover, Policies):
                     out.rows.append(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, gid, sid))
                     continue
                 self._add_row(g, sid, pk, version, track_wv)
+                if plausible is not None and version is not None and not plausible(version):
+                    if g.taken is None:
+                        self._drop(g, IMPLAUSIBLE_VERSION, out)
+                        continue
+                    self.implausible.add(gid)
                 if completed:
-                    c = g.completed.get(sid)
-                    term = (step_id if step_id is not None else -1, pk)
-                    if c is None:
-                        g.completed[sid] = (pk, term, reward)
-                    elif term > c[1]:  # the terminal reward is the last completed row's (SPEC §3)
-                        g.completed[sid] = (min(pk, c[0]), term, reward)
+                    self._completed_row(g, sid, pk, step_id, reward)
                 if (sid in self.tainted or gid in self.tainted_groups) and g.taken is None:
                     self._drop(g, MALFORMED, out)
                     continue
@@ -220,6 +227,19 @@ class Accumulator(Handover, Policies):
                 self._rows_version = newest
                 self.publish(("version", newest))
         return out
+
+    @staticmethod
+    def _completed_row(
+        g: Group, sid: str, pk: int, step_id: int | None, reward: float | None
+    ) -> None:
+        """(Lock held.) A completed row of session ``sid``: its first completing pk, and its
+        terminal reward, which is the last completed row's (SPEC §3)."""
+        c = g.completed.get(sid)
+        term = (step_id if step_id is not None else -1, pk)
+        if c is None:
+            g.completed[sid] = (pk, term, reward)
+        elif term > c[1]:
+            g.completed[sid] = (min(pk, c[0]), term, reward)
 
     def _add_row(self, g: Group, sid: str, pk: int, version: int | None, track_wv: bool) -> None:
         """(Lock held.) Index a row of session ``sid`` in its group: metadata only."""
@@ -352,6 +372,7 @@ class Accumulator(Handover, Policies):
             if self.session_group.get(sid) == g.group_id:
                 del self.session_group[sid]
         self.tainted_groups.discard(g.group_id)
+        self.implausible.discard(g.group_id)
 
     # -- reading -------------------------------------------------------------------------------
     def low_water(self, cursor: int) -> int:

@@ -17,8 +17,10 @@ from rollout_buffer.core.census import Census
 from rollout_buffer.core.group import Group
 from rollout_buffer.core.model import (
     DROPPED,
+    IMPLAUSIBLE_VERSION,
     LATE_DROPPED,
     MALFORMED,
+    PARTIAL,
     REJECTED,
     ROW_DROPPED,
     SERVED,
@@ -42,6 +44,7 @@ class Handover:
     decided: dict[str, str]
     tainted: set[str]
     tainted_groups: set[str]
+    implausible: set[str]
     counts: Counts
     census: Census
     _late_served: str
@@ -105,7 +108,8 @@ class Handover:
         """Give taken groups back, at the front and in their order (the poll failed or ran out of
         budget).
 
-        A group one of whose sessions wrote a row without group_id meanwhile is dropped instead."""
+        A group one of whose sessions wrote a row without group_id meanwhile is dropped instead
+        (``malformed_row``), and so is one that got a row with an implausible version."""
         out = Decisions()
         with self.lock:
             for t in reversed(takes):
@@ -117,6 +121,9 @@ class Handover:
                     self.tainted and not self.tainted.isdisjoint(g.sessions)
                 ) or t.group_id in self.tainted_groups:
                     self._drop(g, MALFORMED, out)
+                    continue
+                if t.group_id in self.implausible:
+                    self._drop(g, IMPLAUSIBLE_VERSION, out)
                     continue
                 self._choose(g, out)  # its other sessions may have completed while it was taken
                 self.ready.put_front(g)  # first again, at its old place in a version order
@@ -147,6 +154,7 @@ class Handover:
                     len(s.take.incomplete_pks),
                     len(s.take.completed),
                     s.rewards,
+                    s.take.partial,
                 )
             for d in plan.drops:
                 g = self.taken.pop(d.group_id, None)
@@ -167,15 +175,16 @@ class Handover:
     def recheck(self, t: Take) -> Take | None:
         """A taken group about to be served from a draft built earlier: None when an unbuilt poll
         would serve it otherwise (its served sessions grew or another completed) or drop it (a
-        session wrote a row without group_id); else its take with the sessions that appeared or grew
-        since as incomplete (cleared as incomplete in a served group, as at any poll, not as late
-        rows)."""
+        session wrote a row without group_id, or a row with an implausible version came); else its
+        take with the sessions that appeared or grew since as incomplete (cleared as incomplete in
+        a served group, as at any poll, not as late rows)."""
         with self.lock:
             g = self.taken.get(t.group_id)
             if (
                 g is None
                 or g.taken is None
                 or t.group_id in self.tainted_groups
+                or t.group_id in self.implausible
                 or not self.tainted.isdisjoint(g.sessions)
                 or set(g.completed) != set(t.completed)
                 or any(len(g.sessions.get(sid, ())) != len(pks) for sid, pks in t.completed.items())
@@ -211,7 +220,11 @@ class Handover:
                 self.census.publish(("decided", t.group_id, status == SERVED))
                 if status == SERVED:
                     self.counts.group_served(
-                        len(t.served_pks), len(t.incomplete_pks), len(t.completed), t.rewards
+                        len(t.served_pks),
+                        len(t.incomplete_pks),
+                        len(t.completed),
+                        t.rewards,
+                        reason == PARTIAL,
                     )
                 else:
                     self.counts.group_dropped(

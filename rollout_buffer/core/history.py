@@ -117,13 +117,15 @@ class PollStats:
         self._lock = threading.Lock()
         self.count = 0
         self.with_data = 0
+        self.replayed = 0  # answered from a kept batch (a request_id retried or resumed)
         self.seconds = 0.0
         self.buckets: collections.Counter[float] = collections.Counter()
 
-    def observe(self, seconds: float, with_data: bool) -> None:
+    def observe(self, seconds: float, with_data: bool, replayed: bool = False) -> None:
         with self._lock:
             self.count += 1
             self.with_data += with_data
+            self.replayed += replayed
             self.seconds += seconds
             self.buckets[next((b for b in POLL_BUCKETS if seconds <= b), float("inf"))] += 1
 
@@ -132,6 +134,7 @@ class PollStats:
             return {
                 "count": self.count,
                 "with_data": self.with_data,
+                "replayed": self.replayed,
                 "seconds_total": round(self.seconds, 6),
                 "buckets": {b: self.buckets.get(b, 0) for b in (*POLL_BUCKETS, float("inf"))},
             }

@@ -42,6 +42,8 @@ STALE = "stale"  # current version - min weight_version > max_off_policy
 ZERO_VARIANCE = "zero_variance"  # its sessions' terminal rewards are all equal (within epsilon)
 IMPLAUSIBLE_VERSION = "implausible_version"  # a row version that cannot be true (core.versions)
 OVERSAMPLED = "oversampled"  # rows of a session beyond the first K completed of its group
+# Recorded as the reason of a group served short of K (ROLLOUT_BUFFER_MIN_GROUP_SIZE).
+PARTIAL = "partial"
 
 
 class BadText(str):
@@ -85,6 +87,12 @@ class Policy:
         max_off_policy."""
         bound = self.max_off_policy if max_off_policy is None else max_off_policy
         return bound is not None and current - min_wv > bound
+
+    def serves(self, k: int, sessions: int) -> bool:
+        """Whether a group with this many completed sessions may be served under ``k``: at least
+        K, or (partial groups on) at least the minimum group size."""
+        least = self.min_group_size
+        return sessions >= k or (least is not None and least < k and sessions >= least)
 
     def zero_variance(self, rewards: list[float] | tuple[float, ...]) -> bool:
         """The sessions' terminal rewards have max - min <= epsilon (when the filter is on)."""

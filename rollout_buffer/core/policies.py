@@ -124,12 +124,11 @@ class Policies:
 
     def _give_up(self, g: Group, reason: str, out: Decisions) -> None:
         """(Lock held.) An incomplete group that cannot wait any longer: ready short of K when it
-        has the minimum group size (ROLLOUT_BUFFER_MIN_GROUP_SIZE), else dropped with ``reason``."""
-        least = self.policy.min_group_size
-        # ready once, under a smaller K (K raised since): it had a whole group, and over-sampling
-        # may have dropped the sessions that could complete it; served short, never a TTL drop
-        was_ready = g.ready_at is not None
-        if was_ready or (least is not None and least < self.k and len(g.completed) >= least):
+        has the minimum group size (ROLLOUT_BUFFER_MIN_GROUP_SIZE), else dropped with ``reason``.
+
+        A group that was ready under a smaller K (K raised since) is no exception: the trainer asked
+        for the K in force, and a group short of it is never served but as a partial group."""
+        if self.policy.serves(self.k, len(g.completed)):
             del self.pending[g.group_id]
             g.partial = True
             self._became_ready(g, out)

@@ -9,7 +9,9 @@ a current version is known (the trainer reported one, or two groups agreed), a g
 *implausible* when one of its versions is negative or more than ``max_jump`` above the current
 version: it is dropped with reason ``implausible_version``, never served and never counted toward
 the agreement. Before that, only a negative version is implausible: a job may start at any version
-(a trainer resumed from a checkpoint), and nothing can be judged against nothing.
+(a trainer resumed from a checkpoint), and nothing can be judged against nothing. With a staleness
+bound, the accumulator also asks :meth:`Versions.plausible` of every row as it is read (issue 35):
+a group that would never complete is accounted then, not at its TTL.
 
 Pure values with one leaf lock (the accumulator asks under its own lock, a draft being built asks
 under the serve lock); no I/O.

@@ -18,7 +18,13 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from rollout_buffer.core.config import Config
-from rollout_buffer.core.errors import IntegrityError, LeaseLost, StorageError, Unavailable
+from rollout_buffer.core.errors import (
+    Conflict,
+    IntegrityError,
+    LeaseLost,
+    StorageError,
+    Unavailable,
+)
 from rollout_buffer.core.history import History, PollStats
 from rollout_buffer.core.model import (
     Decisions,
@@ -145,7 +151,9 @@ class Serving:
             return body
         finally:
             self.stats.observe(
-                time.perf_counter() - started, bool(body is not None and body.groups)
+                time.perf_counter() - started,
+                bool(body is not None and body.groups),
+                bool(body is not None and body.replayed),
             )
 
     def _long_poll(
@@ -253,6 +261,8 @@ class Serving:
             if request_id is not None:
                 self._rids.load(pair.store, job_state.job_id)
                 replay = pair.store.batch_for_request(job_state.job_id, request_id)
+                if replay is None and self._rids.elsewhere(request_id):
+                    self._refuse_elsewhere(pair, job_state, request_id)
             if replay is None:
                 return job_state, self._serve(pair, job_state, poll), None
             return job_state, None, replay
@@ -268,6 +278,21 @@ class Serving:
         except StorageError as exc:
             logger.error("serving failed: %s", exc)
             raise Unavailable(f"the database is unreachable: {exc}", retry_after=3) from exc
+
+    @staticmethod
+    def _refuse_elsewhere(pair: Pair, job_state: JobState, request_id: str) -> None:
+        """A request_id bound to a batch of another job of this buffer (a trainer resuming it after
+        a job switch): a Conflict naming that job. Its batch is never sent for this job, and this
+        job's groups are never bound to the id."""
+        other = pair.store.batch_elsewhere(job_state.job_id, request_id)
+        if other is not None:
+            raise Conflict(
+                f"request_id {request_id!r} was answered with batch {other[1]} of job "
+                f"{other[0]!r}, not of the active job {job_state.job_id!r}: a batch is never "
+                "sent for another job. Use a fresh request_id for this job's data.",
+                job_session=job_state.job_id,
+                batch_job=other[0],
+            )
 
     def _meta(self, job_state: JobState) -> dict[str, Any]:
         """What every answer's meta_info says of the job: its id, its launcher's state."""

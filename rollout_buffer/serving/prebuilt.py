@@ -138,8 +138,11 @@ class Prebuilder:
 
     # -- the worker ------------------------------------------------------------------------------
     def _wanted(self) -> bool:
-        """(Cheap, no lock.) Groups wait, and there is no draft or one that may be extended."""
+        """(Cheap, no lock.) Groups wait, and there is no draft or one that may be extended; or
+        the draft holds a doomed group."""
         job_state, d = self.jobs.current, self.draft
+        if job_state is not None and self._doomed(job_state, d):
+            return True
         return (
             job_state is not None
             and job_state.ready_count() > 0  # (a version order is not extended: see claim)
@@ -149,6 +152,19 @@ class Prebuilder:
                     d.job_id == job_state.job_id and d.room() and self.config.serve_order == "ready"
                 )
             )
+        )
+
+    @staticmethod
+    def _doomed(job_state: Any, d: Draft | None) -> bool:
+        """(Cheap, no lock: membership tests only.) The draft holds a group that a row with an
+        implausible version came for since it was built: the draft is discarded and that group
+        dropped now, not at the next poll, which may be long in coming."""
+        doomed = job_state.accumulator.implausible
+        return (
+            bool(doomed)
+            and d is not None
+            and d.job_id == job_state.job_id
+            and any(t.group_id in doomed for t in d.taken)
         )
 
     def tick(self) -> float:
@@ -188,6 +204,12 @@ class Prebuilder:
         if job_state is None or not self._wanted():
             return
         pair = conns.get()
+        if self._doomed(job_state, self.draft):
+            doomed = self.discard()
+            assert doomed is not None
+            self._release(pair, job_state, doomed.taken)  # the doomed group is dropped there
+            if not self._wanted():
+                return
         d = (
             self.draft
             if self.draft is not None

@@ -31,6 +31,9 @@ from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
 logger = logging.getLogger(__name__)
 
 ROWS_MISSING = "rows_missing"  # a row of the group is gone from session_steps: it cannot be rebuilt
+# it has fewer sessions than the K in force (K raised since it was served), and partial groups are
+# off: the trainer asked for K sessions a group (issue 35)
+SHORT_OF_K = "short_of_k"
 
 
 def take(pair: Pair, job_state: Any, want: int) -> list[Take]:
@@ -53,28 +56,24 @@ def take(pair: Pair, job_state: Any, want: int) -> list[Take]:
 
 def _take_again(pair: Pair, job_state: Any, gid: str) -> Take | None:
     """A served group as a Take again, from the pks its decision recorded; None (recorded as failed)
-    when one of its rows is gone: a group is never delivered again with fewer items than it had."""
+    when one of its rows is gone: a group is never delivered again with fewer items than it had;
+    nor with fewer sessions than the K in force, but as a partial group when those are on."""
     pks = pair.store.group_pks(job_state.job_id, gid)
     rows = fetch_rows(pair.source, pks)
     t = take_from_rows(gid, pks, rows)
-    if pks and len(rows) == len(pks) and t.completed:
-        return Take(
-            gid,
-            t.completed,
-            {},
-            partial=len(t.completed) < job_state.accumulator.k,
-            redelivered=True,
-        )
-    plan = Decisions(redelivered={gid: ROWS_MISSING})
+    k, accumulator = job_state.accumulator.k, job_state.accumulator
+    if not (pks and len(rows) == len(pks) and t.completed):
+        reason = ROWS_MISSING
+        why = f"{len(pks) - len(rows)} of its {len(pks)} rows are gone"
+    elif not accumulator.policy.serves(k, len(t.completed)):
+        reason = SHORT_OF_K
+        why = f"it has {len(t.completed)} sessions, and K is {k} now"
+    else:
+        return Take(gid, t.completed, {}, partial=len(t.completed) < k, redelivered=True)
+    plan = Decisions(redelivered={gid: reason})
     pair.store.record(job_state.job_id, plan)
     job_state.redeliveries.settled(plan)
-    logger.error(
-        "group %s of job %s cannot be delivered again: %d of its %d rows are gone",
-        gid,
-        job_state.job_id,
-        len(pks) - len(rows),
-        len(pks),
-    )
+    logger.error("group %s of job %s cannot be delivered again: %s", gid, job_state.job_id, why)
     return None
 
 

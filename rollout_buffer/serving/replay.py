@@ -54,22 +54,32 @@ class RequestIds:
         # request_id -> when this process recorded its batch (monotonic), None if loaded from the
         # store
         self._ids: dict[str, float | None] = {}
+        # request_ids bound to batches of the buffer's other jobs, within the window: a trainer
+        # resuming one after a job switch is told so, never answered with this job's groups
+        self._elsewhere: set[str] = set()
 
     def loaded(self, job_id: str) -> bool:
         return self._job == job_id
 
     def forget(self) -> None:
         """Another instance may have bound ids since: load them again when next needed."""
-        self._job, self._ids = None, {}
+        self._job, self._ids, self._elsewhere = None, {}, set()
 
     def may_be_bound(self, job_id: str, request_id: str) -> bool:
-        return self._job != job_id or request_id in self._ids
+        """Whether the store must be asked: the id may be bound here, or to another job."""
+        return self._job != job_id or request_id in self._ids or request_id in self._elsewhere
+
+    def elsewhere(self, request_id: str) -> bool:
+        """The id was bound to a batch of another of the buffer's jobs (ask the store which)."""
+        return request_id in self._elsewhere
 
     def load(self, store: Any, job_id: str) -> None:
-        """(Serve lock held.) Load the job's recent request_ids, once per job."""
+        """(Serve lock held.) Load the recent request_ids of the job and of the buffer's other
+        jobs, once per job."""
         if self._job != job_id:
             since = steady_wall() - self.config.replay_retention_s
             self._ids = dict.fromkeys(store.recent_request_ids(job_id, since))
+            self._elsewhere = set(store.recent_request_ids_elsewhere(job_id, since))
             self._job = job_id
 
     def add(self, job_id: str, request_id: str) -> None:

@@ -302,6 +302,17 @@ RECENT_REQUEST_IDS = (
     "SELECT request_id FROM rollout_buffer_batches WHERE job_id = ? AND created_at >= ? "
     "AND request_id IS NOT NULL"
 )
+# The buffer's other jobs (a request_id resumed after a job switch is bound to one of theirs).
+_OTHER_JOBS = "job_id IN (SELECT job_id FROM rollout_buffer_jobs WHERE buffer = ? AND job_id <> ?)"
+# request_ids of the buffer's other jobs' batches recorded since a time.
+RECENT_REQUEST_IDS_ELSEWHERE = (
+    "SELECT request_id FROM rollout_buffer_batches WHERE created_at >= ? "
+    f"AND request_id IS NOT NULL AND {_OTHER_JOBS}"
+)
+# The batch of another job of the buffer that a request_id is bound to (one key probe per job).
+BATCH_ELSEWHERE = (
+    f"SELECT job_id, batch_id FROM rollout_buffer_batches WHERE {_OTHER_JOBS} AND request_id = ?"
+)
 # Whether a batch was recorded (after a COMMIT whose outcome is unknown).
 BATCH_EXISTS = "SELECT 1 FROM rollout_buffer_batches WHERE batch_id = ?"
 

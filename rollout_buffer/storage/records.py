@@ -17,6 +17,7 @@ from typing import Any
 from rollout_buffer.core.figures import finite_sum
 from rollout_buffer.core.model import (
     DROPPED,
+    PARTIAL,
     SERVED,
     Drop,
     LauncherState,
@@ -44,6 +45,7 @@ class JobTotals:
     dropped: Counter[str] = field(default_factory=Counter)
     rejected: Counter[str] = field(default_factory=Counter)
     groups_served: int = 0
+    groups_partial: int = 0  # served short of K (recorded with the reason ``partial``)
     groups_dropped: Counter[str] = field(default_factory=Counter)
     # (outcome: "served" or a drop reason, groups, sessions, steps, reward_sum, sessions with a
     # reward)
@@ -90,7 +92,7 @@ def group_record(job_id: str, d: Served | Drop, now: float) -> tuple[Any, ...]:
             job_id,
             t.group_id,
             SERVED,
-            None,
+            PARTIAL if t.partial else None,
             d.batch_id,
             len(t.served_pks),
             len(inc),

@@ -22,6 +22,7 @@ from rollout_buffer.core.errors import JobOwned, StorageError
 from rollout_buffer.core.model import (
     DROPPED,
     INCOMPLETE_IN_SERVED,
+    PARTIAL,
     REJECTED,
     SERVED,
     Batch,
@@ -171,6 +172,8 @@ class Store:
         for r in self.db.fetchall(q.GROUP_TOTALS, (job_id,)):
             if r["status"] == SERVED:
                 t.groups_served += int(r["n_groups"])
+                if r["reason"] == PARTIAL:
+                    t.groups_partial += int(r["n_groups"])
                 t.served_rows += int(r["n_served"] or 0)
                 if r["n_dropped"]:
                     t.dropped[INCOMPLETE_IN_SERVED] += int(r["n_dropped"])
@@ -337,6 +340,17 @@ class Store:
     def recent_request_ids(self, job_id: str, since: float) -> list[str]:
         """request_ids bound to the job's batches recorded since an epoch time."""
         return [r[0] for r in self.db.rows(q.RECENT_REQUEST_IDS, (job_id, since))]
+
+    def recent_request_ids_elsewhere(self, job_id: str, since: float) -> list[str]:
+        """request_ids bound to batches of the buffer's other jobs, recorded since an epoch
+        time."""
+        args = (since, self.buffer, job_id)
+        return [r[0] for r in self.db.rows(q.RECENT_REQUEST_IDS_ELSEWHERE, args)]
+
+    def batch_elsewhere(self, job_id: str, request_id: str) -> tuple[str, str] | None:
+        """(job, batch) of another of the buffer's jobs that a request_id is bound to, or None."""
+        r = self.db.fetchone(q.BATCH_ELSEWHERE, (self.buffer, job_id, request_id))
+        return None if r is None else (str(r["job_id"]), str(r["batch_id"]))
 
     def batch_exists(self, batch_id: str) -> bool:
         return self.db.scalar(q.BATCH_EXISTS, (batch_id,)) is not None

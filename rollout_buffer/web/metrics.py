@@ -149,6 +149,12 @@ def render_metrics(service: Service) -> str:
         )
         out.metric("groups_served_total", "counter", "Groups served.", [(labels, groups["served"])])
         out.metric(
+            "groups_partial_total",
+            "counter",
+            "Groups served short of K (ROLLOUT_BUFFER_MIN_GROUP_SIZE); also in groups_served.",
+            [(labels, groups["partial"])],
+        )
+        out.metric(
             "groups_dropped_total",
             "counter",
             "Groups dropped, by reason.",
@@ -228,6 +234,12 @@ def render_metrics(service: Service) -> str:
         "counter",
         "Polls that returned groups.",
         [({}, polls["with_data"])],
+    )
+    out.metric(
+        "polls_replayed_total",
+        "counter",
+        "Polls answered from a kept batch: a request_id retried, or resumed after a give-up.",
+        [({}, polls["replayed"])],
     )
     name = PREFIX + "poll_duration_seconds"
     out.lines.append(f"# HELP {name} Time to answer POST /get_rollout_data.")

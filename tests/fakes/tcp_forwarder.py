@@ -74,11 +74,13 @@ class TcpForwarder:
 
     def down(self) -> None:
         """Cut every relayed connection and refuse new ones."""
-        self._flowing.set()  # held data goes to a cut socket: its pipe ends
         with self._lock:
             self._up = False
             conns, self._open = self._open, []
         _cut(conns)
+        # only now: held data goes to a cut socket and its pipe ends (released before the cut, a
+        # stalled answer could still reach its client)
+        self._flowing.set()
 
     def up(self) -> None:
         with self._lock:

@@ -78,12 +78,14 @@ def test_a_replay_never_sends_a_group_short_of_a_pruned_row(harness, writer, db_
 
 
 def test_raising_k_never_strands_a_ready_group_until_a_silent_ttl_drop(
-    db_url, harness_factory, writer
+    db_url, proxied, fake_proxy, writer
 ):
     """Proved: with over-sampling, a ready group whose extra session was already dropped went back
     to pending when K was raised and, when no other session came, ended as a TTL drop. It stays open
-    to new sessions, and at its TTL it is served short (partial) instead: it was a whole group."""
-    h = harness_factory(db_url, oversample=1, ttl_s=0.5)
+    to new sessions. At its TTL it is dropped as ``incomplete_group_ttl``, never served short of the
+    K in force (issue 35, item 1, superseding the partial serve): counted in /stats, and its
+    sessions cleared at the proxy, so the drop is not silent."""
+    h = proxied(oversample=1, ttl_s=0.5)
     h.start(k=2)
     writer.group("chosen", 3)  # K + 1 sessions completed: the third is dropped as oversampled
     writer.group("open", 2)  # exactly K: nothing dropped
@@ -94,9 +96,13 @@ def test_raising_k_never_strands_a_ready_group_until_a_silent_ttl_drop(
     writer.step("open", "open-third", 1, completed=True)
     assert list(groups_of(h.poll())) == ["open"]
     wait_until(lambda: h.stats()["groups"]["pending"] == 0, 10, "the TTL of 'chosen'")
-    doc = h.poll()
-    assert list(groups_of(doc)) == ["chosen"] and len(groups_of(doc)["chosen"]) == 4
-    assert doc["data"]["meta_info"]["partial_groups"] == ["chosen"]
+    assert h.poll()["success"] is False
     s = h.stats()
-    assert "incomplete_group_ttl" not in s["groups"]["dropped"]
+    assert s["groups"]["dropped"] == {"incomplete_group_ttl": 1}
+    assert s["groups"]["served"] == 1 and s["groups"]["partial"] == 0
     assert_balanced(s)
+    assert fake_proxy.wait_for(
+        lambda p: any(
+            b["reason"] == "incomplete_group_ttl" and b["group_ids"] == ["chosen"] for b in p.calls
+        )
+    )

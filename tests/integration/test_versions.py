@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from fakes.fake_proxy import FakeProxy
-from support import Harness, assert_balanced, wait_until
+from support import Harness, assert_balanced, groups_of, wait_until
 
 from rollout_buffer.storage.db import connect
 
@@ -76,10 +76,13 @@ def test_the_trainers_version_is_never_overridden_by_row_data(make, writer, prox
     assert served(h, current_weight_version=3) == ["fresh", "fresh2", "newer"]
     s = h.stats()
     assert s["versions"]["current"] == 3 and s["versions"]["trainer"] == 3
-    assert s["groups"]["dropped"] == {"implausible_version": 3}
+    # the incomplete "poisoned" too: a refused version is accounted at ingest (issue 35, item 2)
+    assert s["groups"]["dropped"] == {"implausible_version": 4}
     assert_balanced(s)
     assert proxy.wait_for(
-        lambda p: cleared(p, "implausible_version") == {"timestamp", "negative", "far-ahead"}
+        lambda p: (
+            cleared(p, "implausible_version") == {"poisoned", "timestamp", "negative", "far-ahead"}
+        )
     )
     writer.group("later", 2, env_state=version(2))  # 3 - 2 <= 2: the rows' 9 does not make it stale
     assert served(h, current_weight_version=3) == ["later"]
@@ -107,3 +110,118 @@ def test_a_poisoned_version_is_never_saved_with_the_cursor(db_url, harness_facto
     writer.group("g3", 2, env_state=version(1))
     assert served(again) == ["g3"]
     assert again.stats()["versions"]["current"] == 1
+
+
+# -- a bogus version accounted at ingest (issue 35, item 2) ----------------------------------------
+
+
+def metrics(h: Harness) -> str:
+    r = h.client.get("/metrics")
+    assert r.status_code == 200
+    return r.get_data(as_text=True)
+
+
+def versions_served(doc: dict) -> set[int]:
+    return (
+        {i["extra_info"]["weight_version"] for i in doc["data"]["data"]}
+        if doc["success"]
+        else set()
+    )
+
+
+def test_a_bogus_version_in_a_group_that_never_completes_is_accounted_at_ingest(
+    make, writer, proxy
+):
+    """Groups at version 10 are served; then one row of a group that never completes carries a
+    millisecond timestamp. Its group is dropped as implausible_version within 10 s, counted in
+    /stats and /metrics, its sessions cleared; later groups are served, never stale for it."""
+    h = make(max_off_policy=4)
+    h.start(k=2)
+    writer.group("g1", 2, env_state=version(10))
+    writer.group("g2", 2, env_state=version(10))
+    assert served(h) == ["g1", "g2"]
+    writer.session("never", "never-a", 2, env_state=version(10))  # one session completes
+    writer.session("never", "never-b", 1, complete=False, env_state=version(TIMESTAMP))
+    wait_until(
+        lambda: h.stats()["groups"]["dropped"] == {"implausible_version": 1},
+        10,
+        lambda: f"the bogus row accounted ({h.stats()['groups']})",
+    )
+    assert (
+        'rollout_buffer_groups_dropped_total{job_session="job1",reason="implausible_version"} 1'
+        in metrics(h)
+    )
+    assert proxy.wait_for(lambda p: cleared(p, "implausible_version") == {"never"})
+    assert {s for b in proxy.calls for s in b["session_ids"]} == {"never-a", "never-b"}
+    s = h.stats()
+    assert s["groups"]["pending"] == 0 and s["rows"]["dropped"] == {"implausible_version": 3}
+    assert s["versions"]["current"] == 10
+    assert_balanced(s)
+    # its later rows are late rows of a dropped group; later groups are served, never stale
+    writer.step("never", "never-a", 3, env_state=version(TIMESTAMP))
+    writer.group("g3", 2, env_state=version(11))
+    doc = h.poll()
+    assert list(groups_of(doc)) == ["g3"] and versions_served(doc) == {11}
+    s = h.stats()
+    assert s["rows"]["dropped"]["late_rows_from_dropped_groups"] == 1
+    assert s["groups"]["dropped"] == {"implausible_version": 1}
+    assert_balanced(s)
+
+
+def test_a_bogus_version_in_a_ready_group_drops_it_before_it_is_served(make, writer, proxy):
+    h = make(max_off_policy=4)
+    h.start(k=2)
+    assert served(h, current_weight_version=10) == []
+    sessions = writer.group("ready", 2, env_state=version(10))
+    h.settle()
+    assert h.stats()["groups"]["ready"] == 1
+    writer.step("ready", sessions[0], 3, env_state=version(TIMESTAMP))  # a row after completing
+    # accounted at ingest, with no poll to build the group
+    wait_until(lambda: h.stats()["groups"]["dropped"] == {"implausible_version": 1}, 10, "a drop")
+    assert h.poll()["success"] is False
+    s = h.stats()
+    assert s["groups"]["ready"] == 0 and s["groups"]["served"] == 0
+    assert_balanced(s)
+    assert proxy.wait_for(lambda p: cleared(p, "implausible_version") == {"ready"})
+
+
+def test_without_a_staleness_bound_a_bogus_version_changes_nothing(make, writer, proxy):
+    """The original serves such rows, and so do we when no staleness bound is set."""
+    h = make()
+    h.start(k=2)
+    writer.group("g1", 2, env_state=version(10))
+    writer.group("g2", 2, env_state=version(10))
+    assert served(h, current_weight_version=10) == ["g1", "g2"]
+    writer.session("late", "late-a", 1, env_state=version(TIMESTAMP))
+    h.settle()
+    s = h.stats()
+    assert s["groups"]["dropped"] == {} and s["groups"]["pending"] == 1
+    writer.session("late", "late-b", 1, env_state=version(10))
+    doc = h.poll()
+    assert list(groups_of(doc)) == ["late"] and versions_served(doc) == {10, TIMESTAMP}
+    assert proxy.calls == []
+
+
+def test_a_bogus_version_for_a_group_in_the_prebuilt_draft_drops_it_without_a_poll(
+    make, writer, proxy
+):
+    h = make(max_off_policy=4)
+    h.start(k=2)
+    assert served(h, current_weight_version=10) == []
+    doomed = writer.group("doomed", 2, env_state=version(10))
+    writer.group("fine", 2, env_state=version(10))
+    wait_until(
+        lambda: (h.stats()["prebuilt"]["draft"] or {}).get("groups") == 2, 10, "the draft built"
+    )
+    writer.step("doomed", doomed[1], 3, env_state=version(TIMESTAMP))
+    wait_until(
+        lambda: h.stats()["groups"]["dropped"] == {"implausible_version": 1},
+        10,
+        lambda: f"the drop, with no poll ({h.stats()['prebuilt']})",
+    )
+    assert proxy.wait_for(lambda p: cleared(p, "implausible_version") == {"doomed"})
+    doc = h.poll()
+    assert list(groups_of(doc)) == ["fine"] and versions_served(doc) == {10}
+    s = h.stats()
+    assert s["groups"]["served"] == 1 and s["prebuilt"]["discards"] >= 1
+    assert_balanced(s)

@@ -135,11 +135,23 @@ def test_raising_k_keeps_the_ttl_whatever_the_queue_order():
     accumulator.set_k(3)  # "old" goes back to pending, idle since t=0
     clock[0] = 70.0
     out = accumulator.expire(60.0)
-    # idle 70 s with a TTL of 60 s: given up at the first check; it was ready under K=2, so it is
-    # served short (partial) rather than dropped (issue 20, item 8)
-    assert (
-        "old" in accumulator.ready and accumulator.ready.get("old").partial and out.newly_ready == 1
-    )
+    # idle 70 s with a TTL of 60 s: dropped at the first check, behind the younger groups; ready
+    # once under K=2, it is never served short of the K in force (issue 35, item 1)
+    assert (out.drops[0].group_id, out.drops[0].reason) == ("old", "incomplete_group_ttl")
+    assert "old" not in accumulator.ready and out.newly_ready == 0
+
+
+def test_raising_k_serves_a_group_short_of_it_only_as_a_partial_group():
+    clock = [0.0]
+    policy = Policy(min_group_size=2)
+    accumulator = Accumulator("j", 2, clock=lambda: clock[0], policy=policy)
+    accumulator.ingest([(1, "a", "old", 1), (2, "b", "old", 1)])
+    accumulator.set_k(3)
+    clock[0] = 70.0
+    out = accumulator.expire(60.0)
+    assert out.drops == [] and out.newly_ready == 1
+    (take,) = accumulator.take_ready(None)
+    assert take.group_id == "old" and take.partial
 
 
 def test_a_poll_costs_what_it_serves_not_the_backlog():
