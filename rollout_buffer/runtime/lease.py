@@ -399,13 +399,17 @@ class Lease(Takeover):
             self.problem = f"cannot read the lease: {redact(str(exc))}"
             logger.warning("reading the lease failed (retrying): %s", redact(str(exc)))
 
-    def _set(self, role: str, epoch: int | None, why: str) -> None:
+    def _set(self, role: str, epoch: int | None, why: str, *, start: bool = False) -> None:
+        """Change the role. Losing the job, or taking it over, is a WARNING; ``start``: this
+        instance became the owner as a single instance does at its start (the lease was never
+        held, or its last holder gave it up), which is INFO."""
         old = self.role
         self.epoch = epoch  # before the role: a reader that sees OWNER sees its epoch
         self.role = role
         if old != role:
             self.problem = None if self.advertised != "wrong" else self.problem
-            log = logger.warning if old == OWNER or role == OWNER else logger.info
+            quiet = start and old == STARTING
+            log = logger.warning if (old == OWNER or role == OWNER) and not quiet else logger.info
             log("role: %s -> %s: %s", old, role, why)
             self.on_change()
 
