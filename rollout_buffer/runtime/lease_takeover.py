@@ -45,6 +45,7 @@ class Takeover:
     _deadline: float
     _took_at: float | None
     _free_for: float
+    _quiet_start: bool
 
     def _set(self, role: str, epoch: int | None, why: str, *, start: bool = False) -> None:
         raise NotImplementedError

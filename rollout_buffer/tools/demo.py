@@ -4,14 +4,15 @@ It says what is about to happen, makes a work directory (SQLite database, logs; 
 is removed at the end unless ``--workdir`` names one), starts the service under gunicorn as a
 subprocess with the built-in simulated launcher (the original's defaults: message-cut 0,
 max-steps 10, so each session gives one item), prints the status page's URL, then acts as a
-trainer with
-:class:`rollout_buffer.client.BufferClient`: one ``/start_rollout``, then polls
+trainer with :class:`rollout_buffer.client.BufferClient`: one ``/start_rollout``, then polls
 ``/get_rollout_data`` with a live progress line until the launcher has finished and nothing is
-pending or ready. The progress line counts from the job's start; notices (the launcher's end, the
-client's warnings) come on lines of their own, in the demo's words. The summary names the
-database and the logs only when they are kept (``--workdir``). Every group received is checked (exactly K distinct sessions, one reward per
-session, never a group twice), a summary table is printed that explains every drop, and the
-server is stopped (with ``--keep`` only after Ctrl-C, so the page can be looked at).
+pending or ready. The progress line counts from the job's start. Notices (the launcher's end,
+the client's warnings) come on lines of their own, in the demo's words.
+
+Every group received is checked (exactly K distinct sessions, one reward per session, never a
+group twice), a summary table is printed that explains every drop, and the server is stopped
+(with ``--keep`` only after Ctrl-C, so the page can be looked at). The summary names the
+database and the logs only when they are kept (``--workdir``).
 
 Exit status: 0 when every check passed and at least one group was served, 1 otherwise
 (including a timeout or a server that did not start), 130 on Ctrl-C.

@@ -150,6 +150,15 @@ def roles_logged(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
     return seen
 
 
+def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The lease's WARNINGs so far."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "rollout_buffer.runtime.lease" and r.levelno >= logging.WARNING
+    ]
+
+
 def test_a_single_instance_start_logs_its_role_at_info_and_a_takeover_at_warning(
     url, leases, caplog
 ):
@@ -160,13 +169,16 @@ def test_a_single_instance_start_logs_its_role_at_info_and_a_takeover_at_warning
     assert roles_logged(caplog) == [("INFO", "starting -> owner")]
     a.stop()  # a clean stop gives the lease up
     again = owned(leases("a-restarted"))
+    again.resumed()  # as the loop says once the job is loaded
     assert again.epoch == 2
+    assert warnings(caplog) == []
     assert roles_logged(caplog) == [("INFO", "starting -> owner")]
     b = leases("b")
     wait_until(lambda: b.role == STANDBY, 10, "b is a standby")
     assert roles_logged(caplog) == [("INFO", "starting -> standby")]
     again.stop()
-    owned(b)
+    owned(b).resumed()
+    assert any(w.startswith("serving as the owner") for w in warnings(caplog))
     assert roles_logged(caplog) == [("WARNING", "standby -> owner")]
 
 
