@@ -325,16 +325,24 @@ def _trainer(
 
 
 def _wait_for_ctrl_c() -> None:
-    """Block until Ctrl-C (or SIGTERM), then return, so the caller stops the server."""
+    """Block until Ctrl-C (SIGINT) or SIGTERM, then return, so the caller stops the server. The
+    two signals are blocked, then waited for: one that comes at any moment is taken. (With
+    signal.pause(), a signal between Python's check for signals and the pause itself was taken by
+    the handler, and the pause then waited for another one forever.)"""
 
     def interrupt(_signum: int, _frame: Any) -> None:
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    wanted = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.signal(signal.SIGTERM, interrupt)  # as Ctrl-C, until it is blocked
     try:
-        while True:
-            signal.pause()
-    except KeyboardInterrupt:
-        print("  stopping the server", flush=True)
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, wanted)
+        try:
+            signal.sigwait(wanted)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    except KeyboardInterrupt:  # it came before the signals were blocked
+        pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+    print("  stopping the server", flush=True)
