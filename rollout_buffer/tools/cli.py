@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed",
         type=int,
         default=DEMO_SEED,
-        help="the simulator's seed: the same seed plays the same sessions, so the counts repeat",
+        help="the simulator's seed: the same seed plays the same sessions, so the counts repeat "
+        "(with --policies, staleness also depends on timing)",
     )
     demo.add_argument(
         "--pace", type=float, default=0.02, help="seconds the simulator waits between rows"
