@@ -175,7 +175,7 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         if not named:
             shutil.rmtree(workdir, ignore_errors=True)
-            print(f"  removed the work directory {workdir} (keep one with --workdir DIR)")
+            print(f"\n  removed the work directory {workdir} (keep one with --workdir DIR)")
 
 
 def _run(

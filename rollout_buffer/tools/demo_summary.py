@@ -117,8 +117,8 @@ def explain_counts(
         policy_text = ", ".join(f"{n} {reason}" for reason, n in by_policy.items()) or "none"
         lines.append(
             f"groups: the simulator's {complete} complete groups are those whose {played} "
-            f"sessions all completed; a group is served once {k} have (so one with a crashed "
-            f"extra session is served too), and a policy drops some that completed "
+            f"sessions all completed; a group is served once {k} have (so a group with one "
+            f"session that crashed is served too), and a policy drops some that completed "
             f"({policy_text}): {served} served"
         )
     oversampled = (rows.get("dropped") or {}).get("oversampled", 0)
