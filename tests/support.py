@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import pty
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,7 +53,10 @@ def pg_available() -> str | None:
 def require_pg() -> None:
     err = pg_available()
     if err is not None:
-        msg = f"Postgres at {PG_DSN} does not answer ({err})"
+        msg = (
+            f"Postgres at {PG_DSN} does not answer ({err}); start one there (apt-get install "
+            "postgresql), or name another with ROLLOUT_BUFFER_TEST_PG"
+        )
         if os.environ.get("CI"):
             pytest.fail(msg + "; CI must run the Postgres tests")
         pytest.skip(msg)
@@ -304,6 +308,33 @@ def run_on_a_terminal(
     finally:
         os.close(master)
     return proc.returncode, got.decode("utf-8", "replace"), piped.decode("utf-8", "replace")
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+
+def browser_missing() -> str | None:
+    """Why the browser tests cannot run here, with the line that installs what is missing, or
+    None. Under CI=true the caller fails instead of skipping (.ci/run installs them)."""
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium is not installed (pip install -e '.[test]')"
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if not os.access(path, os.X_OK):
+            return f"{path} is missing (apt-get install chromium chromium-driver)"
+    return None
+
+
+def require_browser() -> None:
+    """Skip with the install line when the browser cannot be had; fail under CI=true."""
+    why = browser_missing()
+    if why is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"the browser tests must run in CI: {why}")
+    pytest.skip(why)
 
 
 # The owner's cursor save, past the fence, waiting for a job row that a test holds (Postgres).

@@ -40,9 +40,16 @@ class Body(list[Any]):
             on_close()
 
 
-def empty_body(meta_extra: dict[str, Any]) -> Body:
-    """A body with no item ("No data available to read")."""
-    return Body(response_chunks([], bytearray(), meta_extra))
+NO_JOB = {
+    "reason": "no_job",
+    "hint": "no job has been started: POST /start_rollout starts one, with its launcher",
+}
+
+
+def empty_body(meta_extra: dict[str, Any], said: dict[str, str] | None = None) -> Body:
+    """A body with no item ("No data available to read"); ``said`` adds keys after the message
+    (why there is nothing, e.g. :data:`NO_JOB`)."""
+    return Body(response_chunks([], bytearray(), meta_extra, said))
 
 
 def _mean(values: list[float] | list[int]) -> float:
@@ -58,9 +65,13 @@ _FLOAT_MAX = 1.7976931348623157e308
 
 
 def response_chunks(
-    groups: Sequence[GroupItems], buf: bytearray, meta_extra: dict[str, Any]
+    groups: Sequence[GroupItems],
+    buf: bytearray,
+    meta_extra: dict[str, Any],
+    said: dict[str, str] | None = None,
 ) -> list[Any]:
-    """The /get_rollout_data JSON body as bytes-like chunks (success when there is an item)."""
+    """The /get_rollout_data JSON body as bytes-like chunks (success when there is an item);
+    ``said``'s keys follow the message."""
     rewards: list[float] = []
     wvs: list[int] = []
     for g in groups:
@@ -77,7 +88,8 @@ def response_chunks(
     meta.update(meta_extra)
     message = f"Successfully read {n} items" if n else "No data available to read"
     success = "true" if n else "false"
-    head = f'{{"success":{success},"message":{dumps_compact(message)},"data":{{"data":['
+    more = "".join(f"{dumps_compact(k)}:{dumps_compact(v)}," for k, v in (said or {}).items())
+    head = f'{{"success":{success},"message":{dumps_compact(message)},{more}"data":{{"data":['
     tail = f'],"meta_info":{dumps_compact(meta)}}}}}'
     return [head.encode(), buf, tail.encode()] if buf else [head.encode(), tail.encode()]
 

@@ -108,6 +108,7 @@ class Lease(Takeover):
         self._deadline = 0.0
         self._took_at: float | None = None
         self._free_for = 0.0
+        self._quiet_start = False  # owner by a single instance's start: no takeover to warn of
         self.advertised: str | None = (
             None  # ROLLOUT_BUFFER_ADVERTISE_URL: None (not checked), ok, unverified, wrong
         )
@@ -234,9 +235,8 @@ class Lease(Takeover):
             self.takeover_s = self._free_for + (self.clock() - self._took_at)
             self._took_at = None
             if self.counts["takeovers"]:
-                logger.warning(
-                    "serving as the owner %.1f s after the previous lease ended", self.takeover_s
-                )
+                log = logger.info if self._quiet_start else logger.warning
+                log("serving as the owner %.1f s after the previous lease ended", self.takeover_s)
 
     def describe(self) -> dict[str, Any]:
         """Role, owner and lease for /health (no secret: URLs carry no user or password)."""
@@ -399,13 +399,18 @@ class Lease(Takeover):
             self.problem = f"cannot read the lease: {redact(str(exc))}"
             logger.warning("reading the lease failed (retrying): %s", redact(str(exc)))
 
-    def _set(self, role: str, epoch: int | None, why: str) -> None:
+    def _set(self, role: str, epoch: int | None, why: str, *, start: bool = False) -> None:
+        """Change the role. Losing the job, or taking it over, is a WARNING; ``start``: this
+        instance became the owner as a single instance does at its start (the lease was never
+        held, or its last holder gave it up), which is INFO."""
         old = self.role
         self.epoch = epoch  # before the role: a reader that sees OWNER sees its epoch
         self.role = role
         if old != role:
             self.problem = None if self.advertised != "wrong" else self.problem
-            log = logger.warning if old == OWNER or role == OWNER else logger.info
+            quiet = start and old == STARTING
+            self._quiet_start = quiet and role == OWNER
+            log = logger.warning if (old == OWNER or role == OWNER) and not quiet else logger.info
             log("role: %s -> %s: %s", old, role, why)
             self.on_change()
 

@@ -45,8 +45,9 @@ class Takeover:
     _deadline: float
     _took_at: float | None
     _free_for: float
+    _quiet_start: bool
 
-    def _set(self, role: str, epoch: int | None, why: str) -> None:
+    def _set(self, role: str, epoch: int | None, why: str, *, start: bool = False) -> None:
         raise NotImplementedError
 
     def _check_advertised(self) -> None:
@@ -93,7 +94,7 @@ class Takeover:
                 db.execute(sql.LEASE_INSERT[db.backend], (self.scope, *self._me(), self.seconds))
                 == 1
             ):
-                self._won(1, started, 0.0, "the first owner of this database")
+                self._won(1, started, 0.0, "the first owner of this database", start=True)
                 return
             h = self._read(db)
         if h is None or self._why_free(h, sqlite) is None:
@@ -117,7 +118,11 @@ class Takeover:
         if taken and locked is not None and why is not None:
             h = locked
             self._won(
-                h.epoch + 1, started, 0.0 if h.released or h.expires_in > 0 else -h.expires_in, why
+                h.epoch + 1,
+                started,
+                0.0 if h.released or h.expires_in > 0 else -h.expires_in,
+                why,
+                start=h.released,  # a restart after a clean stop; not a takeover
             )
         else:
             self._read(db)
@@ -137,10 +142,12 @@ class Takeover:
         self.holder = holder_of(db.fetchone(sql.LEASE_GET[db.backend], (self.scope,)), self.clock())
         return self.holder
 
-    def _won(self, epoch: int, started: float, free_for: float, why: str) -> None:
+    def _won(
+        self, epoch: int, started: float, free_for: float, why: str, *, start: bool = False
+    ) -> None:
         self._deadline = started + self.seconds - self.margin
         self._took_at, self._free_for = self.clock(), free_for
         self.counts["acquired"] += 1
         if epoch > 1:
             self.counts["takeovers"] += 1
-        self._set(OWNER, epoch, f"{why} (epoch {epoch})")
+        self._set(OWNER, epoch, f"{why} (epoch {epoch})", start=start)

@@ -31,7 +31,7 @@ from rollout_buffer.core.model import (
     PollRequest,
     Take,
 )
-from rollout_buffer.core.response import Body, empty_body, response_chunks
+from rollout_buffer.core.response import NO_JOB, Body, empty_body, response_chunks
 from rollout_buffer.runtime.health import Health
 from rollout_buffer.runtime.jobs import Jobs, JobState
 from rollout_buffer.runtime.locks import LOCK_WAIT_S, Locks
@@ -222,7 +222,7 @@ class Serving:
                 )
         job_state = self.jobs.current
         if job_state is None:
-            return empty_body({})
+            return empty_body({}, NO_JOB)
         request_id = poll.request_id
         problem = self.health.problem()
         if problem:

@@ -122,91 +122,185 @@ def cmd_settings(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``rollout-buffer`` command."""
-    parser = argparse.ArgumentParser(prog="rollout-buffer", description=__doc__)
+DEMO_SEED = 1  # the demo's default seed: two runs of `rollout-buffer demo` give the same counts
+
+DESCRIPTION = """\
+rollout-buffer sits between the environment side and the trainer in agentic RL.
+It starts the launcher and reads the rows its sessions write. It groups them by
+prompt group until all K sessions have finished, and serves complete groups to
+the trainer over HTTP."""
+
+EPILOG = """\
+Start with `rollout-buffer demo`: the whole system on this machine, in under a
+minute. `rollout-buffer COMMAND --help` shows a command's options. The service's
+settings come from the environment: `rollout-buffer settings` lists them all."""
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's lines, and shows each option's default: an option whose default
+    is not a plain value says what it is in its own help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            "default" in text
+            or action.required
+            or action.default in (None, False, argparse.SUPPRESS)
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every command, its options and their defaults."""
+    parser = argparse.ArgumentParser(
+        prog="rollout-buffer",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=HelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"rollout-buffer {__version__}")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    command = sub.add_parser(
-        "serve", help="run the service under gunicorn (settings from the environment)"
+    sub = parser.add_subparsers(dest="cmd", title="commands", metavar="COMMAND")
+
+    def command(name: str, summary: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name, help=summary, description=description, formatter_class=HelpFormatter
+        )
+
+    serve = command(
+        "serve",
+        "run the service (gunicorn, one worker); settings come from the environment",
+        "Run the service under gunicorn: one worker with threads, as in production.\n"
+        "Every setting comes from the environment: `rollout-buffer settings` lists them.",
     )
-    command.add_argument("--host", help="bind address (ROLLOUT_BUFFER_HOST, default 0.0.0.0)")
-    command.add_argument("--port", type=int, help="port (BUFFER_SERVER_PORT, default 18889)")
-    command.set_defaults(func=cmd_serve)
-    command = sub.add_parser("init-db", help="create the launcher's tables if missing")
-    command.add_argument(
-        "--db", required=True, help="sqlite:///abs/path, sqlite://rel/path or postgresql://..."
+    serve.add_argument(
+        "--host", help="address to listen on (default: $ROLLOUT_BUFFER_HOST, else 0.0.0.0)"
     )
-    command.set_defaults(func=cmd_init_db)
-    command = sub.add_parser(
-        "demo", help="one-command demo: SQLite, server, simulated launcher, a polling trainer"
+    serve.add_argument(
+        "--port", type=int, help="port to listen on (default: $BUFFER_SERVER_PORT, else 18889)"
     )
-    command.add_argument(
+    serve.set_defaults(func=cmd_serve)
+
+    init_db = command(
+        "init-db",
+        "create the launcher's tables in a database, if they are missing",
+        "Create the launcher's tables, and the buffer's own, in a database if they are\nmissing.",
+    )
+    init_db.add_argument(
+        "--db",
+        required=True,
+        help="database URL: sqlite:///abs/path, sqlite://rel/path or postgresql://...",
+    )
+    init_db.set_defaults(func=cmd_init_db)
+
+    demo = command(
+        "demo",
+        "run the whole system on this machine and poll it as a trainer would",
+        "Run the whole system on this machine, with no configuration: a SQLite database,\n"
+        "the service under gunicorn, the simulated launcher, and a trainer that polls and\n"
+        "checks every group. The summary explains every drop. Exit status 0 when every\n"
+        "check passed.",
+    )
+    demo.add_argument("--groups", type=int, default=24, help="prompt groups the simulator plays")
+    demo.add_argument("--k", type=int, default=4, help="sessions per group, K")
+    demo.add_argument(
+        "--seed",
+        type=int,
+        default=DEMO_SEED,
+        help="the simulator's seed: the same seed plays the same sessions, so the counts repeat "
+        "(with --policies, staleness also depends on timing)",
+    )
+    demo.add_argument(
+        "--pace", type=float, default=0.02, help="seconds the simulator waits between rows"
+    )
+    demo.add_argument(
+        "--timeout", type=float, default=300.0, help="give up after this many seconds"
+    )
+    demo.add_argument(
+        "--policies",
+        action="store_true",
+        help="turn the training-data policies on (staleness, zero variance, over-sampling) and "
+        "explain their counts",
+    )
+    demo.add_argument(
         "--workdir",
         "--dir",
         dest="workdir",
-        help="work directory, kept afterwards (default: a temporary directory, removed at the end)",
+        help="keep the database and the logs in this directory (default: a temporary "
+        "directory, removed at the end)",
     )
-    command.add_argument(
-        "--seed", type=int, default=None, help="the simulator's seed (the same shape every run)"
-    )
-    command.add_argument(
+    demo.add_argument(
         "--keep",
         action="store_true",
         help="leave the server up after the summary, until Ctrl-C (to look at the status page)",
     )
-    command.add_argument("--groups", type=int, default=24, help="prompt groups the simulator runs")
-    command.add_argument("--k", type=int, default=4, help="sessions per group")
-    command.add_argument("--port", type=int, default=0, help="port (default: a free one)")
-    command.add_argument("--pace", type=float, default=0.02, help="simulator seconds between rows")
-    command.add_argument(
-        "--timeout", type=float, default=300.0, help="give up after this many seconds"
+    demo.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+    demo.set_defaults(func=cmd_demo)
+
+    stats = command(
+        "stats",
+        "show a running service's figures (GET /stats) as a table",
+        "Show a running service's figures (GET /stats) as a table, once or refreshed.",
     )
-    command.add_argument(
-        "--policies",
-        action="store_true",
-        help="turn the training-data policies on (staleness, zero variance, over-sampling) and "
-        "show their counts",
-    )
-    command.set_defaults(func=cmd_demo)
-    command = sub.add_parser("stats", help="print GET /stats of a running service as a table")
-    command.add_argument("url", nargs="?", default="http://127.0.0.1:18889")
-    command.add_argument("--token", help="bearer token (default $ROLLOUT_BUFFER_TOKEN)")
-    command.add_argument("--json", action="store_true", help="print the raw JSON")
-    command.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
-    command.add_argument(
+    stats.add_argument("url", nargs="?", default="http://127.0.0.1:18889", help="the service's URL")
+    stats.add_argument("--token", help="bearer token (default: $ROLLOUT_BUFFER_TOKEN, else none)")
+    stats.add_argument("--json", action="store_true", help="print the raw JSON")
+    stats.add_argument("--watch", action="store_true", help="refresh in place until Ctrl-C")
+    stats.add_argument(
         "--interval", type=_positive, default=2.0, help="seconds between refreshes with --watch"
     )
-    command.add_argument(
+    stats.add_argument(
         "--count",
         type=_count,
         default=0,
-        help="with --watch: stop after this many refreshes (0 = never)",
+        help="with --watch: stop after this many refreshes (default: 0, never)",
     )
-    command.set_defaults(func=cmd_stats)
-    command = sub.add_parser(
-        "export", help="write every served and dropped group of a job as JSONL (.gz: gzipped)"
+    stats.set_defaults(func=cmd_stats)
+
+    export = command(
+        "export",
+        "write a job's served and dropped groups to a JSONL file",
+        "Write every served and dropped group of a job, and its rejected rows, as JSONL\n"
+        '(the format: docs/operations.md, "Export"). A name ending in .gz is gzipped.',
     )
-    command.add_argument(
-        "--db", required=True, help="the launcher database URL (as AIEVOBOX_DB_URL)"
+    export.add_argument(
+        "--db", required=True, help="the launcher's database URL (as AIEVOBOX_DB_URL)"
     )
-    command.add_argument(
-        "--state-db", help="the buffer's state database, when ROLLOUT_BUFFER_STATE_DB_URL is set"
+    export.add_argument(
+        "--state-db",
+        help="the buffer's state database (default: the launcher's, as when "
+        "ROLLOUT_BUFFER_STATE_DB_URL is unset)",
     )
-    command.add_argument("--job", required=True, help="the job (job_session)")
-    command.add_argument("--out", required=True, help="output file; gzipped when it ends in .gz")
-    command.add_argument(
+    export.add_argument("--job", required=True, help="the job (its job_session)")
+    export.add_argument(
+        "--out", required=True, help="the output file; gzipped when its name ends in .gz"
+    )
+    export.add_argument(
         "--what",
         choices=("served", "dropped", "all"),
         default="all",
         help="served groups, dropped groups and rejected rows, or all",
     )
-    command.set_defaults(func=cmd_export)
-    command = sub.add_parser(
-        "settings", help="print the settings page (docs/settings.md): every setting, as markdown"
+    export.set_defaults(func=cmd_export)
+
+    settings = command(
+        "settings",
+        "print every setting, its default and meaning (markdown)",
+        "Print every setting, its default and its meaning, as markdown: the page\n"
+        "docs/settings.md is this command's output.",
     )
-    command.set_defaults(func=cmd_settings)
+    settings.set_defaults(func=cmd_settings)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``rollout-buffer`` command. Without a command it prints the help (the
+    commands and what each does) and exits 0: nothing went wrong, the user asked what there is."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.cmd is None:
+        parser.print_help()
+        return 0
     return args.func(args)
 
 

@@ -87,6 +87,49 @@ def explain_drops(dropped: Any) -> list[str]:
     ]
 
 
+def explain_counts(
+    checker: Checker, groups: dict[str, Any], rows: dict[str, Any], sim: dict[str, Any] | None
+) -> list[str]:
+    """With the policies on, why the simulator's counts and the trainer's differ: one line for
+    each count that does (over-sampling plays more sessions than it serves, a group is served
+    before all its sessions complete, a policy drops groups that did complete)."""
+    if sim is None:
+        return []
+    k, played = checker.k, int(sim.get("k") or checker.k)
+    served = len(checker.groups)
+    lines = []
+    if sim.get("sessions") != checker.sessions:
+        why = [f"the {groups.get('dropped_total', 0)} dropped groups serve none"]
+        if played > k:
+            why.insert(0, f"over-sampling plays {played} sessions a group and serves the first {k}")
+        lines.append(
+            f"sessions: the simulator played {sim.get('groups')} groups x {played} = "
+            f"{sim.get('sessions')}, the trainer received {served} groups x {k} = "
+            f"{checker.sessions}: " + ", and ".join(why)
+        )
+    complete = sim.get("complete_groups")
+    if complete != served:
+        by_policy = {
+            reason: n
+            for reason, n in sorted((groups.get("dropped") or {}).items())
+            if reason in ("stale", "zero_variance") and n
+        }
+        policy_text = ", ".join(f"{n} {reason}" for reason, n in by_policy.items()) or "none"
+        lines.append(
+            f"groups: the simulator's {complete} complete groups are those whose {played} "
+            f"sessions all completed; a group is served once {k} have (so a group with one "
+            f"session that crashed is served too), and a policy drops some that completed "
+            f"({policy_text}): {served} served"
+        )
+    oversampled = (rows.get("dropped") or {}).get("oversampled", 0)
+    if oversampled:
+        lines.append(
+            f"oversampled {oversampled} rows: the rows of the sessions that completed after their "
+            f"group's first {k}; they are read but never served"
+        )
+    return lines
+
+
 def _reasons(d: Any) -> str:
     if not isinstance(d, dict) or not d:
         return "none"
@@ -112,10 +155,8 @@ def summarize(
     stats: dict[str, Any],
     *,
     wall: float,
-    workdir: str,
-    db_path: str,
-    logs: str,
-    server_log: str,
+    job_time: float,
+    paths: dict[str, str],
     timed_out: bool,
     timeout: float,
     policies: bool = False,
@@ -192,7 +233,10 @@ def summarize(
             f"pending {r.get('pending', 0)})",
         ),
         ("avg reward", f"{avg:.3f} per item, {avg_s:.3f} per session"),
-        ("wall time", f"{wall:.1f} s"),
+        (
+            "wall time",
+            f"{wall:.1f} s, of which {job_time:.1f} s from the job's start to its last group",
+        ),
         (
             "simulator",
             "-"
@@ -201,8 +245,7 @@ def summarize(
             f"completed, {sim.get('capped_sessions')} at the step cap, "
             f"{sim.get('failed_sessions')} crashed), {sim.get('complete_groups')} complete groups",
         ),
-        ("database", db_path),
-        ("logs", f"{logs}  (server: {server_log})"),
+        *paths.items(),
         ("accounting balanced", "yes" if balanced is True else "no"),
         ("checks", "passed" if not problems else f"FAILED ({len(problems)})"),
     ]
@@ -214,6 +257,11 @@ def summarize(
     if explained:
         out.write("\nwhy groups were dropped\n")
         for line in explained:
+            out.write(f"  {line}\n")
+    differ = explain_counts(checker, g, r, sim) if policies else []
+    if differ:
+        out.write("\nwhy the counts differ\n")
+        for line in differ:
             out.write(f"  {line}\n")
     for p in problems[:20]:
         out.write(f"  ! {p}\n")

@@ -1,7 +1,7 @@
 """Progress displays for long work (the demo, the export, ``stats --watch``), one look everywhere.
 
 Owns: the live line (rewritten in place with ``\\r`` on a terminal, one line every few seconds
-otherwise) and the text of a bar. It knows nothing of what is being counted.
+otherwise), the notices printed between its updates, and the text of a bar.
 
 It must not know what is being counted nor decide where the output goes.
 """
@@ -42,6 +42,18 @@ class Progress:
         elif force or now - self.last >= PROGRESS_EVERY_S:
             self.last = now
             self.shown = text
+            self.out.write(text + "\n")
+            self.out.flush()
+
+    def note(self, text: str) -> None:
+        """Print a notice on a line of its own. On a terminal it takes the live line's place, and
+        the live line is drawn again below it."""
+        if self.tty and self.width:
+            pad = max(0, self.width - len(text))
+            self.out.write("\r" + text + " " * pad + "\n")
+            self.width = 0
+            self.show(self.last_text)
+        else:
             self.out.write(text + "\n")
             self.out.flush()
 

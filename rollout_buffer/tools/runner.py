@@ -9,6 +9,7 @@ It must not know about pytest or about what the caller does with the server.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
 import socket
@@ -16,8 +17,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-
-import requests
 
 SCRUB_PREFIXES = ("AIEVOBOX_", "AIEVOBOC_", "ROLLOUT_BUFFER_", "LLM_PROXY_")
 SCRUB_NAMES = (
@@ -118,20 +117,29 @@ class ServerProcess:
         assert self.proc is not None
         deadline = time.monotonic() + timeout
         last = "no answer yet"
-        with requests.Session() as session:
-            while time.monotonic() < deadline:
-                code = self.proc.poll()
-                if code is not None:
-                    return f"the server exited with code {code}"
-                try:
-                    answer = session.get(self.url + "/health", timeout=(1, 2))
-                    if answer.status_code == 200:
-                        return None
-                    last = f"HTTP {answer.status_code}: {answer.text[:200]}"
-                except requests.RequestException as exc:
-                    last = type(exc).__name__
-                time.sleep(0.05)
+        while time.monotonic() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                return f"the server exited with code {code}"
+            status, text = self._health()
+            if status == 200:
+                return None
+            last = text if status is None else f"HTTP {status}: {text[:200]}"
+            time.sleep(0.05)
         return f"GET /health not ready after {timeout:g} s ({last})"
+
+    def _health(self) -> tuple[int | None, str]:
+        """One GET /health on a connection of its own, closed before it returns: a connection
+        left open (to a garbage collector) would make a stopping server keep it a while."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+        try:
+            conn.request("GET", "/health")
+            answer = conn.getresponse()
+            return answer.status, answer.read().decode("utf-8", "replace")
+        except (OSError, http.client.HTTPException) as exc:
+            return None, type(exc).__name__
+        finally:
+            conn.close()
 
     def stop(self, sig: int = signal.SIGTERM, wait_s: float = 15.0) -> int | None:
         """Signal the process group (SIGTERM by default), wait, then SIGKILL what is left. Returns

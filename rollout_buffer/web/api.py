@@ -347,12 +347,15 @@ def admission() -> dict[str, Any]:
 
 @bp.get("/metrics")
 def metrics() -> Response:
-    return Response(render_metrics(service()), mimetype="text/plain; version=0.0.4; charset=utf-8")
+    # content_type is sent as given; a mimetype would get a second charset appended
+    return Response(
+        render_metrics(service()), content_type="text/plain; version=0.0.4; charset=utf-8"
+    )
 
 
 @bp.get("/")
 def status_page() -> Response:
-    resp = Response(page_html(), mimetype="text/html; charset=utf-8")
+    resp = Response(page_html(), mimetype="text/html")  # Flask adds "; charset=utf-8"
     # nothing external, ever: the page only talks to this service
     resp.headers["Content-Security-Policy"] = (
         "default-src 'none'; script-src 'unsafe-inline'; "

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 
-from flask import Flask, request
+from flask import Flask, current_app, request
 from werkzeug.exceptions import HTTPException
 
 from rollout_buffer.core.config import Config
@@ -92,6 +92,15 @@ def standby_answer(lease: Lease, path: str) -> ApiError:
     )
 
 
+def endpoints() -> list[str]:
+    """Every endpoint as "METHOD /path", read from the routing table that routes the requests."""
+    return [
+        f"{method} {rule.rule}"
+        for rule in current_app.url_map.iter_rules()
+        for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"})
+    ]
+
+
 def create_app(config: Config | None = None, *, service: Service | None = None) -> Flask:
     """Build the app around a Service; ``config`` defaults to ``Config.from_env()``.
 
@@ -100,7 +109,7 @@ def create_app(config: Config | None = None, *, service: Service | None = None) 
     """
     if service is None:
         service = Service(config or Config.from_env())
-    app = Flask(__name__)
+    app = Flask(__name__, static_folder=None)  # the page is served at /, with all it needs
     app.config["MAX_CONTENT_LENGTH"] = service.config.max_request_bytes
     app.json.sort_keys = False  # type: ignore[attr-defined]
     app.extensions["rollout_buffer"] = service
@@ -134,11 +143,9 @@ def create_app(config: Config | None = None, *, service: Service | None = None) 
         elif exc.code == 405:
             message = f"method {request.method} is not allowed on {request.path}"
         elif exc.code == 404:
-            message = (
-                f"no such endpoint: {request.path}; endpoints are POST /start_rollout, "
-                "POST /get_rollout_data, POST /stop_rollout, GET /health, GET /stats, "
-                "GET /metrics, GET / (the status page), GET /status"
-            )
+            known = endpoints()
+            message = f"no such endpoint: {request.path}; endpoints are {', '.join(known)}"
+            return error_response(404, message, endpoints=known)
         return error_response(exc.code or 500, message)
 
     @app.errorhandler(Exception)

@@ -127,11 +127,19 @@ def test_health_answers_200(harness):
 
 
 def test_before_start_rollout_there_is_no_data(harness, writer):
+    """SPEC §4: the original's message; issue 39: and why, with what to do about it."""
     writer.group("g1", 2)
+    for body in ({}, {"wait_s": 0.2}):
+        doc = harness.poll(**body)
+        assert doc["success"] is False
+        assert doc["message"] == "No data available to read"
+        assert doc["reason"] == "no_job"
+        assert "POST /start_rollout" in doc["hint"]
+        assert doc["data"]["data"] == []
+    harness.start(k=4)  # g1 has 2 of 4 sessions: a job, and still nothing to read
     doc = harness.poll()
-    assert doc["success"] is False
-    assert doc["message"] == "No data available to read"
-    assert doc["data"]["data"] == []
+    assert doc["success"] is False and doc["message"] == "No data available to read"
+    assert "reason" not in doc and "hint" not in doc
 
 
 def test_whole_backlog_in_one_poll(harness, writer):
@@ -445,6 +453,48 @@ def test_error_shape_everywhere(harness):
         assert body["ok"] is False and body["status"] == r.status_code and body["error"]
     assert c.get("/nope").status_code == 404
     assert c.get("/get_rollout_data").status_code == 405
+
+
+def test_the_404_lists_every_endpoint_from_the_routing_table(harness):
+    """Issue 39: the list left out GET /admission; it is now read from the table that routes."""
+    c = harness.client
+    body = c.get("/nope").get_json()
+    routed = {
+        f"{method} {rule.rule}"
+        for rule in harness.app.url_map.iter_rules()
+        for method in rule.methods - {"HEAD", "OPTIONS"}
+    }
+    assert set(body["endpoints"]) == routed
+    assert len(body["endpoints"]) == len(routed)  # each once
+    assert set(body["endpoints"]) >= {
+        "POST /start_rollout",
+        "POST /get_rollout_data",
+        "POST /stop_rollout",
+        "GET /health",
+        "GET /stats",
+        "GET /admission",
+        "GET /metrics",
+        "GET /",
+        "GET /status",
+    }
+    assert body["error"] == "no such endpoint: /nope; endpoints are " + ", ".join(body["endpoints"])
+    for endpoint in body["endpoints"]:  # every one listed is answered
+        method, path = endpoint.split(" ")
+        answer = c.open(path, method=method, json={} if method == "POST" else None)
+        assert answer.status_code not in (404, 405), (endpoint, answer.status_code)
+    assert c.get("/static/status.html").status_code == 404  # no file route besides the page
+
+
+def test_each_content_type_names_one_charset(harness):
+    """Issue 39: the status page and /metrics said ``charset=utf-8`` twice."""
+    for path, expected in (
+        ("/", "text/html; charset=utf-8"),
+        ("/metrics", "text/plain; version=0.0.4; charset=utf-8"),
+        ("/stats", "application/json"),
+    ):
+        r = harness.client.get(path)
+        assert r.status_code == 200, path
+        assert r.headers.get_all("Content-Type") == [expected], path
 
 
 def test_stats_identity_and_lag(harness, writer):

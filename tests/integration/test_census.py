@@ -37,8 +37,11 @@ def schedule(writer: Writer, group: str, sessions: list[str], job: str = "job1")
 
 
 def start(harness_factory: Any, db_url: str, proxy: FakeProxy, **overrides: Any) -> Any:
-    """A service whose launcher gets ``--max-steps 3`` (a fake one that keeps running)."""
+    """A service whose launcher gets ``--max-steps 3`` (a fake one that keeps running).
+    /start_rollout answers at once (no launch grace): these tests look at the census, not at a
+    launcher that fails at its start (tests/integration/test_stack.py does)."""
     cmd = (sys.executable, str(FAKE_LAUNCHER), "--mode", "hang", "--max-steps", str(MAX_STEPS))
+    overrides.setdefault("launch_grace_s", 0.0)
     h = harness_factory(
         db_url,
         launcher="command",

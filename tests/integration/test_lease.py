@@ -9,6 +9,7 @@ observable conditions (the role, the row), never sleeps that prove nothing.
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import threading
@@ -136,6 +137,62 @@ def test_the_first_instance_owns_the_job_and_a_second_waits_as_its_standby(url, 
     wait_until(
         lambda: live() == {"a": "owner", "b": "standby"}, 10, "both instances seen with their roles"
     )
+
+
+def roles_logged(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    """The role changes logged so far, as (level, "old -> new"); the log is cleared."""
+    seen = [
+        (r.levelname, r.getMessage().split(":")[1].strip())
+        for r in caplog.records
+        if r.name == "rollout_buffer.runtime.lease" and r.getMessage().startswith("role: ")
+    ]
+    caplog.clear()
+    return seen
+
+
+def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The lease's WARNINGs so far."""
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "rollout_buffer.runtime.lease" and r.levelno >= logging.WARNING
+    ]
+
+
+def test_a_single_instance_start_logs_its_role_at_info_and_a_takeover_at_warning(
+    url, leases, caplog
+):
+    """Issue 39: a normal start, or a restart after a clean stop, is no event an operator must
+    look at; a standby taking the job over is."""
+    caplog.set_level(logging.INFO, logger="rollout_buffer.runtime.lease")
+    a = owned(leases("a"))
+    assert roles_logged(caplog) == [("INFO", "starting -> owner")]
+    a.stop()  # a clean stop gives the lease up
+    again = owned(leases("a-restarted"))
+    again.resumed()  # as the loop says once the job is loaded
+    assert again.epoch == 2
+    assert warnings(caplog) == []
+    assert roles_logged(caplog) == [("INFO", "starting -> owner")]
+    b = leases("b")
+    wait_until(lambda: b.role == STANDBY, 10, "b is a standby")
+    assert roles_logged(caplog) == [("INFO", "starting -> standby")]
+    again.stop()
+    owned(b).resumed()
+    assert any(w.startswith("serving as the owner") for w in warnings(caplog))
+    assert roles_logged(caplog) == [("WARNING", "standby -> owner")]
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+def test_an_instance_that_starts_by_taking_an_expired_lease_warns(url, leases, caplog):
+    """Starting on a lease that its owner never gave up (it died, or is paused) is a takeover,
+    whatever this instance's role was before: a WARNING."""
+    caplog.set_level(logging.INFO, logger="rollout_buffer.runtime.lease")
+    a = owned(leases("a", host_id="host-a"))
+    assert roles_logged(caplog) == [("INFO", "starting -> owner")]
+    pause(a)
+    wait_until(lambda: lease_row(url)["lease_until"] < time.time(), 10, "the lease has ended")
+    owned(leases("b", host_id="host-b"))
+    assert roles_logged(caplog) == [("WARNING", "starting -> owner")]
 
 
 def test_the_fence_lets_only_the_current_owner_record(url, leases):

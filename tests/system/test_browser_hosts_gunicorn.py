@@ -38,7 +38,11 @@ def test_a_rebound_page_cannot_take_groups_or_stop_the_launcher(lite_url, tmp_pa
         lite_url,
         tmp_path / "srv",
         launcher="simulate",
-        env={"ROLLOUT_BUFFER_SIMULATE_ARGS": "--groups 100000 --pace 0.05 --quiet"},
+        env={
+            # a launcher that runs for minutes, its rows flushed every 0.2 s (100,000 groups
+            # took 15 s to list their sessions, and rows came every 5 s)
+            "ROLLOUT_BUFFER_SIMULATE_ARGS": "--groups 1000 --pace 0.02 --flush-interval 0.2 --quiet"
+        },
     ) as srv:
         r = requests.post(
             srv.url + "/start_rollout",

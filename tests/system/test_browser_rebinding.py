@@ -6,18 +6,13 @@ working. Needs chromium, chromedriver and selenium: skipped without them, except
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import requests
 from servers import free_port, serve
-from support import wait_until
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+from support import CHROMEDRIVER, CHROMIUM, require_browser, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -33,18 +28,10 @@ fetch(path, {method: "POST", body: body, headers: {"Content-Type": "text/plain"}
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        why = "selenium is not installed"
-    else:
-        missing = [path for path in (CHROMIUM, CHROMEDRIVER) if not os.access(path, os.X_OK)]
-        why = f"{missing[0]} is missing" if missing else ""
-    if why:
-        if os.environ.get("CI"):
-            pytest.fail(f"the browser test must run in CI: {why}")
-        pytest.skip(why)
+    require_browser()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
     for flag in (

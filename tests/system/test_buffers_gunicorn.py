@@ -235,7 +235,10 @@ def test_one_sqlite_file_reached_by_two_paths_has_one_owner(tmp_path, path):
         port = free_port()
         argv = _bind_mounted(url, tmp_path, port)
         if argv is None:
-            pytest.skip("this user cannot bind-mount in a private mount namespace (unshare -m)")
+            pytest.skip(
+                "this user cannot bind-mount in a private mount namespace (unshare -m): "
+                "run the tests as root to include this case"
+            )
         other = "sqlite://" + str(tmp_path / "mounted" / "rl.db")
     a = named(url, tmp_path, "a", "one")
     env = {"ROLLOUT_BUFFER_LEASE_SECONDS": str(LEASE_S), "ROLLOUT_BUFFER_NAME": "one"}

@@ -9,10 +9,12 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 
 import pytest
+from support import run_on_a_terminal
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SCRUB_PREFIXES = ("AIEVOBOX_", "AIEVOBOC_", "ROLLOUT_BUFFER_", "LLM_PROXY_")
@@ -111,6 +113,10 @@ def test_demo_with_policies_shows_their_counts(tmp_path: Path) -> None:
     assert int(m.group(3)) > 0, out
     assert re.search(r"accounting balanced\s+yes", out), out
     assert re.search(r"checks\s+passed", out), out
+    # issue 39: each count that differs from the simulator's is explained
+    differ = out.split("why the counts differ\n", 1)[1]
+    assert "over-sampling plays 4 sessions a group and serves the first 3" in differ, out
+    assert f"oversampled {m.group(3)} rows:" in differ, out
 
 
 def _demo(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -144,6 +150,52 @@ def test_demo_explains_its_drops_shows_the_page_and_removes_its_temporary_direct
     workdir = re.search(r"work dir (\S+)", out).group(1)
     assert not os.path.exists(workdir), f"the temporary work directory {workdir} was left behind"
     assert f"removed the work directory {workdir}" in out
+    # issue 39: the summary names no path that is deleted, and the launcher's end is told in the
+    # demo's words, on a line of its own (not the client's notice for a trainer)
+    table = out.split("\nsummary\n", 1)[1].split("removed the work directory", 1)[0]
+    assert workdir not in table and "database" not in table, table
+    assert re.search(r"^  the simulated launcher has played every session", out, re.M), out
+    for words in ("/start_rollout", "on the server", "launcher-"):
+        assert words not in out + proc.stderr, words
+
+
+def _counts(out: str) -> dict[str, str]:
+    """The summary's counts (every row but the times and the paths)."""
+    table = out.replace("\r\n", "\n").split("\nsummary\n", 1)[1].split("\n\n", 1)[0]
+    rows = dict(re.findall(r"^  (\w[\w ()]*?)  +(.+)$", table, re.M))
+    rows.pop("wall time")
+    return rows
+
+
+@pytest.mark.slow
+def test_two_default_runs_give_the_same_counts_and_notices_on_their_own_lines(tmp_path):
+    """Issue 39: the default seed was random (three runs served 16, 17 and 14 groups). Two runs
+    without --seed, at once: one on a pipe, one on a terminal, where the launcher's notice was
+    glued to the live progress line. A run with another seed shows the counts depend on it."""
+    args = ("--groups", "16", "--k", "3", "--pace", "0.002", "--timeout", "100")
+    runs: dict[str, subprocess.CompletedProcess[str]] = {}
+    piped = [
+        threading.Thread(target=lambda: runs.update(first=_demo(*args))),
+        threading.Thread(target=lambda: runs.update(other=_demo(*args, "--seed", "99"))),
+    ]
+    for thread in piped:
+        thread.start()
+    code, terminal, err = run_on_a_terminal(
+        [sys.executable, "-m", "rollout_buffer", "demo", *args], cwd=ROOT, timeout=120
+    )
+    for thread in piped:
+        thread.join(120)
+    first = runs["first"]
+    assert first.returncode == 0 and code == 0, (first.stdout, first.stderr, terminal, err)
+    assert "seed 1)" in first.stdout.splitlines()[0]
+    assert _counts(first.stdout) == _counts(terminal)
+    assert _counts(runs["other"].stdout) != _counts(first.stdout), "the seed changes nothing?"
+    # what a terminal shows of each line is what follows its last carriage return
+    shown = [line.rsplit("\r", 1)[-1] for line in terminal.replace("\r\n", "\n").split("\n")]
+    notice = [line for line in shown if "the simulated launcher has" in line]
+    assert len(notice) == 1 and notice[0].startswith("  the simulated launcher"), shown
+    first_progress = next(line for line in shown if " s  groups: " in line)
+    assert "rows/s" not in first_progress or float(first_progress.split()[0]) >= 1.0
 
 
 @pytest.mark.slow

@@ -9,8 +9,6 @@ the browser or selenium cannot be had, the tests skip, except under CI=true, whe
 
 from __future__ import annotations
 
-import os
-import shutil
 import struct
 import zlib
 from collections.abc import Iterator
@@ -19,34 +17,17 @@ from typing import Any
 import pytest
 import requests
 from servers import serve
-from support import Writer, wait_until
+from support import CHROMEDRIVER, CHROMIUM, Writer, require_browser, wait_until
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 WIDTH, HEIGHT = 1200, 900
 TOKEN = "page-test-token-5f1c"
 
 pytestmark = pytest.mark.slow
 
 
-def _unavailable() -> str | None:
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        return "selenium is not installed (pip install -r requirements.txt)"
-    for path in (CHROMIUM, CHROMEDRIVER):
-        if not os.access(path, os.X_OK):
-            return f"{path} is missing (apt-get install chromium chromium-driver)"
-    return None
-
-
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    why = _unavailable()
-    if why is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"the browser test must run in CI: {why}")
-        pytest.skip(why)
+    require_browser()
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 

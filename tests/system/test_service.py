@@ -854,7 +854,10 @@ def full_dir(tmp_path):
         text=True,
     )
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs to fill (needs root): {done.stderr.strip()}")
+        pytest.skip(
+            f"cannot mount a tmpfs to fill ({done.stderr.strip()}): run the tests as root to "
+            "include this case"
+        )
     try:
         fd = os.open(path / "filler", os.O_WRONLY | os.O_CREAT)
         try:

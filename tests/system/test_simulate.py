@@ -1,15 +1,14 @@
 """The simulated launcher (``python -m rollout_buffer.simulate``), run as a real subprocess.
 
 Its rows are read back from SQLite and from Postgres and checked against the SPEC §2
-invariants the buffer relies on. Postgres (``postgresql://root@127.0.0.1:5432/test``) runs in a
-fresh schema per test, selected with ``?options=-csearch_path%3D<schema>`` and dropped after;
-when the server is unreachable the Postgres case is skipped, or fails when ``CI`` is set.
+invariants the buffer relies on. Postgres (support.PG_DSN: ``ROLLOUT_BUFFER_TEST_PG``) runs in a
+fresh schema per test, dropped after; when the server is unreachable the Postgres case is
+skipped, or fails when ``CI`` is set.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,12 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import wait_until
+from support import fresh_pg_schema, require_pg, wait_until
 
 from rollout_buffer.storage import db as dbmod
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-PG_DSN = "postgresql://root@127.0.0.1:5432/test"
 UNKNOWN_LAUNCHER_FLAGS = [
     "--mode",
     "local",
@@ -42,21 +40,6 @@ UNKNOWN_LAUNCHER_FLAGS = [
     "--message-cut",
     "0",
 ]
-
-_pg_reason: list[str | None] = []
-
-
-def _pg_unavailable() -> str | None:
-    """Why Postgres cannot be used (probed once), or None."""
-    if not _pg_reason:
-        try:
-            import psycopg
-
-            psycopg.connect(PG_DSN, connect_timeout=2).close()
-            _pg_reason.append(None)
-        except Exception as exc:  # ImportError or a connection error
-            _pg_reason.append(f"Postgres at {PG_DSN} is unreachable: {exc}".strip())
-    return _pg_reason[0]
 
 
 def run_sim(url: str, job: str, *extra: str, timeout: float = 60) -> tuple[dict[str, Any], str]:
@@ -90,19 +73,9 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield "sqlite://" + str(tmp_path / "launcher.db")
         return
-    reason = _pg_unavailable()
-    if reason:
-        if os.environ.get("CI"):
-            pytest.fail(reason + " (CI is set, so Postgres is required)")
-        pytest.skip(reason)
-    schema = f"sim_{uuid.uuid4().hex}"
-    admin = dbmod.connect(PG_DSN)
-    admin.execute(f"CREATE SCHEMA {schema}")
-    try:
-        yield f"{PG_DSN}?options=-csearch_path%3D{schema}"
-    finally:
-        admin.execute(f"DROP SCHEMA {schema} CASCADE")
-        admin.close()
+    require_pg()
+    with fresh_pg_schema() as url:
+        yield url
 
 
 def read_rows(url: str, job: str) -> list[dict[str, Any]]:
