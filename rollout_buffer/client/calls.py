@@ -174,6 +174,9 @@ def _warn_launcher_exited(conn: Connection, doc: dict[str, Any]) -> None:
             seen[0],
             launcher.get("exit_code"),
             launcher.get("log_path"),
+            extra={
+                "launcher_exited": True
+            },  # a record others can tell apart (the demo's own words)
         )
 
 

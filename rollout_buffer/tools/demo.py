@@ -136,7 +136,7 @@ class NoticeHandler(logging.Handler):
         self.progress = progress
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.funcName == "_warn_launcher_exited":
+        if getattr(record, "launcher_exited", False):
             return
         self.progress.note(f"  {record.levelname.lower()}: {record.getMessage()}")
 
