@@ -144,22 +144,25 @@ class Jobs:
         job_state, self.current = self.current, None
         return job_state
 
-    def launcher_tables_exist(self, launcher_db: Database) -> bool:
-        """True once session_steps exists (a fresh database has it only after the launcher
-        starts)."""
-        if self._tables_seen:
-            return True
-        if source.steps_table_exists(launcher_db):
-            self._tables_seen = True
-            return True
-        if not self._tables_warned:
+    @staticmethod
+    def find_launcher_tables(launcher_db: Database) -> bool:
+        """True when session_steps exists (a fresh database has it only after the launcher
+        starts). A query: it changes nothing and logs nothing."""
+        return source.steps_table_exists(launcher_db)
+
+    def wait_for_launcher_tables(self, launcher_db: Database) -> bool:
+        """One step of the loop's wait for the launcher's tables: True once they exist (then never
+        asked again); the first miss logs how to create them."""
+        if not self._tables_seen:
+            self._tables_seen = self.find_launcher_tables(launcher_db)
+        if not self._tables_seen and not self._tables_warned:
             self._tables_warned = True
             logger.warning(
                 "the launcher's table session_steps does not exist yet in %s; waiting for it "
                 "(`rollout-buffer init-db --db URL` creates it)",
                 redact(self.config.db_url),
             )
-        return False
+        return self._tables_seen
 
     def load(
         self,
@@ -193,7 +196,7 @@ class Jobs:
         )
         accumulator.excluded.update(store.oversampled_sessions(job_id))
         accounted = None
-        if (totals.decided or totals.accounted_rows) and self.launcher_tables_exist(launcher_db):
+        if (totals.decided or totals.accounted_rows) and self.find_launcher_tables(launcher_db):
             upto = source.max_job_id(launcher_db, job_id)
             accounted = Accounted(
                 job_id, upto, store.row_pks_from(job_id, first_read_after(start_after))
@@ -243,7 +246,7 @@ class Jobs:
                     "job %s ended: dropped %d undecided groups", prev.job_id, len(plan.drops)
                 )
         existing = store.get_job(job_id)
-        tables = self.launcher_tables_exist(launcher_db)
+        tables = self.find_launcher_tables(launcher_db)
         if restart_training:
             floor = source.max_terminal_id(launcher_db, job_id) if tables else 0
             start_after, low_water = floor, floor + 1

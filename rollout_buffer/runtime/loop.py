@@ -307,7 +307,7 @@ class Loop:
             self.lease.resumed()
 
     def _ingest(self, launcher_db, store: Store, job_state: JobState) -> None:
-        if not self.jobs.launcher_tables_exist(launcher_db):
+        if not self.jobs.wait_for_launcher_tables(launcher_db):
             job_state.reader.nothing_to_read()  # nothing can have been written
             return
         deadline = self.clock() + 1.0
