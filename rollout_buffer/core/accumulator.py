@@ -13,12 +13,14 @@ its own monotonic one.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from rollout_buffer.core.accounting import Counts
@@ -109,6 +111,7 @@ class Accumulator:
         self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
         # every session of the job, those without a trainable row too (max_steps: the launcher's)
         self.census = Census(max_steps, self.publish, self.decided)
+        self.snapshot = self._snapshot()  # swapped after each change (see _change)
         self.publish(("job",))
 
     def publish(self, event: tuple[Any, ...]) -> None:
@@ -122,7 +125,7 @@ class Accumulator:
     def end(self) -> None:
         """Another job replaces this one: followers forget it (``("ended",)``) before its groups
         are dropped, so that their drops start none of its held sessions."""
-        with self.lock:
+        with self._change():
             self.publish(("ended",))
 
     def restore_decided(self, decided: dict[str, str]) -> None:
@@ -156,10 +159,11 @@ class Accumulator:
     def set_versions(self, trainer: int | None = None, rows: int | None = None) -> None:
         """A poll's current_weight_version (the last one wins); with ``rows``, the stored ones
         after a restart."""
-        if rows is None and trainer is not None:
-            self.versions.report(trainer)
-        else:
-            self.versions.restore(trainer, rows)
+        with self._change():
+            if rows is None and trainer is not None:
+                self.versions.report(trainer)
+            else:
+                self.versions.restore(trainer, rows)
 
     # -- ingest -------------------------------------------------------------------------------
     def ingest(self, rows: Iterable[Row]) -> Decisions:
@@ -169,7 +173,7 @@ class Accumulator:
         out = Decisions()
         rows = rows if isinstance(rows, list) else list(rows)
         for start in range(0, len(rows), PIECE):
-            with self.lock:
+            with self._change():
                 self._ingest_piece(rows[start : start + PIECE], out)
         return out
 
@@ -273,7 +277,7 @@ class Accumulator:
         that are not trainable: a group one of whose sessions ended without a result (at the step
         cap) can never reach K, and is dropped now instead of after the TTL."""
         out = Decisions()
-        with self.lock:
+        with self._change():
             self.census.schedule(scheduled)
             doomed = self.census.observe(facts, trainable=False, now=self.clock())
             if doomed:
@@ -431,7 +435,7 @@ class Accumulator:
             return out
         more = True
         while more:  # PIECE groups per hold of the lock: a poll never waits behind a long cleanup
-            with self.lock:
+            with self._change():
                 now = self.clock()
                 for _ in range(PIECE):
                     g = next(iter(self.pending.values()), None)
@@ -446,7 +450,7 @@ class Accumulator:
         (the launcher exited: they can never complete) those with the minimum group size are served
         short."""
         out = Decisions()
-        with self.lock:
+        with self._change():
             for g in list(self.pending.values()):
                 self._give_up(g, reason, out) if partial else self._drop(g, reason, out)
             if include_ready:
@@ -475,7 +479,7 @@ class Accumulator:
     def set_k(self, k: int) -> tuple[int, Decisions]:
         """Change K; groups that now have K completed sessions become ready (or are dropped by a
         policy). Returns how many became ready, and the plan of what the policies decided."""
-        with self.lock:
+        with self._change():
             self.k = k
             moved, out = False, Decisions()
             for gid, g in list(self.ready.items()):
@@ -502,7 +506,7 @@ class Accumulator:
         """Hand ready groups to a poll, first ready first; they stay undecided until
         commit/release."""
         takes: list[Take] = []
-        with self.lock:
+        with self._change():
             self.changes += 1
             while self.ready and (max_groups is None or len(takes) < max_groups):
                 g = self.ready.pop_next()
@@ -531,7 +535,7 @@ class Accumulator:
         all), so commit() settles them with their original snapshot. Returns those still
         undecided."""
         found = []
-        with self.lock:
+        with self._change():
             self.changes += 1
             for t in takes:
                 g = self.ready.pop(t.group_id, None) or self.pending.pop(t.group_id, None)
@@ -552,7 +556,7 @@ class Accumulator:
         A group one of whose sessions wrote a row without group_id meanwhile is dropped instead
         (``malformed_row``), and so is one that got a row with an implausible version."""
         out = Decisions()
-        with self.lock:
+        with self._change():
             for t in reversed(takes):
                 g = self.taken.pop(t.group_id, None)
                 if g is None:
@@ -579,7 +583,7 @@ class Accumulator:
         returns them, as a new plan for the caller to record.
         """
         out = Decisions()
-        with self.lock:
+        with self._change():
             self.changes += 1
             settled: set[str] = set()
             for s in plan.served:
@@ -619,7 +623,7 @@ class Accumulator:
         session wrote a row without group_id, or a row with an implausible version came); else its
         take with the sessions that appeared or grew since as incomplete (cleared as incomplete in
         a served group, as at any poll, not as late rows)."""
-        with self.lock:
+        with self._change():
             g = self.taken.get(t.group_id)
             if (
                 g is None
@@ -649,7 +653,7 @@ class Accumulator:
         its record in the store): take its word, count them as it decided, never serve them again.
         Returns the late rows (rows that arrived while taken) for the caller to record."""
         out = Decisions()
-        with self.lock:
+        with self._change():
             self.changes += 1
             for t in takes:
                 g = self.taken.pop(t.group_id, None)
@@ -694,29 +698,82 @@ class Accumulator:
         return cursor + 1 if low is None else low
 
     def stats(self) -> dict[str, Any]:
-        """Counters and gauges; the accounting identity holds in them."""
+        """Counters and gauges as of the last change; the accounting identity holds in them. Reads
+        the snapshot, never the lock."""
+        return self.snapshot.stats(self.clock())
+
+    # -- the snapshot readers read -------------------------------------------------------------
+    @contextlib.contextmanager
+    def _change(self) -> Iterator[None]:
+        """Hold the lock for a change; swap the snapshot before releasing it, so that a reader
+        right after the change (a /stats after a poll) sees it."""
         with self.lock:
-            now = self.clock()
-            first = self.undecided.oldest()
-            oldest = None if first is None else first.first_seen
-            counts = self.counts.view()
-            return {
-                "job_id": self.job_id,
-                "k": self.k,
-                "rows": counts["rows"],
-                "groups": {
-                    "pending": len(self.pending),
-                    "ready": len(self.ready),
-                    "in_flight": len(self.taken),
-                    **counts["groups"],
-                },
-                "oldest_pending_group_age_s": None if oldest is None else round(now - oldest, 3),
-                "sessions": self.census.stats(),
-                "waste": self.census.waste(),
-                "figures": counts["figures"],
-                "versions": {
-                    "current": self.current_version,
-                    "trainer": self.trainer_version,
-                    "rows": self.rows_version,
-                },
-            }
+            try:
+                yield
+            finally:
+                self.snapshot = self._snapshot()
+
+    def publish_snapshot(self) -> None:
+        """Swap the snapshot after a change made before the accumulator is shared (restored
+        counts, tainted sessions)."""
+        with self._change():
+            pass
+
+    def _snapshot(self) -> Snapshot:
+        """(Lock held.) The figures now: O(reasons), never O(groups or rows)."""
+        first = self.undecided.oldest()
+        return Snapshot(
+            job_id=self.job_id,
+            k=self.k,
+            pending=len(self.pending),
+            ready=len(self.ready),
+            in_flight=len(self.taken),
+            oldest_first_seen=None if first is None else first.first_seen,
+            counts=self.counts.view(),
+            sessions=self.census.stats(),
+            waste=self.census.waste(),
+            versions={
+                "current": self.current_version,
+                "trainer": self.trainer_version,
+                "rows": self.rows_version,
+            },
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """What the readers see of a job's accumulator (/stats, /metrics, the status page, the CLI
+    table, a poll's check for ready groups): taken under the lock after each change and never
+    changed; ``stats`` hands out a copy."""
+
+    job_id: str
+    k: int
+    pending: int
+    ready: int
+    in_flight: int
+    oldest_first_seen: float | None
+    counts: dict[str, Any]
+    sessions: dict[str, int]
+    waste: dict[str, Any]
+    versions: dict[str, int | None]
+
+    def stats(self, now: float) -> dict[str, Any]:
+        """The /stats document of the job's accumulator, at ``now`` on its clock."""
+        oldest = self.oldest_first_seen
+        counts = copy.deepcopy(self.counts)
+        return {
+            "job_id": self.job_id,
+            "k": self.k,
+            "rows": counts["rows"],
+            "groups": {
+                "pending": self.pending,
+                "ready": self.ready,
+                "in_flight": self.in_flight,
+                **counts["groups"],
+            },
+            "oldest_pending_group_age_s": None if oldest is None else round(now - oldest, 3),
+            "sessions": dict(self.sessions),
+            "waste": copy.deepcopy(self.waste),
+            "figures": counts["figures"],
+            "versions": dict(self.versions),
+        }

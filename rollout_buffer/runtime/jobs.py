@@ -85,11 +85,11 @@ class JobState:
 
     def ready_count(self) -> int:
         """Groups a poll could be given now: queued redeliveries and ready groups."""
-        return len(self.redeliveries) + len(self.accumulator.ready)
+        return len(self.redeliveries) + self.accumulator.snapshot.ready
 
     def in_flight(self) -> bool:
         """A poll holds groups it has not recorded yet (it may be binding a request_id)."""
-        return bool(self.accumulator.taken or self.redeliveries.taken)
+        return bool(self.accumulator.snapshot.in_flight or self.redeliveries.taken)
 
     def stats(self, launcher_db: Database | None, prebuilt: int | None = 0) -> dict:
         """The job's accounting and gauges for /stats; ``launcher_db`` (if given) for the lag (rows
@@ -195,6 +195,7 @@ class Jobs:
             g for g in store.tainted_groups(job_id) if g not in totals.decided
         )
         accumulator.excluded.update(store.oversampled_sessions(job_id))
+        accumulator.publish_snapshot()  # the restored counts, before any reader sees the job
         accounted = None
         if (totals.decided or totals.accounted_rows) and self.find_launcher_tables(launcher_db):
             upto = source.max_job_id(launcher_db, job_id)

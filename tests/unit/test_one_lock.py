@@ -1,11 +1,15 @@
-"""The accumulator's one lock (issue 36): ingest and TTL cleanup hold it in bounded pieces, so a
-poll waits behind one piece, never behind a whole batch."""
+"""The accumulator's one lock and its snapshot (issue 36): ingest and TTL cleanup hold the lock in
+bounded pieces, so a poll waits behind one piece, never behind a whole batch; readers read an
+immutable snapshot, swapped under the lock after each change at a cost that does not grow with the
+job."""
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 
 from rollout_buffer.core.accumulator import PIECE, Accumulator
+from rollout_buffer.core.model import Decisions, Served
 
 
 class RecordingLock:
@@ -53,3 +57,66 @@ def test_ttl_cleanup_drops_at_most_200_groups_per_hold() -> None:
     assert len(plan.drops) == 1_000 and list(accumulator.pending) == ["young"]
     # five full holds, and a sixth that finds the oldest group alive and stops
     assert [d for _, d in lock.holds] == [200] * 5 + [0]
+
+
+def test_readers_read_the_snapshot_never_the_lock() -> None:
+    accumulator = Accumulator("j", 2)
+    accumulator.ingest([(1, "a", "g", 1), (2, "b", "g", 1)])
+    answers: list[dict] = []
+    with accumulator.lock:  # a writer holds the lock: /stats still answers, from the snapshot
+        reader = threading.Thread(target=lambda: answers.append(accumulator.stats()))
+        reader.start()
+        reader.join(5.0)
+    assert answers and answers[0]["groups"]["ready"] == 1 and answers[0]["rows"]["read"] == 2
+
+
+def test_the_snapshot_is_swapped_by_each_change_before_the_lock_is_released() -> None:
+    accumulator = Accumulator("j", 2)
+    accumulator.ingest([(1, "a", "g", 1), (2, "b", "g", 1)])
+    before = accumulator.snapshot
+    seen: list[int] = []
+    real = accumulator._snapshot
+
+    def swapped_while_held():  # the new snapshot is made with the lock still held
+        seen.append(accumulator.lock.locked())
+        return real()
+
+    accumulator._snapshot = swapped_while_held  # type: ignore[method-assign]
+    (take,) = accumulator.take_ready(None)
+    accumulator.commit(Decisions(served=[Served(take, "b1")]))
+    assert seen == [True, True]
+    after = accumulator.stats()
+    assert after["groups"]["served"] == 1 and after["rows"]["served"] == 2
+    # the old snapshot never changed, and what a reader is handed is its own copy
+    assert before.stats(0.0)["groups"]["served"] == 0 and before.ready == 1
+    after["rows"]["served"] = 99
+    assert accumulator.stats()["rows"]["served"] == 2
+
+
+class CountingDict(OrderedDict):
+    """A dict that counts how often it is iterated."""
+
+    scans = 0
+
+    def __iter__(self):
+        CountingDict.scans += 1
+        return super().__iter__()
+
+    def values(self):
+        CountingDict.scans += 1
+        return super().values()
+
+    def items(self):
+        CountingDict.scans += 1
+        return super().items()
+
+
+def test_publishing_the_snapshot_costs_no_scan_of_the_job() -> None:
+    accumulator = Accumulator("j", 2)
+    accumulator.ingest([(i + 1, f"s{i}", f"g{i}", 0) for i in range(5_000)])
+    accumulator.pending = CountingDict(accumulator.pending)
+    accumulator.census.session_group = CountingDict(accumulator.census.session_group)
+    CountingDict.scans = 0
+    accumulator.set_versions(trainer=3)  # a change: the snapshot is swapped
+    assert accumulator.stats()["versions"]["trainer"] == 3
+    assert accumulator.stats()["groups"]["pending"] == 5_000 and CountingDict.scans == 0
