@@ -29,9 +29,9 @@ from rollout_buffer import pacing
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ClosedError, StorageError
 from rollout_buffer.core.history import History
+from rollout_buffer.core.items import Body
 from rollout_buffer.core.model import PollRequest
 from rollout_buffer.core.redact import redact
-from rollout_buffer.core.response import Body
 from rollout_buffer.launcher.launcher import Launcher, launch_spec
 from rollout_buffer.launcher.supervisor import LaunchSpec, Supervisor
 from rollout_buffer.runtime.health import Health

@@ -20,7 +20,7 @@ from typing import Any
 
 from rollout_buffer.core.errors import StorageError
 from rollout_buffer.core.figures import group_stats
-from rollout_buffer.core.items import GroupItems, build_group, item_flags
+from rollout_buffer.core.items import GroupItems, Malformed, build_group, item_flags
 from rollout_buffer.core.model import (
     BUILD_FAILED,
     GROUP_TOO_LARGE,
@@ -30,7 +30,6 @@ from rollout_buffer.core.model import (
     Policy,
     Take,
 )
-from rollout_buffer.core.values import Malformed
 from rollout_buffer.serving import redelivery
 from rollout_buffer.storage.connections import Pair
 from rollout_buffer.storage.fetch import FETCH_CHUNK, fetch_takes

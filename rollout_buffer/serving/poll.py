@@ -26,12 +26,12 @@ from rollout_buffer.core.errors import (
     Unavailable,
 )
 from rollout_buffer.core.history import History, PollStats
+from rollout_buffer.core.items import NO_JOB, Body, empty_body, response_chunks
 from rollout_buffer.core.model import (
     Decisions,
     PollRequest,
     Take,
 )
-from rollout_buffer.core.response import NO_JOB, Body, empty_body, response_chunks
 from rollout_buffer.runtime.health import Health
 from rollout_buffer.runtime.jobs import Jobs, JobState
 from rollout_buffer.runtime.locks import LOCK_WAIT_S, Locks

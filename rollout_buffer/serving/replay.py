@@ -24,10 +24,15 @@ from rollout_buffer.core.errors import (
     StorageError,
     Unavailable,
 )
-from rollout_buffer.core.items import GroupItems, build_group, item_flags
+from rollout_buffer.core.items import (
+    Body,
+    GroupItems,
+    Malformed,
+    build_group,
+    item_flags,
+    response_chunks,
+)
 from rollout_buffer.core.model import Batch
-from rollout_buffer.core.response import Body, response_chunks
-from rollout_buffer.core.values import Malformed
 from rollout_buffer.runtime.jobs import JobState
 from rollout_buffer.storage.connections import Pair
 from rollout_buffer.storage.fetch import fetch_rows, take_from_rows

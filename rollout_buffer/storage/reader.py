@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from rollout_buffer.core.items import ingest_fields
 from rollout_buffer.core.model import Row
-from rollout_buffer.core.values import ingest_fields
 from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import Database
 
