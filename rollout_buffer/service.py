@@ -34,11 +34,10 @@ from rollout_buffer.core.model import PollRequest
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher.launcher import Launcher, launch_spec
 from rollout_buffer.launcher.supervisor import LaunchSpec, Supervisor
-from rollout_buffer.runtime.health import Health
 from rollout_buffer.runtime.jobs import Jobs, JobState
 from rollout_buffer.runtime.lease import OWNER, Lease
 from rollout_buffer.runtime.locks import Locks
-from rollout_buffer.runtime.loop import Loop
+from rollout_buffer.runtime.loop import Health, Loop
 from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.runtime.proxy import ProxyNotifier
 from rollout_buffer.runtime.signals import Host, Signals

@@ -32,9 +32,9 @@ from rollout_buffer.core.model import (
     PollRequest,
     Take,
 )
-from rollout_buffer.runtime.health import Health
 from rollout_buffer.runtime.jobs import Jobs, JobState
 from rollout_buffer.runtime.locks import LOCK_WAIT_S, Locks
+from rollout_buffer.runtime.loop import Health
 from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.runtime.signals import Signals
 from rollout_buffer.serving import redelivery
