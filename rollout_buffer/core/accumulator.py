@@ -165,6 +165,18 @@ class Accumulator:
             else:
                 self.versions.restore(trainer, rows)
 
+    def judge_versions(self, group_id: str, versions: Iterable[int | None]) -> str | None:
+        """A group about to be served, with every version of its rows (a draft reads them all):
+        ``implausible_version`` when one cannot be true, else None and it counts toward the
+        agreement on the current version (:meth:`~rollout_buffer.core.versions.Versions.judge`)."""
+        with self._change():
+            return self.versions.judge(group_id, versions)
+
+    def recount_versions(self, served: Iterable[tuple[str, int | None]]) -> None:
+        """Rows of served groups read again after a restart count toward the agreement again."""
+        with self._change():
+            self.versions.recount(served)
+
     # -- ingest -------------------------------------------------------------------------------
     def ingest(self, rows: Iterable[Row]) -> Decisions:
         """Add new rows (distinct step_pks, each seen once), ``PIECE`` rows per hold of the lock:

@@ -361,7 +361,7 @@ class Loop:
                 )
                 if len(rows) < len(read):  # accounted before a restart, maybe after the last save
                     decided = job_state.accumulator.decided
-                    job_state.accumulator.versions.recount(
+                    job_state.accumulator.recount_versions(
                         (r.group_id, r.weight_version)
                         for r in read
                         if isinstance(r.group_id, str) and decided.get(r.group_id) == SERVED

@@ -231,7 +231,7 @@ class Draft:
         verdict = (
             None
             if t.redelivered
-            else job_state.accumulator.versions.judge(t.group_id, g.weight_versions)
+            else job_state.accumulator.judge_versions(t.group_id, g.weight_versions)
         )
         # only a staleness bound makes a version matter enough to drop a group for it
         judged = policy.max_off_policy is not None or self.shape.max_off_policy is not None
