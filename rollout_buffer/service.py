@@ -280,8 +280,7 @@ class Service:
             "proxy_notifications": self.notifier.pending(),
             "database": "ok" if problem is None else problem,
             "polls": {
-                **{k: polls[k] for k in ("count", "with_data", "replayed", "seconds_total")},
-                "waiting": self.serving.waiting_polls,
+                k: polls[k] for k in ("count", "with_data", "replayed", "seconds_total", "waiting")
             },
             "prebuilt": self.serving.prebuilt.stats(),
             "lease": self.lease.stats(),

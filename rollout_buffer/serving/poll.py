@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -207,8 +206,6 @@ class Serving:
         self.stats = PollStats()
         self._uncertain: Uncertain | None = None
         self._rids = RequestIds(config)
-        self._waiting_lock = threading.Lock()
-        self._waiting = 0
         self._failures: dict[tuple[str, str], int] = {}
         self.replayer = Replayer(config, self._rids)
         self.prebuilt = Prebuilder(
@@ -290,10 +287,8 @@ class Serving:
                         return  # _poll answers 503
             if self._rids.may_be_bound(job_state.job_id, request_id):
                 return  # possibly a retry of an answered poll: its replay is due at once
-        with self._waiting_lock:
-            if self._waiting >= self.config.max_waiting_polls:
-                return
-            self._waiting += 1
+        if not self.stats.start_waiting(self.config.max_waiting_polls):
+            return
         try:
             self.signals.ready.wait(
                 lambda: (
@@ -302,17 +297,12 @@ class Serving:
                 wait_s,
             )
         finally:
-            with self._waiting_lock:
-                self._waiting -= 1
+            self.stats.stop_waiting()
 
     def available(self, job_state: JobState) -> int:
         """Groups a poll would be given now: queued redeliveries, ready groups and the prebuilt
         draft's."""
         return job_state.ready_count() + self.prebuilt.groups(job_state)
-
-    @property
-    def waiting_polls(self) -> int:
-        return self._waiting
 
     def forget(self) -> None:
         """This instance lost the job: what it remembered of its polls may be stale once it owns it
