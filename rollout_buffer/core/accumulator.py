@@ -62,7 +62,9 @@ PIECE = 200
 class Accumulator:
     """Groups one job's rows until K sessions of a group have completed.
 
-    All state is guarded by ``self.lock``; every public method takes it, and no method does I/O.
+    All state is guarded by ``self.lock``; every method that changes it takes the lock (ingest and
+    TTL cleanup a piece at a time) and swaps :attr:`snapshot` before releasing it; readers read the
+    snapshot, never the lock. No method does I/O.
     """
 
     def __init__(
