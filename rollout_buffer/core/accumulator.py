@@ -25,7 +25,7 @@ from typing import Any
 
 from rollout_buffer.core.accounting import Counts
 from rollout_buffer.core.census import SESSION_WITHOUT_RESULT, Census, StepFact, ignore
-from rollout_buffer.core.group import Group, Undecided
+from rollout_buffer.core.group import Group, ReadyQueue, Undecided
 from rollout_buffer.core.model import (
     DROPPED,
     IMPLAUSIBLE_VERSION,
@@ -49,7 +49,6 @@ from rollout_buffer.core.model import (
     RowEvent,
     Take,
 )
-from rollout_buffer.core.ready import ReadyQueue
 from rollout_buffer.core.versions import Versions
 
 logger = logging.getLogger(__name__)

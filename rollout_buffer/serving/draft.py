@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_buffer.core.accounting import group_stats
 from rollout_buffer.core.errors import StorageError
-from rollout_buffer.core.figures import group_stats
 from rollout_buffer.core.items import GroupItems, Malformed, build_group, item_flags
 from rollout_buffer.core.model import (
     BUILD_FAILED,

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout_buffer.core.figures import finite_sum
+from rollout_buffer.core.accounting import finite_sum
 from rollout_buffer.core.model import (
     DROPPED,
     PARTIAL,

@@ -10,8 +10,8 @@ from collections import OrderedDict
 import pytest
 
 from rollout_buffer.core.accumulator import Accumulator
+from rollout_buffer.core.group import ReadyQueue
 from rollout_buffer.core.model import Decisions, Policy, Row, Served
-from rollout_buffer.core.ready import ReadyQueue
 
 pytestmark = pytest.mark.slow
 

@@ -5,8 +5,8 @@ and the randomized runs, are in the slow tier (tests/scale)."""
 from __future__ import annotations
 
 from rollout_buffer.core.accumulator import Accumulator
+from rollout_buffer.core.group import ReadyQueue
 from rollout_buffer.core.model import Decisions, Policy, Row, Served
-from rollout_buffer.core.ready import ReadyQueue
 
 
 def test_accumulator_counts_balance_through_every_path():
