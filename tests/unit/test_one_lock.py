@@ -120,3 +120,41 @@ def test_publishing_the_snapshot_costs_no_scan_of_the_job() -> None:
     accumulator.set_versions(trainer=3)  # a change: the snapshot is swapped
     assert accumulator.stats()["versions"]["trainer"] == 3
     assert accumulator.stats()["groups"]["pending"] == 5_000 and CountingDict.scans == 0
+
+
+class ServingBetweenPieces:
+    """The accumulator's lock; after the first hold ends, a poll takes and serves what is ready,
+    as one may between two pieces of a batch."""
+
+    def __init__(self, accumulator: Accumulator) -> None:
+        self.inner = threading.Lock()
+        self.accumulator = accumulator
+        self.served: list[str] = []
+        self.late: Decisions | None = None
+
+    def __enter__(self) -> ServingBetweenPieces:
+        self.inner.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.inner.release()
+        if self.late is None:
+            self.late = Decisions()  # once: the poll's own changes take this lock too
+            takes = self.accumulator.take_ready(None)
+            self.served = [t.group_id for t in takes]
+            self.late = self.accumulator.commit(Decisions(served=[Served(t, "b") for t in takes]))
+
+
+def test_a_poll_between_two_pieces_serves_what_is_ready_and_the_rest_are_late_rows() -> None:
+    accumulator = Accumulator("j", 2)
+    lock = accumulator.lock = ServingBetweenPieces(accumulator)  # type: ignore[assignment]
+    # g0 completes in the first piece; its third session's row comes in the second piece
+    rows = [(1, "a", "g0", 1), (2, "b", "g0", 1)]
+    rows += [(3 + i, f"s{i}", f"p{i}", 0) for i in range(PIECE - 2)]
+    rows += [(1_000, "c", "g0", 1), (1_001, "d", "g1", 1), (1_002, "e", "g1", 1)]
+    plan = accumulator.ingest(rows)
+    assert lock.served == ["g0"]
+    assert [(r.step_pk, r.reason) for r in plan.rows] == [(1_000, "late_rows_from_served_groups")]
+    assert list(accumulator.ready) == ["g1"]
+    s = accumulator.stats()["rows"]
+    assert s["read"] == len(rows) == s["served"] + s["dropped_total"] + s["pending"]
