@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -461,18 +462,28 @@ class Accumulator:
     def drop_all(self, reason: str, *, include_ready: bool, partial: bool = False) -> Decisions:
         """Drop every incomplete group (and the ready ones when include_ready); with ``partial``
         (the launcher exited: they can never complete) those with the minimum group size are served
-        short."""
+        short. PIECE groups per hold of the lock, as in :meth:`expire`."""
         out = Decisions()
-        with self._change():
-            for g in list(self.pending.values()):
-                self._give_up(g, reason, out) if partial else self._drop(g, reason, out)
-            if include_ready:
-                for g in list(self.ready.values()):
-                    self._drop(g, reason, out)
-            # groups whose sessions all ended before any trainable row: only the census knew them
-            for gid in list(self.census.group_sessions):
-                if gid not in self.decided and self._undecided(gid) is None:
-                    self._tombstone(gid, reason, out)
+        for ready in (False, True) if include_ready else (False,):
+            more = True
+            while more:  # each group leaves its queue when it is decided (or made ready)
+                with self._change():
+                    queue = self.ready if ready else self.pending
+                    piece = list(itertools.islice(queue.values(), PIECE))
+                    for g in piece:
+                        if partial and not ready:
+                            self._give_up(g, reason, out)
+                        else:
+                            self._drop(g, reason, out)
+                    more = len(piece) == PIECE
+        # groups whose sessions all ended before any trainable row: only the census knew them
+        with self.lock:
+            known = list(self.census.group_sessions)
+        for start in range(0, len(known), PIECE):
+            with self._change():
+                for gid in known[start : start + PIECE]:
+                    if gid not in self.decided and self._undecided(gid) is None:
+                        self._tombstone(gid, reason, out)
         return out
 
     def _give_up(self, g: Group, reason: str, out: Decisions) -> None:

@@ -59,6 +59,19 @@ def test_ttl_cleanup_drops_at_most_200_groups_per_hold() -> None:
     assert [d for _, d in lock.holds] == [200] * 5 + [0]
 
 
+def test_dropping_every_group_holds_the_lock_200_groups_at_a_time() -> None:
+    accumulator = Accumulator("j", 2)
+    accumulator.ingest([(i + 1, f"s{i}", f"g{i}", 0) for i in range(700)])  # pending
+    accumulator.ingest([(1_000 + i, f"r{i}", f"r{i // 2}", 1) for i in range(600)])  # 300 ready
+    accumulator.census.schedule([(f"never{i}", f"t{i}") for i in range(450)])  # no row yet
+    lock = accumulator.lock = RecordingLock(accumulator)  # type: ignore[assignment]
+    plan = accumulator.drop_all("job_ended", include_ready=True)
+    assert len(plan.drops) == 700 + 300 + 450
+    assert not accumulator.pending and not accumulator.ready
+    assert max(d for _, d in lock.holds) == 200
+    assert accumulator.stats()["groups"]["dropped"] == {"job_ended": 1_450}
+
+
 def test_readers_read_the_snapshot_never_the_lock() -> None:
     accumulator = Accumulator("j", 2)
     accumulator.ingest([(1, "a", "g", 1), (2, "b", "g", 1)])
