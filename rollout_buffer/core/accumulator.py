@@ -180,13 +180,18 @@ class Accumulator:
             self.versions.recount(served)
 
     # -- ingest -------------------------------------------------------------------------------
-    def ingest(self, rows: Iterable[Row]) -> Decisions:
+    def ingest(
+        self, rows: Iterable[Row], between: Callable[[], object] = lambda: None
+    ) -> Decisions:
         """Add new rows (distinct step_pks, each seen once), ``PIECE`` rows per hold of the lock:
         a poll waits behind one piece, never behind a whole batch (up to 20,000 rows). A piece is
-        what a smaller batch would have been: the same rows in the same order."""
+        what a smaller batch would have been: the same rows in the same order. ``between`` runs
+        before each piece but the first, without the lock (the loop lets a running poll finish)."""
         out = Decisions()
         rows = rows if isinstance(rows, list) else list(rows)
         for start in range(0, len(rows), PIECE):
+            if start:
+                between()
             with self._change():
                 self._ingest_piece(rows[start : start + PIECE], out)
         return out

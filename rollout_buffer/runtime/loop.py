@@ -366,7 +366,7 @@ class Loop:
                         for r in read
                         if isinstance(r.group_id, str) and decided.get(r.group_id) == SERVED
                     )
-            plan = job_state.accumulator.ingest(rows) if rows else None
+            plan = job_state.accumulator.ingest(rows, self.locks.yield_to_polls) if rows else None
             if rows:
                 self.history.ingested(len(rows))
             job_state.reader.advance()  # only now: a failure above re-reads these rows next tick

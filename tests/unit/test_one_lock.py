@@ -38,9 +38,13 @@ def test_a_20000_row_batch_is_ingested_in_pieces_of_at_most_200_rows_per_hold() 
     accumulator = Accumulator("j", 2)
     lock = accumulator.lock = RecordingLock(accumulator)  # type: ignore[assignment]
     rows = [(i + 1, f"s{i}", f"g{i // 2}", 1) for i in range(20_000)]
-    plan = accumulator.ingest(rows)
+    between: list[tuple[int, bool]] = []  # what the loop runs between pieces (it lets polls run)
+    plan = accumulator.ingest(
+        rows, lambda: between.append((accumulator.counts.rows_read, lock.inner.locked()))
+    )
     assert PIECE == 200
     assert len(lock.holds) == 100 and max(r for r, _ in lock.holds) == 200
+    assert between == [(n, False) for n in range(200, 20_000, 200)]  # never under the lock
     # the same result as one batch: every group of two completed sessions is ready, in row order
     assert plan.newly_ready == 10_000 and list(accumulator.ready)[:3] == ["g0", "g1", "g2"]
     assert accumulator.stats()["rows"]["read"] == 20_000
