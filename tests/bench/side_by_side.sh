@@ -10,10 +10,13 @@
 #    the RSS per pending row (idle, idle64k). Writes OUTDIR/cmp.json and OUTDIR/cmp.md.
 # 2. tests/bench/ingest_poll.py with base and new: a poll's p99 while a 20,000-row batch is
 #    ingested, 3 runs each, alternating. Writes OUTDIR/ingest_poll.md.
+# 3. tests/bench/pending_rss.py and tests/bench/poll_modules.py on both checkouts: the
+#    accumulator's memory per pending row, and the modules one poll passes through. Writes
+#    OUTDIR/pending_rss.json and OUTDIR/poll_modules.txt.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "$HERE/../.." && pwd)"
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,14p' "$0"; exit 0; fi
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then sed -n '2,17p' "$0"; exit 0; fi
 OUT="${1:-/tmp/bench-36}"
 BASE="${2:-/work/base}"
 export BENCH_DIR="${BENCH_DIR:-/work/shared/bench}"
@@ -26,3 +29,9 @@ cd "$ROOT"
     --workdir "$OUT/work" --json-out "$OUT/cmp.json" --md-out "$OUT/cmp.md"
 "$PY" "$HERE/ingest_poll.py" --peers "base=$BASE/.venv/bin/python $BASE/tests/bench/peer.py,new" \
     --repeat 3 --workdir "$OUT/ingest" | tee "$OUT/ingest_poll.md"
+for py in "$BASE/.venv/bin/python" "$PY"; do
+    "$py" "$HERE/pending_rss.py"
+done | tee "$OUT/pending_rss.json"
+for py in "$BASE/.venv/bin/python" "$PY"; do
+    (cd /tmp && "$py" "$HERE/poll_modules.py" 2>/dev/null | grep -v '^{')
+done | tee "$OUT/poll_modules.txt"
