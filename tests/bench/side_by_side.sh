@@ -24,9 +24,11 @@ export BENCH_ORIGINAL_PYTHON="${BENCH_ORIGINAL_PYTHON:-/tmp/benchvenv/bin/python
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 mkdir -p "$OUT"
 cd "$ROOT"
+# a free port: another bench on the machine may hold bench.py's default
+PORT=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 "$PY" "$BENCH_DIR/bench.py" --peer "original=$BENCH_DIR/peer_original.py" \
     --peer "base=$BASE/.venv/bin/python $BASE/tests/bench/peer.py" --peer "new=$PY $HERE/peer.py" \
-    --workdir "$OUT/work" --json-out "$OUT/cmp.json" --md-out "$OUT/cmp.md"
+    --port "$PORT" --workdir "$OUT/work" --json-out "$OUT/cmp.json" --md-out "$OUT/cmp.md"
 "$PY" "$HERE/ingest_poll.py" --peers "base=$BASE/.venv/bin/python $BASE/tests/bench/peer.py,new" \
     --repeat 3 --workdir "$OUT/ingest" | tee "$OUT/ingest_poll.md"
 for py in "$BASE/.venv/bin/python" "$PY"; do
