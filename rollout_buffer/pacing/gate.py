@@ -324,18 +324,18 @@ class Gate:
         session = judge(request, self.bound)
         body = await read_body(reader, writer, conn, request, limits.max_body_bytes, limits.stall_s)
         group = await self._admit(session, len(body), reader)
-        self.budget_call(group, +1)
+        self.budget_call(group, session, +1)
         try:
             if await forward(self.upstream, request, session, body, reader, writer, conn):
                 self.forwarded += 1
             else:
                 self.upstream_errors += 1
         finally:
-            self.budget_call(group, -1)
+            self.budget_call(group, session, -1)
 
-    def budget_call(self, group: str, delta: int) -> None:
+    def budget_call(self, group: str, session: str, delta: int) -> None:
         with self.budget.lock:
-            self.budget.call(group, delta)
+            self.budget.call(group, session, delta)
 
     async def _admit(self, session: str, size: int, reader: asyncio.StreamReader) -> str:
         """Wait until the session's call may go; its group. Raises Refused (not listed, the
