@@ -177,10 +177,18 @@ class Budget:
     def _holds(self, steps: int | None) -> int:
         if steps is None:
             return self.last_take
-        # a trainer that polls lacks groups for its step: it held at most B - 1 when its last
-        # poll arrived (the versions lag behind its steps until rows of the new one arrive)
-        batch = self.batch()[0]
-        return min(max(0, self.served - batch * steps), batch - 1 + self.last_take)
+        ceiling = self.ceiling()
+        assert ceiling is not None
+        return min(max(0, self.served - self.batch()[0] * steps), ceiling)
+
+    def ceiling(self) -> int | None:
+        """The kept heuristic (0adf4e4): a trainer that polls lacks groups for its step, so it
+        held at most B - 1 when its last poll arrived, plus what it was served since (the rows'
+        versions lag behind its steps until rows of the new one arrive). None without versions
+        (the last take is then all it holds)."""
+        if self.steps() is None:
+            return None
+        return self.batch()[0] - 1 + self.last_take
 
     def gone(self, group: Group, now: float) -> bool:
         """A session of the group is gone (no call in flight, none for the timeout), or none of
@@ -260,6 +268,7 @@ class Budget:
                 "steps": steps,
                 "versions": dict(self.version),
                 "last_take": self.last_take,
+                "ceiling": self.ceiling(),
             },
             "sessions_listed": len(self.sessions),
             "gone_groups": sum(1 for g in self.groups.values() if self.gone(g, self.clock())),

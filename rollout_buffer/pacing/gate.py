@@ -150,6 +150,12 @@ class Gate:
             "held_bytes": self.held_bytes,
             "forwarded": self.forwarded,
             "upstream_errors": self.upstream_errors,
+            "limits": {
+                "ROLLOUT_BUFFER_GATE_MAX_BODY_BYTES": self.limits.max_body_bytes,
+                "ROLLOUT_BUFFER_GATE_STALL_SECONDS": self.limits.stall_s,
+                "ROLLOUT_BUFFER_GATE_MAX_HELD_BYTES": self.limits.max_held_bytes,
+                "ROLLOUT_BUFFER_GATE_MAX_HOLD_SECONDS": self.limits.max_hold_s,
+            },
         }
 
     def _run(self, ready: threading.Event) -> None:
