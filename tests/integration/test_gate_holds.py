@@ -69,6 +69,33 @@ def test_a_first_call_waits_for_the_budget_and_goes_when_the_trainer_takes(
         w.close()
 
 
+def test_a_long_polls_arrival_not_its_end_tells_the_budget_the_trainer_is_back(
+    harness_factory: Any, db_url: str, llm: FakeLLM, pool: Any
+) -> None:
+    """Item 4: with no version, the last take counts until the next poll arrives. A long poll
+    that waits for g2 frees g2's first call as it arrives (were it its end, they would wait for
+    each other until the poll's wait ran out)."""
+    h, port = gated(harness_factory, db_url, llm)
+    w = two_groups(h, db_url)
+    try:
+        call(port, "a1")
+        w.step("g1", "a1", 1, completed=True)
+        w.step("g1", "a2", 1, completed=True)
+        assert len(h.poll()["data"]["data"]) == 2  # the trainer holds g1
+        pending = pool.submit(call, port, "b1")
+        wait_until(lambda: held(h) == 1, 5, "b1 held")
+        started = time.monotonic()
+        polling = pool.submit(h.poll, wait_s=20, min_groups=1)
+        assert pending.result(timeout=10).status_code == 200
+        assert not polling.done()  # b1 went while the poll waited
+        w.step("g2", "b1", 1, completed=True)
+        w.step("g2", "b2", 1, completed=True)
+        assert len(polling.result(timeout=20)["data"]["data"]) == 2
+        assert time.monotonic() - started < 10
+    finally:
+        w.close()
+
+
 def test_no_call_is_held_past_the_hold_limit_and_its_retry_may_be_held_again(
     harness_factory: Any, lite_url: str, llm: FakeLLM
 ) -> None:
