@@ -52,6 +52,8 @@ class Policies:
 
         def _tombstone(self, gid: str, reason: str, out: Decisions) -> None: ...
 
+        def _salvage(self, g: Group | None, gid: str, reason: str, out: Decisions) -> bool: ...
+
     def _became_ready(self, g: Group, out: Decisions) -> None:
         """(Lock held.) A group has K completed sessions, or is served short at the TTL: choose its
         sessions (over-sampling), apply the policies, and queue it or drop it."""
@@ -118,7 +120,11 @@ class Policies:
                     self._drop(g, reason, out)
             # groups whose sessions all ended before any trainable row: only the census knew them
             for gid in list(self.census.group_sessions):
-                if gid not in self.decided and self._undecided(gid) is None:
+                if (
+                    gid not in self.decided
+                    and self._undecided(gid) is None
+                    and not (partial and self._salvage(None, gid, reason, out))
+                ):
                     self._tombstone(gid, reason, out)
         return out
 
@@ -127,7 +133,10 @@ class Policies:
         has the minimum group size (ROLLOUT_BUFFER_MIN_GROUP_SIZE), else dropped with ``reason``.
 
         A group that was ready under a smaller K (K raised since) is no exception: the trainer asked
-        for the K in force, and a group short of it is never served but as a partial group."""
+        for the K in force, and a group short of it is never served but as a partial group.
+        Salvage goes first: the minimum group size applies to groups it cannot salvage."""
+        if self._salvage(g, g.group_id, reason, out):
+            return
         if self.policy.serves(self.k, len(g.completed)):
             del self.pending[g.group_id]
             g.partial = True

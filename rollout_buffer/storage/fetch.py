@@ -9,6 +9,7 @@ It must not write, and it reads the launcher's table only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,23 @@ def fetch_takes(
             for pk in [pk for pk in out if owner[pk] in too_large]:
                 del out[pk]
     return out, too_large
+
+
+def with_last_rows(source: Database, job_id: str, takes: list[Take]) -> list[Take]:
+    """Salvage (issue 38): the takes, each salvaged one with the pks of its truncated sessions'
+    last rows (at --message-cut <= 0), read by session id (never by reading the job's rows)."""
+    out = []
+    for t in takes:
+        s = t.salvage
+        if s is not None and s.last_row and not s.last_rows:
+            last: dict[str, int] = {}
+            for sid in s.sessions:
+                found = source.rows(launcher_sql.LAST_ROW_OF_SESSION, (sid, job_id))
+                if found:
+                    last[sid] = int(found[0][0])
+            t = dataclasses.replace(t, salvage=dataclasses.replace(s, last_rows=last))
+        out.append(t)
+    return out
 
 
 def take_from_rows(group_id: str, pks: list[int], rows: dict[int, tuple[Any, ...]]) -> Take:

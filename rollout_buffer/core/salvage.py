@@ -1,0 +1,183 @@
+"""Salvage (issue 38): a group that loses a session still reaches the trainer, truncated.
+
+With ``ROLLOUT_BUFFER_SALVAGE=truncate``, a session of a group that wrote at least one row but will
+never write a result is *truncated* once a sound signal says it ended:
+
+- ``step_cap``: its last row reached ``--max-steps`` without ending it (the census sees that row);
+- ``launcher_exited`` and ``incomplete_group_ttl``: at the moment the group would be dropped for
+  that reason.
+
+No other signal: a session waiting on a slow model call or environment step is never taken for
+ended. A group whose completed and truncated sessions are at least K is then served with them; a
+group with a session that has no row at all cannot be salvaged and is dropped as before.
+
+Owns: which sessions of a group are truncated and why (:func:`truncation`), which sessions a taken
+salvaged group serves (:func:`served_sessions`), the ``extra_info`` of a truncated session's last
+item, the counts (:class:`Tally`) and the text that records them with the served group (so they
+survive a restart). Pure: no I/O and no lock; the accumulator's lock guards every caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from rollout_buffer.core.model import LAUNCHER_EXITED, STEP_CAP, TTL, Salvage
+from rollout_buffer.core.values import Malformed
+
+if TYPE_CHECKING:
+    from rollout_buffer.core.census import Census
+    from rollout_buffer.core.group import Group
+
+TRUNCATE = "truncate"
+REASONS = (STEP_CAP, LAUNCHER_EXITED, TTL)
+# The reason a served salvaged group is recorded with: "salvaged:<reason>:<r>=<n>,...:<seconds>".
+RECORD_PREFIX = "salvaged:"
+
+
+def truncation(
+    group: Group | None,
+    group_id: str,
+    census: Census,
+    k: int,
+    reason: str,
+    *,
+    ended_only: bool = False,
+) -> dict[str, str] | None:
+    """The sessions of a group to truncate, each with its reason, or None when it cannot be
+    salvaged.
+
+    Its sessions are those ``job_environments`` lists for it and those its rows show (the census
+    knows both), less those over-sampling excluded. A session with no row at all makes the group
+    unsalvageable; so do fewer than K completed and truncated sessions. A session that reached the
+    step cap is truncated as ``step_cap``, the others with ``reason``. ``ended_only`` (the step
+    cap, before any drop would be due): every unfinished session must have reached the step cap.
+    """
+    completed: Any = group.completed if group is not None else {}
+    sessions = set(census.sessions_of(group_id))
+    if group is not None:
+        sessions.update(group.sessions)
+        if group.excluded:
+            sessions -= group.excluded
+    capped = census.without_result
+    truncated: dict[str, str] = {}
+    for sid in sorted(sessions):
+        if sid in completed:
+            continue
+        if not census.has_row(sid) and (group is None or sid not in group.sessions):
+            return None  # listed, never wrote a row: nothing to serve for it
+        if sid in capped:
+            truncated[sid] = STEP_CAP
+        elif ended_only:
+            return None  # still running, as far as any sound signal says
+        else:
+            truncated[sid] = reason
+    if not truncated or len(completed) + len(truncated) < k:
+        return None
+    return truncated
+
+
+def trimmed(salvage: Salvage | None, completed: Any) -> Salvage | None:
+    """A group's salvage less the sessions that completed since (their terminal row came while it
+    waited to be served); None when none is left truncated."""
+    if salvage is None:
+        return None
+    sessions = {s: r for s, r in salvage.sessions.items() if s not in completed}
+    if len(sessions) == len(salvage.sessions):
+        return salvage
+    if not sessions:
+        return None
+    return dataclasses.replace(salvage, sessions=sessions)
+
+
+def served_sessions(
+    group: Group,
+) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]], Salvage | None]:
+    """A group taken by a poll: its served sessions' pks (completed, and truncated when salvaged:
+    those without a trainable row with none), its other sessions' pks, and its salvage."""
+    salvage = trimmed(group.salvage, group.completed)
+    completed: dict[str, tuple[int, ...]] = {}
+    incomplete: dict[str, tuple[int, ...]] = {}
+    truncated = salvage.sessions if salvage is not None else {}
+    for sid, pks in group.sessions.items():
+        served = sid in group.completed or sid in truncated
+        (completed if served else incomplete)[sid] = tuple(pks)
+    for sid in truncated:
+        completed.setdefault(sid, ())
+    return completed, incomplete, salvage
+
+
+def finish_reason(reason: str) -> str:
+    """A truncated session's last item's ``finish_reason``: the step cap is a length limit."""
+    return "length" if reason == STEP_CAP else "abort"
+
+
+def last_item_extra(reason: str) -> str:
+    """The ``extra_info`` keys (JSON text) a truncated session's last item adds."""
+    return f',"salvaged":"{reason}"'
+
+
+def truncated_terminals(
+    salvage: Salvage, prepared: list[tuple[Any, ...]]
+) -> dict[str, tuple[int, int, float]]:
+    """Each truncated session's terminal (step_id, step_pk, reward) for its items: its last row's,
+    with the salvage reward. ``prepared``: a group's validated rows, (session, step_id, pk, ...).
+    Raises Malformed when a truncated session has no row to serve (its last row vanished): the
+    group would have a hole."""
+    out: dict[str, tuple[int, int, float]] = {}
+    for sid in salvage.sessions:
+        last = max(((p[1], p[2]) for p in prepared if p[0] == sid), default=None)
+        if last is None:
+            raise Malformed("row_vanished", {})
+        out[sid] = (last[0], last[1], salvage.reward)
+    return out
+
+
+def record_reason(salvage: Salvage) -> str:
+    """The reason a served salvaged group is recorded with: its counts, restored at a restart."""
+    counts = Counter(salvage.sessions.values())
+    sessions = ",".join(f"{r}={counts[r]}" for r in sorted(counts))
+    return f"{RECORD_PREFIX}{salvage.reason}:{sessions}:{salvage.generation_s:.3f}"
+
+
+class Tally:
+    """The job's salvaged sessions and groups by reason, and the generation seconds they kept."""
+
+    def __init__(self) -> None:
+        self.sessions: Counter[str] = Counter()
+        self.groups: Counter[str] = Counter()
+        self.generation_s = 0.0
+
+    def served(self, salvage: Salvage) -> None:
+        """A salvaged group was served."""
+        self.groups[salvage.reason] += 1
+        self.sessions.update(salvage.sessions.values())
+        self.generation_s += salvage.generation_s
+
+    def load(self, text: str | None, n_groups: int) -> bool:
+        """Count ``n_groups`` served groups recorded with this reason; False when it is not a
+        salvaged group's (an unreadable one counts as a group of an unknown reason)."""
+        if not text or not text.startswith(RECORD_PREFIX):
+            return False
+        parts = text[len(RECORD_PREFIX) :].split(":")
+        try:
+            reason, sessions, seconds = parts
+            counts = {r: int(n) for r, n in (p.split("=") for p in sessions.split(",") if p)}
+            kept = float(seconds)
+        except ValueError:
+            self.groups["unknown"] += n_groups
+            return True
+        self.groups[reason] += n_groups
+        for r, n in counts.items():
+            self.sessions[r] += n * n_groups
+        self.generation_s += kept * n_groups
+        return True
+
+    def view(self) -> dict[str, Any]:
+        """``/stats`` ``salvaged``."""
+        return {
+            "sessions": dict(self.sessions),
+            "groups": dict(self.groups),
+            "generation_seconds_kept": round(self.generation_s, 3),
+        }
