@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rollout_buffer.core.model import LAUNCHER_EXITED, STEP_CAP, TTL, Salvage
+from rollout_buffer.core.model import LAUNCHER_EXITED, STEP_CAP, TTL, Policy, Salvage, Take
 from rollout_buffer.core.values import Malformed
 
 if TYPE_CHECKING:
@@ -139,6 +140,45 @@ def record_reason(salvage: Salvage) -> str:
     counts = Counter(salvage.sessions.values())
     sessions = ",".join(f"{r}={counts[r]}" for r in sorted(counts))
     return f"{RECORD_PREFIX}{salvage.reason}:{sessions}:{salvage.generation_s:.3f}"
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A served salvaged group's record, to build its items again (a replayed batch, a
+    redelivery): the reason it was decided with and the job's settings. Each truncated session's
+    reason is ``step_cap`` when its last row reached the step cap, else the group's (as when it
+    was served)."""
+
+    reason: str
+    max_steps: int | None
+    reward: float
+    last_row: bool
+
+    @classmethod
+    def of(cls, text: str | None, max_steps: int | None, policy: Policy) -> Recorded | None:
+        """The record of a salvaged group (its recorded reason), or None for any other group."""
+        if not text or not text.startswith(RECORD_PREFIX):
+            return None
+        reason = text[len(RECORD_PREFIX) :].split(":", 1)[0]
+        return cls(reason, max_steps, policy.salvage_reward, policy.message_cut <= 0)
+
+    def take(self, t: Take, rows_of: dict[str, list[tuple[int, int, bool]]]) -> Take:
+        """``t`` (rebuilt from the recorded rows) with its sessions without a completed row as the
+        truncated ones; ``rows_of``: their rows as (step_id, pk, trainable)."""
+        completed = dict(t.completed)
+        sessions: dict[str, str] = {}
+        last_rows: dict[str, int] = {}
+        for sid, rows in rows_of.items():
+            step, pk, _ = max(rows)
+            capped = self.max_steps is not None and step >= self.max_steps
+            sessions[sid] = STEP_CAP if capped else self.reason
+            completed[sid] = tuple(p for _, p, trainable in sorted(rows) if trainable)
+            if self.last_row:
+                last_rows[sid] = pk
+            else:
+                completed[sid] = tuple(p for _, p, _ in sorted(rows))
+        salvage = Salvage(sessions, self.reason, self.reward, self.last_row, last_rows)
+        return dataclasses.replace(t, completed=completed, incomplete={}, salvage=salvage)
 
 
 class Tally:

@@ -13,8 +13,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from rollout_buffer.core.items import COMPLETED, MESSAGES, RESPONSE, SID
+from rollout_buffer.core.items import COMPLETED, MESSAGES, RESPONSE, SID, STEP, TRAINABLE
 from rollout_buffer.core.model import Take
+from rollout_buffer.core.salvage import Recorded
 from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import Database
 
@@ -85,9 +86,24 @@ def with_last_rows(source: Database, job_id: str, takes: list[Take]) -> list[Tak
     return out
 
 
-def take_from_rows(group_id: str, pks: list[int], rows: dict[int, tuple[Any, ...]]) -> Take:
+def recorded_salvage(pair: Any, job_state: Any, group_id: str) -> Recorded | None:
+    """A served group's salvage record (issue 38), to build its items again; None for a group
+    that was not salvaged."""
+    decision = pair.store.group_decision(job_state.job_id, group_id)
+    accumulator = job_state.accumulator
+    return Recorded.of(
+        decision[1] if decision else None, accumulator.census.max_steps, accumulator.policy
+    )
+
+
+def take_from_rows(
+    group_id: str,
+    pks: list[int],
+    rows: dict[int, tuple[Any, ...]],
+    salvaged: Recorded | None = None,
+) -> Take:
     """Rebuild a served group's Take from its recorded pks: sessions with a completed row are
-    complete."""
+    complete; ``salvaged`` (a salvaged group's record): the others are its truncated sessions."""
     done = {r[SID] for r in rows.values() if r[COMPLETED]}
     completed: dict[str, list[int]] = {}
     incomplete: dict[str, list[int]] = {}
@@ -95,8 +111,17 @@ def take_from_rows(group_id: str, pks: list[int], rows: dict[int, tuple[Any, ...
         r = rows.get(pk)
         if r is not None:
             (completed if r[SID] in done else incomplete).setdefault(r[SID], []).append(pk)
-    return Take(
+    take = Take(
         group_id,
         {s: tuple(p) for s, p in completed.items()},
         {s: tuple(p) for s, p in incomplete.items()},
     )
+    if salvaged is None:
+        return take
+    rows_of: dict[str, list[tuple[int, int, bool]]] = {}
+    for sid, spks in incomplete.items():
+        for pk in spks:
+            r = rows[pk]
+            step = r[STEP] if isinstance(r[STEP], int) else -1  # (its build rejects the row)
+            rows_of.setdefault(sid, []).append((step, pk, bool(r[TRAINABLE])))
+    return salvaged.take(take, rows_of)

@@ -275,3 +275,33 @@ def test_at_message_cut_above_0_a_truncated_sessions_items_are_its_trainable_row
     stats = h.stats()
     assert stats["rows"]["served"] == 5 and stats["salvaged"]["sessions"] == {"step_cap": 1}
     assert_balanced(stats)
+
+
+def test_a_salvaged_batch_is_sent_again_byte_for_byte(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    """A retried poll (same request_id) gets the salvaged group as first sent: its truncated
+    sessions rebuilt from the recorded rows, with their reasons and rewards."""
+    h = start(harness_factory, db_url, proxy, ttl_s=1.0, salvage_reward=-1.0)
+    h.start(k=3)
+    writer.schedule("g", ["ok", "capped", "stuck"])
+    completed_session(writer, "g", "ok", 1.0)
+    writer.session("g", "capped", MAX_STEPS, trainable=False, complete=False)
+    writer.session("g", "stuck", 1, trainable=False, complete=False)
+    assert wait_until(lambda: h.stats()["groups"]["ready"] == 1, 15)
+    h.settle()
+    first = h.client.post("/get_rollout_data", json={"request_id": "r-1"})
+    again = h.client.post("/get_rollout_data", json={"request_id": "r-1"})
+    assert first.status_code == again.status_code == 200
+    doc = first.get_json()
+    sessions = by_session(groups_of(doc)["g"])
+    assert sessions["capped"][0]["extra_info"]["salvaged"] == "step_cap"
+    assert sessions["stuck"][0]["extra_info"]["salvaged"] == "incomplete_group_ttl"
+    assert sessions["stuck"][0]["reward"] == -1.0
+    replayed = again.get_json()
+    assert replayed["data"]["meta_info"].get("replayed") is True
+    assert replayed["data"]["data"] == doc["data"]["data"]
+    stats = h.stats()
+    assert stats["salvaged"]["sessions"] == {"step_cap": 1, "incomplete_group_ttl": 1}
+    assert stats["salvaged"]["groups"] == {"incomplete_group_ttl": 1}
+    assert_balanced(stats)
