@@ -325,6 +325,7 @@ class Accumulator(Handover, Policies):
             reason,
             self.policy.salvage_reward,
             self.policy.message_cut <= 0,
+            max_steps=self.census.max_steps,
         )
         self._became_ready(g, out)
         return True

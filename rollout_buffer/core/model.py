@@ -166,6 +166,7 @@ class Salvage:
     last_row: bool = True
     last_rows: dict[str, int] = field(default_factory=dict)
     generation_s: float = 0.0  # what generating the group cost (its sessions' seconds), when taken
+    max_steps: int | None = None  # the launcher's --max-steps (recorded: its items are rebuilt)
 
 
 @dataclass(frozen=True)

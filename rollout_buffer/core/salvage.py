@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rollout_buffer.core.model import LAUNCHER_EXITED, STEP_CAP, TTL, Policy, Salvage, Take
+from rollout_buffer.core.model import LAUNCHER_EXITED, STEP_CAP, TTL, Salvage, Take
 from rollout_buffer.core.values import Malformed
 
 if TYPE_CHECKING:
@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 TRUNCATE = "truncate"
 REASONS = (STEP_CAP, LAUNCHER_EXITED, TTL)
-# The reason a served salvaged group is recorded with: "salvaged:<reason>:<r>=<n>,...:<seconds>".
+# The reason a served salvaged group is recorded with (record_reason):
+# "salvaged:<reason>:<r>=<n>,...:<generation seconds>:<reward>:<max steps>:<last row 0|1>".
 RECORD_PREFIX = "salvaged:"
 
 
@@ -135,32 +136,32 @@ def truncated_terminals(
     return out
 
 
-def record_reason(salvage: Salvage) -> str:
-    """The reason a served salvaged group is recorded with: its counts, restored at a restart."""
-    counts = Counter(salvage.sessions.values())
-    sessions = ",".join(f"{r}={counts[r]}" for r in sorted(counts))
-    return f"{RECORD_PREFIX}{salvage.reason}:{sessions}:{salvage.generation_s:.3f}"
-
-
 @dataclass(frozen=True)
 class Recorded:
     """A served salvaged group's record, to build its items again (a replayed batch, a
-    redelivery): the reason it was decided with and the job's settings. Each truncated session's
+    redelivery, the export), with the settings it was served under. Each truncated session's
     reason is ``step_cap`` when its last row reached the step cap, else the group's (as when it
     was served)."""
 
     reason: str
-    max_steps: int | None
+    sessions: dict[str, int]  # truncated sessions by reason
+    generation_s: float
     reward: float
+    max_steps: int | None
     last_row: bool
 
     @classmethod
-    def of(cls, text: str | None, max_steps: int | None, policy: Policy) -> Recorded | None:
-        """The record of a salvaged group (its recorded reason), or None for any other group."""
+    def of(cls, text: str | None) -> Recorded | None:
+        """The record of a salvaged group (its recorded reason, :func:`record_reason`), or None
+        for any other group; raises ValueError for a salvage record it cannot read."""
         if not text or not text.startswith(RECORD_PREFIX):
             return None
-        reason = text[len(RECORD_PREFIX) :].split(":", 1)[0]
-        return cls(reason, max_steps, policy.salvage_reward, policy.message_cut <= 0)
+        reason, sessions, seconds, reward, max_steps, last_row = text[len(RECORD_PREFIX) :].split(
+            ":"
+        )
+        counts = {r: int(n) for r, n in (p.split("=") for p in sessions.split(",") if p)}
+        steps = int(max_steps) if max_steps else None
+        return cls(reason, counts, float(seconds), float(reward), steps, last_row == "1")
 
     def take(self, t: Take, rows_of: dict[str, list[tuple[int, int, bool]]]) -> Take:
         """``t`` (rebuilt from the recorded rows) with its sessions without a completed row as the
@@ -172,13 +173,26 @@ class Recorded:
             step, pk, _ = max(rows)
             capped = self.max_steps is not None and step >= self.max_steps
             sessions[sid] = STEP_CAP if capped else self.reason
-            completed[sid] = tuple(p for _, p, trainable in sorted(rows) if trainable)
             if self.last_row:
+                completed[sid] = tuple(p for _, p, trainable in sorted(rows) if trainable)
                 last_rows[sid] = pk
             else:
                 completed[sid] = tuple(p for _, p, _ in sorted(rows))
-        salvage = Salvage(sessions, self.reason, self.reward, self.last_row, last_rows)
+        salvage = Salvage(
+            sessions, self.reason, self.reward, self.last_row, last_rows, max_steps=self.max_steps
+        )
         return dataclasses.replace(t, completed=completed, incomplete={}, salvage=salvage)
+
+
+def record_reason(salvage: Salvage) -> str:
+    """The reason a served salvaged group is recorded with: what rebuilding its items needs (the
+    settings it was served under) and its counts, restored at a restart."""
+    counts = Counter(salvage.sessions.values())
+    sessions = ",".join(f"{r}={counts[r]}" for r in sorted(counts))
+    return (
+        f"{RECORD_PREFIX}{salvage.reason}:{sessions}:{salvage.generation_s:.3f}:"
+        f"{salvage.reward!r}:{salvage.max_steps or ''}:{int(salvage.last_row)}"
+    )
 
 
 class Tally:
@@ -198,20 +212,17 @@ class Tally:
     def load(self, text: str | None, n_groups: int) -> bool:
         """Count ``n_groups`` served groups recorded with this reason; False when it is not a
         salvaged group's (an unreadable one counts as a group of an unknown reason)."""
-        if not text or not text.startswith(RECORD_PREFIX):
-            return False
-        parts = text[len(RECORD_PREFIX) :].split(":")
         try:
-            reason, sessions, seconds = parts
-            counts = {r: int(n) for r, n in (p.split("=") for p in sessions.split(",") if p)}
-            kept = float(seconds)
+            record = Recorded.of(text)
         except ValueError:
             self.groups["unknown"] += n_groups
             return True
-        self.groups[reason] += n_groups
-        for r, n in counts.items():
+        if record is None:
+            return False
+        self.groups[record.reason] += n_groups
+        for r, n in record.sessions.items():
             self.sessions[r] += n * n_groups
-        self.generation_s += kept * n_groups
+        self.generation_s += record.generation_s * n_groups
         return True
 
     def view(self) -> dict[str, Any]:

@@ -60,7 +60,7 @@ def _take_again(pair: Pair, job_state: Any, gid: str) -> Take | None:
     nor with fewer sessions than the K in force, but as a partial group when those are on."""
     pks = pair.store.group_pks(job_state.job_id, gid)
     rows = fetch_rows(pair.source, pks)
-    t = take_from_rows(gid, pks, rows, recorded_salvage(pair, job_state, gid))
+    t = take_from_rows(gid, pks, rows, recorded_salvage(pair.store, job_state.job_id, gid))
     k, accumulator = job_state.accumulator.k, job_state.accumulator
     if not (pks and len(rows) == len(pks) and t.completed):
         reason = ROWS_MISSING

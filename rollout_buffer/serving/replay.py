@@ -194,7 +194,7 @@ class Replayer:
         for gid in batch.group_ids:
             pks = pair.store.group_pks(job_state.job_id, gid)
             rows = fetch_rows(pair.source, pks)
-            salvaged = recorded_salvage(pair, job_state, gid)
+            salvaged = recorded_salvage(pair.store, job_state.job_id, gid)
             if len(rows) < len(pks):  # pruned from session_steps: never a group short of a row
                 raise Expired(
                     f"the batch of request_id {batch.request_id!r} cannot be sent again whole: "

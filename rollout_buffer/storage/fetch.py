@@ -86,14 +86,11 @@ def with_last_rows(source: Database, job_id: str, takes: list[Take]) -> list[Tak
     return out
 
 
-def recorded_salvage(pair: Any, job_state: Any, group_id: str) -> Recorded | None:
+def recorded_salvage(store: Any, job_id: str, group_id: str) -> Recorded | None:
     """A served group's salvage record (issue 38), to build its items again; None for a group
     that was not salvaged."""
-    decision = pair.store.group_decision(job_state.job_id, group_id)
-    accumulator = job_state.accumulator
-    return Recorded.of(
-        decision[1] if decision else None, accumulator.census.max_steps, accumulator.policy
-    )
+    decision = store.group_decision(job_id, group_id)
+    return Recorded.of(decision[1] if decision else None)
 
 
 def take_from_rows(

@@ -14,6 +14,10 @@ import pytest
 from fakes.fake_proxy import FakeProxy
 from support import Writer, assert_balanced, groups_of, wait_until
 
+from rollout_buffer.storage.db import connect
+from rollout_buffer.tools import export as export_mod
+from rollout_buffer.tools.stats_table import format_stats
+
 FAKE_LAUNCHER = Path(__file__).resolve().parent.parent / "fakes" / "fake_launcher.py"
 MAX_STEPS = 3
 
@@ -104,6 +108,9 @@ def test_a_step_capped_session_is_served_truncated_from_its_last_row(
     # a salvaged session is served, not dropped: never cleared at the proxy
     h.settle()
     assert all("capped" not in sessions for sessions in cleared(proxy).values())
+    assert h.client.get("/status").get_json()["stats"]["salvaged"] == stats["salvaged"]
+    page = h.client.get("/").get_data(as_text=True)
+    assert 'id="salvaged"' in page and "s.salvaged" in page  # the page shows them
     metrics = h.client.get("/metrics").get_data(as_text=True)
     for kind in ("sessions", "groups"):
         name = f"rollout_buffer_{kind}_salvaged_total"
@@ -277,8 +284,8 @@ def test_at_message_cut_above_0_a_truncated_sessions_items_are_its_trainable_row
     assert_balanced(stats)
 
 
-def test_a_salvaged_batch_is_sent_again_byte_for_byte(
-    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+def test_a_salvaged_batch_is_sent_again_byte_for_byte_and_exported(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy, tmp_path: Path
 ) -> None:
     """A retried poll (same request_id) gets the salvaged group as first sent: its truncated
     sessions rebuilt from the recorded rows, with their reasons and rewards."""
@@ -305,3 +312,19 @@ def test_a_salvaged_batch_is_sent_again_byte_for_byte(
     assert stats["salvaged"]["sessions"] == {"step_cap": 1, "incomplete_group_ttl": 1}
     assert stats["salvaged"]["groups"] == {"incomplete_group_ttl": 1}
     assert_balanced(stats)
+    table = format_stats(stats)
+    assert "salvaged" in table and "incomplete_group_ttl: 1" in table
+    # the export shows the salvaged sessions, and the items exactly as the trainer got them
+    db = connect(db_url)
+    try:
+        export_mod.export(db, db, "job1", str(tmp_path / "x.jsonl"))
+    finally:
+        db.close()
+    (record,) = export_mod.read_export(str(tmp_path / "x.jsonl"))
+    assert record["status"] == "served"
+    assert record["salvaged"] == {"capped": "step_cap", "stuck": "incomplete_group_ttl"}
+    assert record["items"] == doc["data"]["data"]
+    outcomes = {
+        step["step_pk"]: step["outcome"] for sess in record["sessions"] for step in sess["steps"]
+    }
+    assert set(outcomes.values()) == {"served"}
