@@ -1,0 +1,105 @@
+"""Salvage (issue 38) in the accumulator, without a server: what pacing learns of a group being
+salvaged (in progress until served, never a drop), and the record that keeps the counts."""
+
+from __future__ import annotations
+
+from rollout_buffer.core.accumulator import Accumulator
+from rollout_buffer.core.census import StepFact
+from rollout_buffer.core.model import Decisions, Policy, Row, Salvage, Served
+from rollout_buffer.core.salvage import Recorded, Tally, record_reason
+from rollout_buffer.pacing.budget import Budget
+
+
+def pacing_and_accumulator(clock: list[float]) -> tuple[Budget, Accumulator]:
+    budget = Budget(
+        staleness=1,
+        max_off_policy=None,
+        batch_groups=4,
+        session_timeout_s=3600.0,
+        clock=lambda: clock[0],
+    )
+    acc = Accumulator(
+        "j",
+        2,
+        clock=lambda: clock[0],
+        policy=Policy(salvage="truncate"),
+        max_steps=3,
+        changes=budget.publish,
+    )
+    return budget, acc
+
+
+def counted(budget: Budget) -> dict[str, int]:
+    with budget.lock:
+        budget.read_inbox()
+        return budget.terms()
+
+
+def test_pacing_counts_a_group_being_salvaged_until_it_is_served() -> None:
+    clock = [0.0]
+    budget, acc = pacing_and_accumulator(clock)
+    acc.observe([("a", "g"), ("b", "g")], [])
+    acc.ingest([Row(1, "a", "g", 1, 2, 1.0, 0)])
+    acc.observe([], [StepFact("b", "g", 1, False), StepFact("b", "g", 2, False)])
+    assert counted(budget)["in_progress"] == 1  # b still runs: nothing decided
+    acc.observe([], [StepFact("b", "g", 3, False)])  # b reached the step cap
+    terms = counted(budget)
+    assert (terms["in_progress"], terms["ready"]) == (0, 1)  # being salvaged, still counted
+    assert "g" not in budget.decided
+    (take,) = acc.take_ready(None)
+    assert take.salvage is not None and take.salvage.sessions == {"b": "step_cap"}
+    assert counted(budget)["ready"] == 1  # taken by a poll: not served yet
+    acc.commit(Decisions(served=[Served(take, "batch-1")]))
+    assert counted(budget)["ready"] == 0
+    assert budget.served == 1 and "g" in budget.decided and budget.groups == {}
+
+
+def test_pacing_never_sees_a_group_salvaged_at_the_ttl_as_dropped() -> None:
+    clock = [0.0]
+    budget, acc = pacing_and_accumulator(clock)
+    acc.observe([("a", "g"), ("b", "g")], [StepFact("b", "g", 1, False)])
+    acc.ingest([Row(1, "a", "g", 1, 2, 1.0, 0)])
+    clock[0] = 100.0
+    plan = acc.expire(50.0)
+    assert not plan.drops and plan.newly_ready == 1
+    assert counted(budget)["ready"] == 1 and "g" not in budget.decided
+
+
+def test_a_listed_session_without_a_row_is_never_salvaged() -> None:
+    clock = [0.0]
+    _budget, acc = pacing_and_accumulator(clock)
+    acc.observe([("a", "g"), ("b", "g")], [])
+    acc.ingest([Row(1, "a", "g", 1, 2, 1.0, 0)])
+    clock[0] = 100.0
+    plan = acc.expire(50.0)
+    assert [d.reason for d in plan.drops] == ["incomplete_group_ttl"]
+    assert plan.drops[0].clear_sessions == ["a", "b"]
+    assert acc.stats()["salvaged"]["groups"] == {}
+
+
+def test_the_record_keeps_what_rebuilding_and_counting_need() -> None:
+    salvage = Salvage(
+        {"b": "step_cap", "c": "launcher_exited"},
+        "launcher_exited",
+        -0.5,
+        True,
+        generation_s=12.25,
+        max_steps=10,
+    )
+    text = record_reason(salvage)
+    record = Recorded.of(text)
+    assert record is not None
+    assert (record.reason, record.reward, record.max_steps, record.last_row) == (
+        "launcher_exited",
+        -0.5,
+        10,
+        True,
+    )
+    tally = Tally()
+    assert tally.load(text, 2) and not tally.load("partial", 1) and not tally.load(None, 1)
+    assert tally.view() == {
+        "sessions": {"step_cap": 2, "launcher_exited": 2},
+        "groups": {"launcher_exited": 2},
+        "generation_seconds_kept": 24.5,
+    }
+    assert tally.load("salvaged:garbled", 1) and tally.groups["unknown"] == 1
