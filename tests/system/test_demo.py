@@ -119,8 +119,11 @@ def test_demo_with_policies_shows_their_counts(tmp_path: Path) -> None:
     assert f"oversampled {m.group(3)} rows:" in differ, out
 
 
-def _demo(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+def _demo(
+    *args: str, extra_env: dict[str, str] | None = None, **kw: object
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES)}
+    env.update(extra_env or {})
     return subprocess.run(
         [sys.executable, "-m", "rollout_buffer", "demo", *args],
         cwd=ROOT,
@@ -261,32 +264,10 @@ def test_demo_with_salvage_drops_only_groups_with_a_session_that_wrote_no_row(
     with a crashed or step-capped session are served truncated, and only the one group whose
     session failed before writing any row is dropped (seed 15 plays such a group, and three that
     salvage keeps: the summary's checks compare both with the simulator's own counts)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES)}
-    env["ROLLOUT_BUFFER_SALVAGE"] = "truncate"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rollout_buffer",
-            "demo",
-            "--groups",
-            "8",
-            "--k",
-            "3",
-            "--seed",
-            "15",
-            "--pace",
-            "0.001",
-            "--dir",
-            str(tmp_path / "demo"),
-            "--timeout",
-            "100",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = _demo(
+        *("--groups", "8", "--k", "3", "--seed", "15", "--pace", "0.001"),
+        *("--dir", str(tmp_path / "demo"), "--timeout", "100"),
+        extra_env={"ROLLOUT_BUFFER_SALVAGE": "truncate"},
     )
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{proc.stderr}"
