@@ -171,15 +171,18 @@ def drain_cost(runs: int, groups: int) -> int:
                 r = figures[salvage][-1]
                 print(
                     f"run {run + 1} salvage={salvage:8s} {r['groups_per_s']:8.1f} groups/s "
-                    f"{r['items_per_s']:9.1f} items/s",
+                    f"{r['items_per_s']:9.1f} items/s  server CPU {r['cpu_s']:6.2f} s",
                     flush=True,
                 )
     med = {
-        s: {key: statistics.median(r[key] for r in rs) for key in ("groups_per_s", "items_per_s")}
+        s: {
+            key: statistics.median(r[key] for r in rs)
+            for key in ("groups_per_s", "items_per_s", "cpu_s")
+        }
         for s, rs in figures.items()
     }
     print(f"\nmedian of {runs}: salvage off / on")
-    for key in ("groups_per_s", "items_per_s"):
+    for key in ("groups_per_s", "items_per_s", "cpu_s"):
         off, on = med["off"][key], med["truncate"][key]
         print(f"  {key:13s} {off:9.1f} {on:9.1f}  on/off {on / off:.3f}")
     return 0
@@ -217,13 +220,25 @@ def _drain_once(trial: str, db: str, salvage: str, expect: int) -> dict[str, Any
             check=True,
             capture_output=True,
         )
+        cpu = _cpu_s(keys.get("MEM_PIDS", keys["PID"]))
     finally:
         subprocess.run(
             [sys.executable, peer, "stop", keys["PID"]], check=False, capture_output=True
         )
 
     with open(out) as fh:
-        return json.load(fh)
+        return {**json.load(fh), "cpu_s": cpu}
+
+
+def _cpu_s(pids: str) -> float:
+    """CPU seconds (user + system) the server's processes used so far: a figure that the other
+    loads of a shared machine disturb less than the wall clock."""
+    total = 0
+    for pid in pids.split(","):
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -328,3 +328,24 @@ def test_a_salvaged_batch_is_sent_again_byte_for_byte_and_exported(
         step["step_pk"]: step["outcome"] for sess in record["sessions"] for step in sess["steps"]
     }
     assert set(outcomes.values()) == {"served"}
+
+
+def test_a_truncated_session_that_completes_before_its_group_is_served_is_served_completed(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    """Its terminal row came while its salvaged group waited for a poll: the session is served as
+    any completed one (its terminal row, its reward), and the group is salvaged no more."""
+    h = start(harness_factory, db_url, proxy)
+    h.start(k=2)
+    writer.schedule("g", ["ok", "capped"])
+    completed_session(writer, "g", "ok", 1.0)
+    writer.session("g", "capped", MAX_STEPS, trainable=False, complete=False)
+    assert wait_until(lambda: h.stats()["groups"]["ready"] == 1, 10)
+    terminal = writer.step("g", "capped", MAX_STEPS + 1, completed=True, step_reward=0.5)
+    h.settle()
+    (item,) = by_session(groups_of(h.poll())["g"])["capped"]
+    assert item["extra_info"]["step_pk"] == terminal and item["reward"] == 0.5
+    assert "salvaged" not in item["extra_info"]
+    stats = h.stats()
+    assert stats["salvaged"]["groups"] == {} and stats["rows"]["served"] == 2
+    assert_balanced(stats)
