@@ -29,7 +29,7 @@ from rollout_buffer.core.model import (
     Take,
 )
 from rollout_buffer.core.ready import ReadyQueue
-from rollout_buffer.core.salvage import served_sessions
+from rollout_buffer.core.salvage import served_sessions, unread
 
 
 class Handover:
@@ -168,6 +168,8 @@ class Handover:
                 self._settle(g, out, LATE_DROPPED)
                 self.decided[d.group_id] = DROPPED
                 self.census.settle(d.group_id, d.reason)
+                if g.salvage is not None:  # refused when built: its last rows were read then
+                    self.counts.rows_read += unread(g, d.group_id, d.pks, plan.rows)
                 self.counts.group_dropped(d.reason, len(d.pks), len(d.clear_sessions), d.rewards)
             for r in plan.rows:
                 if r.outcome == REJECTED and r.group_id in settled:

@@ -24,7 +24,15 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from rollout_buffer.core.model import LAUNCHER_EXITED, STEP_CAP, TTL, Salvage, Take
+from rollout_buffer.core.model import (
+    LAUNCHER_EXITED,
+    REJECTED,
+    STEP_CAP,
+    TTL,
+    RowEvent,
+    Salvage,
+    Take,
+)
 from rollout_buffer.core.values import Malformed
 
 if TYPE_CHECKING:
@@ -108,6 +116,16 @@ def served_sessions(
     for sid in truncated:
         completed.setdefault(sid, ())
     return completed, incomplete, salvage
+
+
+def unread(group: Group, group_id: str, pks: list[int], rows: list[RowEvent]) -> int:
+    """The rows a decision of a salvaged group accounts (``pks``, and its rows rejected among
+    ``rows``) that ingest never read: its truncated sessions' last rows, read when it was built.
+    They count as read then, so the accounting balances."""
+    read = {pk for spks in group.sessions.values() for pk in spks}
+    accounted = set(pks)
+    accounted.update(r.step_pk for r in rows if r.group_id == group_id and r.outcome == REJECTED)
+    return len(accounted - read)
 
 
 def finish_reason(reason: str) -> str:

@@ -349,3 +349,26 @@ def test_a_truncated_session_that_completes_before_its_group_is_served_is_served
     stats = h.stats()
     assert stats["salvaged"]["groups"] == {} and stats["rows"]["served"] == 2
     assert_balanced(stats)
+
+
+def test_a_truncated_sessions_last_row_that_cannot_be_an_item_drops_its_group_accounted(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    """A hostile last row (its messages are not JSON): the group is dropped as malformed_row,
+    the row is rejected with its reason, and the accounting balances (it was read to build it)."""
+    h = start(harness_factory, db_url, proxy)
+    h.start(k=2)
+    writer.schedule("g", ["ok", "capped"])
+    completed_session(writer, "g", "ok", 1.0)
+    writer.session("g", "capped", MAX_STEPS - 1, trainable=False, complete=False)
+    bad = writer.step("g", "capped", MAX_STEPS, trainable=False, messages="{not json")
+    assert wait_until(lambda: h.stats()["groups"]["ready"] == 1, 10)
+    assert not h.poll()["success"]
+    stats = h.stats()
+    assert stats["groups"]["dropped"] == {"malformed_row": 1}, stats["groups"]
+    assert stats["rows"]["rejected_total"] == 1 and stats["rows"]["read"] == 2, stats["rows"]
+    assert stats["salvaged"]["groups"] == {}
+    assert_balanced(stats)
+    assert wait_until(lambda: "malformed_row" in cleared(proxy), 10)
+    assert cleared(proxy)["malformed_row"] == {"ok", "capped"}
+    assert bad > 0
