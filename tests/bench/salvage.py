@@ -184,7 +184,7 @@ def drain_cost(runs: int, groups: int) -> int:
     print(f"\nmedian of {runs}: salvage off / on")
     for key in ("groups_per_s", "items_per_s", "cpu_s"):
         off, on = med["off"][key], med["truncate"][key]
-        print(f"  {key:13s} {off:9.1f} {on:9.1f}  on/off {on / off:.3f}")
+        print(f"  {key:13s} {off:9.2f} {on:9.2f}  on/off {on / off:.3f}")
     return 0
 
 
