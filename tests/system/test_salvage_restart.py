@@ -29,8 +29,8 @@ def test_a_salvaged_group_is_served_once_across_kill_9(db_url: str, tmp_path: Pa
     def stats() -> dict:
         return requests.get(srv.url + "/stats", timeout=10).json()
 
-    def poll() -> dict:
-        return requests.post(srv.url + "/get_rollout_data", json={}, timeout=30).json()
+    def poll(**body: str) -> dict:
+        return requests.post(srv.url + "/get_rollout_data", json=body, timeout=30).json()
 
     try:
         r = requests.post(
@@ -47,7 +47,7 @@ def test_a_salvaged_group_is_served_once_across_kill_9(db_url: str, tmp_path: Pa
         kill9(srv)  # salvaged, not served: the restarted service decides it again
         srv.start()
         assert wait_until(lambda: stats().get("groups", {}).get("ready") == 1, 20), stats()
-        doc = poll()
+        doc = poll(request_id="r-1")
         items = groups_of(doc)["g"]
         truncated = [i for i in items if i["extra_info"].get("salvaged")]
         assert [i["extra_info"]["step_pk"] for i in truncated] == [capped[-1]]
@@ -71,6 +71,10 @@ def test_a_salvaged_group_is_served_once_across_kill_9(db_url: str, tmp_path: Pa
         assert after["groups"]["served"] == 1
         assert after["rows"]["served"] == served["rows"]["served"] == 2
         assert after["accounting_balanced"], after["rows"]
+        # the trainer lost the answer: its retry gets the salvaged group as first sent
+        again = poll(request_id="r-1")
+        assert again["data"]["meta_info"]["replayed"] is True
+        assert again["data"]["data"] == doc["data"]["data"]
         assert not poll()["success"]
     finally:
         w.close()
