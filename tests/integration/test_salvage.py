@@ -372,3 +372,49 @@ def test_a_truncated_sessions_last_row_that_cannot_be_an_item_drops_its_group_ac
     assert wait_until(lambda: "malformed_row" in cleared(proxy), 10)
     assert cleared(proxy)["malformed_row"] == {"ok", "capped"}
     assert bad > 0
+
+
+def test_without_job_environments_a_groups_sessions_are_those_its_rows_show(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    """No listing: a group whose K sessions all wrote rows is salvaged at the step cap; one with
+    fewer sessions seen than K cannot be (the missing one may not have started) and waits."""
+    h = start(harness_factory, db_url, proxy)
+    h.start(k=2)
+    completed_session(writer, "seen", "s-ok", 1.0)
+    writer.session("seen", "s-capped", MAX_STEPS, trainable=False, complete=False)
+    writer.session("short", "t-capped", MAX_STEPS, trainable=False, complete=False)
+    assert wait_until(lambda: h.stats()["groups"]["ready"] == 1, 10)
+    got = groups_of(h.poll())
+    assert set(got) == {"seen"}
+    assert by_session(got["seen"])["s-capped"][0]["extra_info"]["salvaged"] == "step_cap"
+    stats = h.stats()
+    assert stats["groups"]["dropped_total"] == 0 and stats["sessions"]["known"] == 3
+    assert_balanced(stats)
+
+
+def test_a_redelivered_salvaged_group_keeps_its_truncated_sessions(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    """The trainer crashed before its checkpoint held the group: it is delivered again, rebuilt
+    from its record, with the same truncated session, reason and reward."""
+    h = start(harness_factory, db_url, proxy, salvage_reward=-1.0)
+    h.start(k=2)
+    writer.schedule("g", ["ok", "capped"])
+    completed_session(writer, "g", "ok", 1.0)
+    writer.session("g", "capped", MAX_STEPS, trainable=False, complete=False)
+    assert wait_until(lambda: h.stats()["groups"]["ready"] == 1, 10)
+    first = by_session(groups_of(h.poll())["g"])
+    r = h.start(k=2, restart_training=False, skip_instance_ids=["other"])
+    assert r["redelivery"]["queued"] == 1, r
+    again = by_session(groups_of(h.poll())["g"])
+    (item,) = again["capped"]
+    assert item["extra_info"]["redelivered"] is True
+    assert item["extra_info"]["salvaged"] == "step_cap" and item["reward"] == -1.0
+    for sid in ("ok", "capped"):
+        (a,), (b,) = first[sid], again[sid]
+        assert a["messages"] == b["messages"] and a["reward"] == b["reward"]
+        assert {k: v for k, v in a["extra_info"].items() if k != "redelivered"} == {
+            k: v for k, v in b["extra_info"].items() if k != "redelivered"
+        }
+    assert_balanced(h.stats())
