@@ -3,8 +3,12 @@ salvaged (in progress until served, never a drop), and the record that keeps the
 
 from __future__ import annotations
 
+import pytest
+
 from rollout_buffer.core.accumulator import Accumulator
 from rollout_buffer.core.census import StepFact
+from rollout_buffer.core.config import Config
+from rollout_buffer.core.errors import ConfigError
 from rollout_buffer.core.model import Decisions, Policy, Row, Salvage, Served
 from rollout_buffer.core.salvage import Recorded, Tally, record_reason
 from rollout_buffer.pacing.budget import Budget
@@ -103,3 +107,17 @@ def test_the_record_keeps_what_rebuilding_and_counting_need() -> None:
         "generation_seconds_kept": 24.5,
     }
     assert tally.load("salvaged:garbled", 1) and tally.groups["unknown"] == 1
+
+
+def test_the_settings_are_strict_and_off_by_default() -> None:
+    assert Config.from_env({}).policy.salvage == "off"
+    config = Config.from_env(
+        {"ROLLOUT_BUFFER_SALVAGE": "truncate", "ROLLOUT_BUFFER_SALVAGE_REWARD": "-1.5"}
+    )
+    assert (config.policy.salvage, config.policy.salvage_reward) == ("truncate", -1.5)
+    for name, bad in (
+        ("ROLLOUT_BUFFER_SALVAGE", "rerun"),
+        ("ROLLOUT_BUFFER_SALVAGE_REWARD", "nan"),
+    ):
+        with pytest.raises(ConfigError, match=name):
+            Config.from_env({name: bad})
