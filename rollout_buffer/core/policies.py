@@ -20,6 +20,7 @@ from rollout_buffer.core.census import Census
 from rollout_buffer.core.group import Group, Undecided
 from rollout_buffer.core.model import OVERSAMPLED, ROW_DROPPED, TTL, Decisions, Policy, RowEvent
 from rollout_buffer.core.ready import ReadyQueue
+from rollout_buffer.core.salvage import served_count
 from rollout_buffer.core.versions import Versions
 
 
@@ -153,10 +154,11 @@ class Policies:
             moved, out = False, Decisions()
             for gid, g in list(self.ready.items()):
                 if (
-                    len(g.completed) < k
+                    served_count(g) < k
                 ):  # K was raised: not ready any more (and open to more sessions)
                     del self.ready[gid]
                     self.pending[gid], g.chosen, moved = g, None, True
+                    g.salvage = None  # short of the new K: salvaged again (or not) when it ends
                     self.census.publish(("started", gid))  # in progress again
                 elif len(g.completed) > k:  # K was lowered: over-sampling keeps the first K
                     self._choose(g, out)

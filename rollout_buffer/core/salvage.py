@@ -128,6 +128,13 @@ def unread(group: Group, group_id: str, pks: list[int], rows: list[RowEvent]) ->
     return len(accounted - read)
 
 
+def served_count(group: Group) -> int:
+    """The sessions a ready group would serve: its completed ones and, salvaged, its truncated
+    ones (the K in force applies to both)."""
+    salvage = trimmed(group.salvage, group.completed)
+    return len(group.completed) + (len(salvage.sessions) if salvage is not None else 0)
+
+
 def finish_reason(reason: str) -> str:
     """A truncated session's last item's ``finish_reason``: the step cap is a length limit."""
     return "length" if reason == STEP_CAP else "abort"

@@ -121,3 +121,28 @@ def test_the_settings_are_strict_and_off_by_default() -> None:
     ):
         with pytest.raises(ConfigError, match=name):
             Config.from_env({name: bad})
+
+
+def test_a_change_of_k_counts_a_salvaged_groups_truncated_sessions() -> None:
+    """Lowered: a salvaged group with enough completed and truncated sessions stays ready.
+    Raised past them: it waits again, salvaged no more until it ends again."""
+    clock = [0.0]
+    _budget, acc = pacing_and_accumulator(clock)
+    acc.set_k(3)
+    acc.observe([("a", "g"), ("b", "g"), ("c", "g")], [])
+    acc.ingest([Row(1, "a", "g", 1, 2, 1.0, 0)])
+    acc.observe([], [StepFact(s, "g", 3, False) for s in ("b", "c")])
+    assert acc.stats()["groups"]["ready"] == 1
+    acc.set_k(2)
+    assert acc.stats()["groups"]["ready"] == 1  # 1 completed + 2 truncated >= 2
+    acc.set_k(4)
+    assert acc.stats()["groups"]["pending"] == 1 and acc.stats()["groups"]["ready"] == 0
+    acc.set_k(3)
+    assert acc.stats()["groups"]["ready"] == 0  # pending: decided again at the TTL
+    clock[0] = 100.0
+    plan = acc.expire(50.0)
+    assert plan.newly_ready == 1 and not plan.drops
+    (take,) = acc.take_ready(None)
+    assert take.salvage is not None
+    assert take.salvage.sessions == {"b": "step_cap", "c": "step_cap"}
+    assert take.salvage.reason == "incomplete_group_ttl"
