@@ -224,10 +224,12 @@ def summarize(
     sim = launcher_summary((stats.get("launcher") or {}).get("log_path"))
     by_policy = {k: v for k, v in (g.get("dropped") or {}).items() if k in POLICY_REASONS}
     kept = sum(((stats.get("salvaged") or {}).get("groups") or {}).values()) if salvage else 0
-    if salvage and sim is not None and not timed_out:
+    if salvage and not policies and sim is not None and not timed_out:
+        # (with the policies too, their check below holds: they drop some groups salvage kept)
         problems += salvage_problems(sim, g, kept, len(checker.groups))
     elif (
-        sim is not None
+        not salvage
+        and sim is not None
         and not timed_out
         and not policies
         and sim.get("complete_groups") != len(checker.groups)
