@@ -157,6 +157,24 @@ class Writer:
         self.db.execute(launcher_sql.INSERT_STEP, row)
         return int(self.db.scalar("SELECT MAX(id) FROM session_steps"))
 
+    def schedule(self, group: str, sessions: list[str], job: str | None = None) -> None:
+        """job_environments rows, as the launcher writes them when it starts."""
+        for sid in sessions:
+            self.db.execute(
+                launcher_sql.INSERT_ENV,
+                (
+                    job or self.job,
+                    sid,
+                    "env",
+                    json.dumps({"task": group}),
+                    None,
+                    group,
+                    0,
+                    0,
+                    now_text(),
+                ),
+            )
+
     def session(
         self,
         group: str,

@@ -136,9 +136,9 @@ class Census:
                 doomed.add(fact.group_id)
         return doomed
 
-    def settle(self, group_id: str, outcome: str) -> None:
+    def settle(self, group_id: str, outcome: str) -> float:
         """The group was decided (``served``, or dropped with reason ``outcome``): its sessions'
-        generation figures go to that outcome and are forgotten."""
+        generation figures go to that outcome and are forgotten. Returns its generation seconds."""
         seconds = 0.0
         rows = 0
         sessions = self.group_sessions.pop(group_id, set())
@@ -161,6 +161,20 @@ class Census:
         self.publish(("decided", group_id, outcome == "served"))
         target = self.served if outcome == "served" else self.discarded[outcome]
         target.add(len(sessions), rows, seconds)
+        return seconds
+
+    def seconds_of(self, group_id: str) -> float:
+        """What generating the group has cost so far: its sessions' generation seconds."""
+        timing = self.timing
+        return sum(
+            t[1] - t[0]
+            for t in (timing.get(s) for s in self.sessions_of(group_id))
+            if t is not None
+        )
+
+    def has_row(self, session_id: str) -> bool:
+        """The session wrote a row of any kind (known until its group is decided)."""
+        return session_id in self.timing
 
     def waste(self) -> dict[str, object]:
         """Served against discarded groups, by reason, with the share discarded."""

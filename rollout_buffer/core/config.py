@@ -75,6 +75,8 @@ class Config:
     min_group_size: int | None = None
     serve_order: str = "ready"
     max_version_jump: int | None = 1000
+    salvage: str = "off"
+    salvage_reward: float = 0.0
     max_request_bytes: int = 1024 * 1024
     ingest_interval_s: float = 0.2
     ingest_batch: int = 20000
@@ -165,6 +167,9 @@ class Config:
             self.min_group_size,
             self.serve_order,
             self.max_version_jump,
+            salvage=self.salvage,
+            salvage_reward=self.salvage_reward,
+            message_cut=self.message_cut,
         )
 
     @property

@@ -192,6 +192,22 @@ SETTINGS: tuple[Setting, ...] = (
         "only when two complete groups agree (unset: no bound)",
     ),
     Setting(
+        "salvage",
+        PREFIX + "SALVAGE",
+        "off",
+        choice("off", "truncate"),
+        "a group whose sessions ended without a result (step_cap, launcher_exited, "
+        "incomplete_group_ttl), each with a row, is served with them truncated: off or truncate "
+        "(see docs/policies.md)",
+    ),
+    Setting(
+        "salvage_reward",
+        PREFIX + "SALVAGE_REWARD",
+        0.0,
+        number(),
+        "the terminal reward of every item of a session truncated by ROLLOUT_BUFFER_SALVAGE",
+    ),
+    Setting(
         "max_request_bytes",
         PREFIX + "MAX_REQUEST_BYTES",
         1024 * 1024,

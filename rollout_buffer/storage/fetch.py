@@ -9,11 +9,13 @@ It must not write, and it reads the launcher's table only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from rollout_buffer.core.items import COMPLETED, MESSAGES, RESPONSE, SID
+from rollout_buffer.core.items import COMPLETED, MESSAGES, RESPONSE, SID, STEP, TRAINABLE
 from rollout_buffer.core.model import Take
+from rollout_buffer.core.salvage import Recorded
 from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import Database
 
@@ -67,9 +69,38 @@ def fetch_takes(
     return out, too_large
 
 
-def take_from_rows(group_id: str, pks: list[int], rows: dict[int, tuple[Any, ...]]) -> Take:
+def with_last_rows(source: Database, job_id: str, takes: list[Take]) -> list[Take]:
+    """Salvage (issue 38): the takes, each salvaged one with the pks of its truncated sessions'
+    last rows (at --message-cut <= 0), read by session id (never by reading the job's rows)."""
+    out = []
+    for t in takes:
+        s = t.salvage
+        if s is not None and s.last_row and not s.last_rows:
+            last: dict[str, int] = {}
+            for sid in s.sessions:
+                found = source.rows(launcher_sql.LAST_ROW_OF_SESSION, (sid, job_id))
+                if found:
+                    last[sid] = int(found[0][0])
+            t = dataclasses.replace(t, salvage=dataclasses.replace(s, last_rows=last))
+        out.append(t)
+    return out
+
+
+def recorded_salvage(store: Any, job_id: str, group_id: str) -> Recorded | None:
+    """A served group's salvage record (issue 38), to build its items again; None for a group
+    that was not salvaged."""
+    decision = store.group_decision(job_id, group_id)
+    return Recorded.of(decision[1] if decision else None)
+
+
+def take_from_rows(
+    group_id: str,
+    pks: list[int],
+    rows: dict[int, tuple[Any, ...]],
+    salvaged: Recorded | None = None,
+) -> Take:
     """Rebuild a served group's Take from its recorded pks: sessions with a completed row are
-    complete."""
+    complete; ``salvaged`` (a salvaged group's record): the others are its truncated sessions."""
     done = {r[SID] for r in rows.values() if r[COMPLETED]}
     completed: dict[str, list[int]] = {}
     incomplete: dict[str, list[int]] = {}
@@ -77,8 +108,17 @@ def take_from_rows(group_id: str, pks: list[int], rows: dict[int, tuple[Any, ...
         r = rows.get(pk)
         if r is not None:
             (completed if r[SID] in done else incomplete).setdefault(r[SID], []).append(pk)
-    return Take(
+    take = Take(
         group_id,
         {s: tuple(p) for s, p in completed.items()},
         {s: tuple(p) for s, p in incomplete.items()},
     )
+    if salvaged is None:
+        return take
+    rows_of: dict[str, list[tuple[int, int, bool]]] = {}
+    for sid, spks in incomplete.items():
+        for pk in spks:
+            r = rows[pk]
+            step = r[STEP] if isinstance(r[STEP], int) else -1  # (its build rejects the row)
+            rows_of.setdefault(sid, []).append((step, pk, bool(r[TRAINABLE])))
+    return salvaged.take(take, rows_of)

@@ -271,6 +271,15 @@ CENSUS_STEPS = (
     "WHERE job_id = ? AND is_trainable = 0 AND id > ? ORDER BY id LIMIT ?"
 )
 
+# Salvage (issue 38): a truncated session's last row by its session id, at --message-cut <= 0 (the
+# launcher's unique (session_id, step_id, created_at) index finds it without reading the job).
+# Only a row that is not trainable: there, only a terminal row is, and one that comes after the
+# group was salvaged is a late row of it (ingest reads it), never served twice.
+LAST_ROW_OF_SESSION = (
+    "SELECT id FROM session_steps WHERE session_id = ? AND job_id = ? AND is_trainable = 0 "
+    "ORDER BY step_id DESC, id DESC LIMIT 1"
+)
+
 # Export (issues 22 and 23): what generating a group cost, per session: its rows of any kind, the
 # first and last created_at, and whether it wrote a trainable row.
 EXPORT_GENERATION = (

@@ -24,6 +24,7 @@ from rollout_buffer.core.model import (
     NotifyKey,
     Served,
 )
+from rollout_buffer.core.salvage import record_reason
 
 _WALL0, _MONO0 = time.time(), time.monotonic()
 
@@ -53,6 +54,9 @@ class JobTotals:
     filtered: dict[str, int] = field(
         default_factory=dict
     )  # groups dropped since the last served one
+    salvaged: list[tuple[str, int]] = field(
+        default_factory=list
+    )  # (recorded reason, groups) of served salvaged groups (core.salvage.record_reason)
 
     @property
     def accounted_rows(self) -> int:
@@ -92,7 +96,7 @@ def group_record(job_id: str, d: Served | Drop, now: float) -> tuple[Any, ...]:
             job_id,
             t.group_id,
             SERVED,
-            PARTIAL if t.partial else None,
+            PARTIAL if t.partial else record_reason(t.salvage) if t.salvage else None,
             d.batch_id,
             len(t.served_pks),
             len(inc),

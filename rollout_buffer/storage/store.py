@@ -174,6 +174,8 @@ class Store:
                 t.groups_served += int(r["n_groups"])
                 if r["reason"] == PARTIAL:
                     t.groups_partial += int(r["n_groups"])
+                elif r["reason"]:  # a salvaged group's counts (issue 38)
+                    t.salvaged.append((r["reason"], int(r["n_groups"])))
                 t.served_rows += int(r["n_served"] or 0)
                 if r["n_dropped"]:
                     t.dropped[INCOMPLETE_IN_SERVED] += int(r["n_dropped"])

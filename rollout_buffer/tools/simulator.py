@@ -410,6 +410,11 @@ class Simulator:
             "message_cut": a.message_cut,
             "max_steps": a.max_steps,
             "complete_groups": sum(1 for gr in self.groups if gr.completed == a.rl_group_size),
+            # groups one of whose sessions wrote no row at all (it failed at once): salvage
+            # (ROLLOUT_BUFFER_SALVAGE) cannot keep them
+            "groups_with_silent_session": sum(
+                1 for gr in self.groups if any(s.step == 0 for s in gr.sessions)
+            ),
             "max_weight_version": self.max_weight_version,
             "rl_epoch": a.rl_epoch,
             "seed": a.seed,

@@ -24,8 +24,11 @@ def llm() -> Any:
 
 @pytest.fixture
 def pool() -> Any:
-    with concurrent.futures.ThreadPoolExecutor(8) as executor:
-        yield executor
+    executor = concurrent.futures.ThreadPoolExecutor(8)
+    yield executor
+    # A call still held ends when the service stops, in the harness's teardown, which runs after
+    # this one: waiting for it here would wait out its hold.
+    executor.shutdown(wait=False, cancel_futures=True)
 
 
 def two_groups(h: Any, db_url: str) -> Writer:
