@@ -361,8 +361,8 @@ SETTINGS: tuple[Setting, ...] = (
         PREFIX + "PACING_SESSION_TIMEOUT_SECONDS",
         60.0,
         number(1.0),
-        "a started group with no model call in flight and none for this long frees its place in "
-        "the budget (above the launcher's longest retry backoff, 36 s)",
+        "a session with no model call in flight at the gate and none for this long is gone: its "
+        "group frees its place in the budget (above the launcher's longest retry backoff, 36 s)",
     ),
     Setting(
         "advertise_url",
