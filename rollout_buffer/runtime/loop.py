@@ -363,7 +363,7 @@ class Loop:
             self._watched_at = self.clock()
             reports = [
                 i["launcher_report"]
-                for i in Lease.live_instances(store.db, lease.seconds, lease.buffer)
+                for i in lease.live_instances(store.db, lease.seconds)
                 if i["host_id"] == e.host
             ]
             self.launcher.check_elsewhere(store, job_state.job_id, reports)
