@@ -33,12 +33,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import errno
-import fcntl
-import hashlib
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -52,8 +48,7 @@ from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
 from rollout_buffer.runtime.threads import Runtime
 from rollout_buffer.storage import lease as rows
-from rollout_buffer.storage.connections import service_connect
-from rollout_buffer.storage.db import Database, sqlite_path
+from rollout_buffer.storage.db import Database, service_connect
 from rollout_buffer.storage.lease import Holder
 from rollout_buffer.storage.store import Store
 
@@ -158,11 +153,11 @@ class Lease:
             rows.instance_left(db, self.instance_id)
         self.role, self.epoch = STANDBY, None
         if self._lock_fd is not None:
-            file_unlock(self._lock_fd, self.buffer)
+            rows.file_unlock(self._lock_fd, self.buffer)
             self._lock_fd = None
         # the instance stops: its descriptor of the database file goes once (not at every failed
-        # attempt, which dropped SQLite's own locks of the process: see _DESCRIPTORS)
-        close_descriptors(self.instance_id)
+        # attempt, which dropped SQLite's own locks of the process: see storage/lease.py)
+        rows.close_descriptors(self.instance_id)
 
     def nudge(self) -> None:
         self.wake.set()
@@ -395,14 +390,16 @@ class Lease:
         instance became the owner as a single instance does at its start (the lease was never
         held, or its last holder gave it up), which is INFO."""
         old = self.role
-        self.epoch = epoch  # before the role: a reader that sees OWNER sees its epoch
-        self.role = role
         if old != role:
+            # all of it before the role changes: a reader that sees the new role sees it logged
             self.problem = None if self.advertised != WRONG else self.problem
             quiet = start and old == STARTING
             self._quiet_start = quiet and role == OWNER
             log = logger.warning if (old == OWNER or role == OWNER) and not quiet else logger.info
             log("role: %s -> %s: %s", old, role, why)
+        self.epoch = epoch  # before the role: a reader that sees OWNER sees its epoch
+        self.role = role
+        if old != role:
             self.on_change()
 
     def _seen(self, db: Database) -> None:
@@ -444,7 +441,7 @@ class Lease:
             self._check_advertised()
         sqlite = db.backend == "sqlite"
         if sqlite and self._lock_fd is None:
-            self._lock_fd = file_lock(db.url, self.buffer, self.instance_id)
+            self._lock_fd = rows.file_lock(db.url, self.buffer, self.instance_id)
         if sqlite and self._lock_fd is None:
             self._read(db)
             self._set(STANDBY, None, "another instance holds the database's lock")
@@ -595,65 +592,3 @@ def fence_name(instance: str | None, epoch: int) -> str:
     """What a backend is called (application_name) inside a fenced transaction of an owner's epoch
     (at most 63 bytes: Postgres truncates longer names)."""
     return f"rb-fence {instance} {epoch}"[:63]
-
-
-# -- SQLite: the lease is a lock on a byte of the database file ---------------------------------
-# An open-file-description record lock (Linux), struct flock: type, whence, start, length, pid (0).
-_FLOCK = "hhqqi4x"
-LOCK_BASE = 1 << 62  # far above every byte SQLite locks (they start at 1 GiB)
-
-
-def lock_byte(buffer: str) -> int:
-    """The byte of the database file whose lock is a buffer's lease (one per name)."""
-    return LOCK_BASE + int.from_bytes(hashlib.sha256(buffer.encode()).digest()[:5], "big")
-
-
-# The descriptor each instance opened on a database file to lock a byte of it, by (device, inode,
-# instance). It stays open while the instance runs: closing any descriptor of a file drops every
-# POSIX lock this process holds on it, SQLite's own included, and SQLite then finds its locks gone
-# ("disk I/O error"); a failed attempt every half second did. It is closed once, when the instance
-# stops. One per instance, not per process: an OFD lock excludes other descriptions only.
-_DESCRIPTORS: dict[tuple[int, int, str], int] = {}
-_DESCRIPTORS_LOCK = threading.Lock()
-
-
-def _descriptor(path: str, instance: str) -> int:
-    """The instance's one descriptor of the file at ``path`` (opened once, kept open)."""
-    stat = os.stat(path)
-    key = (stat.st_dev, stat.st_ino, instance)
-    with _DESCRIPTORS_LOCK:
-        fd = _DESCRIPTORS.get(key)
-        if fd is None:
-            fd = _DESCRIPTORS[key] = os.open(path, os.O_RDWR)
-        return fd
-
-
-def file_lock(url: str, buffer: str, instance: str) -> int | None:
-    """SQLite: the buffer's lease is a write lock on one byte of the database file itself (an
-    open-file-description lock, so it is keyed by the file's device and inode: every path that
-    reaches the file holds the same lock, be it a symlink, a hard link or a bind mount of the file
-    or of a directory above it). The kernel releases it when this process dies; SQLite closing its
-    own descriptors of the file does not. The descriptor that holds it, or None when another
-    process does (the descriptor stays open: see ``_DESCRIPTORS``)."""
-    fd = _descriptor(sqlite_path(url), instance)
-    lock = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, lock_byte(buffer), 1, 0)
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, lock)
-    except OSError as exc:
-        if exc.errno in (errno.EACCES, errno.EAGAIN):
-            return None
-        raise
-    return fd
-
-
-def file_unlock(fd: int, buffer: str) -> None:
-    """Give the buffer's byte up (the descriptor stays open: see ``_DESCRIPTORS``)."""
-    unlock = struct.pack(_FLOCK, fcntl.F_UNLCK, os.SEEK_SET, lock_byte(buffer), 1, 0)
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, unlock)
-
-
-def close_descriptors(instance: str) -> None:
-    """The instance stops: close its descriptors of database files (once, at the end)."""
-    with _DESCRIPTORS_LOCK:
-        for key in [k for k in _DESCRIPTORS if k[2] == instance]:
-            os.close(_DESCRIPTORS.pop(key))

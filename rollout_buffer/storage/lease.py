@@ -1,20 +1,28 @@
-"""The lease's rows: ``rollout_buffer_lease`` (one per buffer) and ``rollout_buffer_instances``.
+"""The lease as it is stored: the ``rollout_buffer_lease`` row (one per buffer), the
+``rollout_buffer_instances`` table, and on SQLite a lock on a byte of the database file.
 
 Owns: every statement of the lease, named, with a one-line purpose, per backend (``{now}`` is the
 database's clock in epoch seconds, and only Postgres has row locks), and running them on the
 connection the lease's thread hands in. It returns plain values: the lease row as an instance reads
 it (:class:`Holder`), whether a write took, the live instances. The tables themselves are in
-queries.py's STATE_DDL, with the buffer's others. It must not decide who owns the job:
-runtime/lease.py does.
+queries.py's STATE_DDL, with the buffer's others. On SQLite the lease is the file's lock
+(:func:`file_lock`), one per buffer name, whatever path reaches the file. It must not decide who
+owns the job: runtime/lease.py does.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import hashlib
+import os
+import struct
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rollout_buffer.storage.db import Database
+from rollout_buffer.storage.db import Database, sqlite_path
 
 _NOW = {
     "postgres": "EXTRACT(EPOCH FROM now())",
@@ -203,3 +211,65 @@ def instance_left(db: Database, instance_id: str) -> None:
 def live_instances(db: Database, within_s: float, buffer: str = "") -> list[dict[str, Any]]:
     """A buffer's instances (owner and standbys) seen within the last seconds."""
     return db.fetchall(INSTANCES_LIVE[db.backend], (within_s, buffer))
+
+
+# -- SQLite: the lease is a lock on a byte of the database file ---------------------------------
+# An open-file-description record lock (Linux), struct flock: type, whence, start, length, pid (0).
+_FLOCK = "hhqqi4x"
+LOCK_BASE = 1 << 62  # far above every byte SQLite locks (they start at 1 GiB)
+
+
+def lock_byte(buffer: str) -> int:
+    """The byte of the database file whose lock is a buffer's lease (one per name)."""
+    return LOCK_BASE + int.from_bytes(hashlib.sha256(buffer.encode()).digest()[:5], "big")
+
+
+# The descriptor each instance opened on a database file to lock a byte of it, by (device, inode,
+# instance). It stays open while the instance runs: closing any descriptor of a file drops every
+# POSIX lock this process holds on it, SQLite's own included, and SQLite then finds its locks gone
+# ("disk I/O error"); a failed attempt every half second did. It is closed once, when the instance
+# stops. One per instance, not per process: an OFD lock excludes other descriptions only.
+_DESCRIPTORS: dict[tuple[int, int, str], int] = {}
+_DESCRIPTORS_LOCK = threading.Lock()
+
+
+def _descriptor(path: str, instance: str) -> int:
+    """The instance's one descriptor of the file at ``path`` (opened once, kept open)."""
+    stat = os.stat(path)
+    key = (stat.st_dev, stat.st_ino, instance)
+    with _DESCRIPTORS_LOCK:
+        fd = _DESCRIPTORS.get(key)
+        if fd is None:
+            fd = _DESCRIPTORS[key] = os.open(path, os.O_RDWR)
+        return fd
+
+
+def file_lock(url: str, buffer: str, instance: str) -> int | None:
+    """SQLite: the buffer's lease is a write lock on one byte of the database file itself (an
+    open-file-description lock, so it is keyed by the file's device and inode: every path that
+    reaches the file holds the same lock, be it a symlink, a hard link or a bind mount of the file
+    or of a directory above it). The kernel releases it when this process dies; SQLite closing its
+    own descriptors of the file does not. The descriptor that holds it, or None when another
+    process does (the descriptor stays open: see ``_DESCRIPTORS``)."""
+    fd = _descriptor(sqlite_path(url), instance)
+    lock = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, lock_byte(buffer), 1, 0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, lock)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            return None
+        raise
+    return fd
+
+
+def file_unlock(fd: int, buffer: str) -> None:
+    """Give the buffer's byte up (the descriptor stays open: see ``_DESCRIPTORS``)."""
+    unlock = struct.pack(_FLOCK, fcntl.F_UNLCK, os.SEEK_SET, lock_byte(buffer), 1, 0)
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, unlock)
+
+
+def close_descriptors(instance: str) -> None:
+    """The instance stops: close its descriptors of database files (once, at the end)."""
+    with _DESCRIPTORS_LOCK:
+        for key in [k for k in _DESCRIPTORS if k[2] == instance]:
+            os.close(_DESCRIPTORS.pop(key))
