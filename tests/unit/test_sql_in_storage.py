@@ -1,7 +1,7 @@
 """SQL only in storage (issue 37): no module of the package outside ``rollout_buffer/storage``
-runs a statement or holds one. The scan reads every module's syntax tree: a call of a connection's
-statement method (``execute``, ``fetchone``, ``transaction``...), or a string that is a statement,
-fails the test with the module, the line and what it found."""
+runs a statement or holds one. The scan reads every module's syntax tree: a use of a connection's
+statement method (``execute``, ``fetchone``, ``transaction``..., called or passed on), or a string
+that is a statement, fails the test with the module, the line and what it found."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import rollout_buffer
 
 PACKAGE = Path(rollout_buffer.__file__).parent
 # what a connection (ours, sqlite3's or psycopg's) runs a statement with
-STATEMENT_CALLS = frozenset(
+STATEMENT_METHODS = frozenset(
     {
         "execute",
         "executemany",
@@ -35,25 +35,21 @@ STATEMENT = re.compile(
 def offenders(root: Path) -> list[str]:
     """Every place under ``root`` (a package) outside its ``storage`` package that runs or holds
     SQL, as "path:line: what"."""
-    found = []
+    found: list[tuple[str, int, str]] = []
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root)
         if relative.parts[0] == "storage":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if (
-                isinstance(node, ast.Call)
-                and isinstance(node.func, ast.Attribute)
-                and node.func.attr in STATEMENT_CALLS
-            ):
-                found.append(f"{relative}:{node.lineno}: calls {node.func.attr}()")
+            if isinstance(node, ast.Attribute) and node.attr in STATEMENT_METHODS:
+                found.append((str(relative), node.lineno, f"uses .{node.attr}"))
             elif (
                 isinstance(node, ast.Constant)
                 and isinstance(node.value, str)
                 and STATEMENT.match(node.value)
             ):
-                found.append(f"{relative}:{node.lineno}: holds SQL {node.value[:40]!r}")
-    return found
+                found.append((str(relative), node.lineno, f"holds SQL {node.value[:40]!r}"))
+    return [f"{path}:{line}: {what}" for path, line, what in sorted(found)]
 
 
 def test_no_module_outside_storage_runs_or_holds_sql():
@@ -69,10 +65,12 @@ def test_the_scan_names_an_offender(tmp_path):
     (tmp_path / "runtime").mkdir()
     (tmp_path / "runtime" / "lease.py").write_text(
         "RENEW = 'UPDATE rollout_buffer_lease SET epoch = 2'\n\n"
-        "def renew(db):\n    return db.execute(RENEW)\n"
+        "def renew(db):\n    return db.execute(RENEW)\n\n"
+        "def later(db):\n    run = db.fetchone\n    return run\n"
     )
     (tmp_path / "runtime" / "words.py").write_text("TEXT = 'select the job, then begin'\n")
     assert offenders(tmp_path) == [
         "runtime/lease.py:1: holds SQL 'UPDATE rollout_buffer_lease SET epoch = '",
-        "runtime/lease.py:4: calls execute()",
+        "runtime/lease.py:4: uses .execute",
+        "runtime/lease.py:7: uses .fetchone",
     ]
