@@ -28,8 +28,7 @@ from rollout_buffer.launcher.processes import terminate_group
 from rollout_buffer.launcher.records import recorded, state_to_record, still_running
 from rollout_buffer.launcher.report import hints, log_tail, status
 from rollout_buffer.launcher.supervisor import LauncherError, Supervisor, shown
-from rollout_buffer.storage.records import LauncherRecord
-from rollout_buffer.storage.store import Store
+from rollout_buffer.storage.store import LauncherRecord, Store
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from rollout_buffer.core.model import LauncherState
 from rollout_buffer.launcher import procfs
-from rollout_buffer.storage.records import LauncherRecord
+from rollout_buffer.storage.store import LauncherRecord
 
 
 def recorded(row: dict[str, Any], state: LauncherState) -> LauncherRecord:
