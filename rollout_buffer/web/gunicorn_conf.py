@@ -38,6 +38,10 @@ timeout = 300  # a poll that builds a 256 MiB response must not be mistaken for 
 graceful_timeout = math.ceil(_config.graceful_timeout_s)  # gunicorn accepts only an int here
 keepalive = 75
 loglevel = _config.log_level.lower()
+# gunicorn 27 opens a control socket by default, at one path shared by every gunicorn of the user
+# ($XDG_RUNTIME_DIR/gunicorn.ctl or ~/.gunicorn/gunicorn.ctl): a second instance would take it
+# over, and through it anyone with access could change the worker count. The service uses none.
+control_socket_disable = True
 BOOT_DECISION_S = 10.0  # longest an unnamed worker waits at boot for its first look at the lease
 
 

@@ -164,6 +164,29 @@ def test_plain_gunicorn_from_the_repository_root_serves(tmp_path):
     assert "rollout-buffer service started" in text and "rollout-buffer service stopped" in text
 
 
+def test_a_running_server_opens_no_control_socket(tmp_path):
+    # gunicorn 27 opens $XDG_RUNTIME_DIR/gunicorn.ctl (else ~/.gunicorn/gunicorn.ctl) by default:
+    # one path shared by every gunicorn of the user, through which the worker count can change.
+    db_url = "sqlite://" + str(tmp_path / "launcher.db")
+    make_launcher_db(db_url)
+    home, runtime = tmp_path / "home", tmp_path / "runtime"
+    home.mkdir()
+    runtime.mkdir()
+    port = free_port()
+    env = {**env_for(db_url, tmp_path, port), "HOME": str(home), "XDG_RUNTIME_DIR": str(runtime)}
+    for argv, cwd in (
+        (gunicorn_argv("wsgi:app"), ROOT),
+        ([sys.executable, "-m", "rollout_buffer", "serve"], tmp_path),
+    ):
+        with running(argv, cwd, env, port, tmp_path / "gunicorn.log") as srv:
+            assert_serves_a_poll(srv.url, db_url)
+            created = sorted(str(p) for p in (*home.rglob("*"), *runtime.rglob("*")))
+            assert created == [], f"{argv} created {created}"
+        db_url = "sqlite://" + str(tmp_path / "launcher2.db")
+        make_launcher_db(db_url)
+        env["AIEVOBOX_DB_URL"] = db_url
+
+
 def test_rollout_buffer_serve_runs_gunicorn_with_our_settings(tmp_path):
     db_url = "sqlite://" + str(tmp_path / "launcher.db")
     make_launcher_db(db_url)
