@@ -109,7 +109,7 @@ class Launcher:
         return status(self.supervisor.state(), managed=self.managed, elsewhere=elsewhere)
 
     def early_exit(self, pid: int) -> dict[str, Any] | None:
-        """Wait up to ROLLOUT_BUFFER_LAUNCH_GRACE_S (no lock held) for the launcher just started to
+        """Wait up to LAUNCH_GRACE_S (no lock held) for the launcher just started to
         fail. If it exited nonzero (or was killed): its exit code, its log's last lines, what its
         flags say, and whether the restart policy starts it again. An exit 0 is a launcher that
         had little to do: no failure."""

@@ -1,13 +1,13 @@
 """The settings page, docs/settings.md: the output of ``rollout-buffer settings``.
 
 Owns: the page around the settings table (its heading and how settings are read). The rows come
-from the SETTINGS table in core, so the page cannot drift from the code: it is the one generated
+from the Config table in core, so the page cannot drift from the code: it is the one generated
 file in git, and tests/unit/test_config.py checks that the committed copy is current.
 """
 
 from __future__ import annotations
 
-from rollout_buffer.core.settings import settings_table
+from rollout_buffer.core.config import settings_table
 
 REGENERATE = "rollout-buffer settings > docs/settings.md"
 

@@ -281,7 +281,6 @@ def test_sigterm_to_the_master_stops_the_launcher_group_and_exits_0(tmp_path, mo
         port,
         ROLLOUT_BUFFER_LAUNCHER_CMD=cmd,
         ROLLOUT_BUFFER_STOP_GRACE_SECONDS="1",
-        ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS="20",
     )
     log = tmp_path / "gunicorn.log"
     with running(gunicorn_argv("wsgi:app"), ROOT, env, port, log) as srv:
