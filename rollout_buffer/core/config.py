@@ -554,37 +554,16 @@ class Config:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
-        """Read the settings from ``environ`` (default ``os.environ``), then apply ``overrides``."""
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, warn: bool = True, **overrides: Any
+    ) -> Config:
+        """Read the settings from ``environ`` (default ``os.environ``), then apply ``overrides``.
+        ``warn=False`` only checks them: the process that reads them for real warns of removed
+        settings."""
         env = os.environ if environ is None else environ
-        warn_removed(env)
-        unknown = sorted(
-            k for k in env if k.startswith(PREFIX) and k not in KNOWN_ENV and k not in REMOVED
-        )
-        if unknown:
-            raise ConfigError(  # the value is not shown: a misspelt token or URL is a secret too
-                f"unknown setting {unknown[0]}; known {PREFIX}* settings: "
-                + ", ".join(sorted(s.env for s in SETTINGS if s.env.startswith(PREFIX)))
-            )
-        values: dict[str, Any] = {}
-        for s in SETTINGS:
-            name, raw = s.env, env.get(s.env)
-            if raw is None:
-                for alias in s.aliases:
-                    if alias in env:
-                        name, raw = alias, env[alias]
-                        logger.warning(
-                            "%s is the original's misspelling; read it, but please set %s",
-                            alias,
-                            s.env,
-                        )
-                        break
-            if raw is None:
-                continue
-            try:
-                values[s.field] = s.parse(raw)
-            except ValueError as exc:
-                raise ConfigError(redact(f"{name}={raw!r} is invalid: expected {exc}")) from None
+        if warn:
+            warn_removed(env)
+        values = read_settings(env)
         values.update(overrides)
         values.setdefault("max_waiting_polls", max(1, values.get("threads", 16) // 2))
         root = values.get("aievobox_root")
@@ -698,6 +677,39 @@ def settings_table() -> str:
     ]
     rows += [f"| `{name}` | {why} |" for name, why in sorted(REMOVED.items())]
     return "\n".join(rows)
+
+
+def read_settings(env: Mapping[str, str]) -> dict[str, Any]:
+    """The settings ``env`` sets, parsed, by field; an unknown ``ROLLOUT_BUFFER_*`` variable or a
+    bad value raises ConfigError naming it."""
+    unknown = sorted(
+        k for k in env if k.startswith(PREFIX) and k not in KNOWN_ENV and k not in REMOVED
+    )
+    if unknown:
+        raise ConfigError(  # the value is not shown: a misspelt token or URL is a secret too
+            f"unknown setting {unknown[0]}; known {PREFIX}* settings: "
+            + ", ".join(sorted(s.env for s in SETTINGS if s.env.startswith(PREFIX)))
+        )
+    values: dict[str, Any] = {}
+    for s in SETTINGS:
+        name, raw = s.env, env.get(s.env)
+        if raw is None:
+            for alias in s.aliases:
+                if alias in env:
+                    name, raw = alias, env[alias]
+                    logger.warning(
+                        "%s is the original's misspelling; read it, but please set %s",
+                        alias,
+                        s.env,
+                    )
+                    break
+        if raw is None:
+            continue
+        try:
+            values[s.field] = s.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(redact(f"{name}={raw!r} is invalid: expected {exc}")) from None
+    return values
 
 
 def warn_removed(env: Mapping[str, str]) -> None:

@@ -187,6 +187,27 @@ def test_a_running_server_opens_no_control_socket(tmp_path):
         env["AIEVOBOX_DB_URL"] = db_url
 
 
+@pytest.mark.parametrize("how", ["gunicorn", "serve"])
+def test_a_removed_setting_is_warned_of_once_and_ignored(tmp_path, how):
+    # the master reads the settings, then its worker, and `serve` before both: one warning
+    db_url = "sqlite://" + str(tmp_path / "launcher.db")
+    make_launcher_db(db_url)
+    port = free_port()
+    env = env_for(db_url, tmp_path, port, ROLLOUT_BUFFER_MAX_GROUP_BYTES="2048")
+    argv, cwd = (
+        (gunicorn_argv("wsgi:app"), ROOT)
+        if how == "gunicorn"
+        else ([sys.executable, "-m", "rollout_buffer", "serve"], tmp_path)
+    )
+    log = tmp_path / "server.log"
+    with running(argv, cwd, env, port, log) as srv:
+        assert_serves_a_poll(srv.url, db_url)
+    warnings = [line for line in log.read_text().splitlines() if "no longer read" in line]
+    assert len(warnings) == 1, warnings
+    assert "ROLLOUT_BUFFER_MAX_GROUP_BYTES" in warnings[0]
+    assert "the constant MAX_GROUP_BYTES" in warnings[0]
+
+
 def test_rollout_buffer_serve_runs_gunicorn_with_our_settings(tmp_path):
     db_url = "sqlite://" + str(tmp_path / "launcher.db")
     make_launcher_db(db_url)
