@@ -13,13 +13,13 @@ must not build the app before the worker forks (no preload, no threads in the ma
 from __future__ import annotations
 
 import faulthandler
-import ipaddress
 import logging
 import math
 import os
 import sys
 
 from rollout_buffer.core.config import Config
+from rollout_buffer.core.hosts import is_loopback
 from rollout_buffer.core.logconfig import configure_logging
 
 _config = Config.from_env()
@@ -72,12 +72,7 @@ def on_starting(server) -> None:
     config = Config.from_env()
     if config.token is None:
         for addr in cfg.bind:
-            host = addr.rsplit(":", 1)[0].strip("[]")
-            try:
-                loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-            except ValueError:
-                loopback = False
-            if not loopback:
+            if not is_loopback(addr.rsplit(":", 1)[0].strip("[]")):
                 server.log.warning(
                     "rollout-buffer listens on %s without ROLLOUT_BUFFER_TOKEN: anyone who can "
                     "reach it can start rollouts and take groups; set a token",

@@ -208,6 +208,20 @@ def test_a_removed_setting_is_warned_of_once_and_ignored(tmp_path, how):
     assert "the constant MAX_GROUP_BYTES" in warnings[0]
 
 
+def test_listening_beyond_loopback_without_a_token_is_warned_of(tmp_path):
+    db_url = "sqlite://" + str(tmp_path / "launcher.db")
+    make_launcher_db(db_url)
+    port = free_port()
+    for host, warned in (("127.0.0.1", False), ("0.0.0.0", True)):
+        env = env_for(db_url, tmp_path, port, ROLLOUT_BUFFER_HOST=host)
+        log = tmp_path / f"server-{host}.log"
+        with running(gunicorn_argv("wsgi:app"), ROOT, env, port, log):
+            pass
+        text = log.read_text()
+        assert ("without ROLLOUT_BUFFER_TOKEN" in text) is warned, text
+        assert (f"rollout-buffer listens on {host}:{port}" in text) is warned
+
+
 def test_rollout_buffer_serve_runs_gunicorn_with_our_settings(tmp_path):
     db_url = "sqlite://" + str(tmp_path / "launcher.db")
     make_launcher_db(db_url)
