@@ -211,7 +211,7 @@ class Config:
     )
     max_group_bytes: int = constant(
         1024 * 1024 * 1024,
-        "a group whose rows alone hold more bytes is dropped as group_too_large, never built: it "
+        "a group whose rows alone hold more bytes is dropped as group_too_large, never built. It "
         "bounds the memory one group takes",
     )
     max_waiting_polls: int = constant(
@@ -222,8 +222,8 @@ class Config:
     )
     prebuild: bool = constant(
         True,
-        "the next response is built in the background while ready groups wait and no poll runs, "
-        "for the shape the trainer last asked for",
+        "the next response is built in the background while ready groups wait and no poll runs. "
+        "It has the shape the trainer last asked for",
     )
     # --- training-data policies (issue 10); every one is off by default ---
     max_off_policy: int | None = setting(
@@ -272,9 +272,9 @@ class Config:
         PREFIX + "MAX_VERSION_JUMP",
         1000,
         optional_integer(0),
-        "once the current version is known, a group with a version more than this above it "
-        "(or below 0) is dropped as implausible_version; row data moves the current version "
-        "only when two complete groups agree (unset: no bound)",
+        "a group more than this above the current version (or below 0) is dropped as "
+        "implausible_version, once that version is known. Row data moves the current version only "
+        "when two complete groups agree (unset: no bound)",
     )
     max_request_bytes: int = setting(
         PREFIX + "MAX_REQUEST_BYTES", 1024 * 1024, integer(1024), "request body cap"
@@ -296,13 +296,12 @@ class Config:
         PREFIX + "STATEMENT_TIMEOUT_SECONDS",
         8.0,
         number(0.0),
-        "Postgres statement_timeout of the service's connections (0 = none): a stuck statement "
-        "fails "
-        "instead of hanging polls and the loop",
+        "Postgres statement_timeout of the service's connections (0 = none). A stuck statement "
+        "fails instead of hanging polls and the loop",
     )
     lock_timeout_s: float = constant(
         2.0,
-        "Postgres lock_timeout of the service's connections: a table locked by ALTER TABLE, "
+        "Postgres lock_timeout of the service's connections. A table locked by ALTER TABLE, "
         "VACUUM FULL or TRUNCATE answers 503 within seconds",
     )
     replay_retention_s: float = setting(
@@ -423,9 +422,9 @@ class Config:
         PREFIX + "NAME",
         "",
         parse_buffer_name,
-        "this buffer's name: instances with the same name on one state database are one buffer "
-        "(one owner, the others standbys), with different names they are independent buffers; "
-        "unnamed, an instance refuses to start while another owns the database's unnamed buffer",
+        "this buffer's name. On one state database, instances with the same name are one buffer "
+        "(one owner, the others standbys); different names are independent buffers. An unnamed "
+        "instance refuses to start while another owns the database's unnamed buffer",
         shown=None,
     )
     host_id: str | None = setting(
@@ -446,10 +445,10 @@ class Config:
         PREFIX + "ALLOWED_HOSTS",
         (),
         parse_allowed_hosts,
-        "without a token: host names (comma-separated, no port) by which a browser page may "
-        "start, poll or stop, besides localhost, loopback addresses and the "
-        "ROLLOUT_BUFFER_ADVERTISE_URL host; a browser's request by another Host gets a 403 (DNS "
-        "rebinding). Trainers and tools send no browser headers and are not affected",
+        "without a token: more host names (comma-separated, no port) by which a browser page may "
+        "start, poll or stop. Localhost, loopback and the ROLLOUT_BUFFER_ADVERTISE_URL host are "
+        "always allowed. A browser's request by another Host gets a 403 (DNS rebinding). "
+        "Trainers and tools send no browser headers and are not affected",
         shown=None,
     )
     log_level: str = setting(
@@ -463,7 +462,7 @@ class Config:
     )
     graceful_margin_s: float = constant(
         50.0,
-        "gunicorn's graceful timeout is ROLLOUT_BUFFER_STOP_GRACE_SECONDS plus this: the worker "
+        "gunicorn's graceful timeout is ROLLOUT_BUFFER_STOP_GRACE_SECONDS plus this. The worker "
         "stops the launcher first, then answers waiting polls and closes the database",
     )
 
