@@ -2,13 +2,13 @@
 
 Owns: the undecided groups of one job (pending, ready in the serve order, taken by a poll), the
 tombstones of decided ones, ingesting rows into them, the policies' decisions when a group becomes
-ready or cannot wait (over-sampling, refusals, the TTL, the minimum group size, a change of K),
-handing ready groups to polls and settling them once a poll's plan is recorded, and the job's
-counters (:mod:`~rollout_buffer.core.accounting`). Pending state holds metadata only (see
-:mod:`~rollout_buffer.core.group`); bodies stay in the database until served. Every method returns
-*decisions* (a plan: drops, rows accounted one by one, groups ready) for the caller to record and
-act on after the lock is released; it must not touch the database, the proxy or the clock beyond
-its own monotonic one.
+ready or cannot wait (over-sampling, refusals, the TTL, the minimum group size, a change of K,
+salvage's truncated sessions), handing ready groups to polls and settling them once a poll's plan is
+recorded, and the job's counters (:mod:`~rollout_buffer.core.accounting`). Pending state holds
+metadata only (see :mod:`~rollout_buffer.core.group`); bodies stay in the database until served.
+Every method returns *decisions* (a plan: drops, rows accounted one by one, groups ready) for the
+caller to record and act on after the lock is released; it must not touch the database, the proxy
+or the clock beyond its own monotonic one.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from rollout_buffer.core.model import (
     REJECTED,
     ROW_DROPPED,
     SERVED,
+    STEP_CAP,
     TTL,
     BadText,
     Decisions,
@@ -48,7 +49,15 @@ from rollout_buffer.core.model import (
     Policy,
     Row,
     RowEvent,
+    Salvage,
     Take,
+)
+from rollout_buffer.core.salvage import (
+    TRUNCATE,
+    served_count,
+    served_sessions,
+    truncation,
+    unread,
 )
 from rollout_buffer.core.versions import Versions
 
@@ -110,6 +119,8 @@ class Accumulator:
         self.undecided = (
             Undecided()
         )  # every undecided group: the oldest and the low-water mark in O(log n)
+        # salvage: undecided groups with a session at the step cap, waiting for their other sessions
+        self.capped: set[str] = set()
         self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
         # every session of the job, those without a trainable row too (max_steps: the launcher's)
         self.census = Census(max_steps, self.publish, self.decided)
@@ -120,9 +131,16 @@ class Accumulator:
         """(Lock held, or in the constructor.) Tell the followers of one change, with the job it
         is of: ``("job",)`` (a new accumulator), ``("listed", session, group, place)``,
         ``("started", group)`` (its first row, or ready no more), ``("ready", group)``,
-        ``("decided", group, served)`` (served: to the trainer, else dropped), ``("version", v)``
-        (the newest weight version of a row), ``("ended",)`` (another job replaces it)."""
+        ``("decided", group, served)`` (served: to the trainer, else dropped), ``("finished",
+        session)`` (its terminal row), ``("version", v)`` (the newest plausible weight version of
+        a row, once a current version is known), ``("ended",)`` (another job replaces it)."""
         self.feed((self.job_id, *event))
+
+    def _shown(self, version: int) -> bool:
+        """(Lock held.) A row version followers may count the trainer's steps by: one the version
+        rule finds plausible once a current version is known (a bogus version, such as a
+        timestamp, never moves them; before a current version is known, any could be one)."""
+        return self.versions.known and self.versions.plausible(version)
 
     def end(self) -> None:
         """Another job replaces this one: followers forget it (``("ended",)``) before its groups
@@ -207,6 +225,7 @@ class Accumulator:
         # the census first: a group decided in this batch is settled with these rows' figures
         facts = (StepFact(r[1], r[2], r[4] if len(r) > 4 else None, bool(r[3])) for r in rows)
         doomed = self.census.observe(facts, trainable=True, now=now)
+        touched: set[str] = set()  # the undecided groups these rows came for
         for r in rows:
             pk, sid, gid, completed = r[0], r[1], r[2], r[3]
             step_id, reward, version = (r[4], r[5], r[6]) if len(r) > 4 else (None, None, 0)
@@ -227,6 +246,7 @@ class Accumulator:
                 out.rows.append(RowEvent(pk, ROW_DROPPED, reason, gid, sid))
                 continue
             g = self._group_for(gid, now)
+            touched.add(gid)
             if (g.chosen is not None and sid not in g.chosen) or (
                 g.excluded is not None and sid in g.excluded
             ):
@@ -253,11 +273,24 @@ class Accumulator:
                     self._choose(
                         g, out
                     )  # ready short of K at the TTL, it reached K while it waited
-        self._doom(doomed, out)
+        # salvage: a capped group one of these rows came for may have seen its last session end
+        self._doom(doomed | (self.capped & touched), out)
+        self._publish_version(rows)
+
+    def _publish_version(self, rows: list[Row]) -> None:
+        """(Lock held.) Tell followers of the newest version of these rows, if it is newer and
+        plausible (:meth:`_shown`). The first one they see is the current version, which no
+        single row moves: the steps made before it was known count too."""
         newest = max(
-            (r[6] for r in rows if len(r) > 6 and type(r[6]) is int), default=None
+            (r[6] for r in rows if len(r) > 6 and type(r[6]) is int and self._shown(r[6])),
+            default=None,
         )  # (a bool or a text is no version)
-        if newest is not None and (self._rows_version is None or newest > self._rows_version):
+        if newest is None:
+            return
+        if self._rows_version is None:
+            self._rows_version = min(self.versions.current, newest)
+            self.publish(("version", self._rows_version))
+        if newest > self._rows_version:
             self._rows_version = newest
             self.publish(("version", newest))
 
@@ -307,6 +340,19 @@ class Accumulator:
     def _doom(self, group_ids: set[str], out: Decisions) -> None:
         """(Lock held.) Drop the groups that can no longer reach K (never a ready or taken one)."""
         for gid in sorted(group_ids):
+            if self.policy.salvage == TRUNCATE:
+                # a session at the step cap is truncated, not a reason to drop: the group is
+                # served once its other sessions ended too, or decided at the TTL or launcher exit
+                g = self._undecided(gid)
+                if (
+                    gid in self.decided
+                    or (g is not None and gid not in self.pending)
+                    or self._salvage(g, gid, STEP_CAP, out, ended_only=True)
+                ):
+                    self.capped.discard(gid)
+                else:
+                    self.capped.add(gid)
+                continue
             runs = self.k + self.policy.oversample  # the launcher's --rl-group-size
             # with a minimum group size, a group that can still reach it is served short later
             # (at the TTL, or when the launcher exits): only one that cannot is dropped now
@@ -320,12 +366,38 @@ class Accumulator:
             elif g.taken is None and gid in self.pending:
                 self._drop(g, SESSION_WITHOUT_RESULT, out)
 
+    def _salvage(
+        self, g: Group | None, gid: str, reason: str, out: Decisions, *, ended_only: bool = False
+    ) -> bool:
+        """(Lock held.) Salvage (issue 38, :mod:`~rollout_buffer.core.salvage`): a pending group (or
+        one only the census knows) whose ended sessions can be truncated becomes ready with them.
+        False: salvage is off, or the group cannot be salvaged (the caller drops it as before)."""
+        if self.policy.salvage != TRUNCATE:
+            return False
+        sessions = truncation(g, gid, self.census, self.k, reason, ended_only=ended_only)
+        if sessions is None:
+            return False
+        if g is None:
+            g = self._group_for(gid, self.clock())
+        self.pending.pop(gid, None)
+        self.changes += 1
+        g.salvage = Salvage(
+            sessions,
+            reason,
+            self.policy.salvage_reward,
+            self.policy.message_cut <= 0,
+            max_steps=self.census.max_steps,
+        )
+        self._became_ready(g, out)
+        return True
+
     def _tombstone(self, gid: str, reason: str, out: Decisions) -> None:
         """(Lock held.) Drop a group that no trainable row has shown yet: its later rows are late
         rows, and every session the census knows for it is cleared."""
         sessions = sorted(self.census.sessions_of(gid))
         self.changes += 1
         self.decided[gid] = DROPPED
+        self.capped.discard(gid)
         self.counts.group_dropped(reason, 0, len(sessions), ())
         self.census.settle(gid, reason)
         out.drops.append(Drop(gid, reason, [], sessions, ()))
@@ -406,11 +478,13 @@ class Accumulator:
                 del self.session_group[sid]
         self.tainted_groups.discard(g.group_id)
         self.implausible.discard(g.group_id)
+        self.capped.discard(g.group_id)
 
     # -- when a group is ready, and when it cannot wait (the policies) --------------------------
     def _became_ready(self, g: Group, out: Decisions) -> None:
         """(Lock held.) A group has K completed sessions, or is served short at the TTL: choose its
         sessions (over-sampling), apply the policies, and queue it or drop it."""
+        self.capped.discard(g.group_id)  # (salvage: it waits for its other sessions no more)
         self._choose(g, out)
         reason = None
         if self.policy.max_off_policy is not None:  # a version that cannot be true goes first
@@ -487,7 +561,11 @@ class Accumulator:
         for start in range(0, len(known), PIECE):
             with self._change():
                 for gid in known[start : start + PIECE]:
-                    if gid not in self.decided and self._undecided(gid) is None:
+                    if (
+                        gid not in self.decided
+                        and self._undecided(gid) is None
+                        and not (partial and self._salvage(None, gid, reason, out))
+                    ):
                         self._tombstone(gid, reason, out)
         return out
 
@@ -496,7 +574,10 @@ class Accumulator:
         has the minimum group size (ROLLOUT_BUFFER_MIN_GROUP_SIZE), else dropped with ``reason``.
 
         A group that was ready under a smaller K (K raised since) is no exception: the trainer asked
-        for the K in force, and a group short of it is never served but as a partial group."""
+        for the K in force, and a group short of it is never served but as a partial group.
+        Salvage goes first: the minimum group size applies to groups it cannot salvage."""
+        if self._salvage(g, g.group_id, reason, out):
+            return
         if self.policy.serves(self.k, len(g.completed)):
             del self.pending[g.group_id]
             g.partial = True
@@ -513,10 +594,11 @@ class Accumulator:
             moved, out = False, Decisions()
             for gid, g in list(self.ready.items()):
                 if (
-                    len(g.completed) < k
+                    served_count(g) < k
                 ):  # K was raised: not ready any more (and open to more sessions)
                     del self.ready[gid]
                     self.pending[gid], g.chosen, moved = g, None, True
+                    g.salvage = None  # short of the new K: salvaged again (or not) when it ends
                     self.census.publish(("started", gid))  # in progress again
                 elif len(g.completed) > k:  # K was lowered: over-sampling keeps the first K
                     self._choose(g, out)
@@ -528,6 +610,8 @@ class Accumulator:
                 if len(g.completed) >= k:
                     del self.pending[gid]
                     self._became_ready(g, out)
+            if self.capped:  # salvage: a lowered K may be what a capped group waited for
+                self._doom(set(self.capped), out)
         return out.newly_ready, out
 
     # -- handing ready groups to a poll, and settling them ------------------------------------
@@ -540,10 +624,9 @@ class Accumulator:
             while self.ready and (max_groups is None or len(takes) < max_groups):
                 g = self.ready.pop_next()
                 gid = g.group_id
-                completed: dict[str, tuple[int, ...]] = {}
-                incomplete: dict[str, tuple[int, ...]] = {}
-                for sid, pks in g.sessions.items():
-                    (completed if sid in g.completed else incomplete)[sid] = tuple(pks)
+                completed, incomplete, salvage = served_sessions(g)  # (salvage: issue 38)
+                if salvage is not None:
+                    salvage = dataclasses.replace(salvage, generation_s=self.census.seconds_of(gid))
                 g.taken = {sid: len(pks) for sid, pks in g.sessions.items()}
                 self.taken[gid] = g
                 takes.append(
@@ -555,6 +638,7 @@ class Accumulator:
                         g.partial and len(completed) < self.k,
                         g.ready_at,
                         g.min_version(completed),
+                        salvage=salvage,
                     )
                 )
         return takes
@@ -623,6 +707,9 @@ class Accumulator:
                 self._settle(g, out, self._late_served)
                 self.decided[s.group_id] = SERVED
                 self.census.settle(s.group_id, SERVED)
+                if s.take.salvage is not None:  # its truncated sessions' last rows are read now
+                    self.counts.rows_read += s.take.extra_pks
+                    self.counts.salvaged.served(s.take.salvage)
                 self.counts.group_served(
                     len(s.take.served_pks),
                     len(s.take.incomplete_pks),
@@ -638,6 +725,8 @@ class Accumulator:
                 self._settle(g, out, LATE_DROPPED)
                 self.decided[d.group_id] = DROPPED
                 self.census.settle(d.group_id, d.reason)
+                if g.salvage is not None:  # refused when built: its last rows were read then
+                    self.counts.rows_read += unread(g, d.group_id, d.pks, plan.rows)
                 self.counts.group_dropped(d.reason, len(d.pks), len(d.clear_sessions), d.rewards)
             for r in plan.rows:
                 if r.outcome == REJECTED and r.group_id in settled:
@@ -660,7 +749,7 @@ class Accumulator:
                 or t.group_id in self.tainted_groups
                 or t.group_id in self.implausible
                 or not self.tainted.isdisjoint(g.sessions)
-                or set(g.completed) != set(t.completed)
+                or set(served_sessions(g)[0]) != set(t.completed)
                 or any(len(g.sessions.get(sid, ())) != len(pks) for sid, pks in t.completed.items())
             ):
                 return None
@@ -693,6 +782,7 @@ class Accumulator:
                 self.decided[t.group_id] = status
                 self.census.publish(("decided", t.group_id, status == SERVED))
                 if status == SERVED:
+                    self.counts.rows_read += t.extra_pks  # (a salvaged group's last rows)
                     self.counts.group_served(
                         len(t.served_pks),
                         len(t.incomplete_pks),
@@ -759,6 +849,7 @@ class Accumulator:
             in_flight=len(self.taken),
             oldest_first_seen=None if first is None else first.first_seen,
             counts=self.counts.view(),
+            salvaged=self.counts.salvaged.view(),
             sessions=self.census.stats(),
             waste=self.census.waste(),
             versions={
@@ -782,6 +873,7 @@ class Snapshot:
     in_flight: int
     oldest_first_seen: float | None
     counts: dict[str, Any]
+    salvaged: dict[str, Any]  # served groups with truncated sessions (issue 38)
     sessions: dict[str, int]
     waste: dict[str, Any]
     versions: dict[str, int | None]
@@ -791,6 +883,7 @@ class Snapshot:
         oldest = self.oldest_first_seen
         counts = copy.deepcopy(self.counts)
         return {
+            "salvaged": copy.deepcopy(self.salvaged),
             "job_id": self.job_id,
             "k": self.k,
             "rows": counts["rows"],

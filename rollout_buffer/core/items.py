@@ -32,7 +32,8 @@ from datetime import datetime, timezone
 from typing import Any
 
 from rollout_buffer.core.logconfig import EventLog
-from rollout_buffer.core.model import BadText, Take
+from rollout_buffer.core.model import BadText, Salvage, Take
+from rollout_buffer.core.salvage import finish_reason, last_item_extra, truncated_terminals
 
 
 class Malformed(Exception):
@@ -313,7 +314,9 @@ def _validated(
     (validated apart from the formatting: nothing is appended unless every row is good)."""
     bad: dict[int, str] = {}
     ordered = []
-    for sid, pks in take.completed.items():
+    salvage = take.salvage
+    last_rows = set(salvage.last_rows.values()) if salvage is not None else ()
+    for sid, pks in take.served.items():
         for pk in pks:
             row = rows.get(pk)
             if row is None:
@@ -343,7 +346,11 @@ def _validated(
                 row[RESPONSE], (str, type(None))
             ):  # a BLOB or a number where text belongs
                 raise Malformed("response_not_text")
-            if str(row[GID]) != take.group_id or row[JOB] != job_id or not row[TRAINABLE]:
+            if (
+                str(row[GID]) != take.group_id
+                or row[JOB] != job_id
+                or not (row[TRAINABLE] or pk in last_rows)  # (a truncated session's last row)
+            ):
                 raise Malformed("row_changed")
             text = as_bytes(row[MESSAGES])
             end, empty = history.check(text)
@@ -364,7 +371,21 @@ def _validated(
         )
     if bad:
         raise Malformed(next(iter(bad.values())), bad)
+    if salvage is not None:
+        terminal.update(_truncated_terminals(salvage, prepared))
     return prepared, terminal
+
+
+def _truncated_terminals(
+    salvage: Salvage, prepared: list[tuple[Any, ...]]
+) -> dict[str, tuple[int, int, float]]:
+    """A salvaged group's truncated sessions' terminals, as
+    :func:`~rollout_buffer.core.salvage.truncated_terminals` finds them; raises Malformed when one
+    has no row to serve (its last row vanished: the group would have a hole)."""
+    terminals = truncated_terminals(salvage, prepared)
+    if terminals is None:
+        raise Malformed("row_vanished")
+    return terminals
 
 
 def build_group(
@@ -382,6 +403,7 @@ def build_group(
     nothing was appended.
     """
     prepared, terminal = _validated(take, rows, job_id)
+    salvage = take.salvage
     out = GroupItems(take.group_id, len(buf))
     gid_json = dumps_compact(take.group_id)
     key_json = dumps_compact(rollout_group_key(take.group_id))
@@ -409,6 +431,12 @@ def build_group(
         if not isinstance(response, str):
             response = "" if response is None else str(response)
         truncated = bool(row[TRUNCATED])
+        finish = "length" if truncated else "stop"
+        extra = flags
+        if salvage is not None and sid in salvage.sessions and terminal[sid][:2] == (step_id, pk):
+            reason = salvage.sessions[sid]  # a truncated session's last item
+            truncated, finish = True, finish_reason(reason)
+            extra = flags + last_item_extra(reason)
         # the item, formatted directly (the same text json.dumps would give, much faster)
         buf += b',{"uid":"' if buf else b'{"uid":"'
         buf += uid(seed, pk).encode()
@@ -424,7 +452,7 @@ def build_group(
                 reward,
                 ts,
                 step_id,
-                "length" if truncated else "stop",
+                finish,
                 sid_json,
                 sid_json,
                 gid_json,
@@ -435,7 +463,7 @@ def build_group(
                 "true" if completed else "false",
                 step_reward,
                 reward,
-                flags,
+                extra,
             )
         ).encode()
         out.rewards.append(reward)

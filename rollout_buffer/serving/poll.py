@@ -51,8 +51,8 @@ from rollout_buffer.serving import redelivery
 from rollout_buffer.serving.draft import Draft, Shape
 from rollout_buffer.serving.prebuilt import Prebuilder
 from rollout_buffer.serving.replay import Replayer, RequestIds
-from rollout_buffer.storage.connections import LazyPair, Pair
 from rollout_buffer.storage.db import Database
+from rollout_buffer.storage.store import LazyPair, Pair
 
 logger = logging.getLogger(__name__)
 
