@@ -779,7 +779,8 @@ class Run:
         return self.out
 
     def _run(self) -> None:
-        from rollout_buffer.storage.db import connect, create_launcher_tables
+        from rollout_buffer.storage.db import connect
+        from rollout_buffer.storage.launcher_tables import create_launcher_tables
 
         db = connect(self.url)
         try:

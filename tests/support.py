@@ -27,7 +27,8 @@ import pytest
 
 from rollout_buffer.core.config import Config
 from rollout_buffer.storage import launcher_sql
-from rollout_buffer.storage.db import connect, create_launcher_tables
+from rollout_buffer.storage.db import connect
+from rollout_buffer.storage.launcher_tables import create_launcher_tables
 from rollout_buffer.web.app import create_app
 
 PG_DSN = os.environ.get("ROLLOUT_BUFFER_TEST_PG", "postgresql://root@127.0.0.1:5432/test")
@@ -156,6 +157,24 @@ class Writer:
         )
         self.db.execute(launcher_sql.INSERT_STEP, row)
         return int(self.db.scalar("SELECT MAX(id) FROM session_steps"))
+
+    def schedule(self, group: str, sessions: list[str], job: str | None = None) -> None:
+        """job_environments rows, as the launcher writes them when it starts."""
+        for sid in sessions:
+            self.db.execute(
+                launcher_sql.INSERT_ENV,
+                (
+                    job or self.job,
+                    sid,
+                    "env",
+                    json.dumps({"task": group}),
+                    None,
+                    group,
+                    0,
+                    0,
+                    now_text(),
+                ),
+            )
 
     def session(
         self,

@@ -15,6 +15,7 @@ from typing import Any
 
 from rollout_buffer.core.figures import SERVED_KEY, Figures
 from rollout_buffer.core.model import INCOMPLETE_IN_SERVED
+from rollout_buffer.core.salvage import Tally
 
 
 class Counts:
@@ -33,9 +34,10 @@ class Counts:
         self.filtered: Counter[str] = (
             Counter()
         )  # groups dropped since the last served batch, by reason
+        self.salvaged = Tally()  # served groups with truncated sessions (issue 38)
 
     def load(self, totals: Any) -> None:
-        """A job's durable totals (a :class:`~rollout_buffer.storage.records.JobTotals`), before any
+        """A job's durable totals (a :class:`~rollout_buffer.storage.store.JobTotals`), before any
         row is ingested again: the row and group counters, the figures and ``filtered``."""
         self.rows_read = totals.accounted_rows
         self.served_rows = totals.served_rows
@@ -47,6 +49,8 @@ class Counts:
         for fig in totals.figures:
             self.figures.load(*fig)
         self.filtered.update(totals.filtered)
+        for reason, n_groups in totals.salvaged:
+            self.salvaged.load(reason, n_groups)
 
     def group_dropped(
         self, reason: str, rows: int, sessions: int, rewards: Iterable[float]

@@ -38,15 +38,18 @@ from rollout_buffer.core.model import (
     REJECTED,
     ROW_DROPPED,
     SERVED,
+    STEP_CAP,
     BadText,
     Decisions,
     Drop,
     Policy,
     Row,
     RowEvent,
+    Salvage,
 )
 from rollout_buffer.core.policies import Policies
 from rollout_buffer.core.ready import ReadyQueue
+from rollout_buffer.core.salvage import TRUNCATE, truncation
 from rollout_buffer.core.versions import Versions
 
 logger = logging.getLogger(__name__)
@@ -101,6 +104,8 @@ class Accumulator(Handover, Policies):
         self.undecided = (
             Undecided()
         )  # every undecided group: the oldest and the low-water mark in O(log n)
+        # salvage: undecided groups with a session at the step cap, waiting for their other sessions
+        self.capped: set[str] = set()
         self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
         # every session of the job, those without a trainable row too (max_steps: the launcher's)
         self.census = Census(max_steps, self.publish, self.decided)
@@ -110,9 +115,16 @@ class Accumulator(Handover, Policies):
         """(Lock held, or in the constructor.) Tell the followers of one change, with the job it
         is of: ``("job",)`` (a new accumulator), ``("listed", session, group, place)``,
         ``("started", group)`` (its first row, or ready no more), ``("ready", group)``,
-        ``("decided", group, served)`` (served: to the trainer, else dropped), ``("version", v)``
-        (the newest weight version of a row), ``("ended",)`` (another job replaces it)."""
+        ``("decided", group, served)`` (served: to the trainer, else dropped), ``("finished",
+        session)`` (its terminal row), ``("version", v)`` (the newest plausible weight version of
+        a row, once a current version is known), ``("ended",)`` (another job replaces it)."""
         self.feed((self.job_id, *event))
+
+    def _shown(self, version: int) -> bool:
+        """(Lock held.) A row version followers may count the trainer's steps by: one the version
+        rule finds plausible once a current version is known (a bogus version, such as a
+        timestamp, never moves them; before a current version is known, any could be one)."""
+        return self.versions.known and self.versions.plausible(version)
 
     def end(self) -> None:
         """Another job replaces this one: followers forget it (``("ended",)``) before its groups
@@ -219,14 +231,26 @@ class Accumulator(Handover, Policies):
                         self._choose(
                             g, out
                         )  # ready short of K at the TTL, it reached K while it waited
-            self._doom(doomed, out)
-            newest = max(
-                (r[6] for r in rows if len(r) > 6 and type(r[6]) is int), default=None
-            )  # (a bool or a text is no version)
-            if newest is not None and (self._rows_version is None or newest > self._rows_version):
-                self._rows_version = newest
-                self.publish(("version", newest))
+            self._doom(doomed | self.capped, out)  # (capped: their siblings may have ended now)
+            self._publish_version(rows)
         return out
+
+    def _publish_version(self, rows: list[Row]) -> None:
+        """(Lock held.) Tell followers of the newest version of these rows, if it is newer and
+        plausible (:meth:`_shown`). The first one they see is the current version, which no
+        single row moves: the steps made before it was known count too."""
+        newest = max(
+            (r[6] for r in rows if len(r) > 6 and type(r[6]) is int and self._shown(r[6])),
+            default=None,
+        )  # (a bool or a text is no version)
+        if newest is None:
+            return
+        if self._rows_version is None:
+            self._rows_version = min(self.versions.current, newest)
+            self.publish(("version", self._rows_version))
+        if newest > self._rows_version:
+            self._rows_version = newest
+            self.publish(("version", newest))
 
     @staticmethod
     def _completed_row(
@@ -274,6 +298,19 @@ class Accumulator(Handover, Policies):
     def _doom(self, group_ids: set[str], out: Decisions) -> None:
         """(Lock held.) Drop the groups that can no longer reach K (never a ready or taken one)."""
         for gid in sorted(group_ids):
+            if self.policy.salvage == TRUNCATE:
+                # a session at the step cap is truncated, not a reason to drop: the group is
+                # served once its other sessions ended too, or decided at the TTL or launcher exit
+                g = self._undecided(gid)
+                if (
+                    gid in self.decided
+                    or (g is not None and gid not in self.pending)
+                    or self._salvage(g, gid, STEP_CAP, out, ended_only=True)
+                ):
+                    self.capped.discard(gid)
+                else:
+                    self.capped.add(gid)
+                continue
             runs = self.k + self.policy.oversample  # the launcher's --rl-group-size
             # with a minimum group size, a group that can still reach it is served short later
             # (at the TTL, or when the launcher exits): only one that cannot is dropped now
@@ -286,6 +323,31 @@ class Accumulator(Handover, Policies):
                 self._tombstone(gid, SESSION_WITHOUT_RESULT, out)
             elif g.taken is None and gid in self.pending:
                 self._drop(g, SESSION_WITHOUT_RESULT, out)
+
+    def _salvage(
+        self, g: Group | None, gid: str, reason: str, out: Decisions, *, ended_only: bool = False
+    ) -> bool:
+        """(Lock held.) Salvage (issue 38, :mod:`~rollout_buffer.core.salvage`): a pending group (or
+        one only the census knows) whose ended sessions can be truncated becomes ready with them.
+        False: salvage is off, or the group cannot be salvaged (the caller drops it as before)."""
+        if self.policy.salvage != TRUNCATE:
+            return False
+        sessions = truncation(g, gid, self.census, self.k, reason, ended_only=ended_only)
+        if sessions is None:
+            return False
+        if g is None:
+            g = self._group_for(gid, self.clock())
+        self.pending.pop(gid, None)
+        self.changes += 1
+        g.salvage = Salvage(
+            sessions,
+            reason,
+            self.policy.salvage_reward,
+            self.policy.message_cut <= 0,
+            max_steps=self.census.max_steps,
+        )
+        self._became_ready(g, out)
+        return True
 
     def _tombstone(self, gid: str, reason: str, out: Decisions) -> None:
         """(Lock held.) Drop a group that no trainable row has shown yet: its later rows are late
@@ -389,6 +451,7 @@ class Accumulator(Handover, Policies):
             oldest = None if first is None else first.first_seen
             counts = self.counts.view()
             return {
+                "salvaged": self.counts.salvaged.view(),
                 "job_id": self.job_id,
                 "k": self.k,
                 "rows": counts["rows"],

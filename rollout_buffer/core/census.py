@@ -14,7 +14,7 @@ decided its sessions' seconds and rows go to ``served`` or to ``discarded`` unde
 reason.
 
 It tells ``publish`` (the accumulator's change feed) of each session listed, with its group and its
-place in ``job_environments``, and of each group's first row.
+place in ``job_environments``, of each group's first row, and of each session's terminal row.
 
 Owns: the job's sessions by group, the sessions seen with a trainable row, the sessions that ended
 without a result, and the generation figures. It must not do I/O nor decide: the accumulator
@@ -129,14 +129,16 @@ class Census:
                 timing[2] += 1
             if trainable:
                 self.trainable.add(fact.session_id)
+            if fact.terminal:  # (pacing: a finished session is never taken for gone)
+                self.publish(("finished", fact.session_id))
             if self._capped(fact) and fact.session_id not in self.without_result:
                 self.without_result.add(fact.session_id)
                 doomed.add(fact.group_id)
         return doomed
 
-    def settle(self, group_id: str, outcome: str) -> None:
+    def settle(self, group_id: str, outcome: str) -> float:
         """The group was decided (``served``, or dropped with reason ``outcome``): its sessions'
-        generation figures go to that outcome and are forgotten."""
+        generation figures go to that outcome and are forgotten. Returns its generation seconds."""
         seconds = 0.0
         rows = 0
         sessions = self.group_sessions.pop(group_id, set())
@@ -159,6 +161,20 @@ class Census:
         self.publish(("decided", group_id, outcome == "served"))
         target = self.served if outcome == "served" else self.discarded[outcome]
         target.add(len(sessions), rows, seconds)
+        return seconds
+
+    def seconds_of(self, group_id: str) -> float:
+        """What generating the group has cost so far: its sessions' generation seconds."""
+        timing = self.timing
+        return sum(
+            t[1] - t[0]
+            for t in (timing.get(s) for s in self.sessions_of(group_id))
+            if t is not None
+        )
+
+    def has_row(self, session_id: str) -> bool:
+        """The session wrote a row of any kind (known until its group is decided)."""
+        return session_id in self.timing
 
     def waste(self) -> dict[str, object]:
         """Served against discarded groups, by reason, with the share discarded."""

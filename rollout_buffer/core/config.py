@@ -276,6 +276,20 @@ class Config:
         "implausible_version, once that version is known. Row data moves the current version only "
         "when two complete groups agree (unset: no bound)",
     )
+    salvage: str = setting(
+        PREFIX + "SALVAGE",
+        "off",
+        choice("off", "truncate"),
+        "a group whose sessions ended without a result (step_cap, launcher_exited, "
+        "incomplete_group_ttl), each with a row, is served with them truncated: off or truncate "
+        "(see docs/policies.md)",
+    )
+    salvage_reward: float = setting(
+        PREFIX + "SALVAGE_REWARD",
+        0.0,
+        number(),
+        "the terminal reward of every item of a session truncated by ROLLOUT_BUFFER_SALVAGE",
+    )
     max_request_bytes: int = setting(
         PREFIX + "MAX_REQUEST_BYTES", 1024 * 1024, integer(1024), "request body cap"
     )
@@ -400,8 +414,8 @@ class Config:
         PREFIX + "PACING_SESSION_TIMEOUT_SECONDS",
         60.0,
         number(1.0),
-        "a started group with no model call in flight and none for this long frees its place in "
-        "the budget (above the launcher's longest retry backoff, 36 s)",
+        "a session with no model call in flight at the gate and none for this long is gone: its "
+        "group frees its place in the budget (above the launcher's longest retry backoff, 36 s)",
     )
     advertise_url: str | None = setting(
         PREFIX + "ADVERTISE_URL",
@@ -519,6 +533,9 @@ class Config:
             self.min_group_size,
             self.serve_order,
             self.max_version_jump,
+            salvage=self.salvage,
+            salvage_reward=self.salvage_reward,
+            message_cut=self.message_cut,
         )
 
     @property

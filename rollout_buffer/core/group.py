@@ -11,7 +11,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from rollout_buffer.core.model import STALE, ZERO_VARIANCE, Policy
+from rollout_buffer.core.model import STALE, ZERO_VARIANCE, Policy, Salvage
 
 
 class Group:
@@ -30,6 +30,7 @@ class Group:
         "order_key",
         "partial",
         "ready_at",
+        "salvage",
         "sessions",
         "taken",
         "weight_version",
@@ -58,6 +59,7 @@ class Group:
         # group reaching K never lets one back in: its rows already read are accounted as dropped)
         self.excluded: set[str] | None = None
         self.partial = False  # made ready at the TTL short of K (min group size)
+        self.salvage: Salvage | None = None  # its truncated sessions, once salvaged (issue 38)
         self.ready_at: float | None = None
         self.min_wv: int | None = (
             None  # min weight_version of its served sessions (known at ingest)

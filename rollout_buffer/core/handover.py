@@ -29,6 +29,7 @@ from rollout_buffer.core.model import (
     Take,
 )
 from rollout_buffer.core.ready import ReadyQueue
+from rollout_buffer.core.salvage import served_sessions, unread
 
 
 class Handover:
@@ -66,10 +67,9 @@ class Handover:
             while self.ready and (max_groups is None or len(takes) < max_groups):
                 g = self.ready.pop_next()
                 gid = g.group_id
-                completed: dict[str, tuple[int, ...]] = {}
-                incomplete: dict[str, tuple[int, ...]] = {}
-                for sid, pks in g.sessions.items():
-                    (completed if sid in g.completed else incomplete)[sid] = tuple(pks)
+                completed, incomplete, salvage = served_sessions(g)  # (salvage: issue 38)
+                if salvage is not None:
+                    salvage = dataclasses.replace(salvage, generation_s=self.census.seconds_of(gid))
                 g.taken = {sid: len(pks) for sid, pks in g.sessions.items()}
                 self.taken[gid] = g
                 takes.append(
@@ -81,6 +81,7 @@ class Handover:
                         g.partial and len(completed) < self.k,
                         g.ready_at,
                         g.min_version(completed),
+                        salvage=salvage,
                     )
                 )
         return takes
@@ -149,6 +150,9 @@ class Handover:
                 self._settle(g, out, self._late_served)
                 self.decided[s.group_id] = SERVED
                 self.census.settle(s.group_id, SERVED)
+                if s.take.salvage is not None:  # its truncated sessions' last rows are read now
+                    self.counts.rows_read += s.take.extra_pks
+                    self.counts.salvaged.served(s.take.salvage)
                 self.counts.group_served(
                     len(s.take.served_pks),
                     len(s.take.incomplete_pks),
@@ -164,6 +168,8 @@ class Handover:
                 self._settle(g, out, LATE_DROPPED)
                 self.decided[d.group_id] = DROPPED
                 self.census.settle(d.group_id, d.reason)
+                if g.salvage is not None:  # refused when built: its last rows were read then
+                    self.counts.rows_read += unread(g, d.group_id, d.pks, plan.rows)
                 self.counts.group_dropped(d.reason, len(d.pks), len(d.clear_sessions), d.rewards)
             for r in plan.rows:
                 if r.outcome == REJECTED and r.group_id in settled:
@@ -186,7 +192,7 @@ class Handover:
                 or t.group_id in self.tainted_groups
                 or t.group_id in self.implausible
                 or not self.tainted.isdisjoint(g.sessions)
-                or set(g.completed) != set(t.completed)
+                or set(served_sessions(g)[0]) != set(t.completed)
                 or any(len(g.sessions.get(sid, ())) != len(pks) for sid, pks in t.completed.items())
             ):
                 return None
@@ -219,6 +225,7 @@ class Handover:
                 self.decided[t.group_id] = status
                 self.census.publish(("decided", t.group_id, status == SERVED))
                 if status == SERVED:
+                    self.counts.rows_read += t.extra_pks  # (a salvaged group's last rows)
                     self.counts.group_served(
                         len(t.served_pks),
                         len(t.incomplete_pks),

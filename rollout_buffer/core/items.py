@@ -24,6 +24,7 @@ from typing import Any
 
 from rollout_buffer.core.logconfig import EventLog
 from rollout_buffer.core.model import BadText, Take
+from rollout_buffer.core.salvage import finish_reason, last_item_extra, truncated_terminals
 from rollout_buffer.core.values import (
     History,
     Malformed,
@@ -128,7 +129,9 @@ def _validated(
     (validated apart from the formatting: nothing is appended unless every row is good)."""
     bad: dict[int, str] = {}
     ordered = []
-    for sid, pks in take.completed.items():
+    salvage = take.salvage
+    last_rows = set(salvage.last_rows.values()) if salvage is not None else ()
+    for sid, pks in take.served.items():
         for pk in pks:
             row = rows.get(pk)
             if row is None:
@@ -158,7 +161,11 @@ def _validated(
                 row[RESPONSE], (str, type(None))
             ):  # a BLOB or a number where text belongs
                 raise Malformed("response_not_text")
-            if str(row[GID]) != take.group_id or row[JOB] != job_id or not row[TRAINABLE]:
+            if (
+                str(row[GID]) != take.group_id
+                or row[JOB] != job_id
+                or not (row[TRAINABLE] or pk in last_rows)  # (a truncated session's last row)
+            ):
                 raise Malformed("row_changed")
             text = as_bytes(row[MESSAGES])
             end, empty = history.check(text)
@@ -179,6 +186,8 @@ def _validated(
         )
     if bad:
         raise Malformed(next(iter(bad.values())), bad)
+    if salvage is not None:
+        terminal.update(truncated_terminals(salvage, prepared))
     return prepared, terminal
 
 
@@ -197,6 +206,7 @@ def build_group(
     nothing was appended.
     """
     prepared, terminal = _validated(take, rows, job_id)
+    salvage = take.salvage
     out = GroupItems(take.group_id, len(buf))
     gid_json = dumps_compact(take.group_id)
     key_json = dumps_compact(rollout_group_key(take.group_id))
@@ -224,6 +234,12 @@ def build_group(
         if not isinstance(response, str):
             response = "" if response is None else str(response)
         truncated = bool(row[TRUNCATED])
+        finish = "length" if truncated else "stop"
+        extra = flags
+        if salvage is not None and sid in salvage.sessions and terminal[sid][:2] == (step_id, pk):
+            reason = salvage.sessions[sid]  # a truncated session's last item
+            truncated, finish = True, finish_reason(reason)
+            extra = flags + last_item_extra(reason)
         # the item, formatted directly (the same text json.dumps would give, much faster)
         buf += b',{"uid":"' if buf else b'{"uid":"'
         buf += uid(seed, pk).encode()
@@ -239,7 +255,7 @@ def build_group(
                 reward,
                 ts,
                 step_id,
-                "length" if truncated else "stop",
+                finish,
                 sid_json,
                 sid_json,
                 gid_json,
@@ -250,7 +266,7 @@ def build_group(
                 "true" if completed else "false",
                 step_reward,
                 reward,
-                flags,
+                extra,
             )
         ).encode()
         out.rewards.append(reward)

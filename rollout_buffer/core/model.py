@@ -44,6 +44,8 @@ IMPLAUSIBLE_VERSION = "implausible_version"  # a row version that cannot be true
 OVERSAMPLED = "oversampled"  # rows of a session beyond the first K completed of its group
 # Recorded as the reason of a group served short of K (ROLLOUT_BUFFER_MIN_GROUP_SIZE).
 PARTIAL = "partial"
+# Salvage (issue 38): a session that ended without a result because it reached --max-steps.
+STEP_CAP = "step_cap"
 
 
 class BadText(str):
@@ -81,6 +83,9 @@ class Policy:
     min_group_size: int | None = None  # at the TTL, serve a group with at least this many completed
     serve_order: str = "ready"  # ready | oldest_version | newest_version
     max_version_jump: int | None = 1000  # a version this far above the current one is implausible
+    salvage: str = "off"  # off | truncate (issue 38): serve a group whose sessions ended short
+    salvage_reward: float = 0.0  # the terminal reward of a truncated session's items
+    message_cut: int = 0  # the launcher's --message-cut: <= 0, a truncated session's last row
 
     def stale(self, current: int, min_wv: int, max_off_policy: int | None = None) -> bool:
         """The upstream client's rule: current - min(weight_version of the items) >
@@ -146,6 +151,25 @@ class PollRequest:
 
 
 @dataclass(frozen=True)
+class Salvage:
+    """The truncated sessions of a salvaged group (issue 38, :mod:`~rollout_buffer.core.salvage`).
+
+    ``sessions`` maps each truncated session to its reason (``step_cap``, ``launcher_exited``,
+    ``incomplete_group_ttl``), ``reason`` is what decided the group, ``reward`` the terminal reward
+    of every item of a truncated session. ``last_row``: at --message-cut <= 0 a truncated session
+    is served from its last row, trainable or not; ``last_rows`` holds their pks once read (by
+    session id, when the group is built)."""
+
+    sessions: dict[str, str]
+    reason: str
+    reward: float = 0.0
+    last_row: bool = True
+    last_rows: dict[str, int] = field(default_factory=dict)
+    generation_s: float = 0.0  # what generating the group cost (its sessions' seconds), when taken
+    max_steps: int | None = None  # the launcher's --max-steps (recorded: its items are rebuilt)
+
+
+@dataclass(frozen=True)
 class Take:
     """A ready group handed to a poll: the pks of its completed and incomplete sessions.
 
@@ -165,11 +189,35 @@ class Take:
     redelivered: bool = (
         False  # a served group delivered again (redelivery.py): no decision of its own
     )
+    salvage: Salvage | None = None  # its truncated sessions, when salvaged (issue 38)
+
+    @property
+    def served(self) -> dict[str, tuple[int, ...]]:
+        """The rows a served group delivers, by session: its completed sessions' and, when
+        salvaged, its truncated sessions' (with their last rows at --message-cut <= 0)."""
+        s = self.salvage
+        if s is None or not s.last_rows:
+            return self.completed
+        out = dict(self.completed)
+        for sid, pk in s.last_rows.items():
+            pks = out.get(sid, ())
+            if pk not in pks:
+                out[sid] = (*pks, pk)
+        return out
 
     @property
     def served_pks(self) -> list[int]:
-        """The rows a served group delivers (its completed sessions')."""
-        return [pk for pks in self.completed.values() for pk in pks]
+        """The rows a served group delivers (see :attr:`served`)."""
+        return [pk for pks in self.served.values() for pk in pks]
+
+    @property
+    def extra_pks(self) -> int:
+        """Served rows that ingest never read: truncated sessions' last rows that are not
+        trainable (they count as read when served)."""
+        s = self.salvage
+        if s is None:
+            return 0
+        return sum(1 for sid, pk in s.last_rows.items() if pk not in self.completed.get(sid, ()))
 
     @property
     def incomplete_pks(self) -> list[int]:
@@ -179,7 +227,7 @@ class Take:
     @property
     def all_pks(self) -> list[int]:
         return sorted(
-            pk for d in (self.completed, self.incomplete) for pks in d.values() for pk in pks
+            pk for d in (self.served, self.incomplete) for pks in d.values() for pk in pks
         )
 
     @property

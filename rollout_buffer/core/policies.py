@@ -20,6 +20,7 @@ from rollout_buffer.core.census import Census
 from rollout_buffer.core.group import Group, Undecided
 from rollout_buffer.core.model import OVERSAMPLED, ROW_DROPPED, TTL, Decisions, Policy, RowEvent
 from rollout_buffer.core.ready import ReadyQueue
+from rollout_buffer.core.salvage import served_count
 from rollout_buffer.core.versions import Versions
 
 
@@ -51,6 +52,8 @@ class Policies:
         def _undecided(self, gid: str | None) -> Group | None: ...
 
         def _tombstone(self, gid: str, reason: str, out: Decisions) -> None: ...
+
+        def _salvage(self, g: Group | None, gid: str, reason: str, out: Decisions) -> bool: ...
 
     def _became_ready(self, g: Group, out: Decisions) -> None:
         """(Lock held.) A group has K completed sessions, or is served short at the TTL: choose its
@@ -118,7 +121,11 @@ class Policies:
                     self._drop(g, reason, out)
             # groups whose sessions all ended before any trainable row: only the census knew them
             for gid in list(self.census.group_sessions):
-                if gid not in self.decided and self._undecided(gid) is None:
+                if (
+                    gid not in self.decided
+                    and self._undecided(gid) is None
+                    and not (partial and self._salvage(None, gid, reason, out))
+                ):
                     self._tombstone(gid, reason, out)
         return out
 
@@ -127,7 +134,10 @@ class Policies:
         has the minimum group size (ROLLOUT_BUFFER_MIN_GROUP_SIZE), else dropped with ``reason``.
 
         A group that was ready under a smaller K (K raised since) is no exception: the trainer asked
-        for the K in force, and a group short of it is never served but as a partial group."""
+        for the K in force, and a group short of it is never served but as a partial group.
+        Salvage goes first: the minimum group size applies to groups it cannot salvage."""
+        if self._salvage(g, g.group_id, reason, out):
+            return
         if self.policy.serves(self.k, len(g.completed)):
             del self.pending[g.group_id]
             g.partial = True
@@ -144,10 +154,11 @@ class Policies:
             moved, out = False, Decisions()
             for gid, g in list(self.ready.items()):
                 if (
-                    len(g.completed) < k
+                    served_count(g) < k
                 ):  # K was raised: not ready any more (and open to more sessions)
                     del self.ready[gid]
                     self.pending[gid], g.chosen, moved = g, None, True
+                    g.salvage = None  # short of the new K: salvaged again (or not) when it ends
                     self.census.publish(("started", gid))  # in progress again
                 elif len(g.completed) > k:  # K was lowered: over-sampling keeps the first K
                     self._choose(g, out)

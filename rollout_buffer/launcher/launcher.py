@@ -44,8 +44,7 @@ from rollout_buffer.launcher.supervisor import (
     still_running,
     terminate_group,
 )
-from rollout_buffer.storage.records import LauncherRecord
-from rollout_buffer.storage.store import Store
+from rollout_buffer.storage.store import LauncherRecord, Store
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from typing import Any
 from rollout_buffer.core.errors import Invalid, LeaseLost, StorageError, Unavailable
 from rollout_buffer.core.model import Decisions, Take
 from rollout_buffer.runtime.locks import Locks
-from rollout_buffer.storage.connections import Pair
-from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
+from rollout_buffer.storage.launcher_tables import fetch_rows, recorded_salvage, take_from_rows
+from rollout_buffer.storage.store import Pair
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def _take_again(pair: Pair, job_state: Any, gid: str) -> Take | None:
     nor with fewer sessions than the K in force, but as a partial group when those are on."""
     pks = pair.store.group_pks(job_state.job_id, gid)
     rows = fetch_rows(pair.source, pks)
-    t = take_from_rows(gid, pks, rows)
+    t = take_from_rows(gid, pks, rows, recorded_salvage(pair.store, job_state.job_id, gid))
     k, accumulator = job_state.accumulator.k, job_state.accumulator
     if not (pks and len(rows) == len(pks) and t.completed):
         reason = ROWS_MISSING
@@ -69,7 +69,14 @@ def _take_again(pair: Pair, job_state: Any, gid: str) -> Take | None:
         reason = SHORT_OF_K
         why = f"it has {len(t.completed)} sessions, and K is {k} now"
     else:
-        return Take(gid, t.completed, {}, partial=len(t.completed) < k, redelivered=True)
+        return Take(
+            gid,
+            t.completed,
+            {},
+            partial=len(t.completed) < k,
+            redelivered=True,
+            salvage=t.salvage,
+        )
     plan = Decisions(redelivered={gid: reason})
     pair.store.record(job_state.job_id, plan)
     job_state.redeliveries.settled(plan)

@@ -29,9 +29,8 @@ from rollout_buffer.core.model import Batch
 from rollout_buffer.core.response import Body, response_chunks
 from rollout_buffer.core.values import Malformed
 from rollout_buffer.runtime.jobs import JobState
-from rollout_buffer.storage.connections import Pair
-from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
-from rollout_buffer.storage.records import steady_wall
+from rollout_buffer.storage.launcher_tables import fetch_rows, recorded_salvage, take_from_rows
+from rollout_buffer.storage.store import Pair, steady_wall
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +193,7 @@ class Replayer:
         for gid in batch.group_ids:
             pks = pair.store.group_pks(job_state.job_id, gid)
             rows = fetch_rows(pair.source, pks)
+            salvaged = recorded_salvage(pair.store, job_state.job_id, gid)
             if len(rows) < len(pks):  # pruned from session_steps: never a group short of a row
                 raise Expired(
                     f"the batch of request_id {batch.request_id!r} cannot be sent again whole: "
@@ -205,7 +205,7 @@ class Replayer:
             try:
                 groups.append(
                     build_group(
-                        take_from_rows(gid, pks, rows),
+                        take_from_rows(gid, pks, rows, salvaged),
                         rows,
                         batch.seed,
                         job_state.job_id,

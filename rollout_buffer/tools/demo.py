@@ -58,6 +58,17 @@ POLICY_ENV = {
 }
 
 
+# Salvage (issue 38): the settings the demo passes on from its own environment to the server
+SALVAGE_SETTINGS = ("ROLLOUT_BUFFER_SALVAGE", "ROLLOUT_BUFFER_SALVAGE_REWARD")
+
+
+def salvage_env(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """The salvage settings of the demo's environment (``ROLLOUT_BUFFER_SALVAGE=truncate
+    rollout-buffer demo``): the server gets them, and every other rollout-buffer setting is
+    scrubbed."""
+    return {name: environ[name] for name in SALVAGE_SETTINGS if name in environ}
+
+
 def server_env(
     db_url: str,
     run_dir: str,
@@ -66,6 +77,7 @@ def server_env(
     pace: float,
     policies: bool = False,
     seed: int | None = None,
+    salvage: dict[str, str] | None = None,
 ) -> dict[str, str]:
     """The server's environment: ours without any rollout-buffer setting, plus the demo's."""
     # the original's launcher defaults (message-cut 0, max-steps 10) come with the argv
@@ -83,6 +95,7 @@ def server_env(
             "AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS": "60",
             "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "5",
             **(POLICY_ENV if policies else {}),
+            **(salvage or {}),
         }
     )
 
@@ -211,7 +224,8 @@ def _run(
         "  service groups the rows until all K sessions of a group have a result, and this demo\n"
         "  polls it as a trainer would, checking every group it receives. Some sessions crash or\n"
         "  hit the step cap, as real ones do: their groups can never complete and are dropped,\n"
-        "  and the summary says why."
+        "  and the summary says why (with ROLLOUT_BUFFER_SALVAGE=truncate such groups are\n"
+        "  served with those sessions truncated, unless one of them wrote no row at all)."
     )
     print(
         f"  work dir {workdir}"
@@ -220,6 +234,10 @@ def _run(
     print(f"  server   {url}")
     print(f"  status page  {url}/  (open it in a browser while the demo runs)")
     policies = bool(args.policies)
+    salvage = salvage_env(os.environ)
+    salvaging = salvage.get("ROLLOUT_BUFFER_SALVAGE", "off").strip().lower() == "truncate"
+    if salvage:
+        print("  salvage  " + ", ".join(f"{k}={v}" for k, v in salvage.items()))
     if policies:
         print(
             "  policies "
@@ -227,7 +245,15 @@ def _run(
         )
     server = ServerProcess(
         port,
-        server_env(db_url, logs, groups=groups, pace=pace, policies=policies, seed=args.seed),
+        server_env(
+            db_url,
+            logs,
+            groups=groups,
+            pace=pace,
+            policies=policies,
+            seed=args.seed,
+            salvage=salvage,
+        ),
         server_log,
         cwd=workdir,
     )
@@ -259,6 +285,7 @@ def _run(
             timed_out=timed_out,
             timeout=timeout,
             policies=policies,
+            salvage=salvaging,
         )
         if args.keep:
             print(f"\n  the server stays up at {url}/ (status page); Ctrl-C stops it", flush=True)

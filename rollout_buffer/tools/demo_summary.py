@@ -76,15 +76,40 @@ DROP_EXPLAINED = {
 }
 
 
-def explain_drops(dropped: Any) -> list[str]:
+# With salvage on (ROLLOUT_BUFFER_SALVAGE=truncate), what is left to drop a group.
+SALVAGE_DROP_EXPLAINED = {
+    "launcher_exited": "a session of the group failed before writing any row, so salvage had "
+    "nothing to serve for it and the group could never reach K; dropped when the launcher "
+    "finished",
+    "incomplete_group_ttl": "a session of the group wrote no row before the TTL, so salvage had "
+    "nothing to serve for it",
+}
+
+
+def explain_drops(dropped: Any, salvage: bool = False) -> list[str]:
     """One line per drop reason: how many groups, and why such groups are dropped."""
     if not isinstance(dropped, dict):
         return []
+    words = {**DROP_EXPLAINED, **SALVAGE_DROP_EXPLAINED} if salvage else DROP_EXPLAINED
     return [
-        f"{n} {reason}: {DROP_EXPLAINED.get(reason, 'see docs/how-it-works.md')}"
+        f"{n} {reason}: {words.get(reason, 'see docs/how-it-works.md')}"
         for reason, n in sorted(dropped.items())
         if n
     ]
+
+
+def salvage_line(salvaged: Any) -> str:
+    """The summary's salvage row: the groups salvage kept, their truncated sessions, and the
+    generation time they kept."""
+    if not isinstance(salvaged, dict):
+        return "-"
+    groups = salvaged.get("groups") or {}
+    sessions = salvaged.get("sessions") or {}
+    return (
+        f"kept {sum(groups.values())} groups ({_reasons(groups)}) with "
+        f"{sum(sessions.values())} truncated sessions ({_reasons(sessions)}), "
+        f"{float(salvaged.get('generation_seconds_kept') or 0.0):.1f} s of generation"
+    )
 
 
 def explain_counts(
@@ -136,6 +161,27 @@ def _reasons(d: Any) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(d.items()))
 
 
+def salvage_problems(
+    sim: dict[str, Any], groups: dict[str, Any], kept: int, served: int
+) -> list[str]:
+    """With salvage on: every group is served, the complete ones and those salvage kept, but the
+    groups with a session that wrote no row (salvage cannot keep those: they are the only drops)."""
+    problems = []
+    complete = int(sim.get("complete_groups") or 0)
+    if served != complete + kept:
+        problems.append(
+            f"the simulator completed {complete} groups and salvage kept {kept}, the trainer "
+            f"received {served}"
+        )
+    silent = sim.get("groups_with_silent_session")
+    if silent is not None and groups.get("dropped_total", 0) != silent:
+        problems.append(
+            f"{groups.get('dropped_total', 0)} groups dropped, but only the {silent} with a "
+            "session that wrote no row should be"
+        )
+    return problems
+
+
 def launcher_summary(log_path: str | None) -> dict[str, Any] | None:
     """The simulator's final ``SIMULATE {json}`` line from its log, or None."""
     if not log_path:
@@ -160,6 +206,7 @@ def summarize(
     timed_out: bool,
     timeout: float,
     policies: bool = False,
+    salvage: bool = False,
 ) -> int:
     g = stats.get("groups") or {}
     r = stats.get("rows") or {}
@@ -176,8 +223,13 @@ def summarize(
         problems.append(f"accounting not balanced in /stats: rows {r}")
     sim = launcher_summary((stats.get("launcher") or {}).get("log_path"))
     by_policy = {k: v for k, v in (g.get("dropped") or {}).items() if k in POLICY_REASONS}
-    if (
-        sim is not None
+    kept = sum(((stats.get("salvaged") or {}).get("groups") or {}).values()) if salvage else 0
+    if salvage and not policies and sim is not None and not timed_out:
+        # (with the policies too, their check below holds: they drop some groups salvage kept)
+        problems += salvage_problems(sim, g, kept, len(checker.groups))
+    elif (
+        not salvage
+        and sim is not None
         and not timed_out
         and not policies
         and sim.get("complete_groups") != len(checker.groups)
@@ -213,6 +265,7 @@ def summarize(
         ("items (steps)", f"{checker.items}"),
         ("sessions", f"{checker.sessions}"),
         ("dropped groups", f"{g.get('dropped_total', 0)}  ({_reasons(g.get('dropped'))})"),
+        *([("salvage", salvage_line(stats.get("salvaged")))] if salvage else []),
         ("rejected rows", f"{r.get('rejected_total', 0)}  ({_reasons(r.get('rejected'))})"),
         *(
             [
@@ -253,7 +306,7 @@ def summarize(
     out.write("\nsummary\n")
     for label, value in rows:
         out.write(f"  {label:<{width}}  {value}\n")
-    explained = explain_drops(g.get("dropped"))
+    explained = explain_drops(g.get("dropped"), salvage)
     if explained:
         out.write("\nwhy groups were dropped\n")
         for line in explained:

@@ -33,11 +33,12 @@ from typing import IO, Any, TextIO
 from rollout_buffer.core.errors import RolloutBufferError, StorageError
 from rollout_buffer.core.items import GID, PARTIAL_FLAG, build_group
 from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
+from rollout_buffer.core.salvage import Recorded
 from rollout_buffer.core.values import Malformed, epoch
-from rollout_buffer.storage import launcher_sql, source
+from rollout_buffer.storage import launcher_sql, launcher_tables
 from rollout_buffer.storage.db import Database, connect
 from rollout_buffer.storage.exports import ExportPages
-from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
+from rollout_buffer.storage.launcher_tables import fetch_rows, take_from_rows
 from rollout_buffer.tools.export_steps import (
     json_number,
     session_plan,
@@ -146,7 +147,9 @@ class Exporter:
         outcomes: dict[int, tuple[str, str | None]] = {}
         items_json: str | None = None
         uids = None
-        take = take_from_rows(gid, pks, {pk: rows[pk] for pk in pks if pk in rows})
+        take = take_from_rows(
+            gid, pks, {pk: rows[pk] for pk in pks if pk in rows}, Recorded.of(group["reason"])
+        )
         for pk in take.served_pks:
             outcomes[pk] = (SERVED, None)
         for pk in take.incomplete_pks:
@@ -157,6 +160,8 @@ class Exporter:
         record = self._head(group, sorted(set(outcomes) - set(rows)))
         record["sessions"] = sessions_of(rows, outcomes)
         record["uids"] = uids
+        if take.salvage is not None:  # its truncated sessions, by reason (issue 38)
+            record["salvaged"] = dict(sorted(take.salvage.sessions.items()))
         # the items are spliced in as the trainer received them, byte for byte
         head = json.dumps(record, ensure_ascii=False)
         return head[:-1] + ',"items":[' + items_json + "]}"
@@ -181,7 +186,7 @@ class Exporter:
         trainable row."""
         seconds, rows, trainable = 0.0, 0, set()
         sessions: set[str] = set()
-        for session, count, first, last, any_trainable in source.generation_rows(
+        for session, count, first, last, any_trainable in launcher_tables.generation_rows(
             self.launcher_db, self.job_id, group_id
         ):
             sessions.add(session)
@@ -192,7 +197,9 @@ class Exporter:
                 seconds += max(0.0, epoch(last) - epoch(first))
         if self._has_schedule:
             try:
-                sessions.update(source.scheduled_sessions(self.launcher_db, self.job_id, group_id))
+                sessions.update(
+                    launcher_tables.scheduled_sessions(self.launcher_db, self.job_id, group_id)
+                )
             except StorageError:
                 self._has_schedule = False  # a writer that is not the launcher: no such table
         return {

@@ -92,6 +92,16 @@ def _groups(table: _Table, stats: dict[str, Any]) -> None:
         table.add("in flight", groups.get("in_flight"))
     table.add("served", groups.get("served"))
     table.add("dropped", groups.get("dropped_total"), _by_reason(groups.get("dropped")))
+    salvaged = stats.get("salvaged")
+    if isinstance(salvaged, dict):  # served with truncated sessions (issue 38)
+        table.add(
+            "salvaged",
+            sum((salvaged.get("groups") or {}).values()),
+            f"{_by_reason(salvaged.get('groups'))}, sessions "
+            f"{sum((salvaged.get('sessions') or {}).values())}"
+            f"{_by_reason(salvaged.get('sessions'))}, "
+            f"{_fmt(salvaged.get('generation_seconds_kept'))} generation s kept",
+        )
 
 
 def _figures(table: _Table, stats: dict[str, Any]) -> None:

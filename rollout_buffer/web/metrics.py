@@ -14,6 +14,8 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from rollout_buffer.core.salvage import REASONS as SALVAGE_REASONS
+
 if TYPE_CHECKING:  # pragma: no cover
     from rollout_buffer.service import Service
 
@@ -92,6 +94,22 @@ def _waste(out: _Out, job: str, waste: dict[str, Any] | None) -> None:
         "Share of the generation seconds that went to discarded groups.",
         [({"job_session": job}, waste["discarded_share"]["generation_s"])],
     )
+
+
+def _salvaged(out: _Out, job: str, salvaged: dict[str, Any]) -> None:
+    """Sessions and groups served truncated (issue 38), by reason (every reason, 0 included)."""
+    for kind in ("sessions", "groups"):
+        counts = salvaged[kind]
+        out.metric(
+            f"{kind}_salvaged_total",
+            "counter",
+            f"{kind.capitalize()} served with truncated sessions (ROLLOUT_BUFFER_SALVAGE), by "
+            "reason.",
+            [
+                ({"job_session": job, "reason": reason}, counts.get(reason, 0))
+                for reason in sorted(set(SALVAGE_REASONS) | set(counts))
+            ],
+        )
 
 
 def render_metrics(service: Service) -> str:
@@ -198,6 +216,7 @@ def render_metrics(service: Service) -> str:
                 ],
             )
         _waste(out, job, stats.get("waste"))
+        _salvaged(out, job, stats["salvaged"])
         redelivery = stats["redelivery"]
         out.metric(
             "redelivery_queued",

@@ -119,8 +119,11 @@ def test_demo_with_policies_shows_their_counts(tmp_path: Path) -> None:
     assert f"oversampled {m.group(3)} rows:" in differ, out
 
 
-def _demo(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+def _demo(
+    *args: str, extra_env: dict[str, str] | None = None, **kw: object
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES)}
+    env.update(extra_env or {})
     return subprocess.run(
         [sys.executable, "-m", "rollout_buffer", "demo", *args],
         cwd=ROOT,
@@ -251,3 +254,38 @@ def test_demo_keep_leaves_the_server_up_until_ctrl_c(tmp_path: Path) -> None:
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
+
+
+@pytest.mark.slow
+def test_demo_with_salvage_drops_only_groups_with_a_session_that_wrote_no_row(
+    tmp_path: Path,
+) -> None:
+    """ROLLOUT_BUFFER_SALVAGE=truncate in the demo's environment reaches its server: the groups
+    with a crashed or step-capped session are served truncated, and only the one group whose
+    session failed before writing any row is dropped (seed 15 plays such a group, and three that
+    salvage keeps: the summary's checks compare both with the simulator's own counts)."""
+    proc = _demo(
+        *("--groups", "8", "--k", "3", "--seed", "15", "--pace", "0.001"),
+        *("--dir", str(tmp_path / "demo"), "--timeout", "100"),
+        extra_env={"ROLLOUT_BUFFER_SALVAGE": "truncate"},
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{proc.stderr}"
+    assert "ROLLOUT_BUFFER_SALVAGE=truncate" in out
+    assert re.search(r"groups served\s+7\n", out), out
+    assert re.search(r"dropped groups\s+1  \(launcher_exited 1\)", out), out
+    m = re.search(r"salvage\s+kept (\d+) groups \(.*\) with (\d+) truncated sessions", out)
+    assert m and int(m.group(1)) == 3 and int(m.group(2)) >= 3, out
+    assert "failed before writing any row" in out  # the one drop, in the demo's words
+    assert re.search(r"accounting balanced\s+yes", out), out
+    assert re.search(r"checks\s+passed", out), out
+    summary = json.loads(
+        next(
+            line[len("SIMULATE ") :]
+            for log in (tmp_path / "demo" / "logs").glob("launcher-*.log")
+            for line in log.read_text().splitlines()
+            if line.startswith("SIMULATE ")
+        )
+    )
+    assert summary["groups_with_silent_session"] == 1
+    assert summary["complete_groups"] == 4

@@ -137,6 +137,7 @@ def _check_figures(driver: Any, doc: dict) -> None:
     waste = s["waste"]
     assert _text(driver, "waste-served").startswith(f"{waste['served']['groups']} groups")
     assert _text(driver, "waste-share").endswith("%")
+    assert _text(driver, "salvaged") == "0 groups, sessions 0, 0.0 ms kept"
     rows = driver.find_elements("css selector", "#batches tr")
     assert len(rows) == 1
     cells = [c.text for c in rows[0].find_elements("tag name", "td")]

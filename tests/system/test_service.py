@@ -936,8 +936,11 @@ def test_a_blob_session_in_an_idle_group_is_recorded_and_cleared_and_serving_goe
             (b"blob-session",),
         )
     conn.close()
+    # /stats counts a drop when it is decided, a moment before the tick records it: wait for the
+    # record, which is what this test checks.
     wait_until(lambda: h.stats()["groups"]["dropped_total"] == 1, 10, "g-idle dropped")
-    decided = connect_rows(lite_url, "SELECT group_id, status, reason FROM rollout_buffer_groups")
+    wait_until(lambda: connect_rows(lite_url, RECORDED), 10, "g-idle's drop recorded")
+    decided = connect_rows(lite_url, RECORDED)
     assert decided == [("g-idle", "dropped", "malformed_row")]
     assert proxy.wait_for(
         lambda p: "text-session" in proxy_sessions(p, "malformed_row", delivered=True)
@@ -948,6 +951,9 @@ def test_a_blob_session_in_an_idle_group_is_recorded_and_cleared_and_serving_goe
     assert s["rows"]["rejected"] == {"invalid_session_id": 1}
     assert_balanced(s)
     w.close()
+
+
+RECORDED = "SELECT group_id, status, reason FROM rollout_buffer_groups"
 
 
 def connect_rows(url: str, sql: str) -> list[tuple]:

@@ -124,3 +124,47 @@ def test_with_the_policies_each_count_that_differs_is_explained():
     # nothing differs: nothing to explain
     same = {"k": 4, "groups": 19, "sessions": 76, "complete_groups": 19}
     assert explain_counts(checker, {"dropped_total": 0}, {}, same) == []
+
+
+def test_with_salvage_a_drop_of_a_group_salvage_could_keep_fails_the_checks(tmp_path):
+    """Salvage on: the trainer gets the complete groups and those salvage kept; a drop is right
+    only for a group with a session that wrote no row (the simulator counts those)."""
+    checker = checker_with(7, 3)
+    log = tmp_path / "launcher.log"
+    log.write_text('SIMULATE {"complete_groups": 4, "groups_with_silent_session": 1}\n')
+    salvaged = {
+        "groups": {"step_cap": 2, "launcher_exited": 1},
+        "sessions": {"step_cap": 2, "launcher_exited": 1},
+        "generation_seconds_kept": 4.25,
+    }
+    stats = {
+        "groups": {"served": 7, "dropped": {"launcher_exited": 1}, "dropped_total": 1},
+        "rows": {"read": 21, "served": 21},
+        "accounting_balanced": True,
+        "salvaged": salvaged,
+        "launcher": {"log_path": str(log)},
+    }
+
+    def run(stats: dict[str, Any]) -> tuple[int, str]:
+        out = io.StringIO()
+        code = summarize(
+            out,
+            checker,
+            stats,
+            wall=1.0,
+            job_time=1.0,
+            paths={},
+            timed_out=False,
+            timeout=9.0,
+            salvage=True,
+        )
+        return code, out.getvalue()
+
+    code, text = run(stats)
+    assert code == 0, text
+    assert "kept 3 groups (launcher_exited 1, step_cap 2) with 3 truncated sessions" in text
+    assert "4.2 s of generation" in text
+    assert "failed before writing any row" in text
+    wrong = {**stats, "groups": {**stats["groups"], "dropped_total": 2}}
+    code, text = run(wrong)
+    assert code == 1 and "only the 1 with a session that wrote no row" in text

@@ -1,0 +1,148 @@
+"""Salvage (issue 38) in the accumulator, without a server: what pacing learns of a group being
+salvaged (in progress until served, never a drop), and the record that keeps the counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_buffer.core.accumulator import Accumulator
+from rollout_buffer.core.census import StepFact
+from rollout_buffer.core.config import Config
+from rollout_buffer.core.errors import ConfigError
+from rollout_buffer.core.model import Decisions, Policy, Row, Salvage, Served
+from rollout_buffer.core.salvage import Recorded, Tally, record_reason
+from rollout_buffer.pacing.budget import Budget
+
+
+def pacing_and_accumulator(clock: list[float]) -> tuple[Budget, Accumulator]:
+    budget = Budget(
+        staleness=1,
+        max_off_policy=None,
+        batch_groups=4,
+        session_timeout_s=3600.0,
+        clock=lambda: clock[0],
+    )
+    acc = Accumulator(
+        "j",
+        2,
+        clock=lambda: clock[0],
+        policy=Policy(salvage="truncate"),
+        max_steps=3,
+        changes=budget.publish,
+    )
+    return budget, acc
+
+
+def counted(budget: Budget) -> dict[str, int]:
+    with budget.lock:
+        budget.read_inbox()
+        return budget.terms()
+
+
+def test_pacing_counts_a_group_being_salvaged_until_it_is_served() -> None:
+    clock = [0.0]
+    budget, acc = pacing_and_accumulator(clock)
+    acc.observe([("a", "g"), ("b", "g")], [])
+    acc.ingest([Row(1, "a", "g", 1, 2, 1.0, 0)])
+    acc.observe([], [StepFact("b", "g", 1, False), StepFact("b", "g", 2, False)])
+    assert counted(budget)["in_progress"] == 1  # b still runs: nothing decided
+    acc.observe([], [StepFact("b", "g", 3, False)])  # b reached the step cap
+    terms = counted(budget)
+    assert (terms["in_progress"], terms["ready"]) == (0, 1)  # being salvaged, still counted
+    assert "g" not in budget.decided
+    (take,) = acc.take_ready(None)
+    assert take.salvage is not None and take.salvage.sessions == {"b": "step_cap"}
+    assert counted(budget)["ready"] == 1  # taken by a poll: not served yet
+    acc.commit(Decisions(served=[Served(take, "batch-1")]))
+    assert counted(budget)["ready"] == 0
+    assert budget.served == 1 and "g" in budget.decided and budget.groups == {}
+
+
+def test_pacing_never_sees_a_group_salvaged_at_the_ttl_as_dropped() -> None:
+    clock = [0.0]
+    budget, acc = pacing_and_accumulator(clock)
+    acc.observe([("a", "g"), ("b", "g")], [StepFact("b", "g", 1, False)])
+    acc.ingest([Row(1, "a", "g", 1, 2, 1.0, 0)])
+    clock[0] = 100.0
+    plan = acc.expire(50.0)
+    assert not plan.drops and plan.newly_ready == 1
+    assert counted(budget)["ready"] == 1 and "g" not in budget.decided
+
+
+def test_a_listed_session_without_a_row_is_never_salvaged() -> None:
+    clock = [0.0]
+    _budget, acc = pacing_and_accumulator(clock)
+    acc.observe([("a", "g"), ("b", "g")], [])
+    acc.ingest([Row(1, "a", "g", 1, 2, 1.0, 0)])
+    clock[0] = 100.0
+    plan = acc.expire(50.0)
+    assert [d.reason for d in plan.drops] == ["incomplete_group_ttl"]
+    assert plan.drops[0].clear_sessions == ["a", "b"]
+    assert acc.stats()["salvaged"]["groups"] == {}
+
+
+def test_the_record_keeps_what_rebuilding_and_counting_need() -> None:
+    salvage = Salvage(
+        {"b": "step_cap", "c": "launcher_exited"},
+        "launcher_exited",
+        -0.5,
+        True,
+        generation_s=12.25,
+        max_steps=10,
+    )
+    text = record_reason(salvage)
+    record = Recorded.of(text)
+    assert record is not None
+    assert (record.reason, record.reward, record.max_steps, record.last_row) == (
+        "launcher_exited",
+        -0.5,
+        10,
+        True,
+    )
+    tally = Tally()
+    assert tally.load(text, 2) and not tally.load("partial", 1) and not tally.load(None, 1)
+    assert tally.view() == {
+        "sessions": {"step_cap": 2, "launcher_exited": 2},
+        "groups": {"launcher_exited": 2},
+        "generation_seconds_kept": 24.5,
+    }
+    assert tally.load("salvaged:garbled", 1) and tally.groups["unknown"] == 1
+
+
+def test_the_settings_are_strict_and_off_by_default() -> None:
+    assert Config.from_env({}).policy.salvage == "off"
+    config = Config.from_env(
+        {"ROLLOUT_BUFFER_SALVAGE": "truncate", "ROLLOUT_BUFFER_SALVAGE_REWARD": "-1.5"}
+    )
+    assert (config.policy.salvage, config.policy.salvage_reward) == ("truncate", -1.5)
+    for name, bad in (
+        ("ROLLOUT_BUFFER_SALVAGE", "rerun"),
+        ("ROLLOUT_BUFFER_SALVAGE_REWARD", "nan"),
+    ):
+        with pytest.raises(ConfigError, match=name):
+            Config.from_env({name: bad})
+
+
+def test_a_change_of_k_counts_a_salvaged_groups_truncated_sessions() -> None:
+    """Lowered: a salvaged group with enough completed and truncated sessions stays ready.
+    Raised past them: it waits again, salvaged no more until it ends again."""
+    clock = [0.0]
+    _budget, acc = pacing_and_accumulator(clock)
+    acc.set_k(3)
+    acc.observe([("a", "g"), ("b", "g"), ("c", "g")], [])
+    acc.ingest([Row(1, "a", "g", 1, 2, 1.0, 0)])
+    acc.observe([], [StepFact(s, "g", 3, False) for s in ("b", "c")])
+    assert acc.stats()["groups"]["ready"] == 1
+    acc.set_k(2)
+    assert acc.stats()["groups"]["ready"] == 1  # 1 completed + 2 truncated >= 2
+    acc.set_k(4)
+    assert acc.stats()["groups"]["pending"] == 1 and acc.stats()["groups"]["ready"] == 0
+    acc.set_k(3)
+    assert acc.stats()["groups"]["ready"] == 0  # pending: decided again at the TTL
+    clock[0] = 100.0
+    plan = acc.expire(50.0)
+    assert plan.newly_ready == 1 and not plan.drops
+    (take,) = acc.take_ready(None)
+    assert take.salvage is not None
+    assert take.salvage.sessions == {"b": "step_cap", "c": "step_cap"}
+    assert take.salvage.reason == "incomplete_group_ttl"
