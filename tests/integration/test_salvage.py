@@ -418,3 +418,32 @@ def test_a_redelivered_salvaged_group_keeps_its_truncated_sessions(
             k: v for k, v in b["extra_info"].items() if k != "redelivered"
         }
     assert_balanced(h.stats())
+
+
+def test_a_database_error_reading_the_last_rows_gives_the_group_back(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    """The source fails while a poll reads a truncated session's last row: the poll fails, and
+    the salvaged group it had taken goes back to the ready queue (it was lost, taken for ever)."""
+    h = start(harness_factory, db_url, proxy)
+    h.start(k=2)
+    writer.schedule("g", ["ok", "capped"])
+    completed_session(writer, "g", "ok", 1.0)
+    capped = writer.session("g", "capped", MAX_STEPS, trainable=False, complete=False)
+    assert wait_until(lambda: h.stats()["groups"]["ready"] == 1, 10)
+    h.settle()
+    db = connect(db_url)
+    try:
+        db.execute("ALTER TABLE session_steps RENAME TO session_steps_away")
+        try:
+            failed = h.client.post("/get_rollout_data", json={})
+        finally:
+            db.execute("ALTER TABLE session_steps_away RENAME TO session_steps")
+    finally:
+        db.close()
+    assert failed.status_code >= 500 and failed.get_json()["success"] is False
+    assert h.stats()["groups"]["ready"] == 1
+    (item,) = by_session(groups_of(h.poll())["g"])["capped"]
+    assert item["extra_info"]["step_pk"] == capped[-1]
+    assert item["extra_info"]["salvaged"] == "step_cap"
+    assert_balanced(h.stats())
