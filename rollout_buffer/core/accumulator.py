@@ -176,6 +176,7 @@ class Accumulator(Handover, Policies):
             # the census first: a group decided in this batch is settled with these rows' figures
             facts = (StepFact(r[1], r[2], r[4] if len(r) > 4 else None, bool(r[3])) for r in rows)
             doomed = self.census.observe(facts, trainable=True, now=now)
+            ended: set[str] = set()  # groups a session of which completed in this batch
             for r in rows:
                 pk, sid, gid, completed = r[0], r[1], r[2], r[3]
                 step_id, reward, version = (r[4], r[5], r[6]) if len(r) > 4 else (None, None, 0)
@@ -213,6 +214,7 @@ class Accumulator(Handover, Policies):
                     self.implausible.add(gid)
                 if completed:
                     self._completed_row(g, sid, pk, step_id, reward)
+                    ended.add(gid)
                 if (sid in self.tainted or gid in self.tainted_groups) and g.taken is None:
                     self._drop(g, MALFORMED, out)
                     continue
@@ -224,7 +226,9 @@ class Accumulator(Handover, Policies):
                         self._choose(
                             g, out
                         )  # ready short of K at the TTL, it reached K while it waited
-            self._doom(doomed | self.capped, out)  # (capped: their siblings may have ended now)
+            # a group at the step cap waiting for its other sessions: only a cap (doomed) or a
+            # completed session changes what salvage decides, never checked for every batch
+            self._doom(doomed | (self.capped & ended), out)
             newest = max(
                 (r[6] for r in rows if len(r) > 6 and type(r[6]) is int), default=None
             )  # (a bool or a text is no version)
@@ -336,6 +340,7 @@ class Accumulator(Handover, Policies):
         sessions = sorted(self.census.sessions_of(gid))
         self.changes += 1
         self.decided[gid] = DROPPED
+        self.capped.discard(gid)
         self.counts.group_dropped(reason, 0, len(sessions), ())
         self.census.settle(gid, reason)
         out.drops.append(Drop(gid, reason, [], sessions, ()))
@@ -401,6 +406,7 @@ class Accumulator(Handover, Policies):
         self.pending.pop(gid, None)
         self.ready.pop(gid, None)
         self.decided[gid] = DROPPED
+        self.capped.discard(gid)
         self.counts.pending_rows -= g.n_rows
         self.counts.group_dropped(reason, g.n_rows, len(g.sessions), drop.rewards)
         self.census.settle(gid, reason)
