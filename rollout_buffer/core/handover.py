@@ -67,7 +67,7 @@ class Handover:
             while self.ready and (max_groups is None or len(takes) < max_groups):
                 g = self.ready.pop_next()
                 gid = g.group_id
-                completed, incomplete, salvage = served_sessions(g)  # (salvage: issue 38)
+                completed, incomplete, salvage = served_sessions(g, self.k)  # (salvage: issue 38)
                 if salvage is not None:
                     salvage = dataclasses.replace(salvage, generation_s=self.census.seconds_of(gid))
                 g.taken = {sid: len(pks) for sid, pks in g.sessions.items()}
@@ -192,7 +192,7 @@ class Handover:
                 or t.group_id in self.tainted_groups
                 or t.group_id in self.implausible
                 or not self.tainted.isdisjoint(g.sessions)
-                or set(served_sessions(g)[0]) != set(t.completed)
+                or set(served_sessions(g, self.k)[0]) != set(t.completed)
                 or any(len(g.sessions.get(sid, ())) != len(pks) for sid, pks in t.completed.items())
             ):
                 return None
@@ -200,6 +200,8 @@ class Handover:
                 sid: tuple(pks) for sid, pks in g.sessions.items() if sid not in t.completed
             }
             g.taken.update((sid, len(pks)) for sid, pks in incomplete.items())
+            for sid in t.incomplete:  # (salvage: truncated sessions beyond K, without a row here)
+                incomplete.setdefault(sid, ())
             return dataclasses.replace(t, incomplete=incomplete)
 
     def filtered_since_batch(self) -> dict[str, int]:
