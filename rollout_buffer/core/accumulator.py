@@ -49,7 +49,7 @@ from rollout_buffer.core.model import (
 )
 from rollout_buffer.core.policies import Policies
 from rollout_buffer.core.ready import ReadyQueue
-from rollout_buffer.core.salvage import TRUNCATE, truncation
+from rollout_buffer.core.salvage import TRUNCATE, late_reason, truncation
 from rollout_buffer.core.versions import Versions
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,11 @@ class Accumulator(Handover, Policies):
                 gid = str(gid)
                 status = self.decided.get(gid)
                 if status is not None:
-                    reason = self._late_served if status == SERVED else LATE_DROPPED
+                    reason = (
+                        late_reason(self._late_served, sid, self.counts.salvaged.truncated)
+                        if status == SERVED
+                        else LATE_DROPPED
+                    )
                     self.counts.dropped[reason] += 1
                     out.rows.append(RowEvent(pk, ROW_DROPPED, reason, gid, sid))
                     continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Container
 from typing import TYPE_CHECKING
 
 from rollout_buffer.core.accounting import Counts
@@ -29,7 +30,7 @@ from rollout_buffer.core.model import (
     Take,
 )
 from rollout_buffer.core.ready import ReadyQueue
-from rollout_buffer.core.salvage import served_sessions, unread
+from rollout_buffer.core.salvage import late_reason, served_sessions, unread
 
 
 class Handover:
@@ -147,7 +148,8 @@ class Handover:
                 if g is None:
                     continue
                 settled.add(s.group_id)
-                self._settle(g, out, self._late_served)
+                truncated = s.take.salvage.sessions if s.take.salvage is not None else {}
+                self._settle(g, out, self._late_served, truncated)
                 self.decided[s.group_id] = SERVED
                 self.census.settle(s.group_id, SERVED)
                 if s.take.salvage is not None:  # its truncated sessions' last rows are read now
@@ -241,15 +243,17 @@ class Handover:
                     )
         return out
 
-    def _settle(self, g: Group, out: Decisions, late_reason: str) -> None:
+    def _settle(self, g: Group, out: Decisions, late: str, truncated: Container[str] = ()) -> None:
         """Remove a taken group from pending state; rows that arrived while taken become late
-        rows."""
+        rows: ``late``, or for a session served truncated (``truncated``), what
+        :func:`~rollout_buffer.core.salvage.late_reason` says."""
         assert g.taken is not None
         self.counts.pending_rows -= g.n_rows
         self._forget(g)
         for sid, pks in g.sessions.items():
             extra = pks[g.taken.get(sid, 0) :]
+            reason = late_reason(late, sid, truncated)
             for pk in extra:
-                self.counts.dropped[late_reason] += 1
-                out.rows.append(RowEvent(pk, ROW_DROPPED, late_reason, g.group_id, sid))
+                self.counts.dropped[reason] += 1
+                out.rows.append(RowEvent(pk, ROW_DROPPED, reason, g.group_id, sid))
         g.taken = None

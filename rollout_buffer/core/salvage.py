@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollout_buffer.core.model import (
+    LATE_SERVED,
     LAUNCHER_EXITED,
     REJECTED,
     STEP_CAP,
@@ -148,6 +150,14 @@ def unread(group: Group, group_id: str, pks: list[int], rows: list[RowEvent]) ->
     return len(accounted - read)
 
 
+def late_reason(default: str, session_id: str, truncated: Container[str]) -> str:
+    """What a late row of a served group counts as: ``default``, but for a session it served
+    truncated, ``late_rows_from_served_groups`` (item 4), also where over-sampling counts the
+    others' as oversampled (a served session writes nothing after its completed row; a truncated
+    one may still write its terminal row)."""
+    return LATE_SERVED if session_id in truncated else default
+
+
 def served_count(group: Group) -> int:
     """The sessions a ready group would serve: its completed ones and, salvaged, its truncated
     ones (the K in force applies to both)."""
@@ -257,11 +267,14 @@ class Tally:
         self.sessions: Counter[str] = Counter()
         self.groups: Counter[str] = Counter()
         self.generation_s = 0.0
+        # the sessions served truncated (since the start: their late rows, see late_reason)
+        self.truncated: set[str] = set()
 
     def served(self, salvage: Salvage) -> None:
         """A salvaged group was served."""
         self.groups[salvage.reason] += 1
         self.sessions.update(salvage.sessions.values())
+        self.truncated.update(salvage.sessions)
         self.generation_s += salvage.generation_s
 
     def load(self, text: str | None, n_groups: int) -> bool:

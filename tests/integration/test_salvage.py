@@ -497,3 +497,28 @@ def test_a_replayed_salvaged_group_at_message_cut_above_0_keeps_its_k_sessions(
     again = h.client.post("/get_rollout_data", json={"request_id": "r-1"}).get_json()
     assert again["data"]["meta_info"].get("replayed") is True
     assert again["data"]["data"] == doc["data"]["data"]
+
+
+def test_with_over_sampling_a_truncated_sessions_late_row_is_a_late_row_of_a_served_group(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    """Over-sampling counts a served group's late rows as its unserved sessions' (oversampled):
+    the late terminal row of a session it served truncated is still a late row of a served group,
+    cleared with that reason; the unserved session's is oversampled."""
+    h = start(harness_factory, db_url, proxy, oversample=1)
+    h.start(k=2)
+    writer.schedule("g", ["ok", "capped-1", "capped-2"])
+    completed_session(writer, "g", "ok", 1.0)
+    writer.session("g", "capped-1", MAX_STEPS, trainable=False, complete=False)
+    writer.session("g", "capped-2", MAX_STEPS, trainable=False, complete=False)
+    assert wait_until(lambda: h.stats()["groups"]["ready"] == 1, 10)
+    assert sorted(by_session(groups_of(h.poll())["g"])) == ["capped-1", "ok"]
+    writer.step("g", "capped-1", MAX_STEPS + 1, completed=True, step_reward=1.0)
+    writer.step("g", "capped-2", MAX_STEPS + 1, completed=True, step_reward=1.0)
+    h.settle()
+    stats = h.stats()
+    assert stats["rows"]["dropped"] == {"late_rows_from_served_groups": 1, "oversampled": 1}
+    assert_balanced(stats)
+    assert wait_until(lambda: "late_rows_from_served_groups" in cleared(proxy), 10)
+    assert cleared(proxy)["late_rows_from_served_groups"] == {"capped-1"}
+    assert not h.poll()["success"]
