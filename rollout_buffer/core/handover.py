@@ -228,8 +228,9 @@ class Handover:
                 self._settle(g, out, self._late_served if status == SERVED else LATE_DROPPED)
                 self.decided[t.group_id] = status
                 self.census.publish(("decided", t.group_id, status == SERVED))
+                self.counts.rows_read += t.extra_pks  # (a salvaged group's last rows, read)
                 if status == SERVED:
-                    self.counts.rows_read += t.extra_pks  # (a salvaged group's last rows)
+                    self.counts.salvaged.load(reason, 1)  # (when its record says it was salvaged)
                     self.counts.group_served(
                         len(t.served_pks),
                         len(t.incomplete_pks),

@@ -3,6 +3,8 @@ salvaged (in progress until served, never a drop), and the record that keeps the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rollout_buffer.core.accumulator import Accumulator
@@ -190,3 +192,28 @@ def test_a_batch_checks_only_the_waiting_groups_it_can_change(
     assert "x" in checked and acc.stats()["groups"]["ready"] == 2
     (take,) = [t for t in acc.take_ready(None) if t.group_id == "x"]
     assert take.salvage is not None and take.salvage.sessions == {"x-b": "step_cap"}
+
+
+@pytest.mark.parametrize("status", ["served", "dropped"])
+def test_a_salvaged_group_another_instance_decided_is_counted_as_it_recorded(status: str) -> None:
+    """A poll took a salvaged group and read its truncated session's last row, but another
+    instance had decided the group: its word is taken, the last row counts as read (the
+    accounting balances either way), and a group it served salvaged counts as salvaged."""
+    clock = [0.0]
+    _budget, acc = pacing_and_accumulator(clock)
+    acc.observe([("a", "g"), ("b", "g")], [])
+    acc.ingest([Row(1, "a", "g", 1, 2, 1.0, 0)])
+    acc.observe([], [StepFact("b", "g", 3, False)])
+    (take,) = acc.take_ready(None)
+    assert take.salvage is not None
+    take = dataclasses.replace(take, salvage=dataclasses.replace(take.salvage, last_rows={"b": 7}))
+    reason = record_reason(take.salvage) if status == "served" else "malformed_row"
+    acc.settle_decided([take], {"g": (status, reason)})
+    stats = acc.stats()
+    rows = stats["rows"]
+    assert rows["read"] == 2
+    assert rows["read"] == (
+        rows["served"] + rows["dropped_total"] + rows["rejected_total"] + rows["pending"]
+    )
+    expected = {"step_cap": 1} if status == "served" else {}
+    assert stats["salvaged"]["groups"] == expected
