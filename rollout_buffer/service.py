@@ -45,7 +45,7 @@ from rollout_buffer.runtime.signals import Host, Signals
 from rollout_buffer.runtime.threads import Runtime
 from rollout_buffer.serving.poll import Serving
 from rollout_buffer.serving.rollouts import Rollouts
-from rollout_buffer.storage.connections import LazyPair
+from rollout_buffer.storage.store import LazyPair
 
 logger = logging.getLogger(__name__)
 

@@ -779,7 +779,8 @@ class Run:
         return self.out
 
     def _run(self) -> None:
-        from rollout_buffer.storage.db import connect, create_launcher_tables
+        from rollout_buffer.storage.db import connect
+        from rollout_buffer.storage.launcher_tables import create_launcher_tables
 
         db = connect(self.url)
         try:
@@ -791,7 +792,6 @@ class Run:
             "AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS": str(self.s.ttl_s),
             "LLM_PROXY_HOST": "127.0.0.1",
             "LLM_PROXY_PORT": str(self.proxy.port),
-            "ROLLOUT_BUFFER_PROXY_CONNECT_TIMEOUT_SECONDS": "1",
             "ROLLOUT_BUFFER_PROXY_READ_TIMEOUT_SECONDS": "2",
             **hostile_rows.SERVICE_ENV,
         }

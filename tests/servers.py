@@ -72,7 +72,6 @@ def server_env(
             "AIEVOBOX_RUN_DIR": str(run_dir),
             "ROLLOUT_BUFFER_LAUNCHER": launcher,
             "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "5",
-            "ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS": "20",
             "ROLLOUT_BUFFER_INGEST_INTERVAL_SECONDS": "0.05",
         },
         package_parent=str(ROOT),

@@ -27,7 +27,8 @@ import pytest
 
 from rollout_buffer.core.config import Config
 from rollout_buffer.storage import launcher_sql
-from rollout_buffer.storage.db import connect, create_launcher_tables
+from rollout_buffer.storage.db import connect
+from rollout_buffer.storage.launcher_tables import create_launcher_tables
 from rollout_buffer.web.app import create_app
 
 PG_DSN = os.environ.get("ROLLOUT_BUFFER_TEST_PG", "postgresql://root@127.0.0.1:5432/test")

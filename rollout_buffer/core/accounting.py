@@ -37,7 +37,7 @@ class Counts:
         self.salvaged = Tally()  # served groups with truncated sessions (issue 38)
 
     def load(self, totals: Any) -> None:
-        """A job's durable totals (a :class:`~rollout_buffer.storage.records.JobTotals`), before any
+        """A job's durable totals (a :class:`~rollout_buffer.storage.store.JobTotals`), before any
         row is ingested again: the row and group counters, the figures and ``filtered``."""
         self.rows_read = totals.accounted_rows
         self.served_rows = totals.served_rows

@@ -115,9 +115,16 @@ class Accumulator(Handover, Policies):
         """(Lock held, or in the constructor.) Tell the followers of one change, with the job it
         is of: ``("job",)`` (a new accumulator), ``("listed", session, group, place)``,
         ``("started", group)`` (its first row, or ready no more), ``("ready", group)``,
-        ``("decided", group, served)`` (served: to the trainer, else dropped), ``("version", v)``
-        (the newest weight version of a row), ``("ended",)`` (another job replaces it)."""
+        ``("decided", group, served)`` (served: to the trainer, else dropped), ``("finished",
+        session)`` (its terminal row), ``("version", v)`` (the newest plausible weight version of
+        a row, once a current version is known), ``("ended",)`` (another job replaces it)."""
         self.feed((self.job_id, *event))
+
+    def _shown(self, version: int) -> bool:
+        """(Lock held.) A row version followers may count the trainer's steps by: one the version
+        rule finds plausible once a current version is known (a bogus version, such as a
+        timestamp, never moves them; before a current version is known, any could be one)."""
+        return self.versions.known and self.versions.plausible(version)
 
     def end(self) -> None:
         """Another job replaces this one: followers forget it (``("ended",)``) before its groups
@@ -233,13 +240,25 @@ class Accumulator(Handover, Policies):
             # a group at the step cap waiting for its other sessions: only a cap (doomed) or a
             # completed session changes what salvage decides, never checked for every batch
             self._doom(doomed | (self.capped & ended), out)
-            newest = max(
-                (r[6] for r in rows if len(r) > 6 and type(r[6]) is int), default=None
-            )  # (a bool or a text is no version)
-            if newest is not None and (self._rows_version is None or newest > self._rows_version):
-                self._rows_version = newest
-                self.publish(("version", newest))
+            self._publish_version(rows)
         return out
+
+    def _publish_version(self, rows: list[Row]) -> None:
+        """(Lock held.) Tell followers of the newest version of these rows, if it is newer and
+        plausible (:meth:`_shown`). The first one they see is the current version, which no
+        single row moves: the steps made before it was known count too."""
+        newest = max(
+            (r[6] for r in rows if len(r) > 6 and type(r[6]) is int and self._shown(r[6])),
+            default=None,
+        )  # (a bool or a text is no version)
+        if newest is None:
+            return
+        if self._rows_version is None:
+            self._rows_version = min(self.versions.current, newest)
+            self.publish(("version", self._rows_version))
+        if newest > self._rows_version:
+            self._rows_version = newest
+            self.publish(("version", newest))
 
     @staticmethod
     def _completed_row(

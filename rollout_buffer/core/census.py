@@ -14,7 +14,7 @@ decided its sessions' seconds and rows go to ``served`` or to ``discarded`` unde
 reason.
 
 It tells ``publish`` (the accumulator's change feed) of each session listed, with its group and its
-place in ``job_environments``, and of each group's first row.
+place in ``job_environments``, of each group's first row, and of each session's terminal row.
 
 Owns: the job's sessions by group, the sessions seen with a trainable row, the sessions that ended
 without a result, and the generation figures. It must not do I/O nor decide: the accumulator
@@ -129,6 +129,8 @@ class Census:
                 timing[2] += 1
             if trainable:
                 self.trainable.add(fact.session_id)
+            if fact.terminal:  # (pacing: a finished session is never taken for gone)
+                self.publish(("finished", fact.session_id))
             if self._capped(fact) and fact.session_id not in self.without_result:
                 self.without_result.add(fact.session_id)
                 doomed.add(fact.group_id)

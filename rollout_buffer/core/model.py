@@ -36,7 +36,7 @@ MISSING_GROUP = "missing_group_id"
 INVALID_GROUP = "invalid_utf8_group_id"
 INVALID_SESSION = "invalid_session_id"
 BUILD_FAILED = "build_failed"  # a row's build raised an unexpected error repeatedly
-GROUP_TOO_LARGE = "group_too_large"  # its rows alone exceed ROLLOUT_BUFFER_MAX_GROUP_BYTES
+GROUP_TOO_LARGE = "group_too_large"  # its rows alone exceed MAX_GROUP_BYTES (core/config.py)
 # Training-data policies (issue 10): groups the trainer would throw away, dropped at the source.
 STALE = "stale"  # current version - min weight_version > max_off_policy
 ZERO_VARIANCE = "zero_variance"  # its sessions' terminal rewards are all equal (within epsilon)

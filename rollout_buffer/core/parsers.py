@@ -2,7 +2,7 @@
 value, or raises ValueError saying what was expected (the caller names the variable and the value).
 
 Owns: the accepted forms of integers, numbers, booleans, choices, command lines, URLs and the
-lease, and :class:`Setting`, the shape of one row of the settings table; nothing else. A parser
+lease; nothing else (the table of settings is :mod:`~rollout_buffer.core.config`'s). A parser
 opens nothing: a URL is checked, never connected to.
 """
 
@@ -12,8 +12,6 @@ import math
 import re
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 
@@ -135,15 +133,3 @@ def log_level(raw: str) -> str:
     if value not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise ValueError("one of DEBUG, INFO, WARNING, ERROR")
     return value
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One configurable value: where it comes from and how it is parsed."""
-
-    field: str
-    env: str
-    default: Any
-    parse: Callable[[str], Any]
-    help: str
-    aliases: tuple[str, ...] = ()

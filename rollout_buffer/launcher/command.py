@@ -9,10 +9,9 @@ the supervisor does.
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from rollout_buffer.core.config import Config
@@ -104,10 +103,7 @@ def step_cap(config: Config) -> int | None:
         argv = launch_spec(config, "job", 1).argv
     except OperationFailed:  # a launcher that cannot be built has no cap (its start says why)
         return None
-    value = None
-    for flag, following in itertools.pairwise(argv):
-        if flag == "--max-steps":
-            value = following
+    value = flag_value(argv, "--max-steps")
     try:
         return int(value) if value is not None else None
     except ValueError:
@@ -130,14 +126,19 @@ def proxy_url(config: Config) -> str:
     return "http://127.0.0.1:8000/v1"
 
 
-def llm_base_url(argv: list[str]) -> str | None:
+def llm_base_url(argv: Sequence[str]) -> str | None:
     """The ``--llm-base-url`` of a launcher's argv (its last one), or None."""
+    return flag_value(argv, "--llm-base-url")
+
+
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` in an argv, as ``flag value`` or ``flag=value`` (the last one wins,
+    as in argparse), or None."""
     found = None
-    for flag, following in itertools.pairwise(argv):
-        if flag == "--llm-base-url":
-            found = following
-    for arg in argv:
-        if arg.startswith("--llm-base-url="):
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            found = argv[i + 1]
+        elif arg.startswith(flag + "="):
             found = arg.partition("=")[2]
     return found
 

@@ -1,21 +1,32 @@
-"""The launcher of the active job: its argv from configuration, and its identity in the store.
+"""The launcher of the active job: its identity in the store, and what the service says of it.
 
-Owns: building the command (SPEC §5: an argv list from configuration plus the validated job id and
-K, never a shell string), starting, adopting and stopping it through the
-:class:`~rollout_buffer.launcher.supervisor.Supervisor`, and recording each change of its state,
-with its host, with the job. Across owners (issue 12): a launcher is adopted only on its own host;
-one on another host is watched through what an instance there reports (``elsewhere``); a new owner
-relaunches one that is gone (``relaunch_for``); a standby stops a launcher on its host that the
-owner, elsewhere, cannot supervise, and reports it. It must not touch groups: what a finished
-launcher means for them (``launcher_exited`` drops) is the loop's decision."""
+Owns: starting, adopting and stopping it through the
+:class:`~rollout_buffer.launcher.supervisor.Supervisor` (its argv is
+:mod:`~rollout_buffer.launcher.command`'s), and recording each change of its state, with its host,
+with the job. Across owners (issue 12): a launcher is adopted only on its own host; one on another
+host is watched through what an instance there reports (``elsewhere``); a new owner relaunches one
+that is gone (``relaunch_for``); a standby stops a launcher on its host that the owner, elsewhere,
+cannot supervise, and reports it.
+
+What it says: its state in a word (:func:`status`, in every poll's ``meta_info.launcher`` and in
+/health, so a trainer that polls forever is told why nothing comes); for a launcher that exits in
+its first seconds, the error of /start_rollout (its log's last lines, bounded, passwords redacted,
+control characters escaped, and the settings the upstream launcher is known to refuse).
+
+It must not touch groups: what a finished launcher means for them (``launcher_exited`` drops) is
+the loop's decision.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
+import os
+import re
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from rollout_buffer.core.config import Config
@@ -24,12 +35,16 @@ from rollout_buffer.core.model import LauncherState
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
 from rollout_buffer.launcher.command import ModelRoute, launch_spec, llm_base_url
-from rollout_buffer.launcher.processes import terminate_group
-from rollout_buffer.launcher.records import recorded, state_to_record, still_running
-from rollout_buffer.launcher.report import hints, log_tail, status
-from rollout_buffer.launcher.supervisor import LauncherError, Supervisor, shown
-from rollout_buffer.storage.records import LauncherRecord
-from rollout_buffer.storage.store import Store
+from rollout_buffer.launcher.supervisor import (
+    START_MARK,
+    LauncherError,
+    Supervisor,
+    preflight,
+    shown,
+    still_running,
+    terminate_group,
+)
+from rollout_buffer.storage.store import LauncherRecord, Store
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +92,6 @@ class Launcher:
         """False with ROLLOUT_BUFFER_LAUNCHER=none: the launcher runs elsewhere."""
         return self.config.launcher_kind != "none"
 
-    def state(self) -> dict[str, Any]:
-        return self.supervisor.state()
-
     def summary(self) -> dict[str, Any]:
         """What /health and /stats show of it (``elsewhere``: one on another host, not supervised
         here)."""
@@ -102,14 +114,14 @@ class Launcher:
         return out
 
     def status(self) -> dict[str, Any]:
-        """The launcher in a word (``report.status``): every poll's meta_info and /health."""
+        """The launcher in a word (:func:`status`): every poll's meta_info and /health."""
         elsewhere = None
         if self.elsewhere is not None:
             elsewhere = "exited" if self.ended_elsewhere else "running_elsewhere"
         return status(self.supervisor.state(), managed=self.managed, elsewhere=elsewhere)
 
     def early_exit(self, pid: int) -> dict[str, Any] | None:
-        """Wait up to ROLLOUT_BUFFER_LAUNCH_GRACE_S (no lock held) for the launcher just started to
+        """Wait up to LAUNCH_GRACE_S (no lock held) for the launcher just started to
         fail. If it exited nonzero (or was killed): its exit code, its log's last lines, what its
         flags say, and whether the restart policy starts it again. An exit 0 is a launcher that
         had little to do: no failure."""
@@ -166,7 +178,7 @@ class Launcher:
         active job and its pending and ready groups must not be given up for it."""
         spec = launch_spec(self.config, job_id, k, self.route())
         try:
-            self.supervisor.preflight(spec)
+            preflight(spec)
         except LauncherError as exc:
             logger.error("cannot start the launcher for job %s: %s", job_id, redact(str(exc)))
             raise OperationFailed(
@@ -459,5 +471,118 @@ class Launcher:
             and (self.ended_elsewhere or (state["finished"] and state["stopped_by"] != "shutdown"))
         )
 
-    def stop(self, reason: str) -> dict[str, Any] | None:
-        return self.supervisor.stop(reason)
+
+# -- the job row's launcher ------------------------------------------------------------------------
+
+
+def recorded(row: dict[str, Any], state: LauncherState) -> LauncherRecord:
+    """The launcher recorded in a job row (pid, group, start time, host), in ``state``."""
+    return LauncherRecord(
+        row["launcher_pid"],
+        row["launcher_pgid"],
+        row["launcher_start_ticks"],
+        state,
+        row.get("launcher_host"),
+    )
+
+
+def state_to_record(state: dict[str, Any]) -> LauncherState:
+    """What to record after the supervisor reports an exit, a restart or that it gave up."""
+    if state["running"]:
+        return LauncherState.RUNNING
+    if state["will_restart"]:
+        return LauncherState.RESTART_PENDING
+    if state["stopped_by"] == "shutdown":
+        return LauncherState.STOPPED_SHUTDOWN
+    if state["stopped_by"]:
+        return LauncherState.STOPPED_REQUESTED
+    return LauncherState.EXITED
+
+
+# -- what the service says of it -------------------------------------------------------------------
+
+TAIL_LINES = 20
+TAIL_BYTES = 64 * 1024  # what is read from the end of the log for its last lines
+LINE_CHARS = 500  # a longer line is cut: a launcher may print a whole prompt on one line
+#: The storage types the upstream launcher accepts (SPEC §6): SQLite, or its proprietary gateway.
+UPSTREAM_STORAGE_TYPES = ("sqlite", "cloud")
+# C0 (but tab), DEL, C1, and the bidirectional overrides that make a line read otherwise
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def escaped(line: str) -> str:
+    """A log line safe to show: control characters (a terminal's escapes too) as ``\\xNN`` (or
+    ``\\uNNNN``)."""
+    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], line)
+
+
+def log_tail(path: str | None, lines: int = TAIL_LINES) -> list[str]:
+    """The last ``lines`` lines the launcher wrote since its last start, redacted and escaped; []
+    when the log cannot be read (its absence is not the error being reported)."""
+    if not path:
+        return []
+    try:
+        with open(path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            size = log.tell()
+            log.seek(max(0, size - TAIL_BYTES))
+            data = log.read()
+    except OSError:
+        return []
+    text = data.decode("utf-8", errors="replace").splitlines()
+    if size > TAIL_BYTES and text:
+        text = text[1:]  # the first line read is most likely cut
+    for i in range(len(text) - 1, -1, -1):  # what this start wrote: from its marker line on
+        if text[i].startswith(START_MARK):
+            text = text[i:]
+            break
+    return [redact(escaped(line))[:LINE_CHARS] for line in text[-lines:]]
+
+
+def hints(kind: str, argv: Sequence[str]) -> list[str]:
+    """What the launcher's own flags say about why it could not run, for the upstream launcher
+    (``aievobox``, or a command that passes its flags)."""
+    if kind not in ("aievobox", "command"):
+        return []
+    flags = dict(itertools.pairwise(argv))  # a flag's value follows it (the last one wins)
+    out = []
+    storage = flags.get("--storage-type")
+    if storage is not None and storage not in UPSTREAM_STORAGE_TYPES:
+        out.append(
+            f"--storage-type {storage}: the upstream launcher accepts only sqlite or cloud (its "
+            "gateway) and exits 2 on anything else; it writes no Postgres. Give it a SQLite "
+            "AIEVOBOX_DB_URL; Postgres serves the service's own state "
+            "(ROLLOUT_BUFFER_STATE_DB_URL) and writers that write Postgres"
+        )
+    if flags.get("--env-transport") == "http":
+        out.append(
+            "--env-transport http: the launcher serves environments through an HTTP server that "
+            "needs Ray; without Ray, set AIEVOBOX_ENV_TRANSPORT=inproc (environments run in the "
+            "launcher's process and need nothing more)"
+        )
+    return out
+
+
+def status(state: dict[str, Any], *, managed: bool, elsewhere: str | None) -> dict[str, Any]:
+    """The launcher in a word, for every poll's meta_info and /health: ``running``, ``restarting``,
+    ``exited`` (by itself: with its exit code, None when unknown), ``stopped`` (asked to, or the
+    service shut down), ``not_started``, ``unmanaged`` (it runs elsewhere: LAUNCHER=none), or,
+    for one on another host, ``running_elsewhere``/``exited``."""
+    if not managed:
+        return {"state": "unmanaged"}
+    if elsewhere is not None:
+        return {"state": elsewhere, "exit_code": None}
+    out: dict[str, Any] = {"pid": state.get("pid"), "exit_code": state.get("exit_code")}
+    if state.get("running"):
+        out["state"] = "running"
+    elif state.get("will_restart"):
+        out["state"] = "restarting"
+    elif state.get("pid") is None:
+        out["state"] = "not_started"
+    elif state.get("stopped_by"):
+        out["state"], out["stopped_by"] = "stopped", state["stopped_by"]
+    else:
+        out["state"] = "exited"
+        out["exited_at"] = state.get("exited_at")
+        out["log_path"] = state.get("log_path")
+    return out

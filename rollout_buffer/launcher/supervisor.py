@@ -1,36 +1,250 @@
-"""Launcher subprocess supervisor: start, poll, restart with backoff, stop.
+"""The launcher process: made from its spec, watched, restarted by policy, stopped with its group.
 
-The supervisor owns no thread. The service's background loop calls :meth:`Supervisor.poll`
-every few hundred milliseconds; API threads call :meth:`Supervisor.start` and
-:meth:`Supervisor.stop`. Internal state sits behind one lock whose critical sections only
-read or mutate fields (and spawn, which is fast); waiting for a process to die happens
-outside it.
+The supervisor owns no thread. The service's background loop calls :meth:`Supervisor.poll` every
+few hundred milliseconds; API threads call :meth:`Supervisor.start` and :meth:`Supervisor.stop`.
+Internal state sits behind one lock whose critical sections only read or mutate fields (and spawn,
+which is fast); waiting for a process to die happens outside it.
 
-The launcher runs in its own session (so its own process group), which lets
-:meth:`Supervisor.stop` signal the launcher and everything it forked at once and check that
-the whole group is gone.
+The launcher runs in its own session (so its own process group), its stdout and stderr appended to
+its log. :meth:`Supervisor.stop` sends TERM to the group, waits a grace period, KILLs what is left
+and waits until no member is left; a pid reused since is never mistaken for the launcher. The log
+is rotated under the running writer.
 
-Owns: the launcher process (``spawn`` makes it from a :class:`LaunchSpec`): watching it, restarting
-it by policy, stopping its group, adopting one after a restart. It must not know about jobs, groups
-or the buffer's tables (launcher.py records its identity).
+Owns: :class:`LaunchSpec`, the checks before a start (argv, cwd, executable, log directory, free
+space), the spawn, watching, restarting, stopping and adopting the process, and its log. It must
+not know about jobs, groups or the buffer's tables (launcher.py records its identity).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from rollout_buffer.launcher import processes, procfs
-from rollout_buffer.launcher.spawn import LauncherError, LaunchSpec, preflight, shown, spawn
+from rollout_buffer.core.errors import RolloutBufferError
+from rollout_buffer.core.redact import redact
+from rollout_buffer.launcher import procfs
 
 logger = logging.getLogger(__name__)
 
-RESTART_POLICIES = ("never", "on-failure")
+LOG_MIN_FREE_BYTES = 1 << 20  # less free space in the launcher log directory refuses a start
+START_MARK = "--- "  # begins the line written to the log before each start (then its time, argv)
+
+
+class LauncherError(RolloutBufferError):
+    """The launcher could not be started."""
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """How to run the launcher: an argv list (never a shell string), its cwd, environment
+    (``None`` inherits ours) and the file its stdout and stderr are appended to."""
+
+    argv: tuple[str, ...]
+    cwd: str | None
+    env: dict[str, str] | None
+    log_path: str
+
+
+def shown(argv: Sequence[str]) -> list[str]:
+    """An argv as it may be shown in logs and answers: database URLs without their password (the
+    process itself gets the real one)."""
+    return [redact(str(a)) for a in argv]
+
+
+def preflight(spec: LaunchSpec) -> None:
+    """Raise LauncherError for what would surely make the spawn fail (no argv, a missing cwd or
+    executable, a log directory that cannot be made), before anything else changes."""
+    if not spec.argv:
+        raise LauncherError("launcher argv is empty")
+    if spec.cwd is not None and not os.path.isdir(spec.cwd):
+        raise LauncherError(f"launcher cwd {spec.cwd!r} does not exist or is not a directory")
+    exe = spec.argv[0]
+    path = (spec.env or os.environ).get("PATH")
+    found = (
+        shutil.which(exe, path=path)
+        if os.sep not in exe
+        else (exe if os.access(os.path.join(spec.cwd or "", exe), os.X_OK) else None)
+    )
+    if found is None:
+        raise LauncherError(
+            f"cannot start launcher: executable {exe!r} not found or not executable"
+        )
+    log_dir = os.path.dirname(spec.log_path) or "."
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+        disk = os.statvfs(log_dir)
+    except OSError as exc:
+        raise LauncherError(
+            f"cannot create the launcher log directory for {spec.log_path!r}: {exc}"
+        ) from exc
+    if disk.f_bavail * disk.f_frsize < LOG_MIN_FREE_BYTES:  # its output would fail, and it with it
+        raise LauncherError(
+            f"the launcher log directory {log_dir!r} has {disk.f_bavail * disk.f_frsize} bytes "
+            "free (the disk is full); free some space and start again"
+        )
+
+
+def spawn(spec: LaunchSpec) -> subprocess.Popen[bytes]:
+    """Start the launcher described by ``spec`` in a session of its own (so a process group of its
+    own), its stdout and stderr appended to its log after a line naming its argv (redacted).
+    Raises LauncherError with the reason when it cannot be started."""
+    preflight(spec)
+    try:
+        rotate_log(spec.log_path)
+        # unbuffered: a full disk fails here, not at close; closed below once the child has its
+        # own copy (a with block would close it before the child is spawned from it)
+        log = open(spec.log_path, "ab", buffering=0)  # noqa: SIM115 (see above)
+        try:
+            started = time.strftime("%Y-%m-%d %H:%M:%S")
+            log.write(f"{START_MARK}{started} starting launcher: {shown(spec.argv)}\n".encode())
+        except OSError:
+            log.close()
+            raise
+    except OSError as exc:
+        raise LauncherError(f"cannot write the launcher log {spec.log_path!r}: {exc}") from exc
+    try:
+        proc = subprocess.Popen(
+            list(spec.argv),
+            cwd=spec.cwd,
+            env=spec.env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+        )
+    except FileNotFoundError as exc:
+        raise LauncherError(
+            f"cannot start launcher: executable {spec.argv[0]!r} not found ({exc})"
+        ) from exc
+    except PermissionError as exc:
+        raise LauncherError(
+            f"cannot start launcher: permission denied for {spec.argv[0]!r} "
+            f"(is it executable?) ({exc})"
+        ) from exc
+    except OSError as exc:
+        raise LauncherError(f"cannot start launcher {spec.argv[0]!r}: {exc}") from exc
+    finally:
+        # The child holds its own copy of the descriptor.
+        log.close()
+    return proc
+
+
+STOP_POLL_S = 0.05  # how often a stop looks at the group while it waits
+KILL_WAIT_S = 5.0  # after SIGKILL (only processes in uninterruptible sleep outlive it)
+
+
+def same_process(stat: procfs.ProcStat | None, pgid: int, ticks: Any) -> bool:
+    """``stat`` is the recorded process, running: not a zombie, in its group ``pgid``, and started
+    at ``ticks`` when they are known (a pid reused since is not it)."""
+    return bool(
+        stat is not None
+        and stat.alive
+        and stat.pgrp == pgid
+        and (ticks is None or stat.start_ticks == int(ticks))
+    )
+
+
+def still_running(pid: int, pgid: int, ticks: Any) -> bool:
+    """The recorded launcher process still runs on this host (see :func:`same_process`)."""
+    return same_process(procfs.stat(pid), pgid, ticks)
+
+
+def killpg(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to a process group; return False if the group no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        logger.error("no permission to send signal %s to launcher process group %s", sig, pgid)
+        return False
+    return True
+
+
+def terminate_group(
+    proc: subprocess.Popen[bytes] | None,
+    pid: int,
+    pgid: int,
+    start_ticks: int | None,
+    grace_s: float,
+) -> int | None:
+    """TERM the group, wait ``grace_s``, KILL what is left, and wait until it is gone.
+
+    ``proc`` is our child (its exit code is returned) or None for an adopted launcher (None is
+    returned: its exit code is unknown)."""
+
+    def leader_gone() -> bool:
+        if proc is not None:
+            return proc.poll() is not None
+        stat = procfs.stat(pid)
+        return stat is None or not stat.alive or stat.start_ticks != start_ticks
+
+    def all_gone() -> bool:
+        return leader_gone() and not procfs.group_members(pgid)
+
+    if proc is None:
+        # Not our child: make sure a reused pid is not mistaken for the launcher. A pid still in
+        # use as a pgid is never handed out again, so if the leader's pid now belongs to another
+        # process, the original group is gone.
+        stat = procfs.stat(pid)
+        if stat is not None and stat.start_ticks != start_ticks:
+            logger.info("adopted launcher pid %s is gone (pid reused)", pid)
+            return None
+    if killpg(pgid, signal.SIGTERM):
+        deadline = time.monotonic() + grace_s
+        while not all_gone() and time.monotonic() < deadline:
+            time.sleep(STOP_POLL_S)
+    if not all_gone():
+        logger.warning(
+            "launcher pid %s did not exit within %ss of SIGTERM; sending SIGKILL to group %s",
+            pid,
+            grace_s,
+            pgid,
+        )
+        killpg(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + KILL_WAIT_S
+        while not all_gone() and time.monotonic() < deadline:
+            time.sleep(STOP_POLL_S)
+        if not all_gone():
+            logger.error(
+                "launcher process group %s still has processes %s after SIGKILL",
+                pgid,
+                procfs.group_members(pgid),
+            )
+    return proc.poll() if proc is not None else None
+
+
+LOG_MAX_BYTES = 64 << 20  # launcher-<job>.log is rotated past this size ...
+LOG_KEEP = 3  # ... keeping this many old files (.1 newest)
+LOG_CHECK_EVERY_S = 10.0
+
+
+def rotate_log(path: str, max_bytes: int = LOG_MAX_BYTES, keep: int = LOG_KEEP) -> bool:
+    """Rotate a log that a running process appends to: copy it to ``.1`` (shifting older copies)
+    and truncate it in place. The process's descriptor is O_APPEND, so it goes on writing at the
+    new end; renaming would leave it writing into the rotated file. Returns True if rotated."""
+    try:
+        if not os.path.exists(path) or os.path.getsize(path) <= max_bytes:
+            return False  # (not written yet: nothing to rotate, nothing to warn about)
+        for i in range(keep - 1, 0, -1):
+            if os.path.exists(f"{path}.{i}"):
+                os.replace(f"{path}.{i}", f"{path}.{i + 1}")
+        with open(path, "rb") as source, open(f"{path}.1", "wb") as target:
+            shutil.copyfileobj(source, target, 1 << 20)
+        os.truncate(path, 0)
+    except OSError as exc:
+        logger.warning("could not rotate %s: %s", path, exc)
+        return False
+    return True
 
 
 class Supervisor:
@@ -53,12 +267,6 @@ class Supervisor:
         stop_grace_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if restart_policy not in RESTART_POLICIES:
-            raise ValueError(
-                f"restart_policy must be one of {RESTART_POLICIES}, got {restart_policy!r}"
-            )
-        if max_restarts < 0 or backoff_s < 0 or backoff_max_s < 0 or stop_grace_s < 0:
-            raise ValueError("max_restarts, backoff_s, backoff_max_s and stop_grace_s must be >= 0")
         self.restart_policy = restart_policy
         self.max_restarts = max_restarts
         self.backoff_s = backoff_s
@@ -123,12 +331,7 @@ class Supervisor:
                 raise LauncherError(
                     f"a launcher is already running (pid {self._pid}); cannot adopt pid {pid}"
                 )
-            if (
-                stat is None
-                or not stat.alive
-                or stat.pgrp != pgid
-                or (start_ticks is not None and stat.start_ticks != start_ticks)
-            ):
+            if stat is None or not same_process(stat, pgid, start_ticks):
                 logger.info(
                     "not adopting launcher pid %s (pgid %s): not alive or not the same process",
                     pid,
@@ -177,9 +380,9 @@ class Supervisor:
         if orphan_pgid is not None:
             self._kill_orphans(orphan_pgid)
         spec = self._spec
-        if spec is not None and self._clock() - self._log_checked_at >= processes.LOG_CHECK_EVERY_S:
+        if spec is not None and self._clock() - self._log_checked_at >= LOG_CHECK_EVERY_S:
             self._log_checked_at = self._clock()
-            processes.rotate_log(spec.log_path)
+            rotate_log(spec.log_path)
         for event in events:
             logger.info("launcher event: %s", event)
         return events
@@ -217,7 +420,7 @@ class Supervisor:
                 # Another thread is stopping it: wait for that to finish.
                 self._stopped_cond.wait_for(
                     lambda: not self._stopping,
-                    timeout=self.stop_grace_s + processes.KILL_WAIT_S + 5,
+                    timeout=self.stop_grace_s + KILL_WAIT_S + 5,
                 )
                 return self._state_locked()
             if not self._ever_started:
@@ -235,7 +438,7 @@ class Supervisor:
         assert pid is not None and pgid is not None
         code: int | None = None
         try:
-            code = self._terminate(proc, pid, pgid, start_ticks)
+            code = terminate_group(proc, pid, pgid, start_ticks, self.stop_grace_s)
         finally:
             with self._lock:
                 self._running = False
@@ -262,10 +465,6 @@ class Supervisor:
         with self._lock:
             return self._state_locked()
 
-    def close(self) -> None:
-        """Stop the launcher for a service shutdown; idempotent."""
-        self.stop("shutdown")
-
     def release(self) -> subprocess.Popen[bytes] | None:
         """Forget the launcher unsignalled (another instance takes it over); our child's Popen, to
         reap."""
@@ -275,9 +474,6 @@ class Supervisor:
             return proc
 
     # -- internals (callers hold the lock unless noted) --------------------------------
-
-    #: Raises LauncherError for what would surely make the spawn fail (see spawn.preflight).
-    preflight = staticmethod(preflight)
 
     def _spawn(self, spec: LaunchSpec) -> int:
         """Start the process for ``spec`` and record it as running; return its pid."""
@@ -299,15 +495,8 @@ class Supervisor:
         if self._proc is not None:
             code = self._proc.poll()
             return code is not None, code
-        assert self._pid is not None
-        stat = procfs.stat(self._pid)
-        alive = (
-            stat is not None
-            and stat.alive
-            and stat.pgrp == self._pgid
-            and stat.start_ticks == self._start_ticks
-        )
-        return not alive, None
+        assert self._pid is not None and self._pgid is not None
+        return not still_running(self._pid, self._pgid, self._start_ticks), None
 
     def _on_exit(self, code: int | None) -> None:
         """Record that the launcher exited by itself and apply the restart policy."""
@@ -385,14 +574,7 @@ class Supervisor:
                 len(members),
                 members,
             )
-            processes.killpg(pgid, signal.SIGKILL)
-
-    def _terminate(
-        self, proc: subprocess.Popen[bytes] | None, pid: int, pgid: int, start_ticks: int | None
-    ) -> int | None:
-        """TERM, grace, KILL the launcher's group (without the lock); its exit code, None if
-        unknown."""
-        return processes.terminate_group(proc, pid, pgid, start_ticks, self.stop_grace_s)
+            killpg(pgid, signal.SIGKILL)
 
     def _state_locked(self) -> dict[str, Any]:
         will_restart = self._restart_at is not None

@@ -11,8 +11,11 @@ class's own lock.
 - S: ``ROLLOUT_BUFFER_PACING_STALENESS``, else ``ROLLOUT_BUFFER_MAX_OFF_POLICY``, else 1.
 - B: ``ROLLOUT_BUFFER_PACING_BATCH_GROUPS``, else the ``min_groups`` a poll states, else 8.
 - In progress: groups started (admitted here, or with a row) that are neither ready nor decided,
-  nor gone: a group with no call in flight and none for ``SESSION_TIMEOUT_SECONDS`` frees its
-  place (its next call takes it back). That decides nothing about its data.
+  nor gone. A session is gone when it has no call in flight at the gate and made none for
+  ``SESSION_TIMEOUT_SECONDS``; its group then frees its place (the session's next call takes it
+  back). A session that wrote its terminal row is finished, never gone. A group none of whose
+  sessions called here (it started before this gate, or all that called finished) is gone when
+  nothing of it moved for that long. That decides nothing about its data.
 - The trainer holds what it was served less B for each step it completed. Its steps are the
   weight versions it advanced: the ``current_weight_version`` its polls send, else the newest
   version of the rows once they show two. A trainer that polls lacks groups for its step, so it
@@ -29,7 +32,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_STALENESS = 1
@@ -37,12 +40,21 @@ DEFAULT_BATCH_GROUPS = 8
 
 
 @dataclass
+class Session:
+    """A session that called at the gate, as pacing sees it."""
+
+    since: float  # its last call began or ended
+    in_flight: int = 0
+
+
+@dataclass
 class Group:
     """A group as pacing sees it."""
 
-    since: float  # when it started, or its last call began or ended
+    since: float  # when it started, or a call of it began or ended
     ready: bool = False
-    in_flight: int = 0
+    sessions: dict[str, Session] = field(default_factory=dict)  # called here, not finished
+    finished: set[str] = field(default_factory=set)  # wrote their terminal row
 
 
 class Budget:
@@ -120,8 +132,17 @@ class Budget:
             if args[1]:  # served to the trainer
                 self.served += 1
                 self.last_take += 1
+        elif kind == "finished":
+            self._finished(args[0])
         elif kind == "version":
             self._saw_version("rows", args[0])
+
+    def _finished(self, session: str) -> None:
+        listed = self.sessions.get(session)
+        group = None if listed is None else self.groups.get(listed[0])
+        if group is not None:
+            group.finished.add(session)
+            group.sessions.pop(session, None)
 
     def _poll(self, min_groups: int | None, version: int | None) -> None:
         """A poll arrived."""
@@ -156,13 +177,29 @@ class Budget:
     def _holds(self, steps: int | None) -> int:
         if steps is None:
             return self.last_take
-        # a trainer that polls lacks groups for its step: it held at most B - 1 when its last
-        # poll arrived (the versions lag behind its steps until rows of the new one arrive)
-        batch = self.batch()[0]
-        return min(max(0, self.served - batch * steps), batch - 1 + self.last_take)
+        ceiling = self.ceiling()
+        assert ceiling is not None
+        return min(max(0, self.served - self.batch()[0] * steps), ceiling)
+
+    def ceiling(self) -> int | None:
+        """The kept heuristic (0adf4e4): a trainer that polls lacks groups for its step, so it
+        held at most B - 1 when its last poll arrived, plus what it was served since (the rows'
+        versions lag behind its steps until rows of the new one arrive). None without versions
+        (the last take is then all it holds)."""
+        if self.steps() is None:
+            return None
+        return self.batch()[0] - 1 + self.last_take
 
     def gone(self, group: Group, now: float) -> bool:
-        return not group.ready and not group.in_flight and now - group.since > self.timeout_s
+        """A session of the group is gone (no call in flight, none for the timeout), or none of
+        its sessions called here and nothing of it moved for the timeout."""
+        if group.ready:
+            return False
+        if not group.sessions:
+            return now - group.since > self.timeout_s
+        return any(
+            not s.in_flight and now - s.since > self.timeout_s for s in group.sessions.values()
+        )
 
     def terms(self) -> dict[str, int]:
         """(Lock held.) The budget's terms."""
@@ -199,12 +236,18 @@ class Budget:
         """The group starts now (its first call goes)."""
         self.groups[group] = Group(self.clock())
 
-    def call(self, group: str, delta: int) -> None:
-        """A call of the group began (+1) or ended (-1)."""
+    def call(self, group: str, session: str, delta: int) -> None:
+        """A call of the group's session began (+1) or ended (-1)."""
         state = self.groups.get(group)
-        if state is not None:
-            state.in_flight = max(0, state.in_flight + delta)
-            state.since = self.clock()
+        if state is None:
+            return
+        now = self.clock()
+        state.since = now
+        if session in state.finished:
+            return
+        called = state.sessions.setdefault(session, Session(now))
+        called.in_flight = max(0, called.in_flight + delta)
+        called.since = now
 
     def report(self) -> dict[str, Any]:
         """(Lock held.) ``GET /admission``'s figures of the budget."""
@@ -225,6 +268,7 @@ class Budget:
                 "steps": steps,
                 "versions": dict(self.version),
                 "last_take": self.last_take,
+                "ceiling": self.ceiling(),
             },
             "sessions_listed": len(self.sessions),
             "gone_groups": sum(1 for g in self.groups.values() if self.gone(g, self.clock())),

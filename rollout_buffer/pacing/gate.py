@@ -150,6 +150,12 @@ class Gate:
             "held_bytes": self.held_bytes,
             "forwarded": self.forwarded,
             "upstream_errors": self.upstream_errors,
+            "limits": {
+                "ROLLOUT_BUFFER_GATE_MAX_BODY_BYTES": self.limits.max_body_bytes,
+                "ROLLOUT_BUFFER_GATE_STALL_SECONDS": self.limits.stall_s,
+                "ROLLOUT_BUFFER_GATE_MAX_HELD_BYTES": self.limits.max_held_bytes,
+                "ROLLOUT_BUFFER_GATE_MAX_HOLD_SECONDS": self.limits.max_hold_s,
+            },
         }
 
     def _run(self, ready: threading.Event) -> None:
@@ -324,18 +330,18 @@ class Gate:
         session = judge(request, self.bound)
         body = await read_body(reader, writer, conn, request, limits.max_body_bytes, limits.stall_s)
         group = await self._admit(session, len(body), reader)
-        self.budget_call(group, +1)
+        self.budget_call(group, session, +1)
         try:
             if await forward(self.upstream, request, session, body, reader, writer, conn):
                 self.forwarded += 1
             else:
                 self.upstream_errors += 1
         finally:
-            self.budget_call(group, -1)
+            self.budget_call(group, session, -1)
 
-    def budget_call(self, group: str, delta: int) -> None:
+    def budget_call(self, group: str, session: str, delta: int) -> None:
         with self.budget.lock:
-            self.budget.call(group, delta)
+            self.budget.call(group, session, delta)
 
     async def _admit(self, session: str, size: int, reader: asyncio.StreamReader) -> str:
         """Wait until the session's call may go; its group. Raises Refused (not listed, the

@@ -23,10 +23,9 @@ from rollout_buffer.core.redact import redact
 from rollout_buffer.core.redeliveries import Redeliveries
 from rollout_buffer.launcher.command import step_cap
 from rollout_buffer.runtime.notifications import Outbox
-from rollout_buffer.storage import source
-from rollout_buffer.storage.census import CensusReader
+from rollout_buffer.storage import launcher_tables
 from rollout_buffer.storage.db import Database
-from rollout_buffer.storage.reader import MIN_ID, Accounted, Reader, first_read_after
+from rollout_buffer.storage.reader import MIN_ID, Accounted, CensusReader, Reader, first_read_after
 from rollout_buffer.storage.store import Store
 
 logger = logging.getLogger(__name__)
@@ -110,7 +109,9 @@ class JobState:
         s["lag_rows"] = None
         if launcher_db is not None:
             with contextlib.suppress(StorageError):
-                s["lag_rows"] = source.unread_rows(launcher_db, self.job_id, self.reader.max_seen)
+                s["lag_rows"] = launcher_tables.unread_rows(
+                    launcher_db, self.job_id, self.reader.max_seen
+                )
         r = s["rows"]
         s["accounting_balanced"] = (
             r["read"] == r["served"] + r["dropped_total"] + r["rejected_total"] + r["pending"]
@@ -149,7 +150,7 @@ class Jobs:
         starts)."""
         if self._tables_seen:
             return True
-        if source.steps_table_exists(launcher_db):
+        if launcher_tables.steps_table_exists(launcher_db):
             self._tables_seen = True
             return True
         if not self._tables_warned:
@@ -194,7 +195,7 @@ class Jobs:
         accumulator.excluded.update(store.oversampled_sessions(job_id))
         accounted = None
         if (totals.decided or totals.accounted_rows) and self.launcher_tables_exist(launcher_db):
-            upto = source.max_job_id(launcher_db, job_id)
+            upto = launcher_tables.max_job_id(launcher_db, job_id)
             accounted = Accounted(
                 job_id, upto, store.row_pks_from(job_id, first_read_after(start_after))
             )
@@ -245,7 +246,7 @@ class Jobs:
         existing = store.get_job(job_id)
         tables = self.launcher_tables_exist(launcher_db)
         if restart_training:
-            floor = source.max_terminal_id(launcher_db, job_id) if tables else 0
+            floor = launcher_tables.max_terminal_id(launcher_db, job_id) if tables else 0
             start_after, low_water = floor, floor + 1
         elif existing is not None:
             floor = int(existing["floor_pk"])
@@ -281,7 +282,7 @@ class Jobs:
         decided = set(store.decided_groups(job_id))
         accounted = store.row_pks_from(job_id, 0)
         below: dict[str, tuple[list[int], set[str]]] = {}
-        for pk, gid, sid in source.rows_at_or_below(launcher_db, job_id, floor):
+        for pk, gid, sid in launcher_tables.rows_at_or_below(launcher_db, job_id, floor):
             if gid is None or str(gid) in decided or int(pk) in accounted:
                 continue
             pks, sids = below.setdefault(str(gid), ([], set()))

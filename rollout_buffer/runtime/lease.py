@@ -3,13 +3,14 @@
 Owns: a buffer's ``rollout_buffer_lease`` row (one per buffer on a state database: ``job`` for the
 unnamed one, ``job/<ROLLOUT_BUFFER_NAME>`` for a named one; a buffer holds exactly one active job):
 the owner, its advertised URL, host and pid, the epoch, and ``lease_until`` by the database's
-clock. Its own thread (``rollout-buffer-lease``) and connection acquire it, renew it
-every third of ``ROLLOUT_BUFFER_LEASE_SECONDS`` and give it up on a graceful stop, so a renewal
-never waits behind a stuck tick or poll. On SQLite the lease is a lock on a byte of the database
-file itself, whatever path reaches it (ownership.py; one host). It also keeps this instance's row in
-``rollout_buffer_instances`` (instances.py), and checks once that ``ROLLOUT_BUFFER_ADVERTISE_URL``
-answers as this instance (advertised.py). An unnamed instance that finds a live owner of the
-unnamed buffer is ``refused``: it must not run (the gunicorn worker fails its boot).
+clock. Its own thread (``rollout-buffer-lease``) and connection acquire it, renew it every third of
+``ROLLOUT_BUFFER_LEASE_SECONDS`` and give it up on a graceful stop, so a renewal never waits behind
+a stuck tick or poll. It takes the lease when it is free: the first owner of a database, an expired
+lease, a released one, a dead owner on this host (its pid is gone). On SQLite the lease is a lock
+on a byte of the database file itself, whatever path reaches it (one host). It also keeps this
+instance's row in ``rollout_buffer_instances``, and checks once that
+``ROLLOUT_BUFFER_ADVERTISE_URL`` answers as this instance. An unnamed instance that finds a live
+owner of the unnamed buffer is ``refused``: it must not run (the gunicorn worker fails its boot).
 What a standby answers (307 to the owner, or 503) is the app's, from ``role`` and ``holder``.
 
 The epoch is the fencing token. :meth:`Lease.fence` is the first statement of every transaction
@@ -18,11 +19,11 @@ job's state was loaded under (``state_epoch``), and raises LeaseLost (the transa
 otherwise. A takeover locks the row FOR UPDATE: it waits for the transactions that passed the
 fence, and every later fence sees the new epoch. An owner paused or cut off inside such a
 transaction would hold that lock for good: the fence names the backend after the owner's epoch,
-and a taker of an expired lease ends those backends first (ownership.end_fenced). Renewals take no
-lock the fence conflicts with. No clock decides who may write: ``lease_until`` only says when a
-standby may take over, and the owner's own deadline (its monotonic clock, a margin short of the
-lease) only stops what the database cannot fence, such as the launcher. No session state: it
-works through PgBouncer.
+and a taker of an expired lease ends those backends first. Renewals take no lock the fence
+conflicts with. No clock decides who may write: ``lease_until`` only says when a standby may take
+over, and the owner's own deadline (its monotonic clock, a margin short of the lease) only stops
+what the database cannot fence, such as the launcher. No session state: it works through PgBouncer
+(docs/cluster.md). Every statement runs through storage/lease.py.
 
 It must not touch the job's state or the launcher: the loop drops and resumes the job when
 ``epoch`` and ``state_epoch`` differ.
@@ -33,43 +34,39 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import requests
+
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ConfigError, LeaseLost, StorageError, Unavailable
 from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher import procfs
-from rollout_buffer.runtime import instances
-from rollout_buffer.runtime.advertised import check_advertised
-from rollout_buffer.runtime.lease_takeover import OWNER, STANDBY, Takeover
-from rollout_buffer.runtime.ownership import (
-    Holder,
-    close_descriptors,
-    fence_name,
-    file_unlock,
-    holder_of,
-    refusal,
-)
 from rollout_buffer.runtime.threads import Runtime
-from rollout_buffer.storage import lease_sql as sql
-from rollout_buffer.storage.connections import service_connect
-from rollout_buffer.storage.db import Database
+from rollout_buffer.storage import lease as rows
+from rollout_buffer.storage.db import Database, service_connect
+from rollout_buffer.storage.lease import Holder
 from rollout_buffer.storage.store import Store
 
 logger = logging.getLogger(__name__)
 
 SCOPE = "job"  # the unnamed buffer's row; a named buffer's is "job/<name>"
-STARTING = "starting"
+OWNER, STANDBY, STARTING = "owner", "standby", "starting"
 RETRY_S = 0.5  # after a failed step
-STANDBY_POLL_S = (
-    0.5  # a standby reads the lease at least this often (a released lease is taken within it)
-)
+# a standby reads the lease at least this often (a released lease is taken within it)
+STANDBY_POLL_S = 0.5
+INSTANCE_KEEP_S = 600.0  # rows of instances not seen for this long are deleted
+PRUNE_EVERY_S = 60.0
+# the advertised URL's check: OK, UNVERIFIED (it did not answer from here) or WRONG (another
+# instance answered)
+OK, UNVERIFIED, WRONG = "ok", "unverified", "wrong"
 
 
-class Lease(Takeover):
+class Lease:
     """This instance's part in the lease: its role, its epoch, and the thread that keeps them."""
 
     name = "rollout-buffer-lease"  # its thread's, as a worker of the runtime
@@ -103,20 +100,17 @@ class Lease(Takeover):
         self.problem: str | None = None  # why this instance cannot own or renew (shown by /health)
         # unnamed, another instance owns the buffer: this one must not run (ROLLOUT_BUFFER_NAME)
         self.refused: str | None = None
-        self.counts: collections.Counter = collections.Counter()
+        self.counts: collections.Counter[str] = collections.Counter()
         self.takeover_s: float | None = None
         self._deadline = 0.0
         self._took_at: float | None = None
         self._free_for = 0.0
         self._quiet_start = False  # owner by a single instance's start: no takeover to warn of
-        self.advertised: str | None = (
-            None  # ROLLOUT_BUFFER_ADVERTISE_URL: None (not checked), ok, unverified, wrong
-        )
+        # ROLLOUT_BUFFER_ADVERTISE_URL: None (not checked), OK, UNVERIFIED or WRONG
+        self.advertised: str | None = None
         self._db: Database | None = None
         self._lock_fd: int | None = None
-        self.instances = instances.Instances(
-            instance_id, self.host_id, self.url, self.buffer, clock
-        )
+        self._pruned_at = float("-inf")
         self._failing_since: float | None = None
         self._leaving = False
         self.wake = threading.Event()  # a worker of the runtime: set to step now
@@ -151,23 +145,19 @@ class Lease(Takeover):
                 self.config, self.config.effective_state_db_url, bound_s=self.seconds / 3
             ) as db,
         ):
-            if (
-                release and self.role == OWNER and self.epoch is not None
-            ):  # (this thread's own connection)
-                db.execute(
-                    sql.LEASE_RENEW[db.backend], (-1.0, self.scope, self.instance_id, self.epoch)
-                )  # given up
+            if release and self.role == OWNER and self.epoch is not None:
+                rows.renew(db, self.scope, self.instance_id, self.epoch, -1.0)
                 logger.info(
                     "gave the lease up (epoch %s): a standby can take over at once", self.epoch
                 )
-            self.instances.leave(db)
+            rows.instance_left(db, self.instance_id)
         self.role, self.epoch = STANDBY, None
         if self._lock_fd is not None:
-            file_unlock(self._lock_fd, self.buffer)
+            rows.file_unlock(self._lock_fd, self.buffer)
             self._lock_fd = None
         # the instance stops: its descriptor of the database file goes once (not at every failed
-        # attempt, which dropped SQLite's own locks of the process: see ownership._DESCRIPTORS)
-        close_descriptors(self.instance_id)
+        # attempt, which dropped SQLite's own locks of the process: see storage/lease.py)
+        rows.close_descriptors(self.instance_id)
 
     def nudge(self) -> None:
         self.wake.set()
@@ -221,8 +211,8 @@ class Lease(Takeover):
         epoch = self.state_epoch
         if self.role != OWNER or epoch is None or epoch != self.epoch:
             raise LeaseLost("this instance does not own the job (any more); nothing was recorded")
-        params = (fence_name(self.instance_id, epoch), self.scope, self.instance_id, epoch)
-        if db.scalar(sql.LEASE_FENCE[db.backend], params) is None:
+        name = fence_name(self.instance_id, epoch)
+        if not rows.fence(db, name, self.scope, self.instance_id, epoch):
             self.nudge()  # the thread finds out who has it
             raise LeaseLost(
                 f"another instance took the job over (this instance's epoch {epoch} has ended); "
@@ -278,11 +268,7 @@ class Lease(Takeover):
         """(No lease) Never decide next to an instance that owns the job under a lease: unfenced,
         this one's decisions would conflict with its. A ConfigError (the loop retries) until it is
         gone."""
-        h = (
-            None
-            if self.enabled
-            else holder_of(db.fetchone(sql.LEASE_GET[db.backend], (self.scope,)), self.clock())
-        )
+        h = None if self.enabled else rows.read(db, self.scope, self.clock())
         if h is not None and not h.released and h.expires_in > 0:
             raise ConfigError(
                 f"instance {h.url or h.instance} owns this database's job under a lease, and "
@@ -290,7 +276,9 @@ class Lease(Takeover):
                 "lease ends; give every instance a lease (the default)"
             )
 
-    live_instances = staticmethod(instances.live)
+    def live_instances(self, db: Database, within_s: float) -> list[dict[str, Any]]:
+        """The instances of this buffer (owner and standbys) seen within the last seconds."""
+        return rows.live_instances(db, within_s, self.buffer)
 
     def standby_hosts(self, conns: Any) -> set[str]:
         """The hosts of the other live instances that wait as standbys (a graceful stop hands the
@@ -300,9 +288,7 @@ class Lease(Takeover):
         with contextlib.suppress(StorageError):
             return {
                 i["host_id"]
-                for i in self.live_instances(
-                    conns.get().state_db, min(self.seconds, 5.0), self.buffer
-                )
+                for i in self.live_instances(conns.get().state_db, min(self.seconds, 5.0))
                 if i["role"] == STANDBY and i["instance_id"] != self.instance_id
             }
         return set()
@@ -334,14 +320,14 @@ class Lease(Takeover):
                 starting = self.role == STARTING
                 self._try_acquire(db, started)
                 if starting and self.role == STANDBY and not self.buffer:
-                    self.refused = refusal(self.holder, Store(db).active_job())
+                    self.refused = self._refusal(Store(db).active_job())
                     logger.error("%s", self.refused)
                     self.decided.set()
                     self.on_change()
                     return RETRY_S
             self._seen(db)
         except StorageError as exc:
-            self._failed(exc, started)
+            self._failed(exc)
             return RETRY_S
         if self._failing_since is not None:
             logger.info(
@@ -377,7 +363,7 @@ class Lease(Takeover):
         if db is not None:
             db.close()
 
-    def _failed(self, exc: StorageError, started: float) -> None:
+    def _failed(self, exc: StorageError) -> None:
         self._close()
         now = self.clock()
         first = self._failing_since is None
@@ -404,26 +390,205 @@ class Lease(Takeover):
         instance became the owner as a single instance does at its start (the lease was never
         held, or its last holder gave it up), which is INFO."""
         old = self.role
-        self.epoch = epoch  # before the role: a reader that sees OWNER sees its epoch
-        self.role = role
         if old != role:
-            self.problem = None if self.advertised != "wrong" else self.problem
+            # all of it before the role changes: a reader that sees the new role sees it logged
+            self.problem = None if self.advertised != WRONG else self.problem
             quiet = start and old == STARTING
             self._quiet_start = quiet and role == OWNER
             log = logger.warning if (old == OWNER or role == OWNER) and not quiet else logger.info
             log("role: %s -> %s: %s", old, role, why)
+        self.epoch = epoch  # before the role: a reader that sees OWNER sees its epoch
+        self.role = role
+        if old != role:
             self.on_change()
 
     def _seen(self, db: Database) -> None:
+        """This instance's row: alive in its role (now and then, forget long-gone instances), or
+        gone once a standby is leaving."""
         if self._leaving and self.role != OWNER:
-            self.instances.leave(db)
-        else:
-            self.instances.seen(db, self.role, self.report)
+            rows.instance_left(db, self.instance_id)
+            return
+        rows.instance_seen(
+            db, self.instance_id, self.host_id, self.url, self.role, self.report, self.buffer
+        )
+        now = self.clock()
+        if now - self._pruned_at > PRUNE_EVERY_S:
+            self._pruned_at = now
+            rows.prune_instances(db, INSTANCE_KEEP_S)
+
+    # -- renewal and takeover ------------------------------------------------------------------
+    def _renew(self, db: Database, started: float) -> None:
+        assert self.epoch is not None
+        if rows.renew(db, self.scope, self.instance_id, self.epoch, self.seconds):
+            self._deadline = started + self.seconds - self.margin
+            self.counts["renewals"] += 1
+            if (self.problem or "").startswith("cannot renew"):
+                logger.warning("the lease is renewed again (epoch %s): deciding again", self.epoch)
+                self.problem = None
+            return
+        h = self._read(db)
+        self._set(
+            STANDBY,
+            None,
+            f"another instance took the job over ({h.url or h.instance if h else 'unknown'}, "
+            f"epoch {h.epoch if h else '?'})",
+        )
+
+    def _try_acquire(self, db: Database, started: float) -> None:
+        if self._leaving:
+            return
+        if self.url and self.advertised is None:
+            self._check_advertised()
+        sqlite = db.backend == "sqlite"
+        if sqlite and self._lock_fd is None:
+            self._lock_fd = rows.file_lock(db.url, self.buffer, self.instance_id)
+        if sqlite and self._lock_fd is None:
+            self._read(db)
+            self._set(STANDBY, None, "another instance holds the database's lock")
+            return
+        h = self._read(db)
+        if h is None:
+            if rows.insert(db, self.scope, self._me(), self.seconds):
+                self._won(1, started, 0.0, "the first owner of this database", start=True)
+                return
+            h = self._read(db)
+        if h is None or self._why_free(h, sqlite) is None:
+            self._set(STANDBY, None, f"the owner is {h.url or h.instance}" if h else "no lease row")
+            return
+        if not sqlite and not h.released and h.expires_in <= 0:
+            self._end_fenced(db, h)
+        taken = rows.take(
+            db,
+            self.scope,
+            self._me(),
+            self.seconds,
+            self.clock(),
+            lambda locked: self._why_free(locked, sqlite),
+        )
+        if taken is None:
+            self._read(db)
+            self._set(STANDBY, None, "another instance took the lease first")
+            return
+        h, why = taken
+        self._won(
+            h.epoch + 1,
+            started,
+            0.0 if h.released or h.expires_in > 0 else -h.expires_in,
+            why,
+            start=h.released,  # a restart after a clean stop; not a takeover
+        )
+
+    def _why_free(self, h: Holder, sqlite: bool) -> str | None:
+        """Why the lease ``h`` may be taken now by this instance, or None. On SQLite the lock file
+        decides (this instance holds it). With a wrong advertised URL, a correctly configured
+        standby gets the first go at an expired lease (a third of a lease)."""
+        if sqlite:
+            return "the previous owner's lock is free"
+        if h.released:
+            return f"{h.url or h.instance} gave it up"
+        grace = self.seconds / 3 if self.advertised == WRONG else 0.0
+        if h.expires_in <= -grace:
+            return f"the lease of {h.url or h.instance} ended {-h.expires_in:.1f} s ago"
+        if h.instance == self.instance_id:
+            return "it is this instance's own"
+        if h.host == self.host_id and h.pid:
+            process = procfs.stat(int(h.pid))
+            if (
+                process is None
+                or not process.alive
+                or (h.start_ticks is not None and process.start_ticks != int(h.start_ticks))
+            ):
+                return f"its owner's process (pid {h.pid} on this host) has ended"
+        return None
+
+    def _end_fenced(self, db: Database, h: Holder) -> None:
+        """Postgres, before taking over an expired lease: its owner may be paused or cut off inside
+        a fenced transaction, holding the lease row's lock that the takeover waits for. End those
+        backends (the same role may) rather than wait for their idle-transaction timeout."""
+        try:
+            ended = rows.end_fenced(db, fence_name(h.instance, h.epoch))
+        except StorageError as exc:
+            logger.warning(
+                "could not end the expired owner's backends (%s): the takeover waits for their "
+                "idle-transaction timeout",
+                redact(str(exc)),
+            )
+            return
+        if ended:
+            logger.warning(
+                "ended %d backend(s) of the expired owner %s (epoch %s) left inside a fenced "
+                "transaction",
+                ended,
+                h.url or h.instance,
+                h.epoch,
+            )
+
+    def _me(self) -> rows.Me:
+        pid = os.getpid()
+        return (self.instance_id, self.url, self.host_id, pid, procfs.start_ticks(pid))
+
+    def _read(self, db: Database) -> Holder | None:
+        self.holder = rows.read(db, self.scope, self.clock())
+        return self.holder
+
+    def _won(
+        self, epoch: int, started: float, free_for: float, why: str, *, start: bool = False
+    ) -> None:
+        self._deadline = started + self.seconds - self.margin
+        self._took_at, self._free_for = self.clock(), free_for
+        self.counts["acquired"] += 1
+        if epoch > 1:
+            self.counts["takeovers"] += 1
+        self._set(OWNER, epoch, f"{why} (epoch {epoch})", start=start)
 
     def _check_advertised(self) -> None:
-        """Once: the advertised URL must answer as this instance (advertised.py); one that answers
-        as another is reported (/health degraded), and a correctly configured standby takes an ended
-        lease first. It still may own the job (a job served under a wrong URL beats none)."""
+        """Once: the advertised URL must answer GET /health as this instance (standbys redirect
+        clients to it). One that answers as another is reported (/health degraded), and a correctly
+        configured standby takes an ended lease first. It still may own the job (a job served under
+        a wrong URL beats none)."""
         assert self.url is not None
-        self.advertised, problem = check_advertised(self.url, self.instance_id)
-        self.problem = problem or self.problem
+        try:
+            r = requests.get(self.url + "/health", timeout=(1.0, 2.0))
+            seen = r.json().get("instance") if r.status_code == 200 else f"HTTP {r.status_code}"
+        except (requests.RequestException, ValueError, AttributeError) as exc:
+            logger.warning(
+                "could not check ROLLOUT_BUFFER_ADVERTISE_URL=%s from here (%s); standbys redirect "
+                "clients to it",
+                self.url,
+                type(exc).__name__,
+            )
+            self.advertised = UNVERIFIED
+            return
+        if seen == self.instance_id:
+            self.advertised = OK
+            return
+        self.advertised = WRONG
+        self.problem = (
+            f"ROLLOUT_BUFFER_ADVERTISE_URL={self.url} answers as another instance ({seen!r}), not "
+            "as this one: while this instance owns the job, standbys redirect clients there; set "
+            "it to this instance's own URL"
+        )
+        logger.error("%s", self.problem)
+
+    def _refusal(self, job: dict[str, Any] | None) -> str:
+        """Why an unnamed instance must not run next to a live owner of the unnamed buffer."""
+        h = self.holder
+        owner = (
+            f"host {h.host}, pid {h.pid}, URL {h.url or 'not advertised'}"
+            if h is not None
+            else "its lease row is not written yet"
+        )
+        return (
+            "refusing to start: another instance owns this state database's unnamed buffer ("
+            f"{owner}, job {job['job_id'] if job else 'none'}). Two services on one database "
+            "must be named: give each independent buffer its own ROLLOUT_BUFFER_NAME, or start a "
+            "standby of a buffer with that buffer's ROLLOUT_BUFFER_NAME (set on the owner too); "
+            "or stop the owner first (its lease must end before another unnamed instance may "
+            "start)"
+        )
+
+
+def fence_name(instance: str | None, epoch: int) -> str:
+    """What a backend is called (application_name) inside a fenced transaction of an owner's epoch
+    (at most 63 bytes: Postgres truncates longer names)."""
+    return f"rb-fence {instance} {epoch}"[:63]

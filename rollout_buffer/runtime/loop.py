@@ -27,11 +27,9 @@ from rollout_buffer.runtime.lease import OWNER, Lease
 from rollout_buffer.runtime.locks import LOCK_WAIT_S, Locks
 from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.runtime.signals import Signals
-from rollout_buffer.storage import source
-from rollout_buffer.storage.connections import LazyPair
+from rollout_buffer.storage import launcher_tables
 from rollout_buffer.storage.db import Database
-from rollout_buffer.storage.records import steady_wall
-from rollout_buffer.storage.store import Store
+from rollout_buffer.storage.store import LazyPair, Store, steady_wall
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +42,7 @@ def check_sequence(launcher_db: Database) -> None:
     committed by others, which the cursor would have passed (the row would never be read)."""
     if launcher_db.backend != "postgres":
         return
-    cache = source.sequence_cache(launcher_db)
+    cache = launcher_tables.sequence_cache(launcher_db)
     if cache and int(cache) > 1:
         raise ConfigError(
             f"the sequence of session_steps.id caches {int(cache)} values per connection, so ids "
@@ -262,7 +260,7 @@ class Loop:
         if self.config.job_retention_s > 0:
             for job in store.ended_jobs(wall - self.config.job_retention_s):
                 if store.purge_step(job["job_id"]) == 0:
-                    upto = source.max_job_id(launcher_db, job["job_id"])
+                    upto = launcher_tables.max_job_id(launcher_db, job["job_id"])
                     read = max(
                         upto,
                         int(job["cursor_pk"]),
@@ -363,7 +361,7 @@ class Loop:
             self._watched_at = self.clock()
             reports = [
                 i["launcher_report"]
-                for i in Lease.live_instances(store.db, lease.seconds, lease.buffer)
+                for i in lease.live_instances(store.db, lease.seconds)
                 if i["host_id"] == e.host
             ]
             self.launcher.check_elsewhere(store, job_state.job_id, reports)

@@ -25,7 +25,7 @@ from rollout_buffer.core.model import (
     RowKey,
 )
 from rollout_buffer.runtime.proxy import ProxyNotifier
-from rollout_buffer.storage.connections import state_connection
+from rollout_buffer.storage.db import state_connection
 from rollout_buffer.storage.store import Store
 
 logger = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ from rollout_buffer.core.model import (
 )
 from rollout_buffer.core.values import Malformed
 from rollout_buffer.serving import redelivery
-from rollout_buffer.storage.connections import Pair
-from rollout_buffer.storage.fetch import FETCH_CHUNK, fetch_takes, with_last_rows
+from rollout_buffer.storage.launcher_tables import FETCH_CHUNK, fetch_takes, with_last_rows
+from rollout_buffer.storage.store import Pair
 
 TAKE_STEP = 64  # groups taken from the queues at a time
 # what a group's wait_s and age_s may take in meta_info once served: they are measured when the

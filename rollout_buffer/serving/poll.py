@@ -43,8 +43,8 @@ from rollout_buffer.serving.plan import plan_poll
 from rollout_buffer.serving.prebuilt import Prebuilder
 from rollout_buffer.serving.replay import Replayer, RequestIds
 from rollout_buffer.serving.settle import Uncertain, committed, settle_conflict
-from rollout_buffer.storage.connections import LazyPair, Pair
 from rollout_buffer.storage.db import Database
+from rollout_buffer.storage.store import LazyPair, Pair
 
 logger = logging.getLogger(__name__)
 

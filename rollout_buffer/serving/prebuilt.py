@@ -31,8 +31,8 @@ from rollout_buffer.runtime.jobs import Jobs
 from rollout_buffer.runtime.locks import Locks
 from rollout_buffer.runtime.signals import Signals
 from rollout_buffer.serving.draft import Draft, Shape
-from rollout_buffer.storage.connections import LazyPair
 from rollout_buffer.storage.db import Database
+from rollout_buffer.storage.store import LazyPair
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from typing import Any
 from rollout_buffer.core.errors import Invalid, LeaseLost, StorageError, Unavailable
 from rollout_buffer.core.model import Decisions, Take
 from rollout_buffer.runtime.locks import Locks
-from rollout_buffer.storage.connections import Pair
-from rollout_buffer.storage.fetch import fetch_rows, recorded_salvage, take_from_rows
+from rollout_buffer.storage.launcher_tables import fetch_rows, recorded_salvage, take_from_rows
+from rollout_buffer.storage.store import Pair
 
 logger = logging.getLogger(__name__)
 

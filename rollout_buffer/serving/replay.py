@@ -29,9 +29,8 @@ from rollout_buffer.core.model import Batch
 from rollout_buffer.core.response import Body, response_chunks
 from rollout_buffer.core.values import Malformed
 from rollout_buffer.runtime.jobs import JobState
-from rollout_buffer.storage.connections import Pair
-from rollout_buffer.storage.fetch import fetch_rows, recorded_salvage, take_from_rows
-from rollout_buffer.storage.records import steady_wall
+from rollout_buffer.storage.launcher_tables import fetch_rows, recorded_salvage, take_from_rows
+from rollout_buffer.storage.store import Pair, steady_wall
 
 logger = logging.getLogger(__name__)
 

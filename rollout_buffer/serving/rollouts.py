@@ -33,7 +33,7 @@ from rollout_buffer.runtime.locks import LOCK_WAIT_S, Locks
 from rollout_buffer.runtime.signals import Signals
 from rollout_buffer.serving.poll import Serving
 from rollout_buffer.serving.redelivery import redeliver
-from rollout_buffer.storage.connections import LazyPair
+from rollout_buffer.storage.store import LazyPair
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from rollout_buffer.core.model import Decisions, Take
 from rollout_buffer.runtime.jobs import JobState
 from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.serving import redelivery
-from rollout_buffer.storage.connections import Pair
+from rollout_buffer.storage.store import Pair
 
 logger = logging.getLogger("rollout_buffer.serving.poll")
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rollout_buffer.storage import queries as q
-from rollout_buffer.storage.database import Database
+from rollout_buffer.storage.db import Database
 
 
 class ExportPages:

@@ -5,8 +5,8 @@ The launcher owns ``job_environments`` and ``session_steps``: the service create
 differ), writes them only as the launcher does (the simulator, tests, benchmarks), and otherwise
 reads them: ingest's metadata, the bodies of served rows, the rows an export replays.
 
-Owns: those statements; the buffer's own tables are in queries.py. It must not execute anything:
-there is no connection here.
+Owns: those statements (reader.py and launcher_tables.py run them); the buffer's own tables are in
+queries.py. It must not execute anything: there is no connection here.
 """
 
 from __future__ import annotations
@@ -265,6 +265,8 @@ CENSUS_SCHEDULED = (
 )
 # Whether job_environments exists (a writer that is not the launcher may not have it).
 HAS_SCHEDULE = "SELECT 1 FROM job_environments WHERE 1 = 0"
+# Whether session_steps can be read (the simulator, before it creates the tables).
+HAS_STEPS = "SELECT 1 FROM session_steps WHERE 1 = 0"
 # The metadata of a job's rows that are not trainable, after an id (never their messages).
 CENSUS_STEPS = (
     "SELECT id, session_id, group_id, step_id, is_terminal FROM session_steps "

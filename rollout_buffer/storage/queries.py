@@ -1,15 +1,14 @@
-"""Every SQL statement of the package, named, with a one-line purpose, written once with ``?``.
+"""Every SQL statement on the buffer's own tables, named, with a one-line purpose, written once
+with ``?``.
 
 The buffer's own ``rollout_buffer_*`` tables use types both backends accept. The statements on the
-launcher's two tables are in launcher_sql.py.
+launcher's two tables are in launcher_sql.py, the lease's in lease.py.
 
-Owns: every statement and the schema text (``STATE_DDL``, ``MIGRATIONS``, ``SCHEMA_VERSION``). It
-must not execute anything: there is no connection here.
+Owns: those statements (the redeliveries' too) and the schema text (``STATE_DDL``,
+``MIGRATIONS``, ``SCHEMA_VERSION``). It must not execute anything: there is no connection here.
 """
 
 from __future__ import annotations
-
-from rollout_buffer.storage import redelivery_sql
 
 SCHEMA_VERSION = 6
 
@@ -88,6 +87,72 @@ STATE_DDL = (
     "(created_at)",
 )
 
+# -- redeliveries (issue 11) ------------------------------------------------------------------
+# A redelivery's state; a failure is "failed:<reason>".
+QUEUED, DELIVERED, CANCELLED = "queued", "delivered", "cancelled"
+
+# A served group the trainer's checkpoint does not hold, to deliver again (issue 11): queued until
+# a batch carries it again (``batch_id``), cancelled when a later skip list names it. One row per
+# group; a group asked for again (the trainer crashed twice) is queued again, counts kept.
+REDELIVERY_DDL = """CREATE TABLE IF NOT EXISTS rollout_buffer_redeliveries (
+    job_id TEXT NOT NULL,
+    group_id TEXT NOT NULL,
+    state TEXT NOT NULL,
+    seq BIGINT NOT NULL,
+    batch_id TEXT,
+    n_requests INTEGER NOT NULL DEFAULT 0,
+    n_delivered INTEGER NOT NULL DEFAULT 0,
+    updated_at DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (job_id, group_id))"""
+
+# The job's served groups in the order they were served (the candidates of a redelivery).
+REDELIVERY_SERVED_GROUPS = (
+    "SELECT group_id FROM rollout_buffer_groups WHERE job_id = ? AND status = 'served' "
+    "ORDER BY resolved_at, group_id"
+)
+# The next queue position of the job.
+REDELIVERY_NEXT_SEQ = (
+    "SELECT COALESCE(MAX(seq), 0) + 1 FROM rollout_buffer_redeliveries WHERE job_id = ?"
+)
+# Queue a group (again): state, position, one more request.
+REDELIVERY_QUEUE = (
+    "INSERT INTO rollout_buffer_redeliveries (job_id, group_id, state, seq, batch_id, n_requests, "
+    "n_delivered, "
+    "updated_at) VALUES (?, ?, 'queued', ?, NULL, 1, 0, ?) ON CONFLICT (job_id, group_id) DO "
+    "UPDATE SET "
+    "state = 'queued', seq = excluded.seq, batch_id = NULL, "
+    "n_requests = rollout_buffer_redeliveries.n_requests + 1, updated_at = excluded.updated_at"
+)
+# A queued group named by a later skip list: the trainer holds it now, it is never delivered again.
+REDELIVERY_CANCEL = (
+    "UPDATE rollout_buffer_redeliveries SET state = 'cancelled', updated_at = ? "
+    "WHERE job_id = ? AND group_id = ? AND state = 'queued'"
+)
+# The job's queued groups in queue order (loaded with the job).
+REDELIVERY_QUEUED_GROUPS = (
+    "SELECT group_id FROM rollout_buffer_redeliveries WHERE job_id = ? AND state = 'queued' "
+    "ORDER BY seq, group_id"
+)
+# A queued group was delivered again in a batch, or could not be (state 'failed:<reason>').
+REDELIVERY_SETTLE = (
+    "UPDATE rollout_buffer_redeliveries SET state = ?, batch_id = ?, n_delivered = n_delivered + "
+    "?, "
+    "updated_at = ? WHERE job_id = ? AND group_id = ? AND state = 'queued'"
+)
+# The job's figures: groups asked for again, delivered again, cancelled, failed (after a restart).
+REDELIVERY_TOTALS = (
+    "SELECT COALESCE(SUM(n_requests), 0) AS requested, COALESCE(SUM(n_delivered), 0) AS delivered, "
+    "COALESCE(SUM(CASE WHEN state = 'cancelled' THEN 1 ELSE 0 END), 0) AS cancelled, "
+    "COALESCE(SUM(CASE WHEN substr(state, 1, 7) = 'failed:' THEN 1 ELSE 0 END), 0) AS failed "
+    "FROM rollout_buffer_redeliveries WHERE job_id = ?"
+)
+# Retention: an ended job's redeliveries go with its other decisions.
+REDELIVERY_PURGE = (
+    "DELETE FROM rollout_buffer_redeliveries WHERE job_id = ? AND group_id IN (SELECT group_id "
+    "FROM "
+    "rollout_buffer_redeliveries WHERE job_id = ? LIMIT ?)"
+)
+
 # Schema migrations: MIGRATIONS[v] brings a version-v schema to v + 1 (one transaction each).
 MIGRATIONS = {
     1: (
@@ -113,7 +178,7 @@ MIGRATIONS = {
         # adopted only there (issue 12)
         "ALTER TABLE rollout_buffer_jobs ADD COLUMN launcher_host TEXT",
     ),
-    4: (redelivery_sql.DDL,),  # served groups to deliver again after a trainer crash (issue 11)
+    4: (REDELIVERY_DDL,),  # served groups to deliver again after a trainer crash (issue 11)
     5: (
         # Named buffers (ROLLOUT_BUFFER_NAME, issue 20): a job belongs to one buffer, and each
         # buffer has its own active job and instances; what was written before names is the

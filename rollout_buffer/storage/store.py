@@ -1,24 +1,37 @@
-"""The buffer's durable state: the ``rollout_buffer_*`` tables.
+"""The buffer's durable state: the ``rollout_buffer_*`` tables, and a thread's connections.
 
 Owns: their schema and version, loading a job's decisions and counters, recording a plan
 (:class:`~rollout_buffer.core.model.Decisions`) in ONE transaction, the cursor and low-water mark,
-the launcher identity, delivered batches, the notified flags, and retention. Every record is built
-in records.py and written only here, and every write of a decision (a plan, the job's activation
-and K, the cursor, the launcher, retention) runs the lease's fence first in its transaction
-(``fence``, see lease.py): an instance that lost the job rolls back with LeaseLost. It must not
-touch the launcher's tables (it is handed only the state connection) and holds no in-memory state
-of its own: a :class:`Store` is a thin wrapper around one connection, cheap to build per thread or
-per request."""
+the launcher identity, delivered batches, the notified flags, and retention. The values those
+tables hold are built here too: the one builder of a ``rollout_buffer_groups`` row
+(:func:`group_record`), what loading a job gives back (:class:`JobTotals`), the launcher identity
+(:class:`LauncherRecord`), an unconfirmed decision for the proxy (:class:`Unnotified`), and the
+steady wall clock records are aged by. Every write of a decision (a plan, the job's activation and
+K, the cursor, the launcher, retention) runs the lease's fence first in its transaction
+(``fence``, see runtime/lease.py): an instance that lost the job rolls back with LeaseLost. It must
+not touch the launcher's tables (it is handed only the state connection) and holds no in-memory
+state of its own: a :class:`Store` is a thin wrapper around one connection, cheap to build per
+thread or per request.
+
+A thread's connections are a :class:`Pair`: the launcher's database (source) and the buffer's
+state database, one connection unless a separate state database is configured, with the store over
+the state side. A pair belongs to one thread and never crosses a fork (STYLE §9.7): the loop
+thread keeps one, each request opens one lazily (:class:`LazyPair`) and closes it at teardown, and
+the notifier thread opens the state side alone when it needs it (db.state_connection)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import JobOwned, StorageError
+from rollout_buffer.core.figures import finite_sum
 from rollout_buffer.core.model import (
     DROPPED,
     INCOMPLETE_IN_SERVED,
@@ -29,20 +42,115 @@ from rollout_buffer.core.model import (
     Decisions,
     Drop,
     GroupKey,
+    LauncherState,
     NotifyKey,
     RowKey,
+    Served,
 )
+from rollout_buffer.core.salvage import record_reason
 from rollout_buffer.storage import queries as q
-from rollout_buffer.storage import redelivery_sql as rq
-from rollout_buffer.storage.db import Database, connect, create_launcher_tables
-from rollout_buffer.storage.records import (
-    JobTotals,
-    LauncherRecord,
-    Unnotified,
-    group_record,
-)
+from rollout_buffer.storage.db import Database, connect, service_connect
+from rollout_buffer.storage.launcher_tables import create_launcher_tables
 
 STATE_NAMES = frozenset(ddl.split(" IF NOT EXISTS ", 1)[1].split()[0] for ddl in q.STATE_DDL)
+
+
+_WALL0, _MONO0 = time.time(), time.monotonic()
+
+
+def steady_wall() -> float:
+    """Epoch seconds for ageing what was recorded (batches, ended jobs), never ahead of this
+    process's monotonic clock: a wall clock stepped forward (NTP, a resumed VM) would otherwise age
+    everything at once, and housekeeping would delete the batch of a poll answered a second ago (its
+    retry would then get new groups, and the first batch's groups would be lost)."""
+    return min(time.time(), _WALL0 + time.monotonic() - _MONO0)
+
+
+@dataclass
+class JobTotals:
+    """A job's durable decisions and counters, to load into a fresh accumulator."""
+
+    decided: dict[str, str] = field(default_factory=dict)
+    served_rows: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    rejected: Counter[str] = field(default_factory=Counter)
+    groups_served: int = 0
+    groups_partial: int = 0  # served short of K (recorded with the reason ``partial``)
+    groups_dropped: Counter[str] = field(default_factory=Counter)
+    # (outcome: "served" or a drop reason, groups, sessions, steps, reward_sum, sessions with a
+    # reward)
+    figures: list[tuple[str, int, int, int, float, int]] = field(default_factory=list)
+    filtered: dict[str, int] = field(
+        default_factory=dict
+    )  # groups dropped since the last served one
+    salvaged: list[tuple[str, int]] = field(
+        default_factory=list
+    )  # (recorded reason, groups) of served salvaged groups (core.salvage.record_reason)
+
+    @property
+    def accounted_rows(self) -> int:
+        return self.served_rows + sum(self.dropped.values()) + sum(self.rejected.values())
+
+
+@dataclass(frozen=True)
+class LauncherRecord:
+    """The launcher identity stored with a job (adopted after a crash only if it still matches)."""
+
+    pid: int | None
+    pgid: int | None
+    start_ticks: int | None
+    state: LauncherState
+    host: str | None = None  # adopted only on this host (procfs.host_id)
+
+
+@dataclass(frozen=True)
+class Unnotified:
+    """A recorded decision whose sessions the proxy has not confirmed clearing."""
+
+    reason: str
+    sessions: list[str]
+    group_ids: list[str]
+    key: NotifyKey
+
+
+def group_record(job_id: str, d: Served | Drop, now: float) -> tuple[Any, ...]:
+    """The one builder of a rollout_buffer_groups row (q.INSERT_GROUP's columns)."""
+    figures = finite_sum(d.rewards)
+    if isinstance(d, Served):
+        t = d.take
+        inc = t.incomplete_pks
+        pks = sorted(t.served_pks + inc)
+        clear = sorted(t.incomplete)
+        return (
+            job_id,
+            t.group_id,
+            SERVED,
+            PARTIAL if t.partial else record_reason(t.salvage) if t.salvage else None,
+            d.batch_id,
+            len(t.served_pks),
+            len(inc),
+            ",".join(map(str, pks)),
+            json.dumps(clear),
+            0 if clear else 1,
+            now,
+            len(t.completed),
+            *figures,
+        )
+    return (
+        job_id,
+        d.group_id,
+        DROPPED,
+        d.reason,
+        None,
+        0,
+        len(d.pks),
+        ",".join(map(str, d.pks)),
+        json.dumps(d.clear_sessions),
+        0 if d.clear_sessions else 1,
+        now,
+        len(d.clear_sessions),
+        *figures,
+    )
 
 
 class Store:
@@ -283,10 +391,10 @@ class Store:
                 ],
             )
             db.executemany(
-                rq.SETTLE,
+                q.REDELIVERY_SETTLE,
                 [
                     (
-                        rq.DELIVERED if why is None else f"failed:{why}",
+                        q.DELIVERED if why is None else f"failed:{why}",
                         b.batch_id if why is None and b else None,
                         1 if why is None else 0,
                         now,
@@ -304,21 +412,23 @@ class Store:
         how many queued groups were cancelled)."""
         now = time.time()
         with self.decision():
-            served = [r[0] for r in self.db.rows(rq.SERVED_GROUPS, (job_id,))]
+            served = [r[0] for r in self.db.rows(q.REDELIVERY_SERVED_GROUPS, (job_id,))]
             again = [g for g in served if g not in skip]
-            seq = int(self.db.scalar(rq.NEXT_SEQ, (job_id,)))
-            self.db.executemany(rq.QUEUE, [(job_id, g, seq + i, now) for i, g in enumerate(again)])
+            seq = int(self.db.scalar(q.REDELIVERY_NEXT_SEQ, (job_id,)))
+            self.db.executemany(
+                q.REDELIVERY_QUEUE, [(job_id, g, seq + i, now) for i, g in enumerate(again)]
+            )
             cancel = [g for g in self.redelivery_queue(job_id) if g in skip]
-            self.db.executemany(rq.CANCEL, [(now, job_id, g) for g in cancel])
+            self.db.executemany(q.REDELIVERY_CANCEL, [(now, job_id, g) for g in cancel])
         return again, len(cancel)
 
     def redelivery_queue(self, job_id: str) -> list[str]:
         """The job's groups queued to be delivered again, in queue order."""
-        return [r[0] for r in self.db.rows(rq.QUEUED_GROUPS, (job_id,))]
+        return [r[0] for r in self.db.rows(q.REDELIVERY_QUEUED_GROUPS, (job_id,))]
 
     def redelivery_totals(self, job_id: str) -> dict[str, int]:
         """Groups of the job asked for again, delivered again, cancelled and failed (all time)."""
-        r = self.db.fetchone(rq.TOTALS, (job_id,)) or {}
+        r = self.db.fetchone(q.REDELIVERY_TOTALS, (job_id,)) or {}
         return {k: int(r.get(k) or 0) for k in ("requested", "delivered", "cancelled", "failed")}
 
     # -- batches --------------------------------------------------------------------------------
@@ -372,7 +482,7 @@ class Store:
         with self.decision():
             n = self.db.execute(q.PURGE_GROUPS, (job_id, job_id, limit))
             n += self.db.execute(q.PURGE_ROWS, (job_id, job_id, limit))
-            n += self.db.execute(rq.PURGE, (job_id, job_id, limit))
+            n += self.db.execute(q.REDELIVERY_PURGE, (job_id, job_id, limit))
             return n + self.db.execute(q.PURGE_BATCHES, (job_id, limit))
 
     def mark_purged(self, job_id: str, read_upto: int) -> None:
@@ -409,6 +519,55 @@ class Store:
             self.db.executemany(
                 q.MARK_ROW_NOTIFIED, [tuple(k) for k in keys if isinstance(k, RowKey)]
             )
+
+
+class Pair:
+    """A source and a state connection (one object when they share the database)."""
+
+    def __init__(self, config: Config, fence: Callable[[Database], None] | None = None) -> None:
+        self.source = service_connect(config, config.db_url)
+        self.state_db = self.source
+        if config.state_db_url and config.state_db_url != config.db_url:
+            try:
+                self.state_db = service_connect(config, config.state_db_url)
+            except BaseException:
+                self.source.close()
+                raise
+        self.store = Store(self.state_db, fence, config.buffer_name)
+
+    def close(self) -> None:
+        self.source.close()
+        if self.state_db is not self.source:
+            self.state_db.close()
+
+
+class LazyPair:
+    """A pair opened on first use and closed by ``close()`` (one request, or the loop thread)."""
+
+    def __init__(self, config: Config, fence: Callable[[Database], None] | None = None) -> None:
+        self.config = config
+        self.fence = fence
+        self._pair: Pair | None = None
+
+    def get(self) -> Pair:
+        if self._pair is None:
+            self._pair = Pair(self.config, self.fence)
+        return self._pair
+
+    @property
+    def opened(self) -> bool:
+        return self._pair is not None
+
+    def close(self) -> None:
+        if self._pair is not None:
+            pair, self._pair = self._pair, None
+            pair.close()
+
+    def __enter__(self) -> LazyPair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def init_database(url: str) -> str:

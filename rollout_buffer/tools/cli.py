@@ -26,7 +26,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.host is not None:
         os.environ["ROLLOUT_BUFFER_HOST"] = args.host
     try:
-        Config.from_env()  # fail here, with the variable named, rather than inside gunicorn
+        # fail here, with the variable named, rather than inside gunicorn (which warns, once, of
+        # a removed setting)
+        Config.from_env(warn=False)
     except ConfigError as exc:
         print(f"rollout-buffer: {exc}", file=sys.stderr)
         return 2

@@ -94,7 +94,6 @@ def server_env(
             "ROLLOUT_BUFFER_SIMULATE_ARGS": sim,
             "AIEVOBOX_BUFFER_INCOMPLETE_GROUP_TTL_SECONDS": "60",
             "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "5",
-            "ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS": "20",
             **(POLICY_ENV if policies else {}),
             **(salvage or {}),
         }

@@ -35,10 +35,10 @@ from rollout_buffer.core.items import GID, PARTIAL_FLAG, build_group
 from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
 from rollout_buffer.core.salvage import Recorded
 from rollout_buffer.core.values import Malformed, epoch
-from rollout_buffer.storage import launcher_sql, source
+from rollout_buffer.storage import launcher_sql, launcher_tables
 from rollout_buffer.storage.db import Database, connect
 from rollout_buffer.storage.exports import ExportPages
-from rollout_buffer.storage.fetch import fetch_rows, take_from_rows
+from rollout_buffer.storage.launcher_tables import fetch_rows, take_from_rows
 from rollout_buffer.tools.export_steps import (
     json_number,
     session_plan,
@@ -186,7 +186,7 @@ class Exporter:
         trainable row."""
         seconds, rows, trainable = 0.0, 0, set()
         sessions: set[str] = set()
-        for session, count, first, last, any_trainable in source.generation_rows(
+        for session, count, first, last, any_trainable in launcher_tables.generation_rows(
             self.launcher_db, self.job_id, group_id
         ):
             sessions.add(session)
@@ -197,7 +197,9 @@ class Exporter:
                 seconds += max(0.0, epoch(last) - epoch(first))
         if self._has_schedule:
             try:
-                sessions.update(source.scheduled_sessions(self.launcher_db, self.job_id, group_id))
+                sessions.update(
+                    launcher_tables.scheduled_sessions(self.launcher_db, self.job_id, group_id)
+                )
             except StorageError:
                 self._has_schedule = False  # a writer that is not the launcher: no such table
         return {

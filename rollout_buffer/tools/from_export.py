@@ -33,7 +33,7 @@ import uuid
 from typing import Any
 
 from rollout_buffer.core.errors import IntegrityError, StorageError
-from rollout_buffer.storage import launcher_writes
+from rollout_buffer.storage import launcher_tables
 from rollout_buffer.tools.export import read_export
 from rollout_buffer.tools.simulator import Simulator
 from rollout_buffer.tools.workload import LLM_MODEL
@@ -154,7 +154,7 @@ class ExportReplayer(Simulator):
         ]
 
         def insert(db: Any) -> None:
-            launcher_writes.insert_sessions(db, rows)
+            launcher_tables.insert_sessions(db, rows)
 
         try:
             self.write(insert, "inserting job_environments")
@@ -208,7 +208,7 @@ class ExportReplayer(Simulator):
         )
 
         def insert(db: Any) -> None:
-            launcher_writes.insert_step(db, row)
+            launcher_tables.insert_step(db, row)
 
         try:
             self.write(insert, f"inserting step {step.get('step_id')} of session {sid}")

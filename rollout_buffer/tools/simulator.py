@@ -24,7 +24,7 @@ from typing import Any
 
 from rollout_buffer.core.errors import IntegrityError, StorageError
 from rollout_buffer.storage import db as dbmod
-from rollout_buffer.storage import launcher_writes
+from rollout_buffer.storage import launcher_tables
 from rollout_buffer.tools.llm_calls import ModelCalls
 from rollout_buffer.tools.session_pool import SessionPool, Stop
 from rollout_buffer.tools.workload import (
@@ -122,7 +122,7 @@ class Simulator:
                 delay = min(delay * 2, 1.0)
 
     def tables_exist(self, db: dbmod.Database) -> bool:
-        return launcher_writes.tables_exist(db)
+        return launcher_tables.tables_exist(db)
 
     def ensure_tables(self) -> None:
         db = self.connect()
@@ -132,7 +132,7 @@ class Simulator:
         def failed(exc: StorageError) -> None:  # another creator raced us: fine if the tables exist
             print(f"simulate: creating launcher tables: {exc}", file=sys.stderr, flush=True)
 
-        launcher_writes.create_tables(db, failed)
+        launcher_tables.create_launcher_tables(db, failed)
         if not self.tables_exist(db):
             time.sleep(0.2)
             if not self.tables_exist(db):
@@ -216,7 +216,7 @@ class Simulator:
                 )
 
         def insert(db: dbmod.Database) -> None:
-            launcher_writes.insert_sessions(db, rows)
+            launcher_tables.insert_sessions(db, rows)
 
         self.write(insert, "inserting job_environments")
 
@@ -332,7 +332,7 @@ class Simulator:
         def insert(db: dbmod.Database) -> None:
             # a fresh timestamp per attempt: (session_id, step_id, created_at) is unique
             created = self.now()
-            launcher_writes.insert_steps(db, [(*row, created) for row in batch])
+            launcher_tables.insert_steps(db, [(*row, created) for row in batch])
 
         self.write(insert, f"flushing {len(batch)} rows")
         self.flushes += 1

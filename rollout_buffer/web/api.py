@@ -29,7 +29,7 @@ from rollout_buffer.core.model import PollRequest
 from rollout_buffer.core.response import iter_bytes
 from rollout_buffer.service import Service
 from rollout_buffer.serving.redelivery import parse_skip
-from rollout_buffer.storage.connections import LazyPair
+from rollout_buffer.storage.store import LazyPair
 from rollout_buffer.web.errors import ApiError
 from rollout_buffer.web.metrics import render_metrics
 from rollout_buffer.web.page import page_html, status_document

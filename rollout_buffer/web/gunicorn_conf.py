@@ -13,13 +13,13 @@ must not build the app before the worker forks (no preload, no threads in the ma
 from __future__ import annotations
 
 import faulthandler
-import ipaddress
 import logging
 import math
 import os
 import sys
 
 from rollout_buffer.core.config import Config
+from rollout_buffer.core.hosts import is_loopback
 from rollout_buffer.core.logconfig import configure_logging
 
 _config = Config.from_env()
@@ -38,6 +38,10 @@ timeout = 300  # a poll that builds a 256 MiB response must not be mistaken for 
 graceful_timeout = math.ceil(_config.graceful_timeout_s)  # gunicorn accepts only an int here
 keepalive = 75
 loglevel = _config.log_level.lower()
+# gunicorn 27 opens a control socket by default, at one path shared by every gunicorn of the user
+# ($XDG_RUNTIME_DIR/gunicorn.ctl or ~/.gunicorn/gunicorn.ctl): a second instance would take it
+# over, and through it anyone with access could change the worker count. The service uses none.
+control_socket_disable = True
 BOOT_DECISION_S = 10.0  # longest an unnamed worker waits at boot for its first look at the lease
 
 
@@ -68,12 +72,7 @@ def on_starting(server) -> None:
     config = Config.from_env()
     if config.token is None:
         for addr in cfg.bind:
-            host = addr.rsplit(":", 1)[0].strip("[]")
-            try:
-                loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
-            except ValueError:
-                loopback = False
-            if not loopback:
+            if not is_loopback(addr.rsplit(":", 1)[0].strip("[]")):
                 server.log.warning(
                     "rollout-buffer listens on %s without ROLLOUT_BUFFER_TOKEN: anyone who can "
                     "reach it can start rollouts and take groups; set a token",

@@ -40,18 +40,16 @@ from rollout_buffer.core.config import Config
 
 logger = logging.getLogger(__name__)
 
-HEAD_TIMEOUT_S = 5.0  # a request head must be complete this long after its first byte could be read
-BODY_TIMEOUT_S = (
-    10.0  # its body (at most ROLLOUT_BUFFER_MAX_REQUEST_BYTES) this long after the head
-)
+# a request head must be complete this long after its first byte could be read
+HEAD_TIMEOUT_S = 5.0
+# its body (at most ROLLOUT_BUFFER_MAX_REQUEST_BYTES) this long after the head
+BODY_TIMEOUT_S = 10.0
 IO_TIMEOUT_S = 60.0  # longest silence while a thread sends an answer
 LINGER_S = 2.0  # a closing connection is drained this long at most, from the event loop
-MAX_HEAD_BYTES = (
-    64 << 10
-)  # gunicorn's own limits (8190-byte lines, 100 fields) refuse far smaller heads
-ACCEPT_PAUSE_S = (
-    0.5  # no descriptor left: stop accepting this long (connections wait in the backlog)
-)
+# gunicorn's own limits (8190-byte lines, 100 fields) refuse far smaller heads
+MAX_HEAD_BYTES = 64 << 10
+# no descriptor left: stop accepting this long (connections wait in the backlog)
+ACCEPT_PAUSE_S = 0.5
 FD_RESERVE = 64  # descriptors kept for the service itself, plus FD_PER_THREAD per thread
 FD_PER_THREAD = 8  # (a request's database connections: SQLite holds 3 per connection)
 _RESOURCE_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from rollout_buffer.service import Service
-    from rollout_buffer.storage.connections import LazyPair
+    from rollout_buffer.storage.store import LazyPair
 
 
 @functools.lru_cache(maxsize=1)

@@ -31,7 +31,8 @@ sys.path.insert(0, ROOT)
 import requests  # noqa: E402
 
 from rollout_buffer.storage import launcher_sql  # noqa: E402
-from rollout_buffer.storage.db import connect, create_launcher_tables  # noqa: E402
+from rollout_buffer.storage.db import connect  # noqa: E402
+from rollout_buffer.storage.launcher_tables import create_launcher_tables  # noqa: E402
 from rollout_buffer.tools.runner import ServerProcess, clean_env, free_port  # noqa: E402
 
 JOB = "export-rss"

@@ -51,9 +51,9 @@ from rollout_buffer.core.config import Config  # noqa: E402
 from rollout_buffer.core.model import Batch, Decisions, Served, Take  # noqa: E402
 from rollout_buffer.launcher import procfs  # noqa: E402
 from rollout_buffer.runtime.lease import Lease  # noqa: E402
-from rollout_buffer.storage.connections import service_connect  # noqa: E402
-from rollout_buffer.storage.db import connect, create_launcher_tables  # noqa: E402
+from rollout_buffer.storage.db import connect, service_connect  # noqa: E402
 from rollout_buffer.storage.launcher_sql import INSERT_STEP  # noqa: E402
+from rollout_buffer.storage.launcher_tables import create_launcher_tables  # noqa: E402
 from rollout_buffer.storage.store import Store  # noqa: E402
 from rollout_buffer.tools.runner import ServerProcess, clean_env, free_port, serve_argv  # noqa: E402
 

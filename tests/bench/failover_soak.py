@@ -44,7 +44,8 @@ from failover_bench import Instance, fresh_database, keep_writing, wait  # noqa:
 from support import paused_in_fence  # noqa: E402
 
 from rollout_buffer.client import BufferClient, groups_of  # noqa: E402
-from rollout_buffer.storage.db import connect, create_launcher_tables  # noqa: E402
+from rollout_buffer.storage.db import connect  # noqa: E402
+from rollout_buffer.storage.launcher_tables import create_launcher_tables  # noqa: E402
 
 
 def pause_in_fence(url: str, owner: Instance, others: list[Instance], lease: float) -> str:

@@ -95,7 +95,8 @@ def one_run(
                 "LLM_PROXY_PORT": str(llm.port),
                 "AIEVOBOX_POOL_SIZE": str(args.pool),
                 "ROLLOUT_BUFFER_SIMULATE_ARGS": f"--groups {groups} --pace 0 --llm-calls "
-                "--min-steps 2 --max-steps 6 --fail-rate 0.05 --cap-rate 0 --truncate-rate 0 "
+                f"--min-steps 2 --max-steps 6 --fail-rate {args.fail_rate} --cap-rate 0 "
+                "--truncate-rate 0 "
                 f"--flush-interval 0.5 --seed {index}",
                 "ROLLOUT_BUFFER_PACING": "gate" if pacing else "off",
                 "ROLLOUT_BUFFER_GATE_PORT": str(free_port()),
@@ -326,6 +327,12 @@ def main() -> int:
         default=60.0,
         help="ROLLOUT_BUFFER_PACING_SESSION_TIMEOUT_SECONDS (the environment's steps take 0 s)",
     )
+    p.add_argument(
+        "--fail-rate",
+        type=float,
+        default=0.05,
+        help="the share of sessions that crash (no terminal row, no more calls)",
+    )
     p.add_argument("--trace", action="store_true", help="print each step's admission figures")
     p.add_argument("--only", choices=("off", "on"), help="run one mode only")
     p.add_argument(
@@ -336,7 +343,8 @@ def main() -> int:
     print(
         f"pacing bench: K={K} B={B} S={S} T={args.train_s}s steps={args.steps} "
         f"poll every {args.poll_s}s, model call {args.call_s}s, pool {args.pool}, session "
-        "length 2-6 steps, 5% crashing, runs alternate off/on",
+        f"length 2-6 steps, {args.fail_rate:.0%} crashing, session timeout "
+        f"{args.session_timeout_s:g}s, runs alternate off/on",
         flush=True,
     )
     kinds = ("poller", "longpoll") if args.trainer == "both" else (args.trainer,)

@@ -11,8 +11,7 @@ from support import Writer, assert_balanced, groups_of, make_launcher_db
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import StorageError
 from rollout_buffer.storage import queries as q
-from rollout_buffer.storage.connections import service_connect
-from rollout_buffer.storage.db import connect, to_pyformat
+from rollout_buffer.storage.db import connect, service_connect, to_pyformat
 
 
 def test_a_locked_table_fails_fast_instead_of_hanging(pg_url, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import socket
+import threading
 import time
 from typing import Any
 
@@ -67,6 +68,59 @@ def test_a_first_call_waits_for_the_budget_and_goes_when_the_trainer_takes(
         h.poll()  # the trainer is back: what it took last no longer counts
         assert pending.result(timeout=5).status_code == 200
         assert llm.sessions() == ["a1", "a2", "b1"]
+    finally:
+        w.close()
+
+
+def test_steps_made_before_the_current_version_was_known_count(
+    harness_factory: Any, lite_url: str, llm: FakeLLM
+) -> None:
+    """Item 4: the rows' versions count steps from the current version (no single row moves it),
+    also when the first rows came before it was known. g1 and g2 were read at version 0 before
+    the first poll; the next row the budget sees is of version 2: the trainer made two steps."""
+    h, _ = gated(harness_factory, lite_url, llm, pacing_staleness=1, pacing_batch_groups=1)
+    w = Writer(lite_url)
+    try:
+        for group in ("g1", "g2", "g3"):
+            schedule(w, group, [f"{group}-a"])
+        h.start(k=1)
+        for group in ("g1", "g2"):
+            w.step(group, f"{group}-a", 1, completed=True, env_state={"weight_version": 0})
+        h.settle()
+        assert admission(h)["trainer"]["versions"] == {}  # none known yet: none counts
+        assert len(h.poll()["data"]["data"]) == 2  # version 0, agreed on by two groups
+        w.step("g3", "g3-a", 1, env_state={"weight_version": 2})
+        h.settle()
+        time.sleep(0.3)
+        doc = admission(h)
+        assert doc["trainer"]["steps"] == 2 and doc["terms"]["trainer_holds"] == 0, doc
+    finally:
+        w.close()
+
+
+def test_a_long_polls_arrival_not_its_end_tells_the_budget_the_trainer_is_back(
+    harness_factory: Any, db_url: str, llm: FakeLLM, pool: Any
+) -> None:
+    """Item 4: with no version, the last take counts until the next poll arrives. A long poll
+    that waits for g2 frees g2's first call as it arrives (were it its end, they would wait for
+    each other until the poll's wait ran out)."""
+    h, port = gated(harness_factory, db_url, llm)
+    w = two_groups(h, db_url)
+    try:
+        call(port, "a1")
+        w.step("g1", "a1", 1, completed=True)
+        w.step("g1", "a2", 1, completed=True)
+        assert len(h.poll()["data"]["data"]) == 2  # the trainer holds g1
+        pending = pool.submit(call, port, "b1")
+        wait_until(lambda: held(h) == 1, 5, "b1 held")
+        started = time.monotonic()
+        polling = pool.submit(h.poll, wait_s=20, min_groups=1)
+        assert pending.result(timeout=10).status_code == 200
+        assert not polling.done()  # b1 went while the poll waited
+        w.step("g2", "b1", 1, completed=True)
+        w.step("g2", "b2", 1, completed=True)
+        assert len(polling.result(timeout=20)["data"]["data"]) == 2
+        assert time.monotonic() - started < 10
     finally:
         w.close()
 
@@ -137,19 +191,112 @@ def test_a_held_call_whose_client_gave_up_is_never_forwarded(
 def test_a_group_gone_quiet_frees_its_place_and_takes_it_back_at_its_next_call(
     harness_factory: Any, lite_url: str, llm: FakeLLM, pool: Any
 ) -> None:
-    """Item 5: a started group with no call in flight and none for the session timeout (1 s
-    here) is gone: g2 may start. g1's next call counts it again."""
+    """Item 5: a started group whose session has no call in flight and none for the session
+    timeout (1 s here) is gone: g2 may start. The session's next call counts it again."""
     h, port = gated(harness_factory, lite_url, llm, pacing_session_timeout_s=1.0)
     w = two_groups(h, lite_url)
     try:
         call(port, "a1")
         started = time.monotonic()
-        assert call(port, "b1").status_code == 200  # held until g1 went quiet
+        assert call(port, "b1").status_code == 200  # held until a1 went quiet
         assert time.monotonic() - started > 0.8
         doc = admission(h)
         assert doc["gone_groups"] == 1 and doc["terms"]["in_progress"] == 1
-        call(port, "a2")
+        call(port, "a1")
         assert admission(h)["terms"]["in_progress"] == 2
+    finally:
+        w.close()
+
+
+def keep_calling(port: int, session: str, stop: Any) -> int:
+    """Calls of ``session`` every 0.2 s until ``stop`` is set; how many."""
+    made = 0
+    while not stop.wait(0.2):
+        assert call(port, session).status_code == 200
+        made += 1
+    return made
+
+
+def test_one_quiet_session_frees_its_groups_place_while_the_other_keeps_calling(
+    harness_factory: Any, lite_url: str, llm: FakeLLM, pool: Any
+) -> None:
+    """Item 5 is per session: a2 went quiet (a crashed or stuck session: its group can never
+    reach K), so g1 frees its place after the timeout although a1 calls all along."""
+    h, port = gated(harness_factory, lite_url, llm, pacing_session_timeout_s=1.0)
+    w = two_groups(h, lite_url)
+    stop = threading.Event()
+    try:
+        call(port, "a1")
+        call(port, "a2")
+        busy = pool.submit(keep_calling, port, "a1", stop)
+        started = time.monotonic()
+        assert call(port, "b1").status_code == 200
+        assert 0.8 < time.monotonic() - started < 5
+        assert not busy.done()  # a1 was calling all the while
+        assert admission(h)["gone_groups"] == 1
+    finally:
+        stop.set()
+        w.close()
+    assert busy.result(timeout=10) >= 3
+
+
+def test_a_session_that_finished_is_never_gone(
+    harness_factory: Any, lite_url: str, llm: FakeLLM, pool: Any
+) -> None:
+    """a2 wrote its terminal row: its quiet is the end of its episode, not a lost session. While
+    a1 calls, g1 keeps its place and b1 stays held."""
+    h, port = gated(harness_factory, lite_url, llm, pacing_session_timeout_s=1.0)
+    w = two_groups(h, lite_url)
+    stop = threading.Event()
+    try:
+        call(port, "a1")
+        call(port, "a2")
+        w.step("g1", "a2", 1, completed=True)
+        h.settle()
+        busy = pool.submit(keep_calling, port, "a1", stop)
+        pending = pool.submit(call, port, "b1")
+        time.sleep(2.5)  # past the timeout of a2's last call
+        assert not pending.done(), admission(h)
+        assert admission(h)["terms"]["in_progress"] == 1
+        stop.set()  # a1 quiet now: gone after the timeout
+        assert pending.result(timeout=10).status_code == 200
+    finally:
+        stop.set()
+        w.close()
+    assert busy.result(timeout=10) >= 3
+
+
+def test_a_bogus_row_version_never_moves_the_budget(
+    harness_factory: Any, lite_url: str, llm: FakeLLM
+) -> None:
+    """Item 4: the trainer's steps count by plausible versions only. A row version of
+    1700000000000 (a timestamp, more than ROLLOUT_BUFFER_MAX_VERSION_JUMP above the current
+    version) would say the trainer trained on everything it holds."""
+    h, _ = gated(harness_factory, lite_url, llm, pacing_staleness=1, pacing_batch_groups=2)
+    w = Writer(lite_url)
+    try:
+        for group in ("g1", "g2", "g3", "g4", "g5"):
+            schedule(w, group, [f"{group}-a"])
+        h.start(k=1)
+        for group in ("g1", "g2"):
+            w.step(group, f"{group}-a", 1, completed=True, env_state={"weight_version": 0})
+        assert len(h.poll()["data"]["data"]) == 2  # served at version 0 (now the current one)
+        w.step("g3", "g3-a", 1, env_state={"weight_version": 0})
+        h.settle()
+        before = admission(h)
+        assert before["trainer"]["versions"] == {"rows": 0}
+        assert before["terms"]["trainer_holds"] == 2
+        w.step("g4", "g4-a", 1, env_state={"weight_version": 1_700_000_000_000})
+        h.settle()
+        time.sleep(0.3)
+        after = admission(h)
+        assert after["trainer"]["versions"] == {"rows": 0}, after
+        assert after["terms"]["trainer_holds"] == 2 and after["trainer"]["steps"] is None
+        w.step("g5", "g5-a", 1, env_state={"weight_version": 1})  # a real step moves it
+        h.settle()
+        time.sleep(0.3)
+        moved = admission(h)
+        assert moved["trainer"]["steps"] == 1 and moved["terms"]["trainer_holds"] == 0, moved
     finally:
         w.close()
 

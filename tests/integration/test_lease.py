@@ -130,7 +130,7 @@ def test_the_first_instance_owns_the_job_and_a_second_waits_as_its_standby(url, 
     def live() -> dict[str, str]:
         db = connect(url)
         try:
-            return {i["instance_id"]: i["role"] for i in Lease.live_instances(db, 10, BUFFER)}
+            return {i["instance_id"]: i["role"] for i in a.live_instances(db, 10)}
         finally:
             db.close()
 

@@ -12,8 +12,8 @@ import uuid
 import pytest
 from support import Writer, assert_balanced, groups_of, now_text
 
-from rollout_buffer.storage import connections as service_mod
 from rollout_buffer.storage import db as db_mod
+from rollout_buffer.storage import db as service_mod
 from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import connect
 

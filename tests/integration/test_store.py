@@ -29,8 +29,7 @@ from rollout_buffer.core.model import (
 )
 from rollout_buffer.storage import queries as q
 from rollout_buffer.storage.db import connect
-from rollout_buffer.storage.records import LauncherRecord
-from rollout_buffer.storage.store import Store
+from rollout_buffer.storage.store import LauncherRecord, Store
 
 JOB = "store-job"
 

@@ -234,7 +234,6 @@ def service_env(
                 else {}
             ),
             "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "5",
-            "ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS": "20",
         },
         package_parent=str(ROOT),
     )

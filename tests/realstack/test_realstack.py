@@ -9,15 +9,12 @@ without it, every test here skips and says so. Run it with ``python -m pytest -m
 Pacing off: every group the launcher listed is served exactly once, whole (its K sessions, each
 row once), every session ends with a result, the launcher exits 0 and the accounting balances.
 Pacing on: the same, and the run ends within twice the pacing-off run's wall time, measured in
-the same session (a ratio, not a time). Today's gate (``rollout_buffer/runtime/``) stalls here in
-most runs, as issue 34 says; the test is an expected failure until the rebuilt gate
-(``rollout_buffer/pacing/``) is in, and a plain test from then on.
+the same session (a ratio, not a time).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from collections.abc import Iterator
 
@@ -30,7 +27,6 @@ pytestmark = [pytest.mark.realstack, pytest.mark.slow]
 
 K = 4
 PARAMS = Params(k=K)
-REBUILT_GATE = importlib.util.find_spec("rollout_buffer.pacing") is not None
 
 
 @pytest.fixture(scope="module")
@@ -117,12 +113,6 @@ def test_pacing_off_serves_every_group_once_whole(off_run: Outcome) -> None:
     assert len(off_run.calls) == PARAMS.groups * K * PARAMS.max_turns, len(off_run.calls)
 
 
-@pytest.mark.xfail(
-    not REBUILT_GATE,
-    reason="today's gate stalls the real launcher under a {} trainer (issue 34); the rebuilt "
-    "gate (rollout_buffer/pacing/) must pass",
-    strict=False,  # it stalled in 5 of 6 runs with B 2: one run may pass
-)
 def test_pacing_on_finishes_within_twice_the_pacing_off_time(
     upstream: Upstream, off_run: Outcome, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -164,6 +164,79 @@ def test_plain_gunicorn_from_the_repository_root_serves(tmp_path):
     assert "rollout-buffer service started" in text and "rollout-buffer service stopped" in text
 
 
+def test_a_running_server_opens_no_control_socket(tmp_path):
+    # gunicorn 27 opens $XDG_RUNTIME_DIR/gunicorn.ctl (else ~/.gunicorn/gunicorn.ctl) by default:
+    # one path shared by every gunicorn of the user, through which the worker count can change.
+    db_url = "sqlite://" + str(tmp_path / "launcher.db")
+    make_launcher_db(db_url)
+    home, runtime = tmp_path / "home", tmp_path / "runtime"
+    home.mkdir()
+    runtime.mkdir()
+    port = free_port()
+    env = {**env_for(db_url, tmp_path, port), "HOME": str(home), "XDG_RUNTIME_DIR": str(runtime)}
+    for argv, cwd in (
+        (gunicorn_argv("wsgi:app"), ROOT),
+        ([sys.executable, "-m", "rollout_buffer", "serve"], tmp_path),
+    ):
+        with running(argv, cwd, env, port, tmp_path / "gunicorn.log") as srv:
+            assert_serves_a_poll(srv.url, db_url)
+            created = sorted(str(p) for p in (*home.rglob("*"), *runtime.rglob("*")))
+            assert created == [], f"{argv} created {created}"
+        db_url = "sqlite://" + str(tmp_path / "launcher2.db")
+        make_launcher_db(db_url)
+        env["AIEVOBOX_DB_URL"] = db_url
+
+
+@pytest.mark.parametrize("how", ["gunicorn", "serve"])
+def test_a_removed_setting_is_warned_of_once_and_ignored(tmp_path, how):
+    # the master reads the settings, then its worker, and `serve` before both: one warning
+    db_url = "sqlite://" + str(tmp_path / "launcher.db")
+    make_launcher_db(db_url)
+    port = free_port()
+    env = env_for(db_url, tmp_path, port, ROLLOUT_BUFFER_MAX_GROUP_BYTES="2048")
+    argv, cwd = (
+        (gunicorn_argv("wsgi:app"), ROOT)
+        if how == "gunicorn"
+        else ([sys.executable, "-m", "rollout_buffer", "serve"], tmp_path)
+    )
+    log = tmp_path / "server.log"
+    with running(argv, cwd, env, port, log) as srv:
+        assert_serves_a_poll(srv.url, db_url)
+    warnings = [line for line in log.read_text().splitlines() if "no longer read" in line]
+    assert len(warnings) == 1, warnings
+    assert "ROLLOUT_BUFFER_MAX_GROUP_BYTES" in warnings[0]
+    assert "the constant MAX_GROUP_BYTES" in warnings[0]
+
+
+def test_listening_beyond_loopback_without_a_token_is_warned_of(tmp_path):
+    db_url = "sqlite://" + str(tmp_path / "launcher.db")
+    make_launcher_db(db_url)
+    port = free_port()
+    for host, warned in (("127.0.0.1", False), ("0.0.0.0", True)):
+        env = env_for(db_url, tmp_path, port, ROLLOUT_BUFFER_HOST=host)
+        log = tmp_path / f"server-{host}.log"
+        with running(gunicorn_argv("wsgi:app"), ROOT, env, port, log):
+            pass
+        text = log.read_text()
+        assert ("without ROLLOUT_BUFFER_TOKEN" in text) is warned, text
+        assert (f"rollout-buffer listens on {host}:{port}" in text) is warned
+
+
+def test_with_one_thread_a_long_poll_answers_at_once_and_health_still_answers(tmp_path):
+    # long-polls may hold half of the threads: with one thread, none waits
+    db_url = "sqlite://" + str(tmp_path / "launcher.db")
+    make_launcher_db(db_url)
+    port = free_port()
+    env = env_for(db_url, tmp_path, port, ROLLOUT_BUFFER_THREADS="1")
+    with running(gunicorn_argv("wsgi:app"), ROOT, env, port, tmp_path / "g.log") as srv:
+        start_rollout(srv.url, 2, "job1")
+        t0 = time.monotonic()
+        r = requests.post(srv.url + "/get_rollout_data", json={"wait_s": 20}, timeout=30)
+        assert r.status_code == 200 and r.json()["success"] is False, r.text
+        assert time.monotonic() - t0 < 5.0  # answered at once, not after wait_s
+        assert requests.get(srv.url + "/health", timeout=5).status_code == 200
+
+
 def test_rollout_buffer_serve_runs_gunicorn_with_our_settings(tmp_path):
     db_url = "sqlite://" + str(tmp_path / "launcher.db")
     make_launcher_db(db_url)
@@ -258,7 +331,6 @@ def test_sigterm_to_the_master_stops_the_launcher_group_and_exits_0(tmp_path, mo
         port,
         ROLLOUT_BUFFER_LAUNCHER_CMD=cmd,
         ROLLOUT_BUFFER_STOP_GRACE_SECONDS="1",
-        ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS="20",
     )
     log = tmp_path / "gunicorn.log"
     with running(gunicorn_argv("wsgi:app"), ROOT, env, port, log) as srv:

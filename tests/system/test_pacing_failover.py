@@ -3,8 +3,10 @@ built-in simulator as the launcher making its model calls through the gate (item
 HTTP server standing in for the LLM proxy.
 
 - the owner stopped (SIGTERM) or killed (kill -9): the standby on the same host adopts the
-  launcher, serves the gate on the port in that launcher's --llm-base-url, and its calls get
-  answers within 30 s of the takeover; every complete group is served exactly once;
+  launcher, serves the gate on the port and with the secret in that launcher's --llm-base-url
+  (each instance is configured with a port and a secret of its own), and its calls get answers
+  within 30 s of the takeover; every complete group is served exactly once; no log shows a
+  secret;
 - on Postgres, the owner paused (SIGSTOP) past its lease: when it wakes, fenced, it closes its
   gate within 10 s, and the new owner (which retried binding meanwhile) answers within 30 s.
 """
@@ -34,6 +36,10 @@ GROUPS = 24
 LEASE_S = 3.0
 
 
+def secret(name: str) -> str:
+    return f"secret-of-{name}-0123456789"
+
+
 def paced(url: str, tmp_path: Path, name: str, llm: FakeLLM) -> Server:
     port = free_port()
     env = {
@@ -42,6 +48,7 @@ def paced(url: str, tmp_path: Path, name: str, llm: FakeLLM) -> Server:
         "ROLLOUT_BUFFER_NAME": "paced",
         "ROLLOUT_BUFFER_PACING": "gate",
         "ROLLOUT_BUFFER_GATE_PORT": str(free_port()),
+        "ROLLOUT_BUFFER_GATE_SECRET": secret(name),  # each its own: the launcher keeps a's
         "ROLLOUT_BUFFER_PACING_STALENESS": "1",
         "ROLLOUT_BUFFER_PACING_BATCH_GROUPS": "2",
         "LLM_PROXY_HOST": "127.0.0.1",
@@ -137,6 +144,9 @@ def run(pg_url: str, tmp_path: Path, how: str) -> None:
                 srv.stop()
     assert set(trainer.got) == set(complete_groups(pg_url, "job1", k=K))
     assert set(trainer.got.values()) == {1}, "a group served twice"
+    for srv in (a, b):
+        log = srv.log_path.read_text()
+        assert secret("a") not in log and secret("b") not in log, f"a secret in {srv.name}'s log"
 
 
 def fail_over(a: Server, b: Server, how: str, gate: str, llm: FakeLLM) -> float:

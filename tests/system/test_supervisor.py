@@ -94,7 +94,7 @@ def make_supervisor() -> Iterator[Callable[..., Supervisor]]:
 
     yield make
     for sup in created:
-        sup.close()
+        sup.stop("shutdown")
 
 
 @pytest.fixture
@@ -281,7 +281,7 @@ def test_stop_is_idempotent(make_supervisor, spec):
     second = sup.stop("again")
     assert second == first
     assert second["stopped_by"] == "requested"
-    sup.close()
+    sup.stop("shutdown")
     assert sup.state() == first
     assert [e["event"] for e in sup.poll()] == ["exited"]
 
@@ -385,7 +385,7 @@ def test_state_is_json_serialisable(make_supervisor, spec):
 
 
 def test_a_launcher_log_is_rotated_while_the_launcher_appends_to_it(tmp_path):
-    from rollout_buffer.launcher.processes import rotate_log
+    from rollout_buffer.launcher.supervisor import rotate_log
 
     log = tmp_path / "launcher-j.log"
     with open(log, "ab") as out:  # the child keeps its own copy of the O_APPEND descriptor

@@ -17,7 +17,7 @@ from rollout_buffer.runtime.loop import Loop
 from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.runtime.proxy import ProxyNotifier
 from rollout_buffer.runtime.signals import Signals
-from rollout_buffer.storage.connections import LazyPair
+from rollout_buffer.storage.store import LazyPair
 
 
 class Clock:

@@ -7,9 +7,8 @@ import os
 
 import pytest
 
-from rollout_buffer.core.config import Config
+from rollout_buffer.core.config import Config, settings_table
 from rollout_buffer.core.errors import ConfigError
-from rollout_buffer.core.settings import settings_table
 from rollout_buffer.launcher.launcher import launch_spec
 from rollout_buffer.tools import cli
 from rollout_buffer.tools.settings_page import REGENERATE
@@ -48,7 +47,6 @@ def test_defaults_with_aievobox_root(tmp_path):
         ({"ROLLOUT_BUFFER_TTL": "5"}, "unknown setting ROLLOUT_BUFFER_TTL;"),
         ({"LLM_PROXY_HOST": "h"}, "LLM_PROXY_PORT is not"),
         ({"ROLLOUT_BUFFER_LAUNCHER_CMD": "a 'b"}, "ROLLOUT_BUFFER_LAUNCHER_CMD"),
-        ({"ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "100"}, "must exceed"),
         ({"ROLLOUT_BUFFER_LAUNCHER_CMD": "run --x {"}, "is not a valid template"),
         (
             {"ROLLOUT_BUFFER_LAUNCHER_CMD": "run --job {jobid}"},
@@ -203,3 +201,49 @@ def test_the_launcher_template_takes_the_model_base_url():
         }
     )
     assert launch_spec(c, "j", 1).argv[:3] == ("run", "--base", "http://proxy:9/v1")
+
+
+def test_the_thresholds_that_became_constants_warn_once_and_are_ignored(caplog):
+    """Issue 37: a threshold nobody would tune is a documented constant; its old variable still
+    starts the service this release, ignored, with one warning naming what replaced it."""
+    env = {
+        "ROLLOUT_BUFFER_MAX_GROUP_BYTES": "2048",
+        "ROLLOUT_BUFFER_ZERO_VARIANCE_EPSILON": "0.5",
+        "ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS": "20",
+    }
+    with caplog.at_level(logging.WARNING, logger="rollout_buffer.core.config"):
+        config = Config.from_env(env)
+        Config.from_env(env)
+    warnings = sorted(r.getMessage() for r in caplog.records)
+    assert len(warnings) == 3, warnings
+    assert "ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS" in warnings[0]
+    assert "ROLLOUT_BUFFER_STOP_GRACE_SECONDS" in warnings[0]  # what replaced it
+    assert "the constant MAX_GROUP_BYTES" in warnings[1]
+    assert "the constant ZERO_VARIANCE_EPSILON" in warnings[2]
+    assert config.max_group_bytes == 1 << 30 and config.zero_variance_epsilon == 1e-6
+    assert config.graceful_timeout_s == 60.0
+    page = settings_table()
+    assert "| `MAX_GROUP_BYTES` | `1073741824` |" in page  # documented as a constant
+    assert "| `ROLLOUT_BUFFER_MAX_GROUP_BYTES` | the constant MAX_GROUP_BYTES" in page
+
+
+def test_no_removed_setting_is_still_read_and_every_constant_has_its_reason():
+    from rollout_buffer.core.config import CONSTANTS, KNOWN_ENV, REMOVED
+
+    assert not set(REMOVED) & KNOWN_ENV
+    assert all(f.metadata["constant"] for f in CONSTANTS)
+    # every constant that was a setting names its constant in the removed table
+    names = {f.name.upper() for f in CONSTANTS}
+    assert {n for n in names if n != "GRACEFUL_MARGIN_S"} <= {
+        word.strip("()") for why in REMOVED.values() for word in why.split()
+    }
+
+
+def test_gunicorn_always_outlasts_the_launcher_stop_and_waiting_polls_leave_threads_free():
+    config = Config.from_env({"ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "100"})
+    assert config.graceful_timeout_s > config.stop_grace_s  # (was a refusal to start)
+    assert Config.from_env({}).max_waiting_polls == 8
+    assert Config.from_env({"ROLLOUT_BUFFER_THREADS": "4"}).max_waiting_polls == 2
+    # one thread: no poll waits, or it would hold the only thread (and /health with it)
+    assert Config.from_env({"ROLLOUT_BUFFER_THREADS": "1"}).max_waiting_polls == 0
+    assert Config.from_env({}, max_waiting_polls=3).max_waiting_polls == 3  # tests may shrink it

@@ -1,4 +1,5 @@
-"""The launcher as the store records it (launcher.records): no process is started or signalled."""
+"""The launcher as the store records it (launcher.launcher, launcher.supervisor): no process is
+started or signalled."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 
 from rollout_buffer.core.model import LauncherState
 from rollout_buffer.launcher import procfs
-from rollout_buffer.launcher.records import recorded, state_to_record, still_running
+from rollout_buffer.launcher.launcher import recorded, state_to_record
+from rollout_buffer.launcher.supervisor import still_running
 
 IDLE = {"running": False, "will_restart": False, "stopped_by": None}
 

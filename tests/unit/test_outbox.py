@@ -14,9 +14,8 @@ from rollout_buffer.core.errors import StorageError
 from rollout_buffer.core.model import Decisions, Drop, GroupKey
 from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.runtime.proxy import ProxyNotifier
-from rollout_buffer.storage.connections import LazyPair
 from rollout_buffer.storage.db import Database
-from rollout_buffer.storage.store import Store
+from rollout_buffer.storage.store import LazyPair, Store
 
 
 class Fence:

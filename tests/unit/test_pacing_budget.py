@@ -72,24 +72,55 @@ def test_a_step_the_rows_show_late_is_never_subtracted_twice() -> None:
     assert feed(b, ("job1", "version", 2))["trainer_holds"] == 3  # the step it trained: seen
 
 
-def test_a_quiet_group_is_gone_and_a_call_brings_it_back() -> None:
+def test_a_quiet_session_is_gone_and_a_call_brings_it_back() -> None:
     now = [0.0]
     b = budget(session_timeout_s=10.0, clock=lambda: now[0])
     feed(b, ("job1", "listed", "s1", "g1", 0))
     with b.lock:
         b.admit("g1")
-        b.call("g1", +1)
+        b.call("g1", "s1", +1)
     now[0] = 100.0
     assert feed(b)["in_progress"] == 1  # a call in flight, however long
     with b.lock:
-        b.call("g1", -1)
+        b.call("g1", "s1", -1)
     now[0] = 109.0
     assert feed(b)["in_progress"] == 1
     now[0] = 111.0
     assert feed(b)["in_progress"] == 0
     with b.lock:
-        b.call("g1", +1)
+        b.call("g1", "s1", +1)
     assert feed(b)["in_progress"] == 1
+
+
+def s1_calls_for_12_s_after_s2s_last_call(*events: tuple[object, ...]) -> dict[str, int]:
+    """g1's sessions s1 and s2 each make a call at 0 s (then ``events``); s1 calls again at 4,
+    8 and 12 s (timeout 10 s). The terms at 12 s."""
+    now = [0.0]
+    b = budget(session_timeout_s=10.0, clock=lambda: now[0])
+    feed(b, ("job1", "listed", "s1", "g1", 0), ("job1", "listed", "s2", "g1", 1))
+    with b.lock:
+        b.admit("g1")
+        for session in ("s1", "s2"):
+            b.call("g1", session, +1)
+            b.call("g1", session, -1)
+    feed(b, *events)
+    for t in (4.0, 8.0, 12.0):
+        now[0] = t
+        with b.lock:
+            b.call("g1", "s1", +1)
+            b.call("g1", "s1", -1)
+    return feed(b)
+
+
+def test_one_gone_session_frees_its_groups_place_while_another_keeps_calling() -> None:
+    """Item 5 is per session: a session quiet for the timeout is gone, whatever its group's other
+    sessions do."""
+    assert s1_calls_for_12_s_after_s2s_last_call()["in_progress"] == 0  # s2 quiet 12 s: gone
+
+
+def test_a_finished_session_is_never_gone() -> None:
+    terms = s1_calls_for_12_s_after_s2s_last_call(("job1", "finished", "s2"))
+    assert terms["in_progress"] == 1
 
 
 def test_another_jobs_changes_and_an_ended_job_count_for_nothing() -> None:

@@ -14,7 +14,7 @@ from parts import Parts
 from rollout_buffer.core.model import MALFORMED, PollRequest
 from rollout_buffer.serving.draft import Draft, Shape
 from rollout_buffer.serving.poll import Serving
-from rollout_buffer.storage.connections import LazyPair
+from rollout_buffer.storage.store import LazyPair
 
 
 class Served:

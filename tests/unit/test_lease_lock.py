@@ -1,4 +1,4 @@
-"""The SQLite lease's lock (runtime/ownership.py): one per database file and buffer name, whatever
+"""The SQLite lease's lock (storage/lease.py): one per database file and buffer name, whatever
 path reaches the file, on real files in one process (open-file-description locks conflict between
 descriptors, so two descriptors here stand for two instances)."""
 
@@ -10,7 +10,7 @@ import sqlite3
 import subprocess
 import sys
 
-from rollout_buffer.runtime.ownership import file_lock, file_unlock
+from rollout_buffer.storage.lease import file_lock, file_unlock
 
 
 def make_db(path) -> str:
