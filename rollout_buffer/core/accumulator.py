@@ -49,7 +49,7 @@ from rollout_buffer.core.model import (
 )
 from rollout_buffer.core.policies import Policies
 from rollout_buffer.core.ready import ReadyQueue
-from rollout_buffer.core.salvage import TRUNCATE, truncation
+from rollout_buffer.core.salvage import TRUNCATE, late_reason, truncation
 from rollout_buffer.core.versions import Versions
 
 logger = logging.getLogger(__name__)
@@ -183,6 +183,7 @@ class Accumulator(Handover, Policies):
             # the census first: a group decided in this batch is settled with these rows' figures
             facts = (StepFact(r[1], r[2], r[4] if len(r) > 4 else None, bool(r[3])) for r in rows)
             doomed = self.census.observe(facts, trainable=True, now=now)
+            ended: set[str] = set()  # groups a session of which completed in this batch
             for r in rows:
                 pk, sid, gid, completed = r[0], r[1], r[2], r[3]
                 step_id, reward, version = (r[4], r[5], r[6]) if len(r) > 4 else (None, None, 0)
@@ -198,7 +199,11 @@ class Accumulator(Handover, Policies):
                 gid = str(gid)
                 status = self.decided.get(gid)
                 if status is not None:
-                    reason = self._late_served if status == SERVED else LATE_DROPPED
+                    reason = (
+                        late_reason(self._late_served, sid, self.counts.salvaged.truncated)
+                        if status == SERVED
+                        else LATE_DROPPED
+                    )
                     self.counts.dropped[reason] += 1
                     out.rows.append(RowEvent(pk, ROW_DROPPED, reason, gid, sid))
                     continue
@@ -220,6 +225,7 @@ class Accumulator(Handover, Policies):
                     self.implausible.add(gid)
                 if completed:
                     self._completed_row(g, sid, pk, step_id, reward)
+                    ended.add(gid)
                 if (sid in self.tainted or gid in self.tainted_groups) and g.taken is None:
                     self._drop(g, MALFORMED, out)
                     continue
@@ -231,7 +237,9 @@ class Accumulator(Handover, Policies):
                         self._choose(
                             g, out
                         )  # ready short of K at the TTL, it reached K while it waited
-            self._doom(doomed | self.capped, out)  # (capped: their siblings may have ended now)
+            # a group at the step cap waiting for its other sessions: only a cap (doomed) or a
+            # completed session changes what salvage decides, never checked for every batch
+            self._doom(doomed | (self.capped & ended), out)
             self._publish_version(rows)
         return out
 
@@ -349,6 +357,7 @@ class Accumulator(Handover, Policies):
         sessions = sorted(self.census.sessions_of(gid))
         self.changes += 1
         self.decided[gid] = DROPPED
+        self.capped.discard(gid)
         self.counts.group_dropped(reason, 0, len(sessions), ())
         self.census.settle(gid, reason)
         out.drops.append(Drop(gid, reason, [], sessions, ()))
@@ -414,6 +423,7 @@ class Accumulator(Handover, Policies):
         self.pending.pop(gid, None)
         self.ready.pop(gid, None)
         self.decided[gid] = DROPPED
+        self.capped.discard(gid)
         self.counts.pending_rows -= g.n_rows
         self.counts.group_dropped(reason, g.n_rows, len(g.sessions), drop.rewards)
         self.census.settle(gid, reason)

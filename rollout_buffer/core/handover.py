@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Container
 from typing import TYPE_CHECKING
 
 from rollout_buffer.core.accounting import Counts
@@ -29,7 +30,7 @@ from rollout_buffer.core.model import (
     Take,
 )
 from rollout_buffer.core.ready import ReadyQueue
-from rollout_buffer.core.salvage import served_sessions, unread
+from rollout_buffer.core.salvage import late_reason, served_sessions, unread
 
 
 class Handover:
@@ -67,7 +68,7 @@ class Handover:
             while self.ready and (max_groups is None or len(takes) < max_groups):
                 g = self.ready.pop_next()
                 gid = g.group_id
-                completed, incomplete, salvage = served_sessions(g)  # (salvage: issue 38)
+                completed, incomplete, salvage = served_sessions(g, self.k)  # (salvage: issue 38)
                 if salvage is not None:
                     salvage = dataclasses.replace(salvage, generation_s=self.census.seconds_of(gid))
                 g.taken = {sid: len(pks) for sid, pks in g.sessions.items()}
@@ -147,7 +148,8 @@ class Handover:
                 if g is None:
                     continue
                 settled.add(s.group_id)
-                self._settle(g, out, self._late_served)
+                truncated = s.take.salvage.sessions if s.take.salvage is not None else {}
+                self._settle(g, out, self._late_served, truncated)
                 self.decided[s.group_id] = SERVED
                 self.census.settle(s.group_id, SERVED)
                 if s.take.salvage is not None:  # its truncated sessions' last rows are read now
@@ -192,7 +194,7 @@ class Handover:
                 or t.group_id in self.tainted_groups
                 or t.group_id in self.implausible
                 or not self.tainted.isdisjoint(g.sessions)
-                or set(served_sessions(g)[0]) != set(t.completed)
+                or set(served_sessions(g, self.k)[0]) != set(t.completed)
                 or any(len(g.sessions.get(sid, ())) != len(pks) for sid, pks in t.completed.items())
             ):
                 return None
@@ -200,6 +202,8 @@ class Handover:
                 sid: tuple(pks) for sid, pks in g.sessions.items() if sid not in t.completed
             }
             g.taken.update((sid, len(pks)) for sid, pks in incomplete.items())
+            for sid in t.incomplete:  # (salvage: truncated sessions beyond K, without a row here)
+                incomplete.setdefault(sid, ())
             return dataclasses.replace(t, incomplete=incomplete)
 
     def filtered_since_batch(self) -> dict[str, int]:
@@ -224,8 +228,9 @@ class Handover:
                 self._settle(g, out, self._late_served if status == SERVED else LATE_DROPPED)
                 self.decided[t.group_id] = status
                 self.census.publish(("decided", t.group_id, status == SERVED))
+                self.counts.rows_read += t.extra_pks  # (a salvaged group's last rows, read)
                 if status == SERVED:
-                    self.counts.rows_read += t.extra_pks  # (a salvaged group's last rows)
+                    self.counts.salvaged.load(reason, 1)  # (when its record says it was salvaged)
                     self.counts.group_served(
                         len(t.served_pks),
                         len(t.incomplete_pks),
@@ -239,15 +244,17 @@ class Handover:
                     )
         return out
 
-    def _settle(self, g: Group, out: Decisions, late_reason: str) -> None:
+    def _settle(self, g: Group, out: Decisions, late: str, truncated: Container[str] = ()) -> None:
         """Remove a taken group from pending state; rows that arrived while taken become late
-        rows."""
+        rows: ``late``, or for a session served truncated (``truncated``), what
+        :func:`~rollout_buffer.core.salvage.late_reason` says."""
         assert g.taken is not None
         self.counts.pending_rows -= g.n_rows
         self._forget(g)
         for sid, pks in g.sessions.items():
             extra = pks[g.taken.get(sid, 0) :]
+            reason = late_reason(late, sid, truncated)
             for pk in extra:
-                self.counts.dropped[late_reason] += 1
-                out.rows.append(RowEvent(pk, ROW_DROPPED, late_reason, g.group_id, sid))
+                self.counts.dropped[reason] += 1
+                out.rows.append(RowEvent(pk, ROW_DROPPED, reason, g.group_id, sid))
         g.taken = None

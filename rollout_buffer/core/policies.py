@@ -41,6 +41,7 @@ class Policies:
     versions: Versions
     census: Census
     decided: dict[str, str]
+    capped: set[str]
 
     if TYPE_CHECKING:
         # What the accumulator's other parts own.
@@ -54,6 +55,8 @@ class Policies:
         def _tombstone(self, gid: str, reason: str, out: Decisions) -> None: ...
 
         def _salvage(self, g: Group | None, gid: str, reason: str, out: Decisions) -> bool: ...
+
+        def _doom(self, group_ids: set[str], out: Decisions) -> None: ...
 
     def _became_ready(self, g: Group, out: Decisions) -> None:
         """(Lock held.) A group has K completed sessions, or is served short at the TTL: choose its
@@ -170,4 +173,5 @@ class Policies:
                 if len(g.completed) >= k:
                     del self.pending[gid]
                     self._became_ready(g, out)
+            self._doom(set(self.capped), out)  # salvage at the step cap under the new K
         return out.newly_ready, out
