@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from typing import Any
 
 from rollout_buffer.core.accounting import Counts
@@ -54,6 +54,7 @@ from rollout_buffer.core.model import (
 )
 from rollout_buffer.core.salvage import (
     TRUNCATE,
+    late_reason,
     served_count,
     served_sessions,
     truncation,
@@ -225,7 +226,7 @@ class Accumulator:
         # the census first: a group decided in this batch is settled with these rows' figures
         facts = (StepFact(r[1], r[2], r[4] if len(r) > 4 else None, bool(r[3])) for r in rows)
         doomed = self.census.observe(facts, trainable=True, now=now)
-        touched: set[str] = set()  # the undecided groups these rows came for
+        ended: set[str] = set()  # groups a session of which completed in this piece
         for r in rows:
             pk, sid, gid, completed = r[0], r[1], r[2], r[3]
             step_id, reward, version = (r[4], r[5], r[6]) if len(r) > 4 else (None, None, 0)
@@ -241,12 +242,15 @@ class Accumulator:
             gid = str(gid)
             status = self.decided.get(gid)
             if status is not None:
-                reason = self._late_served if status == SERVED else LATE_DROPPED
+                reason = (
+                    late_reason(self._late_served, sid, self.counts.salvaged.truncated)
+                    if status == SERVED
+                    else LATE_DROPPED
+                )
                 self.counts.dropped[reason] += 1
                 out.rows.append(RowEvent(pk, ROW_DROPPED, reason, gid, sid))
                 continue
             g = self._group_for(gid, now)
-            touched.add(gid)
             if (g.chosen is not None and sid not in g.chosen) or (
                 g.excluded is not None and sid in g.excluded
             ):
@@ -262,6 +266,7 @@ class Accumulator:
                 self.implausible.add(gid)
             if completed:
                 self._completed_row(g, sid, pk, step_id, reward)
+                ended.add(gid)
             if (sid in self.tainted or gid in self.tainted_groups) and g.taken is None:
                 self._drop(g, MALFORMED, out)
                 continue
@@ -273,24 +278,19 @@ class Accumulator:
                     self._choose(
                         g, out
                     )  # ready short of K at the TTL, it reached K while it waited
-        # salvage: a capped group one of these rows came for may have seen its last session end
-        self._doom(doomed | (self.capped & touched), out)
+        # a group at the step cap waiting for its other sessions: only a cap (doomed) or a
+        # completed session changes what salvage decides, never checked for every piece
+        self._doom(doomed | (self.capped & ended), out)
         self._publish_version(rows)
 
     def _publish_version(self, rows: list[Row]) -> None:
         """(Lock held.) Tell followers of the newest version of these rows, if it is newer and
-        plausible (:meth:`_shown`). The first one they see is the current version, which no
-        single row moves: the steps made before it was known count too."""
+        plausible (:meth:`_shown`)."""
         newest = max(
             (r[6] for r in rows if len(r) > 6 and type(r[6]) is int and self._shown(r[6])),
             default=None,
         )  # (a bool or a text is no version)
-        if newest is None:
-            return
-        if self._rows_version is None:
-            self._rows_version = min(self.versions.current, newest)
-            self.publish(("version", self._rows_version))
-        if newest > self._rows_version:
+        if newest is not None and (self._rows_version is None or newest > self._rows_version):
             self._rows_version = newest
             self.publish(("version", newest))
 
@@ -463,6 +463,7 @@ class Accumulator:
         self.pending.pop(gid, None)
         self.ready.pop(gid, None)
         self.decided[gid] = DROPPED
+        self.capped.discard(gid)
         self.counts.pending_rows -= g.n_rows
         self.counts.group_dropped(reason, g.n_rows, len(g.sessions), drop.rewards)
         self.census.settle(gid, reason)
@@ -478,7 +479,6 @@ class Accumulator:
                 del self.session_group[sid]
         self.tainted_groups.discard(g.group_id)
         self.implausible.discard(g.group_id)
-        self.capped.discard(g.group_id)
 
     # -- when a group is ready, and when it cannot wait (the policies) --------------------------
     def _became_ready(self, g: Group, out: Decisions) -> None:
@@ -624,7 +624,7 @@ class Accumulator:
             while self.ready and (max_groups is None or len(takes) < max_groups):
                 g = self.ready.pop_next()
                 gid = g.group_id
-                completed, incomplete, salvage = served_sessions(g)  # (salvage: issue 38)
+                completed, incomplete, salvage = served_sessions(g, self.k)  # (salvage: issue 38)
                 if salvage is not None:
                     salvage = dataclasses.replace(salvage, generation_s=self.census.seconds_of(gid))
                 g.taken = {sid: len(pks) for sid, pks in g.sessions.items()}
@@ -704,7 +704,8 @@ class Accumulator:
                 if g is None:
                     continue
                 settled.add(s.group_id)
-                self._settle(g, out, self._late_served)
+                truncated = s.take.salvage.sessions if s.take.salvage is not None else {}
+                self._settle(g, out, self._late_served, truncated)
                 self.decided[s.group_id] = SERVED
                 self.census.settle(s.group_id, SERVED)
                 if s.take.salvage is not None:  # its truncated sessions' last rows are read now
@@ -749,7 +750,7 @@ class Accumulator:
                 or t.group_id in self.tainted_groups
                 or t.group_id in self.implausible
                 or not self.tainted.isdisjoint(g.sessions)
-                or set(served_sessions(g)[0]) != set(t.completed)
+                or set(served_sessions(g, self.k)[0]) != set(t.completed)
                 or any(len(g.sessions.get(sid, ())) != len(pks) for sid, pks in t.completed.items())
             ):
                 return None
@@ -757,6 +758,8 @@ class Accumulator:
                 sid: tuple(pks) for sid, pks in g.sessions.items() if sid not in t.completed
             }
             g.taken.update((sid, len(pks)) for sid, pks in incomplete.items())
+            for sid in t.incomplete:  # (salvage: truncated sessions beyond K, without a row here)
+                incomplete.setdefault(sid, ())
             return dataclasses.replace(t, incomplete=incomplete)
 
     def filtered_since_batch(self) -> dict[str, int]:
@@ -781,8 +784,9 @@ class Accumulator:
                 self._settle(g, out, self._late_served if status == SERVED else LATE_DROPPED)
                 self.decided[t.group_id] = status
                 self.census.publish(("decided", t.group_id, status == SERVED))
+                self.counts.rows_read += t.extra_pks  # (a salvaged group's last rows, read)
                 if status == SERVED:
-                    self.counts.rows_read += t.extra_pks  # (a salvaged group's last rows)
+                    self.counts.salvaged.load(reason, 1)  # (when its record says it was salvaged)
                     self.counts.group_served(
                         len(t.served_pks),
                         len(t.incomplete_pks),
@@ -796,17 +800,19 @@ class Accumulator:
                     )
         return out
 
-    def _settle(self, g: Group, out: Decisions, late_reason: str) -> None:
+    def _settle(self, g: Group, out: Decisions, late: str, truncated: Container[str] = ()) -> None:
         """Remove a taken group from pending state; rows that arrived while taken become late
-        rows."""
+        rows: ``late``, or for a session served truncated (``truncated``), what
+        :func:`~rollout_buffer.core.salvage.late_reason` says."""
         assert g.taken is not None
         self.counts.pending_rows -= g.n_rows
         self._forget(g)
         for sid, pks in g.sessions.items():
             extra = pks[g.taken.get(sid, 0) :]
+            reason = late_reason(late, sid, truncated)
             for pk in extra:
-                self.counts.dropped[late_reason] += 1
-                out.rows.append(RowEvent(pk, ROW_DROPPED, late_reason, g.group_id, sid))
+                self.counts.dropped[reason] += 1
+                out.rows.append(RowEvent(pk, ROW_DROPPED, reason, g.group_id, sid))
         g.taken = None
 
     # -- reading -------------------------------------------------------------------------------

@@ -581,7 +581,7 @@ class Config:
             warn_removed(env)
         values = read_settings(env)
         values.update(overrides)
-        values.setdefault("max_waiting_polls", max(1, values.get("threads", 16) // 2))
+        values.setdefault("max_waiting_polls", values.get("threads", 16) // 2)
         root = values.get("aievobox_root")
         if values.get("db_url") is None:
             values["db_url"] = "sqlite://" + (

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rollout_buffer.core.model import (
+    LATE_SERVED,
     LAUNCHER_EXITED,
     REJECTED,
     STEP_CAP,
@@ -100,12 +102,30 @@ def trimmed(salvage: Salvage | None, completed: Any) -> Salvage | None:
     return dataclasses.replace(salvage, sessions=sessions)
 
 
+def fill_order(sessions: dict[str, str]) -> list[str]:
+    """Truncated sessions in the order they fill a group up to K: those that ran to the step cap
+    first, then by session id (the same order rebuilds a served group, :meth:`Recorded.take`)."""
+    return sorted(sessions, key=lambda sid: (sessions[sid] != STEP_CAP, sid))
+
+
 def served_sessions(
-    group: Group,
+    group: Group, k: int
 ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[int, ...]], Salvage | None]:
     """A group taken by a poll: its served sessions' pks (completed, and truncated when salvaged:
-    those without a trainable row with none), its other sessions' pks, and its salvage."""
+    those without a trainable row with none), its other sessions' pks, and its salvage.
+
+    A salvaged group is served with K sessions (``k``, the K in force): its completed ones, then
+    truncated ones (:func:`fill_order`) up to K. The truncated sessions beyond K (over-sampling, a
+    lowered K) are its other sessions: never served, and cleared at the proxy with the group."""
     salvage = trimmed(group.salvage, group.completed)
+    surplus: list[str] = []
+    if salvage is not None:
+        order = fill_order(salvage.sessions)
+        room = max(k - len(group.completed), 0)
+        surplus = order[room:]
+        if surplus:
+            kept = {sid: salvage.sessions[sid] for sid in order[:room]}
+            salvage = dataclasses.replace(salvage, sessions=kept) if kept else None
     completed: dict[str, tuple[int, ...]] = {}
     incomplete: dict[str, tuple[int, ...]] = {}
     truncated = salvage.sessions if salvage is not None else {}
@@ -114,6 +134,8 @@ def served_sessions(
         (completed if served else incomplete)[sid] = tuple(pks)
     for sid in truncated:
         completed.setdefault(sid, ())
+    for sid in surplus:
+        incomplete.setdefault(sid, ())  # (no trainable row: still cleared at the proxy)
     return completed, incomplete, salvage
 
 
@@ -125,6 +147,14 @@ def unread(group: Group, group_id: str, pks: list[int], rows: list[RowEvent]) ->
     accounted = set(pks)
     accounted.update(r.step_pk for r in rows if r.group_id == group_id and r.outcome == REJECTED)
     return len(accounted - read)
+
+
+def late_reason(default: str, session_id: str, truncated: Container[str]) -> str:
+    """What a late row of a served group counts as: ``default``, but for a session it served
+    truncated, ``late_rows_from_served_groups`` (item 4), also where over-sampling counts the
+    others' as oversampled (a served session writes nothing after its completed row; a truncated
+    one may still write its terminal row)."""
+    return LATE_SERVED if session_id in truncated else default
 
 
 def served_count(group: Group) -> int:
@@ -191,12 +221,22 @@ class Recorded:
         """``t`` (rebuilt from the recorded rows) with its sessions without a completed row as the
         truncated ones; ``rows_of``: their rows as (step_id, pk, trainable)."""
         completed = dict(t.completed)
-        sessions: dict[str, str] = {}
+        incomplete: dict[str, tuple[int, ...]] = {}
+        reasons: dict[str, str] = {}
+        for sid, rows in rows_of.items():
+            step = max(rows)[0]
+            capped = self.max_steps is not None and step >= self.max_steps
+            reasons[sid] = STEP_CAP if capped else self.reason
+        # the truncated sessions it was served with (those beyond K were not): as many as
+        # recorded, in the order that filled it
+        kept = fill_order(reasons)[: sum(self.sessions.values())]
+        sessions = {sid: reasons[sid] for sid in kept}
         last_rows: dict[str, int] = {}
         for sid, rows in rows_of.items():
-            step, pk, _ = max(rows)
-            capped = self.max_steps is not None and step >= self.max_steps
-            sessions[sid] = STEP_CAP if capped else self.reason
+            if sid not in sessions:
+                incomplete[sid] = tuple(p for _, p, _ in sorted(rows))
+                continue
+            pk = max(rows)[1]
             if self.last_row:
                 completed[sid] = tuple(p for _, p, trainable in sorted(rows) if trainable)
                 last_rows[sid] = pk
@@ -205,7 +245,7 @@ class Recorded:
         salvage = Salvage(
             sessions, self.reason, self.reward, self.last_row, last_rows, max_steps=self.max_steps
         )
-        return dataclasses.replace(t, completed=completed, incomplete={}, salvage=salvage)
+        return dataclasses.replace(t, completed=completed, incomplete=incomplete, salvage=salvage)
 
 
 def record_reason(salvage: Salvage) -> str:
@@ -226,11 +266,14 @@ class Tally:
         self.sessions: Counter[str] = Counter()
         self.groups: Counter[str] = Counter()
         self.generation_s = 0.0
+        # the sessions served truncated (since the start: their late rows, see late_reason)
+        self.truncated: set[str] = set()
 
     def served(self, salvage: Salvage) -> None:
         """A salvaged group was served."""
         self.groups[salvage.reason] += 1
         self.sessions.update(salvage.sessions.values())
+        self.truncated.update(salvage.sessions)
         self.generation_s += salvage.generation_s
 
     def load(self, text: str | None, n_groups: int) -> bool:

@@ -164,10 +164,12 @@ class Draft:
                 if self.shape.max_groups is None
                 else min(TAKE_STEP, self.shape.max_groups - len(self.built))
             )
-            takes = with_last_rows(pair.source, self.job_id, redelivery.take(pair, job_state, want))
+            takes = redelivery.take(pair, job_state, want)
             if not takes:
                 break
-            self.taken.extend(takes)
+            self.taken.extend(takes)  # before anything that can raise: released whole then
+            takes = with_last_rows(pair.source, self.job_id, takes)
+            self.taken[-len(takes) :] = takes
             fresh = []
             for t in takes:  # stale by the versions read at ingest: dropped without reading a row
                 if t.min_wv is not None and policy.stale(

@@ -80,7 +80,6 @@ def one_run(salvage: str, *, groups: int, pace: float, seed: int, workdir: str) 
             "ROLLOUT_BUFFER_SIMULATE_ARGS": sim,
             "ROLLOUT_BUFFER_SALVAGE": salvage,
             "ROLLOUT_BUFFER_STOP_GRACE_SECONDS": "5",
-            "ROLLOUT_BUFFER_GRACEFUL_TIMEOUT_SECONDS": "20",
         }
     )
     port = free_port()

@@ -418,3 +418,107 @@ def test_a_redelivered_salvaged_group_keeps_its_truncated_sessions(
             k: v for k, v in b["extra_info"].items() if k != "redelivered"
         }
     assert_balanced(h.stats())
+
+
+def test_a_database_error_reading_the_last_rows_gives_the_group_back(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    """The source fails while a poll reads a truncated session's last row: the poll fails, and
+    the salvaged group it had taken goes back to the ready queue (it was lost, taken for ever)."""
+    h = start(harness_factory, db_url, proxy)
+    h.start(k=2)
+    writer.schedule("g", ["ok", "capped"])
+    completed_session(writer, "g", "ok", 1.0)
+    capped = writer.session("g", "capped", MAX_STEPS, trainable=False, complete=False)
+    assert wait_until(lambda: h.stats()["groups"]["ready"] == 1, 10)
+    h.settle()
+    db = connect(db_url)
+    try:
+        db.execute("ALTER TABLE session_steps RENAME TO session_steps_away")
+        try:
+            failed = h.client.post("/get_rollout_data", json={})
+        finally:
+            db.execute("ALTER TABLE session_steps_away RENAME TO session_steps")
+    finally:
+        db.close()
+    assert failed.status_code >= 500 and failed.get_json()["success"] is False
+    assert h.stats()["groups"]["ready"] == 1
+    (item,) = by_session(groups_of(h.poll())["g"])["capped"]
+    assert item["extra_info"]["step_pk"] == capped[-1]
+    assert item["extra_info"]["salvaged"] == "step_cap"
+    assert_balanced(h.stats())
+
+
+def test_a_salvaged_group_is_served_with_k_sessions_the_others_cleared(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    """Over-sampling (the launcher runs K + 1 sessions): one completed and two at the step cap.
+    The group is served with K sessions, the completed one and one truncated; the other truncated
+    session is not served, and is cleared at the proxy with the group (it had no trainable row).
+    A retried poll gets the same batch."""
+    h = start(harness_factory, db_url, proxy, oversample=1)
+    h.start(k=2)
+    writer.schedule("g", ["ok", "capped-1", "capped-2"])
+    completed_session(writer, "g", "ok", 1.0)
+    first = writer.session("g", "capped-1", MAX_STEPS, trainable=False, complete=False)
+    writer.session("g", "capped-2", MAX_STEPS, trainable=False, complete=False)
+    assert wait_until(lambda: h.stats()["groups"]["prebuilt"] == 1, 10)  # built before the poll
+    doc = h.client.post("/get_rollout_data", json={"request_id": "r-1"}).get_json()
+    sessions = by_session(groups_of(doc)["g"])
+    assert sorted(sessions) == ["capped-1", "ok"]
+    assert sessions["capped-1"][0]["extra_info"]["step_pk"] == first[-1]
+    stats = h.stats()
+    assert stats["salvaged"]["sessions"] == {"step_cap": 1}
+    assert stats["rows"]["served"] == 2
+    assert_balanced(stats)
+    assert wait_until(lambda: "incomplete_session_in_served_group" in cleared(proxy), 10)
+    assert cleared(proxy) == {"incomplete_session_in_served_group": {"capped-2"}}
+    again = h.client.post("/get_rollout_data", json={"request_id": "r-1"}).get_json()
+    assert again["data"]["data"] == doc["data"]["data"]
+
+
+def test_a_replayed_salvaged_group_at_message_cut_above_0_keeps_its_k_sessions(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    """The truncated session beyond K has trainable rows (recorded as the group's other rows): a
+    retried poll rebuilds the group with the same K sessions, not with it as a truncated one."""
+    h = start(harness_factory, db_url, proxy, oversample=1, message_cut=2)
+    h.start(k=2)
+    writer.schedule("g", ["ok", "capped-1", "capped-2"])
+    writer.session("g", "ok", 2, reward=0.75)
+    writer.session("g", "capped-1", MAX_STEPS, complete=False)
+    surplus = writer.session("g", "capped-2", MAX_STEPS, complete=False)
+    assert wait_until(lambda: h.stats()["groups"]["ready"] == 1, 10)
+    doc = h.client.post("/get_rollout_data", json={"request_id": "r-1"}).get_json()
+    assert sorted(by_session(groups_of(doc)["g"])) == ["capped-1", "ok"]
+    stats = h.stats()
+    assert stats["rows"]["dropped"] == {"incomplete_session_in_served_group": len(surplus)}
+    assert_balanced(stats)
+    again = h.client.post("/get_rollout_data", json={"request_id": "r-1"}).get_json()
+    assert again["data"]["meta_info"].get("replayed") is True
+    assert again["data"]["data"] == doc["data"]["data"]
+
+
+def test_with_over_sampling_a_truncated_sessions_late_row_is_a_late_row_of_a_served_group(
+    harness_factory: Any, db_url: str, writer: Writer, proxy: FakeProxy
+) -> None:
+    """Over-sampling counts a served group's late rows as its unserved sessions' (oversampled):
+    the late terminal row of a session it served truncated is still a late row of a served group,
+    cleared with that reason; the unserved session's is oversampled."""
+    h = start(harness_factory, db_url, proxy, oversample=1)
+    h.start(k=2)
+    writer.schedule("g", ["ok", "capped-1", "capped-2"])
+    completed_session(writer, "g", "ok", 1.0)
+    writer.session("g", "capped-1", MAX_STEPS, trainable=False, complete=False)
+    writer.session("g", "capped-2", MAX_STEPS, trainable=False, complete=False)
+    assert wait_until(lambda: h.stats()["groups"]["ready"] == 1, 10)
+    assert sorted(by_session(groups_of(h.poll())["g"])) == ["capped-1", "ok"]
+    writer.step("g", "capped-1", MAX_STEPS + 1, completed=True, step_reward=1.0)
+    writer.step("g", "capped-2", MAX_STEPS + 1, completed=True, step_reward=1.0)
+    h.settle()
+    stats = h.stats()
+    assert stats["rows"]["dropped"] == {"late_rows_from_served_groups": 1, "oversampled": 1}
+    assert_balanced(stats)
+    assert wait_until(lambda: "late_rows_from_served_groups" in cleared(proxy), 10)
+    assert cleared(proxy)["late_rows_from_served_groups"] == {"capped-1"}
+    assert not h.poll()["success"]

@@ -222,6 +222,21 @@ def test_listening_beyond_loopback_without_a_token_is_warned_of(tmp_path):
         assert (f"rollout-buffer listens on {host}:{port}" in text) is warned
 
 
+def test_with_one_thread_a_long_poll_answers_at_once_and_health_still_answers(tmp_path):
+    # long-polls may hold half of the threads: with one thread, none waits
+    db_url = "sqlite://" + str(tmp_path / "launcher.db")
+    make_launcher_db(db_url)
+    port = free_port()
+    env = env_for(db_url, tmp_path, port, ROLLOUT_BUFFER_THREADS="1")
+    with running(gunicorn_argv("wsgi:app"), ROOT, env, port, tmp_path / "g.log") as srv:
+        start_rollout(srv.url, 2, "job1")
+        t0 = time.monotonic()
+        r = requests.post(srv.url + "/get_rollout_data", json={"wait_s": 20}, timeout=30)
+        assert r.status_code == 200 and r.json()["success"] is False, r.text
+        assert time.monotonic() - t0 < 5.0  # answered at once, not after wait_s
+        assert requests.get(srv.url + "/health", timeout=5).status_code == 200
+
+
 def test_rollout_buffer_serve_runs_gunicorn_with_our_settings(tmp_path):
     db_url = "sqlite://" + str(tmp_path / "launcher.db")
     make_launcher_db(db_url)

@@ -3,6 +3,8 @@ salvaged (in progress until served, never a drop), and the record that keeps the
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rollout_buffer.core.accumulator import PIECE, Accumulator
@@ -195,3 +197,72 @@ def test_a_capped_group_decided_otherwise_is_forgotten() -> None:
     plan = acc.expire(50.0)
     assert [d.reason for d in plan.drops] == ["incomplete_group_ttl"]
     assert acc.capped == set()
+
+
+def test_a_batch_checks_only_the_waiting_groups_it_can_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Groups with a session at the step cap wait for their other sessions. A batch of rows is
+    checked against those whose sessions it completes, not against every waiting group (each
+    batch cost a salvage check per waiting group, under the lock: 16 ms a batch with 2,000 of
+    them, against 0.6 ms with salvage off). A change of K checks them all once."""
+    from rollout_buffer.core import accumulator as accumulator_mod
+
+    checked: list[str] = []
+    real = accumulator_mod.truncation
+
+    def counting(g: object, gid: str, *args: object, **kw: object) -> object:
+        checked.append(gid)
+        return real(g, gid, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(accumulator_mod, "truncation", counting)
+    acc = Accumulator("j", 3, policy=Policy(salvage="truncate"), max_steps=3)
+    waiting = [f"w{i}" for i in range(200)]
+    acc.observe(
+        [(f"{gid}-{s}", gid) for gid in waiting for s in ("a", "b", "c")],
+        [StepFact(f"{gid}-b", gid, 3, False) for gid in waiting]  # at the cap
+        + [StepFact(f"{gid}-c", gid, 1, False) for gid in waiting],  # still running
+    )
+    assert acc.stats()["groups"]["ready"] == 0 and len(set(checked)) == 200
+    checked.clear()
+    acc.ingest([Row(10_000 + i, f"o{i}-a", f"o{i}", 0, 1, 0.0, 0) for i in range(100)])
+    assert checked == []  # rows of other groups: no waiting group checked
+    acc.ingest([Row(1, "w7-a", "w7", 1, 2, 1.0, 0)])  # w7's a completed: c still runs
+    assert checked == ["w7"] and acc.stats()["groups"]["ready"] == 0
+    checked.clear()
+    acc.observe([], [StepFact("w7-c", "w7", 3, False)])  # c at the cap: w7 is salvaged
+    assert checked == ["w7"] and acc.stats()["groups"]["ready"] == 1
+    # without job_environments: two sessions seen, one completed and one at the cap, short of K
+    acc.ingest([Row(2, "x-a", "x", 1, 2, 1.0, 0)])
+    acc.observe([], [StepFact("x-b", "x", 3, False)])
+    assert acc.stats()["groups"]["ready"] == 1
+    checked.clear()
+    acc.set_k(2)  # lowered: x has its K now, and both its sessions ended
+    assert "x" in checked and acc.stats()["groups"]["ready"] == 2
+    (take,) = [t for t in acc.take_ready(None) if t.group_id == "x"]
+    assert take.salvage is not None and take.salvage.sessions == {"x-b": "step_cap"}
+
+
+@pytest.mark.parametrize("status", ["served", "dropped"])
+def test_a_salvaged_group_another_instance_decided_is_counted_as_it_recorded(status: str) -> None:
+    """A poll took a salvaged group and read its truncated session's last row, but another
+    instance had decided the group: its word is taken, the last row counts as read (the
+    accounting balances either way), and a group it served salvaged counts as salvaged."""
+    clock = [0.0]
+    _budget, acc = pacing_and_accumulator(clock)
+    acc.observe([("a", "g"), ("b", "g")], [])
+    acc.ingest([Row(1, "a", "g", 1, 2, 1.0, 0)])
+    acc.observe([], [StepFact("b", "g", 3, False)])
+    (take,) = acc.take_ready(None)
+    assert take.salvage is not None
+    take = dataclasses.replace(take, salvage=dataclasses.replace(take.salvage, last_rows={"b": 7}))
+    reason = record_reason(take.salvage) if status == "served" else "malformed_row"
+    acc.settle_decided([take], {"g": (status, reason)})
+    stats = acc.stats()
+    rows = stats["rows"]
+    assert rows["read"] == 2
+    assert rows["read"] == (
+        rows["served"] + rows["dropped_total"] + rows["rejected_total"] + rows["pending"]
+    )
+    expected = {"step_cap": 1} if status == "served" else {}
+    assert stats["salvaged"]["groups"] == expected
