@@ -29,16 +29,15 @@ from rollout_buffer import pacing
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ClosedError, StorageError
 from rollout_buffer.core.history import History
+from rollout_buffer.core.items import Body
 from rollout_buffer.core.model import PollRequest
 from rollout_buffer.core.redact import redact
-from rollout_buffer.core.response import Body
 from rollout_buffer.launcher.launcher import Launcher, launch_spec
 from rollout_buffer.launcher.supervisor import LaunchSpec, Supervisor
-from rollout_buffer.runtime.health import Health
 from rollout_buffer.runtime.jobs import Jobs, JobState
 from rollout_buffer.runtime.lease import OWNER, Lease
 from rollout_buffer.runtime.locks import Locks
-from rollout_buffer.runtime.loop import Loop
+from rollout_buffer.runtime.loop import Health, Loop
 from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.runtime.proxy import ProxyNotifier
 from rollout_buffer.runtime.signals import Host, Signals
@@ -281,8 +280,7 @@ class Service:
             "proxy_notifications": self.notifier.pending(),
             "database": "ok" if problem is None else problem,
             "polls": {
-                **{k: polls[k] for k in ("count", "with_data", "replayed", "seconds_total")},
-                "waiting": self.serving.waiting_polls,
+                k: polls[k] for k in ("count", "with_data", "replayed", "seconds_total", "waiting")
             },
             "prebuilt": self.serving.prebuilt.stats(),
             "lease": self.lease.stats(),

@@ -1,30 +1,32 @@
 """In-memory grouping of one job's rows, under one lock, with no I/O.
 
 Owns: the undecided groups of one job (pending, ready in the serve order, taken by a poll), the
-tombstones of decided ones, ingesting rows into them, and the job's counters
-(:mod:`~rollout_buffer.core.accounting`). Two parts work on the same state under the same lock:
-the policies' decisions when a group becomes ready or cannot wait
-(:mod:`~rollout_buffer.core.policies`), and handing ready groups to polls and settling them
-(:mod:`~rollout_buffer.core.handover`). Pending state holds metadata only (see
-:mod:`~rollout_buffer.core.group`); bodies stay in the database until served. Every method returns
-*decisions* (a plan: drops, rows accounted one by one, groups ready) for the caller to record and
-act on after the lock is released; it must not touch the database, the proxy or the clock beyond
-its own monotonic one.
+tombstones of decided ones, ingesting rows into them, the policies' decisions when a group becomes
+ready or cannot wait (over-sampling, refusals, the TTL, the minimum group size, a change of K,
+salvage's truncated sessions), handing ready groups to polls and settling them once a poll's plan is
+recorded, and the job's counters (:mod:`~rollout_buffer.core.accounting`). Pending state holds
+metadata only (see :mod:`~rollout_buffer.core.group`); bodies stay in the database until served.
+Every method returns *decisions* (a plan: drops, rows accounted one by one, groups ready) for the
+caller to record and act on after the lock is released; it must not touch the database, the proxy
+or the clock beyond its own monotonic one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
+import itertools
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable, Iterator
 from typing import Any
 
 from rollout_buffer.core.accounting import Counts
 from rollout_buffer.core.census import SESSION_WITHOUT_RESULT, Census, StepFact, ignore
-from rollout_buffer.core.group import Group, Undecided
-from rollout_buffer.core.handover import Handover
+from rollout_buffer.core.group import Group, ReadyQueue, Undecided
 from rollout_buffer.core.model import (
     DROPPED,
     IMPLAUSIBLE_VERSION,
@@ -35,10 +37,12 @@ from rollout_buffer.core.model import (
     MALFORMED,
     MISSING_GROUP,
     OVERSAMPLED,
+    PARTIAL,
     REJECTED,
     ROW_DROPPED,
     SERVED,
     STEP_CAP,
+    TTL,
     BadText,
     Decisions,
     Drop,
@@ -46,19 +50,31 @@ from rollout_buffer.core.model import (
     Row,
     RowEvent,
     Salvage,
+    Take,
 )
-from rollout_buffer.core.policies import Policies
-from rollout_buffer.core.ready import ReadyQueue
-from rollout_buffer.core.salvage import TRUNCATE, late_reason, truncation
+from rollout_buffer.core.salvage import (
+    TRUNCATE,
+    late_reason,
+    served_count,
+    served_sessions,
+    truncation,
+    unread,
+)
 from rollout_buffer.core.versions import Versions
 
 logger = logging.getLogger(__name__)
 
+# Rows ingested per hold of the lock, and groups expired per hold: about 3 ms of work each, so a
+# poll never waits more than that behind ingest or TTL cleanup, whatever the batch.
+PIECE = 200
 
-class Accumulator(Handover, Policies):
+
+class Accumulator:
     """Groups one job's rows until K sessions of a group have completed.
 
-    All state is guarded by ``self.lock``; every public method takes it, and no method does I/O.
+    All state is guarded by ``self.lock``; every method that changes it takes the lock (ingest and
+    TTL cleanup a piece at a time) and swaps :attr:`snapshot` before releasing it; readers read the
+    snapshot, never the lock. No method does I/O.
     """
 
     def __init__(
@@ -109,6 +125,7 @@ class Accumulator(Handover, Policies):
         self.changes = 0  # bumped on every mutation: lets the caller skip work when nothing changed
         # every session of the job, those without a trainable row too (max_steps: the launcher's)
         self.census = Census(max_steps, self.publish, self.decided)
+        self.snapshot = self._snapshot()  # swapped after each change (see _change)
         self.publish(("job",))
 
     def publish(self, event: tuple[Any, ...]) -> None:
@@ -129,7 +146,7 @@ class Accumulator(Handover, Policies):
     def end(self) -> None:
         """Another job replaces this one: followers forget it (``("ended",)``) before its groups
         are dropped, so that their drops start none of its held sessions."""
-        with self.lock:
+        with self._change():
             self.publish(("ended",))
 
     def restore_decided(self, decided: dict[str, str]) -> None:
@@ -163,85 +180,108 @@ class Accumulator(Handover, Policies):
     def set_versions(self, trainer: int | None = None, rows: int | None = None) -> None:
         """A poll's current_weight_version (the last one wins); with ``rows``, the stored ones
         after a restart."""
-        if rows is None and trainer is not None:
-            self.versions.report(trainer)
-        else:
-            self.versions.restore(trainer, rows)
+        with self._change():
+            if rows is None and trainer is not None:
+                self.versions.report(trainer)
+            else:
+                self.versions.restore(trainer, rows)
+
+    def judge_versions(self, group_id: str, versions: Iterable[int | None]) -> str | None:
+        """A group about to be served, with every version of its rows (a draft reads them all):
+        ``implausible_version`` when one cannot be true, else None and it counts toward the
+        agreement on the current version (:meth:`~rollout_buffer.core.versions.Versions.judge`)."""
+        with self._change():
+            return self.versions.judge(group_id, versions)
+
+    def recount_versions(self, served: Iterable[tuple[str, int | None]]) -> None:
+        """Rows of served groups read again after a restart count toward the agreement again."""
+        with self._change():
+            self.versions.recount(served)
 
     # -- ingest -------------------------------------------------------------------------------
-    def ingest(self, rows: Iterable[Row]) -> Decisions:
-        """Add new rows (distinct step_pks, each seen once)."""
+    def ingest(
+        self, rows: Iterable[Row], between: Callable[[], object] = lambda: None
+    ) -> Decisions:
+        """Add new rows (distinct step_pks, each seen once), ``PIECE`` rows per hold of the lock:
+        a poll waits behind one piece, never behind a whole batch (up to 20,000 rows). A piece is
+        what a smaller batch would have been: the same rows in the same order. ``between`` runs
+        before each piece but the first, without the lock (the loop lets a running poll finish)."""
         out = Decisions()
         rows = rows if isinstance(rows, list) else list(rows)
-        with self.lock:
-            self.changes += 1
-            now = self.clock()
-            track_wv, k = self._track_wv, self.k
-            # with a staleness bound, a row version the version rule refuses dooms its group now,
-            # complete or not (issue 35): not only when it completes, which it may never do
-            plausible = self.versions.plausible if self.policy.max_off_policy is not None else None
-            # the census first: a group decided in this batch is settled with these rows' figures
-            facts = (StepFact(r[1], r[2], r[4] if len(r) > 4 else None, bool(r[3])) for r in rows)
-            doomed = self.census.observe(facts, trainable=True, now=now)
-            ended: set[str] = set()  # groups a session of which completed in this batch
-            for r in rows:
-                pk, sid, gid, completed = r[0], r[1], r[2], r[3]
-                step_id, reward, version = (r[4], r[5], r[6]) if len(r) > 4 else (None, None, 0)
-                self.counts.rows_read += 1
-                if isinstance(gid, (int, float)) and not isinstance(gid, bool):
-                    gid = str(gid)  # a number (an untyped column) names its group as its text does
-                if not isinstance(sid, str) or isinstance(sid, BadText) or not sid:
-                    self._reject_session(pk, gid, out)
-                    continue
-                if gid is None or gid == "" or not isinstance(gid, str) or isinstance(gid, BadText):
-                    self._reject_group(pk, sid, gid, out)
-                    continue
-                gid = str(gid)
-                status = self.decided.get(gid)
-                if status is not None:
-                    reason = (
-                        late_reason(self._late_served, sid, self.counts.salvaged.truncated)
-                        if status == SERVED
-                        else LATE_DROPPED
-                    )
-                    self.counts.dropped[reason] += 1
-                    out.rows.append(RowEvent(pk, ROW_DROPPED, reason, gid, sid))
-                    continue
-                g = self._group_for(gid, now)
-                if (g.chosen is not None and sid not in g.chosen) or (
-                    g.excluded is not None and sid in g.excluded
-                ):
-                    g.exclude(
-                        sid
-                    )  # a session beyond the K it serves: never served, even if K changes
-                    self.counts.dropped[OVERSAMPLED] += 1
-                    out.rows.append(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, gid, sid))
-                    continue
-                self._add_row(g, sid, pk, version, track_wv)
-                if plausible is not None and version is not None and not plausible(version):
-                    if g.taken is None:
-                        self._drop(g, IMPLAUSIBLE_VERSION, out)
-                        continue
-                    self.implausible.add(gid)
-                if completed:
-                    self._completed_row(g, sid, pk, step_id, reward)
-                    ended.add(gid)
-                if (sid in self.tainted or gid in self.tainted_groups) and g.taken is None:
-                    self._drop(g, MALFORMED, out)
-                    continue
-                if len(g.completed) >= k:
-                    if gid in self.pending:
-                        del self.pending[gid]
-                        self._became_ready(g, out)
-                    elif g.taken is None:
-                        self._choose(
-                            g, out
-                        )  # ready short of K at the TTL, it reached K while it waited
-            # a group at the step cap waiting for its other sessions: only a cap (doomed) or a
-            # completed session changes what salvage decides, never checked for every batch
-            self._doom(doomed | (self.capped & ended), out)
-            self._publish_version(rows)
+        for start in range(0, len(rows), PIECE):
+            if start:
+                between()
+            with self._change():
+                self._ingest_piece(rows[start : start + PIECE], out)
         return out
+
+    def _ingest_piece(self, rows: list[Row], out: Decisions) -> None:
+        """(Lock held.) Add one piece of rows."""
+        self.changes += 1
+        now = self.clock()
+        track_wv, k = self._track_wv, self.k
+        # with a staleness bound, a row version the version rule refuses dooms its group now,
+        # complete or not (issue 35): not only when it completes, which it may never do
+        plausible = self.versions.plausible if self.policy.max_off_policy is not None else None
+        # the census first: a group decided in this batch is settled with these rows' figures
+        facts = (StepFact(r[1], r[2], r[4] if len(r) > 4 else None, bool(r[3])) for r in rows)
+        doomed = self.census.observe(facts, trainable=True, now=now)
+        ended: set[str] = set()  # groups a session of which completed in this piece
+        for r in rows:
+            pk, sid, gid, completed = r[0], r[1], r[2], r[3]
+            step_id, reward, version = (r[4], r[5], r[6]) if len(r) > 4 else (None, None, 0)
+            self.counts.rows_read += 1
+            if isinstance(gid, (int, float)) and not isinstance(gid, bool):
+                gid = str(gid)  # a number (an untyped column) names its group as its text does
+            if not isinstance(sid, str) or isinstance(sid, BadText) or not sid:
+                self._reject_session(pk, gid, out)
+                continue
+            if gid is None or gid == "" or not isinstance(gid, str) or isinstance(gid, BadText):
+                self._reject_group(pk, sid, gid, out)
+                continue
+            gid = str(gid)
+            status = self.decided.get(gid)
+            if status is not None:
+                reason = (
+                    late_reason(self._late_served, sid, self.counts.salvaged.truncated)
+                    if status == SERVED
+                    else LATE_DROPPED
+                )
+                self.counts.dropped[reason] += 1
+                out.rows.append(RowEvent(pk, ROW_DROPPED, reason, gid, sid))
+                continue
+            g = self._group_for(gid, now)
+            if (g.chosen is not None and sid not in g.chosen) or (
+                g.excluded is not None and sid in g.excluded
+            ):
+                g.exclude(sid)  # a session beyond the K it serves: never served, even if K changes
+                self.counts.dropped[OVERSAMPLED] += 1
+                out.rows.append(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, gid, sid))
+                continue
+            self._add_row(g, sid, pk, version, track_wv)
+            if plausible is not None and version is not None and not plausible(version):
+                if g.taken is None:
+                    self._drop(g, IMPLAUSIBLE_VERSION, out)
+                    continue
+                self.implausible.add(gid)
+            if completed:
+                self._completed_row(g, sid, pk, step_id, reward)
+                ended.add(gid)
+            if (sid in self.tainted or gid in self.tainted_groups) and g.taken is None:
+                self._drop(g, MALFORMED, out)
+                continue
+            if len(g.completed) >= k:
+                if gid in self.pending:
+                    del self.pending[gid]
+                    self._became_ready(g, out)
+                elif g.taken is None:
+                    self._choose(
+                        g, out
+                    )  # ready short of K at the TTL, it reached K while it waited
+        # a group at the step cap waiting for its other sessions: only a cap (doomed) or a
+        # completed session changes what salvage decides, never checked for every piece
+        self._doom(doomed | (self.capped & ended), out)
+        self._publish_version(rows)
 
     def _publish_version(self, rows: list[Row]) -> None:
         """(Lock held.) Tell followers of the newest version of these rows, if it is newer and
@@ -289,7 +329,7 @@ class Accumulator(Handover, Policies):
         that are not trainable: a group one of whose sessions ended without a result (at the step
         cap) can never reach K, and is dropped now instead of after the TTL."""
         out = Decisions()
-        with self.lock:
+        with self._change():
             self.census.schedule(scheduled)
             doomed = self.census.observe(facts, trainable=False, now=self.clock())
             if doomed:
@@ -440,6 +480,341 @@ class Accumulator(Handover, Policies):
         self.tainted_groups.discard(g.group_id)
         self.implausible.discard(g.group_id)
 
+    # -- when a group is ready, and when it cannot wait (the policies) --------------------------
+    def _became_ready(self, g: Group, out: Decisions) -> None:
+        """(Lock held.) A group has K completed sessions, or is served short at the TTL: choose its
+        sessions (over-sampling), apply the policies, and queue it or drop it."""
+        self.capped.discard(g.group_id)  # (salvage: it waits for its other sessions no more)
+        self._choose(g, out)
+        reason = None
+        if self.policy.max_off_policy is not None:  # a version that cannot be true goes first
+            served = g.chosen if g.chosen is not None else g.completed
+            reason = self.versions.judge(g.group_id, [g.min_version(served)])
+        reason = reason or g.refusal(self.policy, self.current_version)
+        if reason is not None:
+            self._drop(g, reason, out)
+            return
+        g.ready_at = self.clock()
+        self.ready.push(g)
+        self.census.publish(("ready", g.group_id))
+        out.newly_ready += 1
+
+    def _choose(self, g: Group, out: Decisions) -> None:
+        """Over-sampling: a group with K completed sessions that has not chosen K yet (ready, ready
+        short of K at the TTL, given back by a poll, or K lowered) keeps its first K; the rows of
+        every other session are dropped as oversampled now (and so are their later rows)."""
+        if (
+            not self.policy.oversample
+            or len(g.completed) < self.k
+            or (g.chosen is not None and len(g.chosen) <= self.k)
+        ):
+            return
+        for sid, pks in g.choose(self.k).items():
+            if self.session_group.get(sid) == g.group_id:
+                del self.session_group[sid]
+            self.counts.pending_rows -= len(pks)
+            self.counts.dropped[OVERSAMPLED] += len(pks)
+            out.rows.extend(RowEvent(pk, ROW_DROPPED, OVERSAMPLED, g.group_id, sid) for pk in pks)
+        self.undecided.min_pk_changed(g)
+
+    # -- dropping -------------------------------------------------------------------------------
+    def expire(self, ttl_s: float) -> Decisions:
+        """Drop incomplete groups idle for ttl_s on the monotonic clock (oldest first, O(expired)).
+
+        With a minimum group size, a group with at least that many completed sessions is made
+        ready instead, to be served with only its completed sessions (``partial``)."""
+        out = Decisions()
+        if ttl_s <= 0:
+            return out
+        more = True
+        while more:  # PIECE groups per hold of the lock: a poll never waits behind a long cleanup
+            with self._change():
+                now = self.clock()
+                for _ in range(PIECE):
+                    g = next(iter(self.pending.values()), None)
+                    if g is None or now - g.last_seen < ttl_s:
+                        more = False
+                        break
+                    self._give_up(g, TTL, out)
+        return out
+
+    def drop_all(self, reason: str, *, include_ready: bool, partial: bool = False) -> Decisions:
+        """Drop every incomplete group (and the ready ones when include_ready); with ``partial``
+        (the launcher exited: they can never complete) those with the minimum group size are served
+        short. PIECE groups per hold of the lock, as in :meth:`expire`."""
+        out = Decisions()
+        for ready in (False, True) if include_ready else (False,):
+            more = True
+            while more:  # each group leaves its queue when it is decided (or made ready)
+                with self._change():
+                    queue = self.ready if ready else self.pending
+                    piece = list(itertools.islice(queue.values(), PIECE))
+                    for g in piece:
+                        if partial and not ready:
+                            self._give_up(g, reason, out)
+                        else:
+                            self._drop(g, reason, out)
+                    more = len(piece) == PIECE
+        # groups whose sessions all ended before any trainable row: only the census knew them
+        with self.lock:
+            known = list(self.census.group_sessions)
+        for start in range(0, len(known), PIECE):
+            with self._change():
+                for gid in known[start : start + PIECE]:
+                    if (
+                        gid not in self.decided
+                        and self._undecided(gid) is None
+                        and not (partial and self._salvage(None, gid, reason, out))
+                    ):
+                        self._tombstone(gid, reason, out)
+        return out
+
+    def _give_up(self, g: Group, reason: str, out: Decisions) -> None:
+        """(Lock held.) An incomplete group that cannot wait any longer: ready short of K when it
+        has the minimum group size (ROLLOUT_BUFFER_MIN_GROUP_SIZE), else dropped with ``reason``.
+
+        A group that was ready under a smaller K (K raised since) is no exception: the trainer asked
+        for the K in force, and a group short of it is never served but as a partial group.
+        Salvage goes first: the minimum group size applies to groups it cannot salvage."""
+        if self._salvage(g, g.group_id, reason, out):
+            return
+        if self.policy.serves(self.k, len(g.completed)):
+            del self.pending[g.group_id]
+            g.partial = True
+            self._became_ready(g, out)
+        else:
+            self._drop(g, reason, out)
+
+    # -- K -------------------------------------------------------------------------------------
+    def set_k(self, k: int) -> tuple[int, Decisions]:
+        """Change K; groups that now have K completed sessions become ready (or are dropped by a
+        policy). Returns how many became ready, and the plan of what the policies decided."""
+        with self._change():
+            self.k = k
+            moved, out = False, Decisions()
+            for gid, g in list(self.ready.items()):
+                if (
+                    served_count(g) < k
+                ):  # K was raised: not ready any more (and open to more sessions)
+                    del self.ready[gid]
+                    self.pending[gid], g.chosen, moved = g, None, True
+                    g.salvage = None  # short of the new K: salvaged again (or not) when it ends
+                    self.census.publish(("started", gid))  # in progress again
+                elif len(g.completed) > k:  # K was lowered: over-sampling keeps the first K
+                    self._choose(g, out)
+            if moved:  # expire() stops at the first live group: put them back in idle order (rare)
+                self.pending = OrderedDict(
+                    sorted(self.pending.items(), key=lambda kv: kv[1].last_seen)
+                )
+            for gid, g in list(self.pending.items()):
+                if len(g.completed) >= k:
+                    del self.pending[gid]
+                    self._became_ready(g, out)
+            if self.capped:  # salvage: a lowered K may be what a capped group waited for
+                self._doom(set(self.capped), out)
+        return out.newly_ready, out
+
+    # -- handing ready groups to a poll, and settling them ------------------------------------
+    def take_ready(self, max_groups: int | None) -> list[Take]:
+        """Hand ready groups to a poll, first ready first; they stay undecided until
+        commit/release."""
+        takes: list[Take] = []
+        with self._change():
+            self.changes += 1
+            while self.ready and (max_groups is None or len(takes) < max_groups):
+                g = self.ready.pop_next()
+                gid = g.group_id
+                completed, incomplete, salvage = served_sessions(g, self.k)  # (salvage: issue 38)
+                if salvage is not None:
+                    salvage = dataclasses.replace(salvage, generation_s=self.census.seconds_of(gid))
+                g.taken = {sid: len(pks) for sid, pks in g.sessions.items()}
+                self.taken[gid] = g
+                takes.append(
+                    Take(
+                        gid,
+                        completed,
+                        incomplete,
+                        g.rewards(),
+                        g.partial and len(completed) < self.k,
+                        g.ready_at,
+                        g.min_version(completed),
+                        salvage=salvage,
+                    )
+                )
+        return takes
+
+    def retake(self, takes: list[Take]) -> list[Take]:
+        """Hand back exactly these earlier takes (released after a COMMIT that did happen after
+        all), so commit() settles them with their original snapshot. Returns those still
+        undecided."""
+        found = []
+        with self._change():
+            self.changes += 1
+            for t in takes:
+                g = self.ready.pop(t.group_id, None) or self.pending.pop(t.group_id, None)
+                if g is None:
+                    continue
+                g.taken = {
+                    sid: len(pks)
+                    for sid, pks in list(t.completed.items()) + list(t.incomplete.items())
+                }
+                self.taken[t.group_id] = g
+                found.append(t)
+        return found
+
+    def release(self, takes: list[Take]) -> Decisions:
+        """Give taken groups back, at the front and in their order (the poll failed or ran out of
+        budget).
+
+        A group one of whose sessions wrote a row without group_id meanwhile is dropped instead
+        (``malformed_row``), and so is one that got a row with an implausible version."""
+        out = Decisions()
+        with self._change():
+            for t in reversed(takes):
+                g = self.taken.pop(t.group_id, None)
+                if g is None:
+                    continue
+                g.taken = None
+                if (
+                    self.tainted and not self.tainted.isdisjoint(g.sessions)
+                ) or t.group_id in self.tainted_groups:
+                    self._drop(g, MALFORMED, out)
+                    continue
+                if t.group_id in self.implausible:
+                    self._drop(g, IMPLAUSIBLE_VERSION, out)
+                    continue
+                self._choose(g, out)  # its other sessions may have completed while it was taken
+                self.ready.put_front(g)  # first again, at its old place in a version order
+        return out
+
+    def commit(self, plan: Decisions) -> Decisions:
+        """Apply a RECORDED serving plan to memory: its served groups become served and its drops
+        (malformed groups) dropped, with their rejected rows counted; nothing is derived again.
+
+        Only groups this accumulator still holds as taken are settled (a plan applied twice counts
+        once). Rows added to a group while it was taken become late rows of the decided group:
+        returns them, as a new plan for the caller to record.
+        """
+        out = Decisions()
+        with self._change():
+            self.changes += 1
+            settled: set[str] = set()
+            for s in plan.served:
+                g = self.taken.pop(s.group_id, None)
+                if g is None:
+                    continue
+                settled.add(s.group_id)
+                truncated = s.take.salvage.sessions if s.take.salvage is not None else {}
+                self._settle(g, out, self._late_served, truncated)
+                self.decided[s.group_id] = SERVED
+                self.census.settle(s.group_id, SERVED)
+                if s.take.salvage is not None:  # its truncated sessions' last rows are read now
+                    self.counts.rows_read += s.take.extra_pks
+                    self.counts.salvaged.served(s.take.salvage)
+                self.counts.group_served(
+                    len(s.take.served_pks),
+                    len(s.take.incomplete_pks),
+                    len(s.take.completed),
+                    s.rewards,
+                    s.take.partial,
+                )
+            for d in plan.drops:
+                g = self.taken.pop(d.group_id, None)
+                if g is None:
+                    continue
+                settled.add(d.group_id)
+                self._settle(g, out, LATE_DROPPED)
+                self.decided[d.group_id] = DROPPED
+                self.census.settle(d.group_id, d.reason)
+                if g.salvage is not None:  # refused when built: its last rows were read then
+                    self.counts.rows_read += unread(g, d.group_id, d.pks, plan.rows)
+                self.counts.group_dropped(d.reason, len(d.pks), len(d.clear_sessions), d.rewards)
+            for r in plan.rows:
+                if r.outcome == REJECTED and r.group_id in settled:
+                    self.counts.rejected[r.reason] += 1
+            if plan.batch is not None and plan.batch.meta:
+                self.counts.batch_reported(plan.batch.meta.get("filtered"))
+        return out
+
+    def recheck(self, t: Take) -> Take | None:
+        """A taken group about to be served from a draft built earlier: None when an unbuilt poll
+        would serve it otherwise (its served sessions grew or another completed) or drop it (a
+        session wrote a row without group_id, or a row with an implausible version came); else its
+        take with the sessions that appeared or grew since as incomplete (cleared as incomplete in
+        a served group, as at any poll, not as late rows)."""
+        with self._change():
+            g = self.taken.get(t.group_id)
+            if (
+                g is None
+                or g.taken is None
+                or t.group_id in self.tainted_groups
+                or t.group_id in self.implausible
+                or not self.tainted.isdisjoint(g.sessions)
+                or set(served_sessions(g, self.k)[0]) != set(t.completed)
+                or any(len(g.sessions.get(sid, ())) != len(pks) for sid, pks in t.completed.items())
+            ):
+                return None
+            incomplete = {
+                sid: tuple(pks) for sid, pks in g.sessions.items() if sid not in t.completed
+            }
+            g.taken.update((sid, len(pks)) for sid, pks in incomplete.items())
+            for sid in t.incomplete:  # (salvage: truncated sessions beyond K, without a row here)
+                incomplete.setdefault(sid, ())
+            return dataclasses.replace(t, incomplete=incomplete)
+
+    def filtered_since_batch(self) -> dict[str, int]:
+        """Groups dropped since the last served batch, by reason (meta_info.filtered)."""
+        with self.lock:
+            return dict(+self.counts.filtered)
+
+    def settle_decided(
+        self, takes: list[Take], decided: dict[str, tuple[str, str | None]]
+    ) -> Decisions:
+        """Taken groups that another instance already decided ({group_id: (status, reason)}, from
+        its record in the store): take its word, count them as it decided, never serve them again.
+        Returns the late rows (rows that arrived while taken) for the caller to record."""
+        out = Decisions()
+        with self._change():
+            self.changes += 1
+            for t in takes:
+                g = self.taken.pop(t.group_id, None)
+                if g is None:
+                    continue
+                status, reason = decided[t.group_id]
+                self._settle(g, out, self._late_served if status == SERVED else LATE_DROPPED)
+                self.decided[t.group_id] = status
+                self.census.publish(("decided", t.group_id, status == SERVED))
+                self.counts.rows_read += t.extra_pks  # (a salvaged group's last rows, read)
+                if status == SERVED:
+                    self.counts.salvaged.load(reason, 1)  # (when its record says it was salvaged)
+                    self.counts.group_served(
+                        len(t.served_pks),
+                        len(t.incomplete_pks),
+                        len(t.completed),
+                        t.rewards,
+                        reason == PARTIAL,
+                    )
+                else:
+                    self.counts.group_dropped(
+                        reason or MALFORMED, len(t.all_pks), len(t.sessions), t.rewards
+                    )
+        return out
+
+    def _settle(self, g: Group, out: Decisions, late: str, truncated: Container[str] = ()) -> None:
+        """Remove a taken group from pending state; rows that arrived while taken become late
+        rows: ``late``, or for a session served truncated (``truncated``), what
+        :func:`~rollout_buffer.core.salvage.late_reason` says."""
+        assert g.taken is not None
+        self.counts.pending_rows -= g.n_rows
+        self._forget(g)
+        for sid, pks in g.sessions.items():
+            extra = pks[g.taken.get(sid, 0) :]
+            reason = late_reason(late, sid, truncated)
+            for pk in extra:
+                self.counts.dropped[reason] += 1
+                out.rows.append(RowEvent(pk, ROW_DROPPED, reason, g.group_id, sid))
+        g.taken = None
+
     # -- reading -------------------------------------------------------------------------------
     def low_water(self, cursor: int) -> int:
         """Smallest pk that is still pending (rows below it are all accounted), or cursor + 1."""
@@ -448,30 +823,85 @@ class Accumulator(Handover, Policies):
         return cursor + 1 if low is None else low
 
     def stats(self) -> dict[str, Any]:
-        """Counters and gauges; the accounting identity holds in them."""
+        """Counters and gauges as of the last change; the accounting identity holds in them. Reads
+        the snapshot, never the lock."""
+        return self.snapshot.stats(self.clock())
+
+    # -- the snapshot readers read -------------------------------------------------------------
+    @contextlib.contextmanager
+    def _change(self) -> Iterator[None]:
+        """Hold the lock for a change; swap the snapshot before releasing it, so that a reader
+        right after the change (a /stats after a poll) sees it."""
         with self.lock:
-            now = self.clock()
-            first = self.undecided.oldest()
-            oldest = None if first is None else first.first_seen
-            counts = self.counts.view()
-            return {
-                "salvaged": self.counts.salvaged.view(),
-                "job_id": self.job_id,
-                "k": self.k,
-                "rows": counts["rows"],
-                "groups": {
-                    "pending": len(self.pending),
-                    "ready": len(self.ready),
-                    "in_flight": len(self.taken),
-                    **counts["groups"],
-                },
-                "oldest_pending_group_age_s": None if oldest is None else round(now - oldest, 3),
-                "sessions": self.census.stats(),
-                "waste": self.census.waste(),
-                "figures": counts["figures"],
-                "versions": {
-                    "current": self.current_version,
-                    "trainer": self.trainer_version,
-                    "rows": self.rows_version,
-                },
-            }
+            try:
+                yield
+            finally:
+                self.snapshot = self._snapshot()
+
+    def publish_snapshot(self) -> None:
+        """Swap the snapshot after a change made before the accumulator is shared (restored
+        counts, tainted sessions)."""
+        with self._change():
+            pass
+
+    def _snapshot(self) -> Snapshot:
+        """(Lock held.) The figures now: O(reasons), never O(groups or rows)."""
+        first = self.undecided.oldest()
+        return Snapshot(
+            job_id=self.job_id,
+            k=self.k,
+            pending=len(self.pending),
+            ready=len(self.ready),
+            in_flight=len(self.taken),
+            oldest_first_seen=None if first is None else first.first_seen,
+            counts=self.counts.view(),
+            salvaged=self.counts.salvaged.view(),
+            sessions=self.census.stats(),
+            waste=self.census.waste(),
+            versions={
+                "current": self.current_version,
+                "trainer": self.trainer_version,
+                "rows": self.rows_version,
+            },
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """What the readers see of a job's accumulator (/stats, /metrics, the status page, the CLI
+    table, a poll's check for ready groups): taken under the lock after each change and never
+    changed; ``stats`` hands out a copy."""
+
+    job_id: str
+    k: int
+    pending: int
+    ready: int
+    in_flight: int
+    oldest_first_seen: float | None
+    counts: dict[str, Any]
+    salvaged: dict[str, Any]  # served groups with truncated sessions (issue 38)
+    sessions: dict[str, int]
+    waste: dict[str, Any]
+    versions: dict[str, int | None]
+
+    def stats(self, now: float) -> dict[str, Any]:
+        """The /stats document of the job's accumulator, at ``now`` on its clock."""
+        oldest = self.oldest_first_seen
+        counts = copy.deepcopy(self.counts)
+        return {
+            "salvaged": copy.deepcopy(self.salvaged),
+            "job_id": self.job_id,
+            "k": self.k,
+            "rows": counts["rows"],
+            "groups": {
+                "pending": self.pending,
+                "ready": self.ready,
+                "in_flight": self.in_flight,
+                **counts["groups"],
+            },
+            "oldest_pending_group_age_s": None if oldest is None else round(now - oldest, 3),
+            "sessions": dict(self.sessions),
+            "waste": copy.deepcopy(self.waste),
+            "figures": counts["figures"],
+            "versions": dict(self.versions),
+        }

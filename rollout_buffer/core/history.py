@@ -111,15 +111,30 @@ class History:
 
 
 class PollStats:
-    """Poll counts and a latency histogram, for /stats and /metrics."""
+    """Poll counts, a latency histogram and the polls waiting for data now, for /stats and
+    /metrics."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.waiting = 0  # polls waiting for data now (bounded: ROLLOUT_BUFFER_MAX_WAITING_POLLS)
         self.count = 0
         self.with_data = 0
         self.replayed = 0  # answered from a kept batch (a request_id retried or resumed)
         self.seconds = 0.0
         self.buckets: collections.Counter[float] = collections.Counter()
+
+    def start_waiting(self, limit: int) -> bool:
+        """A poll starts waiting for data, unless ``limit`` polls wait already (False: answer it
+        now)."""
+        with self._lock:
+            if self.waiting >= limit:
+                return False
+            self.waiting += 1
+            return True
+
+    def stop_waiting(self) -> None:
+        with self._lock:
+            self.waiting -= 1
 
     def observe(self, seconds: float, with_data: bool, replayed: bool = False) -> None:
         with self._lock:
@@ -132,6 +147,7 @@ class PollStats:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {
+                "waiting": self.waiting,
                 "count": self.count,
                 "with_data": self.with_data,
                 "replayed": self.replayed,

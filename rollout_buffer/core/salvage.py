@@ -35,7 +35,6 @@ from rollout_buffer.core.model import (
     Salvage,
     Take,
 )
-from rollout_buffer.core.values import Malformed
 
 if TYPE_CHECKING:
     from rollout_buffer.core.census import Census
@@ -177,16 +176,16 @@ def last_item_extra(reason: str) -> str:
 
 def truncated_terminals(
     salvage: Salvage, prepared: list[tuple[Any, ...]]
-) -> dict[str, tuple[int, int, float]]:
+) -> dict[str, tuple[int, int, float]] | None:
     """Each truncated session's terminal (step_id, step_pk, reward) for its items: its last row's,
     with the salvage reward. ``prepared``: a group's validated rows, (session, step_id, pk, ...).
-    Raises Malformed when a truncated session has no row to serve (its last row vanished): the
-    group would have a hole."""
+    None when a truncated session has no row to serve (its last row vanished): the group would
+    have a hole."""
     out: dict[str, tuple[int, int, float]] = {}
     for sid in salvage.sessions:
         last = max(((p[1], p[2]) for p in prepared if p[0] == sid), default=None)
         if last is None:
-            raise Malformed("row_vanished", {})
+            return None
         out[sid] = (last[0], last[1], salvage.reward)
     return out
 

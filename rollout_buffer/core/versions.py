@@ -13,13 +13,12 @@ the agreement. Before that, only a negative version is implausible: a job may st
 bound, the accumulator also asks :meth:`Versions.plausible` of every row as it is read (issue 35):
 a group that would never complete is accounted then, not at its TTL.
 
-Pure values with one leaf lock (the accumulator asks under its own lock, a draft being built asks
-under the serve lock); no I/O.
+Pure values with no lock of their own: they are a part of the accumulator's state, and change only
+under its one lock (a draft being built judges its groups through the accumulator); no I/O.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 
 from rollout_buffer.core.model import IMPLAUSIBLE_VERSION
@@ -33,7 +32,6 @@ class Versions:
 
     def __init__(self, max_jump: int | None = DEFAULT_MAX_JUMP) -> None:
         self.max_jump = max_jump
-        self._lock = threading.Lock()
         self.trainer: int | None = None  # the last current_weight_version a poll sent
         self.rows = 0  # the largest version two complete groups of different ids report
         self.known = False  # a current version was reported, agreed on or restored
@@ -48,16 +46,14 @@ class Versions:
 
     def report(self, trainer: int) -> None:
         """A poll's current_weight_version: the current version from now on (the last one wins)."""
-        with self._lock:
-            self.trainer, self.known = trainer, True
+        self.trainer, self.known = trainer, True
 
     def restore(self, trainer: int | None, rows: int | None) -> None:
         """The versions saved with the cursor before a restart (the agreement, as it was)."""
-        with self._lock:
-            if trainer is not None:
-                self.trainer, self.known = trainer, True
-            if rows:
-                self.rows, self.known = max(self.rows, rows), True
+        if trainer is not None:
+            self.trainer, self.known = trainer, True
+        if rows:
+            self.rows, self.known = max(self.rows, rows), True
 
     def plausible(self, version: int) -> bool:
         """False for a version that cannot be true: negative, or (once a current version is known)
@@ -72,10 +68,9 @@ class Versions:
         known = [v for v in versions if v is not None]
         if not known:
             return None
-        with self._lock:
-            if not all(self.plausible(v) for v in known):
-                return IMPLAUSIBLE_VERSION
-            self._agree(group_id, min(known))
+        if not all(self.plausible(v) for v in known):
+            return IMPLAUSIBLE_VERSION
+        self._agree(group_id, min(known))
         return None
 
     def recount(self, served: Iterable[tuple[str, int | None]]) -> None:
@@ -89,7 +84,7 @@ class Versions:
             self.judge(group_id, [version])
 
     def _agree(self, group_id: str, version: int) -> None:
-        """(Lock held.) Keep the two largest group versions (one per group id); the smaller of the
+        """Keep the two largest group versions (one per group id); the smaller of the
         two is what two groups agree on."""
         top = self._top
         if version <= top.get(group_id, -1):

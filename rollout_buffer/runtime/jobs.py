@@ -84,11 +84,11 @@ class JobState:
 
     def ready_count(self) -> int:
         """Groups a poll could be given now: queued redeliveries and ready groups."""
-        return len(self.redeliveries) + len(self.accumulator.ready)
+        return len(self.redeliveries) + self.accumulator.snapshot.ready
 
     def in_flight(self) -> bool:
         """A poll holds groups it has not recorded yet (it may be binding a request_id)."""
-        return bool(self.accumulator.taken or self.redeliveries.taken)
+        return bool(self.accumulator.snapshot.in_flight or self.redeliveries.taken)
 
     def stats(self, launcher_db: Database | None, prebuilt: int | None = 0) -> dict:
         """The job's accounting and gauges for /stats; ``launcher_db`` (if given) for the lag (rows
@@ -145,22 +145,25 @@ class Jobs:
         job_state, self.current = self.current, None
         return job_state
 
-    def launcher_tables_exist(self, launcher_db: Database) -> bool:
-        """True once session_steps exists (a fresh database has it only after the launcher
-        starts)."""
-        if self._tables_seen:
-            return True
-        if launcher_tables.steps_table_exists(launcher_db):
-            self._tables_seen = True
-            return True
-        if not self._tables_warned:
+    @staticmethod
+    def find_launcher_tables(launcher_db: Database) -> bool:
+        """True when session_steps exists (a fresh database has it only after the launcher
+        starts). A query: it changes nothing and logs nothing."""
+        return launcher_tables.steps_table_exists(launcher_db)
+
+    def wait_for_launcher_tables(self, launcher_db: Database) -> bool:
+        """One step of the loop's wait for the launcher's tables: True once they exist (then never
+        asked again); the first miss logs how to create them."""
+        if not self._tables_seen:
+            self._tables_seen = self.find_launcher_tables(launcher_db)
+        if not self._tables_seen and not self._tables_warned:
             self._tables_warned = True
             logger.warning(
                 "the launcher's table session_steps does not exist yet in %s; waiting for it "
                 "(`rollout-buffer init-db --db URL` creates it)",
                 redact(self.config.db_url),
             )
-        return False
+        return self._tables_seen
 
     def load(
         self,
@@ -193,8 +196,9 @@ class Jobs:
             g for g in store.tainted_groups(job_id) if g not in totals.decided
         )
         accumulator.excluded.update(store.oversampled_sessions(job_id))
+        accumulator.publish_snapshot()  # the restored counts, before any reader sees the job
         accounted = None
-        if (totals.decided or totals.accounted_rows) and self.launcher_tables_exist(launcher_db):
+        if (totals.decided or totals.accounted_rows) and self.find_launcher_tables(launcher_db):
             upto = launcher_tables.max_job_id(launcher_db, job_id)
             accounted = Accounted(
                 job_id, upto, store.row_pks_from(job_id, first_read_after(start_after))
@@ -244,7 +248,7 @@ class Jobs:
                     "job %s ended: dropped %d undecided groups", prev.job_id, len(plan.drops)
                 )
         existing = store.get_job(job_id)
-        tables = self.launcher_tables_exist(launcher_db)
+        tables = self.find_launcher_tables(launcher_db)
         if restart_training:
             floor = launcher_tables.max_terminal_id(launcher_db, job_id) if tables else 0
             start_after, low_water = floor, floor + 1

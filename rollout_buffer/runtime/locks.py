@@ -95,6 +95,13 @@ class Locks:
         """The serve lock if it is free within ``timeout`` (yields whether it was taken)."""
         return self._attempt(SERVING, timeout)
 
+    def yield_to_polls(self, wait_s: float = 0.02) -> None:
+        """Between two pieces of background work: let a poll that holds or waits for the serve
+        lock run, up to ``wait_s``. Under the interpreter lock, a poll running beside a busy loop
+        waits for the interpreter at each database call; here the loop waits, and does not run."""
+        with self.try_serving(wait_s):
+            pass
+
     @property
     def serve_waiters(self) -> int:
         """Threads waiting for the serve lock now (the prebuilt draft's builder yields to them)."""

@@ -1,4 +1,5 @@
-"""The background loop (huey's shape) and the database health it measures.
+"""The background loop (huey's shape) and the database health it measures (GET /health's answer:
+whether background work against the database fails, since when, and its last error, redacted).
 
 Owns: the ``rollout-buffer-loop`` thread and its connections, and what one tick does, in order:
 follow the lease (drop the job's state when this instance lost it or took it again under another
@@ -20,8 +21,8 @@ from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ConfigError, LeaseLost, OperationFailed, StorageError
 from rollout_buffer.core.history import History
 from rollout_buffer.core.model import LAUNCHER_EXITED, SERVED, LauncherState
+from rollout_buffer.core.redact import redact
 from rollout_buffer.launcher.launcher import Launcher
-from rollout_buffer.runtime.health import Health
 from rollout_buffer.runtime.jobs import Jobs, JobState
 from rollout_buffer.runtime.lease import OWNER, Lease
 from rollout_buffer.runtime.locks import LOCK_WAIT_S, Locks
@@ -50,6 +51,44 @@ def check_sequence(launcher_db: Database) -> None:
             "TABLE session_steps ALTER COLUMN id SET CACHE 1 (or ALTER SEQUENCE <its sequence> "
             "CACHE 1), then the service recovers by itself"
         )
+
+
+class Health:
+    """Whether background work against the database is failing, and since when."""
+
+    def __init__(self, config: Config, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.clock = clock
+        self.failing_since: float | None = None
+        self.last_error: str | None = None
+        self._logged_at = 0.0
+
+    def failed(self, exc: BaseException) -> None:
+        now = self.clock()
+        if self.failing_since is None:
+            self.failing_since = now
+        self.last_error = redact(
+            f"{type(exc).__name__}: {exc}"
+        )  # /health shows it, unauthenticated
+        if now - self._logged_at > 30.0:
+            self._logged_at = now
+            if isinstance(exc, (StorageError, ConfigError)):
+                logger.error("background work failed (retrying): %s", exc)
+            else:
+                logger.exception("background tick failed (retrying)", exc_info=exc)
+
+    def ok(self) -> None:
+        if self.failing_since is not None:
+            logger.info("database reachable again after %.1f s", self.clock() - self.failing_since)
+        self.failing_since = None
+        self.last_error = None
+
+    def problem(self) -> str | None:
+        """An error message when background work has been failing too long, else None."""
+        since = self.failing_since
+        if since is not None and self.clock() - since >= self.config.db_unhealthy_after_s:
+            return self.last_error or "database unreachable"
+        return None
 
 
 class Loop:
@@ -305,7 +344,7 @@ class Loop:
             self.lease.resumed()
 
     def _ingest(self, launcher_db, store: Store, job_state: JobState) -> None:
-        if not self.jobs.launcher_tables_exist(launcher_db):
+        if not self.jobs.wait_for_launcher_tables(launcher_db):
             job_state.reader.nothing_to_read()  # nothing can have been written
             return
         deadline = self.clock() + 1.0
@@ -320,12 +359,12 @@ class Loop:
                 )
                 if len(rows) < len(read):  # accounted before a restart, maybe after the last save
                     decided = job_state.accumulator.decided
-                    job_state.accumulator.versions.recount(
+                    job_state.accumulator.recount_versions(
                         (r.group_id, r.weight_version)
                         for r in read
                         if isinstance(r.group_id, str) and decided.get(r.group_id) == SERVED
                     )
-            plan = job_state.accumulator.ingest(rows) if rows else None
+            plan = job_state.accumulator.ingest(rows, self.locks.yield_to_polls) if rows else None
             if rows:
                 self.history.ingested(len(rows))
             job_state.reader.advance()  # only now: a failure above re-reads these rows next tick

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_buffer.core.accounting import group_stats
 from rollout_buffer.core.errors import StorageError
-from rollout_buffer.core.figures import group_stats
-from rollout_buffer.core.items import GroupItems, build_group, item_flags
+from rollout_buffer.core.items import GroupItems, Malformed, build_group, item_flags
 from rollout_buffer.core.model import (
     BUILD_FAILED,
     GROUP_TOO_LARGE,
@@ -30,7 +30,6 @@ from rollout_buffer.core.model import (
     Policy,
     Take,
 )
-from rollout_buffer.core.values import Malformed
 from rollout_buffer.serving import redelivery
 from rollout_buffer.storage.launcher_tables import FETCH_CHUNK, fetch_takes, with_last_rows
 from rollout_buffer.storage.store import Pair
@@ -234,7 +233,7 @@ class Draft:
         verdict = (
             None
             if t.redelivered
-            else job_state.accumulator.versions.judge(t.group_id, g.weight_versions)
+            else job_state.accumulator.judge_versions(t.group_id, g.weight_versions)
         )
         # only a staleness bound makes a version matter enough to drop a group for it
         judged = policy.max_off_policy is not None or self.shape.max_off_policy is not None

@@ -2,18 +2,22 @@
 
 Owns: ``POST /get_rollout_data`` from the draft to the bytes of the answer. A poll claims the draft
 built before it (prebuilt.py) or builds one (draft.py: groups taken a few at a time, so it costs
-what it serves, never the size of the backlog), and makes ONE plan of it (served groups, redelivered
-ones, malformed drops and their rejected rows, the batch). The store records the plan in one
-transaction before the first byte is sent; then the same plan is applied to the accumulator and
-handed to the outbox. A replay rebuilds a recorded batch from the immutable rows with the same seed,
-outside the serve lock and bounded in number. It must not ingest or decide anything else."""
+what it serves, never the size of the backlog), and makes ONE plan of it (:func:`plan_poll`: served
+groups, redelivered ones, malformed drops and their rejected rows, the batch). The store records the
+plan in one transaction before the first byte is sent; then the same plan is applied to the
+accumulator and handed to the outbox. What a poll cannot finish by itself is settled from the
+store: a COMMIT whose outcome is unknown (:func:`committed`), and groups another instance decided
+meanwhile (:func:`settle_conflict`). A replay rebuilds a recorded batch from the immutable rows with
+the same seed, outside the serve lock and bounded in number. It must not ingest or decide anything
+else."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
-import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -26,23 +30,27 @@ from rollout_buffer.core.errors import (
     Unavailable,
 )
 from rollout_buffer.core.history import History, PollStats
+from rollout_buffer.core.items import NO_JOB, Body, GroupItems, empty_body, response_chunks
+from rollout_buffer.core.logconfig import EventLog
 from rollout_buffer.core.model import (
+    REJECTED,
+    Batch,
     Decisions,
+    Drop,
     PollRequest,
+    RowEvent,
+    Served,
     Take,
 )
-from rollout_buffer.core.response import NO_JOB, Body, empty_body, response_chunks
-from rollout_buffer.runtime.health import Health
 from rollout_buffer.runtime.jobs import Jobs, JobState
 from rollout_buffer.runtime.locks import LOCK_WAIT_S, Locks
+from rollout_buffer.runtime.loop import Health
 from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.runtime.signals import Signals
 from rollout_buffer.serving import redelivery
 from rollout_buffer.serving.draft import Draft, Shape
-from rollout_buffer.serving.plan import plan_poll
 from rollout_buffer.serving.prebuilt import Prebuilder
 from rollout_buffer.serving.replay import Replayer, RequestIds
-from rollout_buffer.serving.settle import Uncertain, committed, settle_conflict
 from rollout_buffer.storage.db import Database
 from rollout_buffer.storage.store import LazyPair, Pair
 
@@ -60,6 +68,112 @@ class Guard(Protocol):
     def check(self, wait_s: float, sure: bool = True) -> None: ...
 
     def fence(self, db: Database) -> None: ...
+
+
+def plan_poll(
+    job_state: JobState,
+    seed: bytes,
+    request_id: str | None,
+    built: list[tuple[Take, GroupItems]],
+    refused: list[tuple[Take, str, dict[int, str]]],
+    stats: dict[str, dict],
+    events: EventLog,
+) -> Decisions:
+    """The one decision of a poll: its batch, served groups, refused groups and their bad
+    rows."""
+    plan, job_id = Decisions(), job_state.job_id
+    for t, reason, bad in refused:
+        if t.redelivered:  # it stays served: only its redelivery fails
+            plan.redelivered[t.group_id] = reason
+            continue
+        plan.drops.append(
+            Drop(
+                t.group_id,
+                reason,
+                [pk for pk in t.all_pks if pk not in bad],
+                t.sessions,
+                t.rewards,
+            )
+        )
+        plan.rows.extend(RowEvent(pk, REJECTED, why, t.group_id, None) for pk, why in bad.items())
+        events.event(
+            f"group refused when served ({reason})",
+            logging.WARNING,
+            "group %s of job %s dropped (%s)%s",
+            t.group_id,
+            job_id,
+            reason,
+            f": malformed rows {bad}" if bad else "",
+        )
+    if built:
+        batch_id = uuid.uuid4().hex
+        filtered = collections.Counter(job_state.accumulator.filtered_since_batch())
+        filtered.update(d.reason for d in plan.drops)
+        meta = {
+            "group_stats": [stats[t.group_id] for t, _ in built],
+            "filtered": dict(filtered),
+            "partial_groups": sorted(t.group_id for t, _ in built if t.partial),
+            "redelivered": [t.group_id for t, _ in built if t.redelivered],
+        }
+        plan.batch = Batch(
+            batch_id,
+            job_id,
+            request_id,
+            seed,
+            [t.group_id for t, _ in built],
+            sum(g.n_items for _, g in built),
+            0,
+            meta,
+        )
+        plan.served = [
+            Served(t, batch_id, tuple(g.session_rewards)) for t, g in built if not t.redelivered
+        ]
+        plan.redelivered.update((t.group_id, None) for t, _ in built if t.redelivered)
+    return plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Uncertain:
+    """A serving plan whose COMMIT reported an error: it may or may not have been recorded."""
+
+    job_id: str
+    plan: Decisions
+    takes: list[Take]
+
+
+def committed(pair: Pair, job_state: JobState, uncertain: Uncertain) -> bool:
+    """Whether the uncertain plan was recorded after all: its batch, else its first drop, else
+    (only redeliveries that failed) a group that left the stored redelivery queue."""
+    plan = uncertain.plan
+    if plan.batch is not None:
+        return pair.store.batch_exists(plan.batch.batch_id)
+    if plan.drops:
+        return pair.store.group_decision(job_state.job_id, plan.drops[0].group_id) is not None
+    queued = set(pair.store.redelivery_queue(job_state.job_id))
+    return any(gid not in queued for gid in plan.redelivered)
+
+
+def settle_conflict(pair: Pair, job_state: JobState, takes: list[Take], outbox: Outbox) -> None:
+    """A decision of another instance is already stored for some of these groups: take its word
+    for them (never serve them again) and give the others back."""
+    redelivery.release(
+        job_state, [t for t in takes if t.redelivered]
+    )  # they stay served: queued again
+    decided, takes = {}, [t for t in takes if not t.redelivered]
+    for t in takes:
+        d = pair.store.group_decision(job_state.job_id, t.group_id)
+        if d is not None:
+            decided[t.group_id] = d
+    job_state.accumulator.release([t for t in takes if t.group_id not in decided])
+    late = job_state.accumulator.settle_decided(
+        [t for t in takes if t.group_id in decided], decided
+    )
+    outbox.act_quietly(pair.store, job_state.job_id, late)
+    logger.warning(
+        "%d groups of job %s were already decided by another instance; settled from its record",
+        len(decided),
+        job_state.job_id,
+    )
 
 
 class Serving:
@@ -92,8 +206,6 @@ class Serving:
         self.stats = PollStats()
         self._uncertain: Uncertain | None = None
         self._rids = RequestIds(config)
-        self._waiting_lock = threading.Lock()
-        self._waiting = 0
         self._failures: dict[tuple[str, str], int] = {}
         self.replayer = Replayer(config, self._rids)
         self.prebuilt = Prebuilder(
@@ -175,10 +287,8 @@ class Serving:
                         return  # _poll answers 503
             if self._rids.may_be_bound(job_state.job_id, request_id):
                 return  # possibly a retry of an answered poll: its replay is due at once
-        with self._waiting_lock:
-            if self._waiting >= self.config.max_waiting_polls:
-                return
-            self._waiting += 1
+        if not self.stats.start_waiting(self.config.max_waiting_polls):
+            return
         try:
             self.signals.ready.wait(
                 lambda: (
@@ -187,17 +297,12 @@ class Serving:
                 wait_s,
             )
         finally:
-            with self._waiting_lock:
-                self._waiting -= 1
+            self.stats.stop_waiting()
 
     def available(self, job_state: JobState) -> int:
         """Groups a poll would be given now: queued redeliveries, ready groups and the prebuilt
         draft's."""
         return job_state.ready_count() + self.prebuilt.groups(job_state)
-
-    @property
-    def waiting_polls(self) -> int:
-        return self._waiting
 
     def forget(self) -> None:
         """This instance lost the job: what it remembered of its polls may be stale once it owns it

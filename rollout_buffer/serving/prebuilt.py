@@ -79,7 +79,7 @@ class Prebuilder:
         if d is None:
             return None, []
         # in a version order a group that became ready since may come before the draft's: rebuild
-        in_order = policy.serve_order == "ready" or not job_state.accumulator.ready
+        in_order = policy.serve_order == "ready" or not job_state.accumulator.snapshot.ready
         if (
             d.job_id == job_state.job_id
             and d.shape == shape

@@ -24,10 +24,15 @@ from rollout_buffer.core.errors import (
     StorageError,
     Unavailable,
 )
-from rollout_buffer.core.items import GroupItems, build_group, item_flags
+from rollout_buffer.core.items import (
+    Body,
+    GroupItems,
+    Malformed,
+    build_group,
+    item_flags,
+    response_chunks,
+)
 from rollout_buffer.core.model import Batch
-from rollout_buffer.core.response import Body, response_chunks
-from rollout_buffer.core.values import Malformed
 from rollout_buffer.runtime.jobs import JobState
 from rollout_buffer.storage.launcher_tables import fetch_rows, recorded_salvage, take_from_rows
 from rollout_buffer.storage.store import Pair, steady_wall

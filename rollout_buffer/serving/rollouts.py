@@ -26,10 +26,10 @@ from rollout_buffer.core.errors import (
 )
 from rollout_buffer.launcher.launcher import Launcher
 from rollout_buffer.launcher.supervisor import Supervisor
-from rollout_buffer.runtime.health import Health
 from rollout_buffer.runtime.jobs import Jobs
 from rollout_buffer.runtime.lease import Lease
 from rollout_buffer.runtime.locks import LOCK_WAIT_S, Locks
+from rollout_buffer.runtime.loop import Health
 from rollout_buffer.runtime.signals import Signals
 from rollout_buffer.serving.poll import Serving
 from rollout_buffer.serving.redelivery import redeliver

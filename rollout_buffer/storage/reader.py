@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 
 from rollout_buffer.core.census import StepFact
 from rollout_buffer.core.errors import StorageError
+from rollout_buffer.core.items import ingest_fields
 from rollout_buffer.core.model import Row
-from rollout_buffer.core.values import ingest_fields
 from rollout_buffer.storage import launcher_sql
 from rollout_buffer.storage.db import Database
 

@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from rollout_buffer.core.accounting import finite_sum
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import JobOwned, StorageError
-from rollout_buffer.core.figures import finite_sum
 from rollout_buffer.core.model import (
     DROPPED,
     INCOMPLETE_IN_SERVED,

@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from typing import IO, Any, TextIO
 
 from rollout_buffer.core.errors import RolloutBufferError, StorageError
-from rollout_buffer.core.items import GID, PARTIAL_FLAG, build_group
+from rollout_buffer.core.items import GID, PARTIAL_FLAG, Malformed, build_group, epoch
 from rollout_buffer.core.model import DROPPED, INCOMPLETE_IN_SERVED, REJECTED, SERVED
 from rollout_buffer.core.salvage import Recorded
-from rollout_buffer.core.values import Malformed, epoch
 from rollout_buffer.storage import launcher_sql, launcher_tables
 from rollout_buffer.storage.db import Database, connect
 from rollout_buffer.storage.exports import ExportPages

@@ -25,8 +25,10 @@ from rollout_buffer.core.items import (
     STEP,
     STEP_REWARD,
     TRUNCATED,
+    Malformed,
+    epoch,
+    weight_version,
 )
-from rollout_buffer.core.values import Malformed, epoch, weight_version
 from rollout_buffer.storage import launcher_sql
 
 # Positions of launcher_sql.EXPORT_EXTRA_COLUMNS after BODY_COLUMNS.

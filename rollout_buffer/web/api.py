@@ -25,8 +25,8 @@ from flask import Blueprint, Response, current_app, g, request
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import Invalid
 from rollout_buffer.core.hosts import host_name, is_loopback
+from rollout_buffer.core.items import iter_bytes
 from rollout_buffer.core.model import PollRequest
-from rollout_buffer.core.response import iter_bytes
 from rollout_buffer.service import Service
 from rollout_buffer.serving.redelivery import parse_skip
 from rollout_buffer.storage.store import LazyPair

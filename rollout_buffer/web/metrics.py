@@ -244,7 +244,8 @@ def render_metrics(service: Service) -> str:
                 if versions[kind] is not None
             ],
         )
-    polls = stats["polls"]
+    # one snapshot of the poll figures: the histogram's buckets, sum and count agree
+    polls = service.serving.stats.snapshot()
     out.metric(
         "polls_total", "counter", "POST /get_rollout_data calls answered.", [({}, polls["count"])]
     )
@@ -264,7 +265,7 @@ def render_metrics(service: Service) -> str:
     out.lines.append(f"# HELP {name} Time to answer POST /get_rollout_data.")
     out.lines.append(f"# TYPE {name} histogram")
     cumulative = 0
-    for bound, count in service.serving.stats.snapshot()["buckets"].items():
+    for bound, count in polls["buckets"].items():
         cumulative += count
         out.sample(
             name + "_bucket", {"le": "+Inf" if math.isinf(bound) else repr(bound)}, cumulative

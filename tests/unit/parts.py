@@ -10,10 +10,9 @@ from support import Writer, make_config, make_launcher_db
 from rollout_buffer.core.history import History
 from rollout_buffer.launcher.launcher import Launcher
 from rollout_buffer.launcher.supervisor import Supervisor
-from rollout_buffer.runtime.health import Health
 from rollout_buffer.runtime.jobs import Jobs, JobState
 from rollout_buffer.runtime.locks import Locks
-from rollout_buffer.runtime.loop import Loop
+from rollout_buffer.runtime.loop import Health, Loop
 from rollout_buffer.runtime.notifications import Outbox
 from rollout_buffer.runtime.proxy import ProxyNotifier
 from rollout_buffer.runtime.signals import Signals

@@ -8,9 +8,8 @@ import random
 
 import pytest
 
-from rollout_buffer.core.items import uid
-from rollout_buffer.core.values import History as _History
-from rollout_buffer.core.values import Malformed
+from rollout_buffer.core.items import History as _History
+from rollout_buffer.core.items import Malformed, uid
 
 NOISE = [
     b" ",
@@ -120,7 +119,7 @@ def test_uids_are_uuid4_shaped_and_depend_on_seed_and_pk():
 
 
 def test_json_nested_deeper_than_the_decoder_is_a_malformed_row_not_a_crash():
-    from rollout_buffer.core.values import weight_version
+    from rollout_buffer.core.items import weight_version
 
     deep = "[" * 5000 + "]" * 5000
     with pytest.raises(Malformed) as info:

@@ -66,9 +66,13 @@ def test_a_missing_launcher_table_is_waited_for_with_one_warning(
         pair = parts.conns.get()
         pair.source.execute("DROP TABLE session_steps")
         jobs = Jobs(parts.config, parts.outbox)
-        assert not jobs.launcher_tables_exist(pair.source)
-        assert not jobs.launcher_tables_exist(pair.source)
+        assert not jobs.find_launcher_tables(pair.source)  # a query: no warning
+        assert not [r for r in caplog.records if "session_steps" in r.getMessage()]
+        assert not jobs.wait_for_launcher_tables(pair.source)
+        assert not jobs.wait_for_launcher_tables(pair.source)
         warnings = [r for r in caplog.records if "session_steps does not exist" in r.getMessage()]
         assert len(warnings) == 1
+        pair.source.execute("CREATE TABLE session_steps (id INTEGER PRIMARY KEY)")
+        assert jobs.find_launcher_tables(pair.source) and jobs.wait_for_launcher_tables(pair.source)
     finally:
         parts.close()

@@ -5,6 +5,7 @@ tries it: no sleeps."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -86,3 +87,28 @@ def test_threads_waiting_for_the_serve_lock_are_counted_and_a_try_is_not() -> No
         assert not taken
     assert recording.seen == [(True, 1), (False, 0)]
     assert locks.serve_waiters == 0  # a refused wait leaves the count
+
+
+def test_the_loop_yields_to_a_poll_that_holds_the_serve_lock_for_a_bounded_time() -> None:
+    locks = Locks()
+    held, release = threading.Event(), threading.Event()
+
+    def poll() -> None:
+        with locks.serving():
+            held.set()
+            release.wait(5.0)
+
+    thread = threading.Thread(target=poll)
+    thread.start()
+    held.wait(5.0)
+    with locks.ticking():  # the loop holds the tick lock while it ingests: the order allows it
+        started = time.monotonic()
+        locks.yield_to_polls(0.2)  # the poll holds the serve lock: the loop waits for it
+        waited = time.monotonic() - started
+        release.set()
+        thread.join(5.0)
+        started = time.monotonic()
+        locks.yield_to_polls(0.2)  # no poll: no wait
+        free = time.monotonic() - started
+    assert 0.15 <= waited < 1.0 and free < 0.05
+    assert locks.holding() == []

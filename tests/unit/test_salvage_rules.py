@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from rollout_buffer.core.accumulator import Accumulator
+from rollout_buffer.core.accumulator import PIECE, Accumulator
 from rollout_buffer.core.census import StepFact
 from rollout_buffer.core.config import Config
 from rollout_buffer.core.errors import ConfigError
@@ -148,6 +148,55 @@ def test_a_change_of_k_counts_a_salvaged_groups_truncated_sessions() -> None:
     assert take.salvage is not None
     assert take.salvage.sessions == {"b": "step_cap", "c": "step_cap"}
     assert take.salvage.reason == "incomplete_group_ttl"
+
+
+def capped_group(k: int, listed: str) -> Accumulator:
+    """Group g of the ``listed`` sessions: a completed, b at the step cap (3), under K ``k``."""
+    acc = Accumulator("j", k, policy=Policy(salvage="truncate"), max_steps=3)
+    acc.observe([(sid, "g") for sid in listed], [])
+    acc.ingest([Row(1, "a", "g", 1, 2, 1.0, 0)])
+    acc.observe([], [StepFact("b", "g", 3, False)])  # b reached the step cap
+    return acc
+
+
+def test_a_capped_group_is_salvaged_when_its_last_session_ends_in_any_piece_of_a_batch() -> None:
+    """Ingest holds the lock a piece at a time: the piece with the last session's end salvages the
+    capped group, whatever the rows before it in the batch."""
+    acc = capped_group(3, "abc")
+    acc.ingest([Row(2, "c", "g", 0, 1, None, 0)])  # c still runs: g waits for it
+    assert acc.snapshot.ready == 0 and acc.capped == {"g"}
+    others = [Row(10 + i, f"s{i}", f"other{i}", 0, 1, None, 0) for i in range(PIECE * 2)]
+    plan = acc.ingest([*others, Row(9999, "c", "g", 1, 2, 0.5, 0)])  # c completes
+    assert plan.newly_ready == 1 and not plan.drops and acc.capped == set()
+    (take,) = acc.take_ready(None)
+    assert take.group_id == "g" and take.salvage is not None
+    assert take.salvage.sessions == {"b": "step_cap"} and set(take.completed) == {"a", "b", "c"}
+
+
+def test_a_lowered_k_salvages_a_capped_group_whose_sessions_all_ended() -> None:
+    """a completed and b capped are 2, short of K 3: g waits (for the TTL). K lowered to 2 is what
+    it waited for: salvaged now, not at the TTL or at some later row."""
+    acc = capped_group(3, "ab")
+    assert acc.snapshot.ready == 0 and acc.capped == {"g"}
+    newly_ready, plan = acc.set_k(2)
+    assert newly_ready == 1 and not plan.drops and acc.capped == set()
+    (take,) = acc.take_ready(None)
+    assert take.salvage is not None and take.salvage.sessions == {"b": "step_cap"}
+
+
+def test_a_capped_group_decided_otherwise_is_forgotten() -> None:
+    """A capped group dropped at the TTL (a listed session never wrote a row) leaves nothing."""
+    clock = [0.0]
+    acc = Accumulator(
+        "j", 3, clock=lambda: clock[0], policy=Policy(salvage="truncate"), max_steps=3
+    )
+    acc.observe([("a", "g"), ("b", "g"), ("c", "g")], [])
+    acc.ingest([Row(1, "a", "g", 1, 2, 1.0, 0), Row(2, "b", "g", 0, 3, None, 0)])
+    assert acc.capped == {"g"}  # c never wrote a row: g cannot be salvaged yet
+    clock[0] = 100.0
+    plan = acc.expire(50.0)
+    assert [d.reason for d in plan.drops] == ["incomplete_group_ttl"]
+    assert acc.capped == set()
 
 
 def test_a_batch_checks_only_the_waiting_groups_it_can_change(

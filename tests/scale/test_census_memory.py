@@ -7,7 +7,11 @@ from __future__ import annotations
 import tracemalloc
 import uuid
 
+import pytest
+
 from rollout_buffer.core.census import Census, StepFact
+
+pytestmark = pytest.mark.slow  # tens of thousands of sessions, measured: the slow tier
 
 
 def test_a_decided_groups_sessions_cost_little_and_late_rows_nothing() -> None:
