@@ -72,16 +72,14 @@ def _served_job(srv_url: str, db_url: str, token: str | None) -> dict:
         w.group("gc", 2, steps=2, complete=1)
     finally:
         w.close()
-    wait_until(
-        lambda: (
-            requests.get(srv_url + "/status", headers=headers, timeout=10).json()["stats"][
-                "groups"
-            ]["ready"]
-            == 2
-        ),
-        15,
-        "2 groups ready",
-    )
+
+    def all_read() -> bool:
+        # every row written is read (14), so the figures the page shows later are these: waiting
+        # for the 2 ready groups alone let gc's rows arrive after the figures were taken
+        stats = requests.get(srv_url + "/status", headers=headers, timeout=10).json()["stats"]
+        return stats["groups"]["ready"] == 2 and stats["rows"]["read"] == 14
+
+    wait_until(all_read, 15, "2 groups ready and every row read")
     r = requests.post(srv_url + "/get_rollout_data", json={}, headers=headers, timeout=10)
     assert r.json()["success"] is True
 
