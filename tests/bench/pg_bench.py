@@ -27,25 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 BENCH = os.environ.get("BENCH_DIR", os.path.join(os.path.dirname(ROOT), "shared", "bench"))
 sys.path.insert(0, ROOT)
 
-COLUMNS = (
-    "id",
-    "session_id",
-    "step_id",
-    "env_name",
-    "llm_model",
-    "group_id",
-    "job_id",
-    "messages",
-    "response",
-    "step_reward",
-    "reward",
-    "env_state",
-    "is_terminal",
-    "is_truncated",
-    "is_session_completed",
-    "is_trainable",
-    "created_at",
-)
+from rollout_buffer.storage.launcher_sql import STEP_COLUMNS  # noqa: E402
+
+COLUMNS = ("id", *STEP_COLUMNS)
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:

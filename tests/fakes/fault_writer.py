@@ -21,24 +21,9 @@ import sys
 import time
 from typing import Any
 
-COLUMNS = (
-    "session_id",
-    "step_id",
-    "env_name",
-    "llm_model",
-    "group_id",
-    "job_id",
-    "messages",
-    "response",
-    "step_reward",
-    "reward",
-    "env_state",
-    "is_terminal",
-    "is_truncated",
-    "is_session_completed",
-    "is_trainable",
-    "created_at",
-)
+from rollout_buffer.storage.launcher_sql import STEP_COLUMNS
+
+COLUMNS = STEP_COLUMNS  # the launcher's columns, as storage names them
 # Columns a row may give as {"bytes_hex": ...}: bound as bytes, stored as BLOB or (cast) invalid
 # TEXT.
 BLOB_KINDS = {"blob", "text_bytes"}

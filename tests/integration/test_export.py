@@ -21,6 +21,7 @@ import pytest
 from support import Writer, groups_of, now_text, run_on_a_terminal, wait_until
 
 from rollout_buffer.storage.db import connect
+from rollout_buffer.storage.launcher_sql import STEP_COLUMNS
 from rollout_buffer.tools import export as export_mod
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -302,24 +303,6 @@ def test_round_trip_export_replay_drain(harness, writer, db_url, tmp_path):
 # ---------------------------------------------------------------------
 
 DEEP = 2000
-STEP_COLUMNS = (
-    "session_id",
-    "step_id",
-    "env_name",
-    "llm_model",
-    "group_id",
-    "job_id",
-    "messages",
-    "response",
-    "step_reward",
-    "reward",
-    "env_state",
-    "is_terminal",
-    "is_truncated",
-    "is_session_completed",
-    "is_trainable",
-    "created_at",
-)
 
 
 def _raw_step(
