@@ -509,6 +509,16 @@ class Config:
                     "a literal brace "
                     "as {{ or }}"
                 ) from None
+        if (
+            self.pacing == "gate"
+            and self.launcher_cmd
+            and not any("{llm_base_url}" in arg for arg in self.launcher_cmd)
+        ):
+            raise ConfigError(
+                f"{PREFIX}PACING=gate: {PREFIX}LAUNCHER_CMD must hand the launcher the gate's URL "
+                "as {llm_base_url} (e.g. --llm-base-url {llm_base_url}); without it the "
+                "launcher's model calls bypass the gate, with no concurrency limit of its own"
+            )
         if self.pacing == "gate" and not self.gate_secret and not is_loopback(self.gate_host):
             raise ConfigError(
                 f"{PREFIX}GATE_HOST={self.gate_host!r} is beyond loopback: anyone who reaches it "
