@@ -378,8 +378,11 @@ class Gate:
                 self._release(waiter, "gone")
         if verdict in ("not_listed", "max_hold"):
             raise Refused(verdict, _HELD_MESSAGES[verdict])
-        listed = self.budget.group_of(session)
-        assert listed is not None
+        with budget.lock:
+            budget.read_inbox()
+            listed = budget.group_of(session)
+        if listed is None:  # its job ended since it was let go (GET /admission read the news)
+            raise Refused("not_listed", _HELD_MESSAGES["not_listed"])
         return listed[0]
 
     # -- forwarding ---------------------------------------------------------------------------
