@@ -321,3 +321,33 @@ def test_pacing_on_without_its_extra_refuses_to_start_naming_it(tmp_path: Path) 
     assert "pip install 'rollout-buffer[pacing]'" in proc.stdout + proc.stderr
     with pytest.raises(requests.ConnectionError):
         requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+def test_removed_pacing_settings_start_with_one_warning_each_and_an_unknown_one_refuses(
+    lite_url: str, tmp_path: Path
+) -> None:
+    """Item 8, in the real service (gunicorn reads the settings in more than one process): each
+    removed setting is one warning naming what replaced it; a name that never existed refuses."""
+    removed = {
+        "ROLLOUT_BUFFER_PACING_IDLE_GAP_SECONDS": "ROLLOUT_BUFFER_PACING_BATCH_GROUPS",
+        "ROLLOUT_BUFFER_PACING_SPARE_WASTE": "ROLLOUT_BUFFER_PACING_SESSION_TIMEOUT_SECONDS",
+    }
+    with FakeLLM() as llm:
+        srv = paced(lite_url, tmp_path, llm, 1, **dict.fromkeys(removed, "5"))
+        srv.start()
+        try:
+            assert requests.get(srv.url + "/health", timeout=10).status_code == 200
+        finally:
+            srv.stop()
+    lines = srv.log_path.read_text().splitlines()
+    for name, replacement in removed.items():
+        said = [line for line in lines if name in line and "--- start" not in line]
+        assert len(said) == 1 and replacement in said[0], said
+    env = server_env(
+        lite_url, tmp_path / "unknown", extra={"ROLLOUT_BUFFER_PACING_BATCHGROUPS": "4"}
+    )
+    proc = subprocess.run(
+        serve_argv(free_port()), env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode != 0
+    assert "unknown setting ROLLOUT_BUFFER_PACING_BATCHGROUPS" in proc.stderr
