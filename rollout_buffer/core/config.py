@@ -169,7 +169,8 @@ class Config:
         command_line,
         "override the launcher command (split like a shell, never run by one); {job_id}, {k}, "
         "{db_url}, {storage_type}, {llm_base_url} (the proxy's, or the pacing gate's) are "
-        "substituted, and --job-id/--rl-group-size appended if absent",
+        "substituted, and --job-id/--rl-group-size appended if absent; with pacing on it must "
+        "pass {llm_base_url}",
     )
     simulate_args: tuple[str, ...] | None = setting(
         PREFIX + "SIMULATE_ARGS",
