@@ -672,6 +672,9 @@ CONSTANTS: tuple[dataclasses.Field[Any], ...] = tuple(
     f for f in dataclasses.fields(Config) if "constant" in f.metadata
 )
 
+# Settings whose value is a secret: an error about one never shows the value.
+SECRETS = (PREFIX + "TOKEN", PREFIX + "GATE_SECRET")
+
 # Every variable a setting reads, aliases included: any other ROLLOUT_BUFFER_* is a typo.
 KNOWN_ENV = {s.env for s in SETTINGS} | {a for s in SETTINGS for a in s.aliases}
 
@@ -735,7 +738,10 @@ def read_settings(env: Mapping[str, str]) -> dict[str, Any]:
         try:
             values[s.field] = s.parse(raw)
         except ValueError as exc:
-            raise ConfigError(redact(f"{name}={raw!r} is invalid: expected {exc}")) from None
+            shown = (
+                " (its value not shown)" if name in SECRETS else f"={raw!r}"
+            )  # a near-miss is a secret too
+            raise ConfigError(redact(f"{name}{shown} is invalid: expected {exc}")) from None
     return values
 
 

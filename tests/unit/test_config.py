@@ -172,6 +172,16 @@ def test_a_gate_beyond_loopback_needs_a_secret():
         Config.from_env({"ROLLOUT_BUFFER_PACING": "gate"})
 
 
+def test_an_invalid_gate_secret_is_not_shown_in_the_error():
+    """Issue 34: no message shows the gate's secret. A base64 one (``openssl rand -base64``) has
+    ``+``, ``/`` or ``=``: refused, and the error does not print it to the terminal or the log."""
+    near_miss = "q8Zr+T1/vX0pL2mN4bC6dE=="
+    with pytest.raises(ConfigError) as exc:
+        Config.from_env({"ROLLOUT_BUFFER_GATE_SECRET": near_miss})
+    assert "ROLLOUT_BUFFER_GATE_SECRET" in str(exc.value) and "16-256" in str(exc.value)
+    assert near_miss not in str(exc.value) and "q8Zr" not in str(exc.value)
+
+
 def test_pacing_on_without_its_extra_refuses_to_start_naming_it(monkeypatch):
     import builtins
 
