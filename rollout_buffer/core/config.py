@@ -169,7 +169,8 @@ class Config:
         command_line,
         "override the launcher command (split like a shell, never run by one); {job_id}, {k}, "
         "{db_url}, {storage_type}, {llm_base_url} (the proxy's, or the pacing gate's) are "
-        "substituted, and --job-id/--rl-group-size appended if absent",
+        "substituted, and --job-id/--rl-group-size appended if absent; with pacing on it must "
+        "pass {llm_base_url}",
     )
     simulate_args: tuple[str, ...] | None = setting(
         PREFIX + "SIMULATE_ARGS",
@@ -509,6 +510,16 @@ class Config:
                     "a literal brace "
                     "as {{ or }}"
                 ) from None
+        if (
+            self.pacing == "gate"
+            and self.launcher_cmd
+            and not any("{llm_base_url}" in arg for arg in self.launcher_cmd)
+        ):
+            raise ConfigError(
+                f"{PREFIX}PACING=gate: {PREFIX}LAUNCHER_CMD must hand the launcher the gate's URL "
+                "as {llm_base_url} (e.g. --llm-base-url {llm_base_url}); without it the "
+                "launcher's model calls bypass the gate, with no concurrency limit of its own"
+            )
         if self.pacing == "gate" and not self.gate_secret and not is_loopback(self.gate_host):
             raise ConfigError(
                 f"{PREFIX}GATE_HOST={self.gate_host!r} is beyond loopback: anyone who reaches it "
@@ -661,6 +672,9 @@ CONSTANTS: tuple[dataclasses.Field[Any], ...] = tuple(
     f for f in dataclasses.fields(Config) if "constant" in f.metadata
 )
 
+# Settings whose value is a secret: an error about one never shows the value.
+SECRETS = (PREFIX + "TOKEN", PREFIX + "GATE_SECRET")
+
 # Every variable a setting reads, aliases included: any other ROLLOUT_BUFFER_* is a typo.
 KNOWN_ENV = {s.env for s in SETTINGS} | {a for s in SETTINGS for a in s.aliases}
 
@@ -724,7 +738,10 @@ def read_settings(env: Mapping[str, str]) -> dict[str, Any]:
         try:
             values[s.field] = s.parse(raw)
         except ValueError as exc:
-            raise ConfigError(redact(f"{name}={raw!r} is invalid: expected {exc}")) from None
+            shown = (
+                " (its value not shown)" if name in SECRETS else f"={raw!r}"
+            )  # a near-miss is a secret too
+            raise ConfigError(redact(f"{name}{shown} is invalid: expected {exc}")) from None
     return values
 
 

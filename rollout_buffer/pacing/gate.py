@@ -253,12 +253,16 @@ class Gate:
         """(Budget lock held.) What becomes of a held call now: ``go``, ``admitted`` (its group
         starts), a refusal's reason, or None (held on)."""
         listed = self.budget.group_of(waiter.session)
+        held_s = now - waiter.arrived
         if listed is None:
-            return "not_listed" if now - waiter.arrived >= NOT_LISTED_WAIT_S else None
+            if held_s >= NOT_LISTED_WAIT_S:
+                return "not_listed"
+            # (a hold limit below 10 s bounds an unlisted session's call too)
+            return "max_hold" if held_s >= self.limits.max_hold_s else None
         group, waiter.place = listed[0], listed[1]
         if self.budget.runs(group):
             return "go"
-        if now - waiter.arrived >= self.limits.max_hold_s:
+        if held_s >= self.limits.max_hold_s:
             return "max_hold"
         if free > 0:
             self.budget.admit(group)
@@ -374,8 +378,11 @@ class Gate:
                 self._release(waiter, "gone")
         if verdict in ("not_listed", "max_hold"):
             raise Refused(verdict, _HELD_MESSAGES[verdict])
-        listed = self.budget.group_of(session)
-        assert listed is not None
+        with budget.lock:
+            budget.read_inbox()
+            listed = budget.group_of(session)
+        if listed is None:  # its job ended since it was let go (GET /admission read the news)
+            raise Refused("not_listed", _HELD_MESSAGES["not_listed"])
         return listed[0]
 
     # -- forwarding ---------------------------------------------------------------------------

@@ -40,14 +40,14 @@ def secret(name: str) -> str:
     return f"secret-of-{name}-0123456789"
 
 
-def paced(url: str, tmp_path: Path, name: str, llm: FakeLLM) -> Server:
+def paced(url: str, tmp_path: Path, name: str, llm: FakeLLM, gate_port: int | None) -> Server:
     port = free_port()
     env = {
         "ROLLOUT_BUFFER_ADVERTISE_URL": f"http://127.0.0.1:{port}",
         "ROLLOUT_BUFFER_LEASE_SECONDS": str(LEASE_S),
         "ROLLOUT_BUFFER_NAME": "paced",
         "ROLLOUT_BUFFER_PACING": "gate",
-        "ROLLOUT_BUFFER_GATE_PORT": str(free_port()),
+        "ROLLOUT_BUFFER_GATE_PORT": str(gate_port or free_port()),
         "ROLLOUT_BUFFER_GATE_SECRET": secret(name),  # each its own: the launcher keeps a's
         "ROLLOUT_BUFFER_PACING_STALENESS": "1",
         "ROLLOUT_BUFFER_PACING_BATCH_GROUPS": "2",
@@ -107,10 +107,13 @@ class Trainer:
         assert self.error is None, f"the trainer failed: {self.error!r}"
 
 
-def run(pg_url: str, tmp_path: Path, how: str) -> None:
+def run(pg_url: str, tmp_path: Path, how: str, gate_port: int | None = None) -> None:
+    """``gate_port``: both instances configured with that ROLLOUT_BUFFER_GATE_PORT (None: each
+    its own)."""
     make_launcher_db(pg_url)
     with FakeLLM(delay_s=0.05) as llm:
-        a, b = paced(pg_url, tmp_path, "a", llm), paced(pg_url, tmp_path, "b", llm)
+        a = paced(pg_url, tmp_path, "a", llm, gate_port)
+        b = paced(pg_url, tmp_path, "b", llm, gate_port)
         try:
             a.start()
             wait_until(lambda: role(a) == "owner", 15, "a owns the job")
@@ -182,6 +185,13 @@ def fail_over(a: Server, b: Server, how: str, gate: str, llm: FakeLLM) -> float:
 @pytest.mark.parametrize("how", ["sigterm", "kill9"])
 def test_a_same_host_standby_serves_the_adopted_launchers_gate(tmp_path, pg_url, how):
     run(pg_url, tmp_path, how)
+
+
+def test_a_standby_configured_with_the_owners_gate_port_starts_and_serves_it(tmp_path, pg_url):
+    """Issue 34: with one fixed ROLLOUT_BUFFER_GATE_PORT on both (an operator's one config), the
+    standby did not start at all. It starts (only the owner listens), and serves the gate on that
+    port when the owner stops."""
+    run(pg_url, tmp_path, "sigterm", gate_port=free_port())
 
 
 def test_a_paused_owner_closes_its_gate_when_it_wakes_and_the_new_owner_serves_it(tmp_path, pg_url):

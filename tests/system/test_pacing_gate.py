@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import resource
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -22,10 +24,11 @@ from typing import Any
 import pytest
 import requests
 from fakes.fake_llm import FakeLLM
-from servers import Server, complete_groups, free_port, kill9
-from support import wait_until
+from servers import Server, complete_groups, free_port, kill9, server_env
+from support import make_launcher_db, wait_until
 
 from rollout_buffer.client import BufferClient
+from rollout_buffer.tools.runner import serve_argv
 
 pytestmark = pytest.mark.slow
 
@@ -289,3 +292,62 @@ def test_a_long_polling_trainer_waits_no_longer_after_its_first_step(
         finally:
             srv.stop()
     assert max(waits[1:]) <= waits[0] + 2.0, f"waits per step {waits}"
+
+
+def test_pacing_on_without_its_extra_refuses_to_start_naming_it(tmp_path: Path) -> None:
+    """Item 7: the real service, ``python -m rollout_buffer serve``, with pacing on where h11
+    cannot be imported (a package of that name that fails, first on the path): it exits, saying
+    which extra to install, and nothing answers on its port."""
+    shadow = tmp_path / "shadow" / "h11"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named h11')\n")
+    url = "sqlite://" + str(tmp_path / "launcher.db")
+    make_launcher_db(url)
+    env = server_env(
+        url,
+        tmp_path / "logs",
+        extra={
+            "ROLLOUT_BUFFER_PACING": "gate",
+            "LLM_PROXY_HOST": "127.0.0.1",
+            "LLM_PROXY_PORT": "9",
+        },
+    )
+    env["PYTHONPATH"] = os.pathsep.join((str(shadow.parent), env["PYTHONPATH"]))
+    port = free_port()
+    proc = subprocess.run(
+        serve_argv(port), env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "pip install 'rollout-buffer[pacing]'" in proc.stdout + proc.stderr
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
+
+
+def test_removed_pacing_settings_start_with_one_warning_each_and_an_unknown_one_refuses(
+    lite_url: str, tmp_path: Path
+) -> None:
+    """Item 8, in the real service (gunicorn reads the settings in more than one process): each
+    removed setting is one warning naming what replaced it; a name that never existed refuses."""
+    removed = {
+        "ROLLOUT_BUFFER_PACING_IDLE_GAP_SECONDS": "ROLLOUT_BUFFER_PACING_BATCH_GROUPS",
+        "ROLLOUT_BUFFER_PACING_SPARE_WASTE": "ROLLOUT_BUFFER_PACING_SESSION_TIMEOUT_SECONDS",
+    }
+    with FakeLLM() as llm:
+        srv = paced(lite_url, tmp_path, llm, 1, **dict.fromkeys(removed, "5"))
+        srv.start()
+        try:
+            assert requests.get(srv.url + "/health", timeout=10).status_code == 200
+        finally:
+            srv.stop()
+    lines = srv.log_path.read_text().splitlines()
+    for name, replacement in removed.items():
+        said = [line for line in lines if name in line and "--- start" not in line]
+        assert len(said) == 1 and replacement in said[0], said
+    env = server_env(
+        lite_url, tmp_path / "unknown", extra={"ROLLOUT_BUFFER_PACING_BATCHGROUPS": "4"}
+    )
+    proc = subprocess.run(
+        serve_argv(free_port()), env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode != 0
+    assert "unknown setting ROLLOUT_BUFFER_PACING_BATCHGROUPS" in proc.stderr

@@ -172,6 +172,16 @@ def test_a_gate_beyond_loopback_needs_a_secret():
         Config.from_env({"ROLLOUT_BUFFER_PACING": "gate"})
 
 
+def test_an_invalid_gate_secret_is_not_shown_in_the_error():
+    """Issue 34: no message shows the gate's secret. A base64 one (``openssl rand -base64``) has
+    ``+``, ``/`` or ``=``: refused, and the error does not print it to the terminal or the log."""
+    near_miss = "q8Zr+T1/vX0pL2mN4bC6dE=="
+    with pytest.raises(ConfigError) as exc:
+        Config.from_env({"ROLLOUT_BUFFER_GATE_SECRET": near_miss})
+    assert "ROLLOUT_BUFFER_GATE_SECRET" in str(exc.value) and "16-256" in str(exc.value)
+    assert near_miss not in str(exc.value) and "q8Zr" not in str(exc.value)
+
+
 def test_pacing_on_without_its_extra_refuses_to_start_naming_it(monkeypatch):
     import builtins
 
@@ -201,6 +211,18 @@ def test_the_launcher_template_takes_the_model_base_url():
         }
     )
     assert launch_spec(c, "j", 1).argv[:3] == ("run", "--base", "http://proxy:9/v1")
+
+
+def test_pacing_on_refuses_a_launcher_command_that_bypasses_the_gate():
+    """Issue 34, item 7: with pacing on, the launcher's command must take the gate's URL as
+    {llm_base_url}: without it the launcher calls the proxy directly, unpaced, and with
+    AIEVOBOX_LLM_MAX_CONCURRENCY=0 it would have no concurrency limit either."""
+    gate = {"ROLLOUT_BUFFER_PACING": "gate", "LLM_PROXY_HOST": "127.0.0.1", "LLM_PROXY_PORT": "8"}
+    bypass = "python3 launcher.py --llm-base-url http://127.0.0.1:8/v1"
+    with pytest.raises(ConfigError, match=r"must hand the launcher the gate's URL as \{llm_base"):
+        Config.from_env({**gate, "ROLLOUT_BUFFER_LAUNCHER_CMD": bypass})
+    Config.from_env({**gate, "ROLLOUT_BUFFER_LAUNCHER_CMD": "run --llm-base-url={llm_base_url}"})
+    Config.from_env({"ROLLOUT_BUFFER_LAUNCHER_CMD": bypass})  # pacing off: the proxy's own
 
 
 def test_the_thresholds_that_became_constants_warn_once_and_are_ignored(caplog):
