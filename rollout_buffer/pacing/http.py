@@ -23,7 +23,7 @@ from urllib.parse import quote, unquote
 import h11
 
 MAX_HEAD_BYTES = 64 * 1024
-ANSWER_KEPT_BYTES = 1024 * 1024  # a copy of an answer up to this size is read for its version
+ANSWER_KEPT_BYTES = 128 * 1024  # a copy of an answer up to this size is read for its version
 CONNECT_TIMEOUT_S = 10.0
 STATUS = {
     "path": 404,
