@@ -166,13 +166,11 @@ class Budget:
         return DEFAULT_BATCH_GROUPS, "default"
 
     def steps(self) -> int | None:
-        """The trainer's steps completed, from its polls' versions, else from the rows' once they
-        moved; None: no version says."""
+        """The trainer's steps completed, from its polls' versions, else from the rows' (since
+        the first version they showed); None: no version says."""
         for source in ("poll", "rows"):
             if source in self.version:
-                steps = self.version[source] - self.first[source]
-                if source == "poll" or steps > 0:
-                    return steps
+                return self.version[source] - self.first[source]
         return None
 
     def _holds(self, steps: int | None) -> int:
