@@ -18,8 +18,8 @@ class's own lock.
   nothing of it moved for that long. That decides nothing about its data.
 - The trainer holds what it was served less B for each step it completed. Its steps are the
   weight versions it advanced: the ``current_weight_version`` its polls send, else the newest
-  version of the rows once they show two (or of the answers the gate relays, which rows show a
-  flush later). A trainer that polls lacks groups for its step, so it
+  version of the rows (or of the answers the gate relays, which rows show a flush later), counted
+  from the first version they showed. A trainer that polls lacks groups for its step, so it
   held at most B - 1 when its last poll arrived, plus what it was served since. With no version,
   what it was served since its last poll arrived counts.
 
