@@ -18,7 +18,8 @@ class's own lock.
   nothing of it moved for that long. That decides nothing about its data.
 - The trainer holds what it was served less B for each step it completed. Its steps are the
   weight versions it advanced: the ``current_weight_version`` its polls send, else the newest
-  version of the rows once they show two. A trainer that polls lacks groups for its step, so it
+  version of the rows (or of the answers the gate relays, which rows show a flush later), counted
+  from the first version they showed. A trainer that polls lacks groups for its step, so it
   held at most B - 1 when its last poll arrived, plus what it was served since. With no version,
   what it was served since its last poll arrived counts.
 
@@ -165,13 +166,11 @@ class Budget:
         return DEFAULT_BATCH_GROUPS, "default"
 
     def steps(self) -> int | None:
-        """The trainer's steps completed, from its polls' versions, else from the rows' once they
-        moved; None: no version says."""
+        """The trainer's steps completed, from its polls' versions, else from the rows' (since
+        the first version they showed); None: no version says."""
         for source in ("poll", "rows"):
             if source in self.version:
-                steps = self.version[source] - self.first[source]
-                if source == "poll" or steps > 0:
-                    return steps
+                return self.version[source] - self.first[source]
         return None
 
     def _holds(self, steps: int | None) -> int:
@@ -248,6 +247,18 @@ class Budget:
         called = state.sessions.setdefault(session, Session(now))
         called.in_flight = max(0, called.in_flight + delta)
         called.since = now
+
+    def answered(self, group: str, version: int) -> None:
+        """The proxy stamped ``version`` on an answer to a call of the group: what its row will
+        show once the launcher writes it (every few seconds), so the rows' newest version, seen
+        sooner. It counts for a group of this job, once rows showed a version (the accumulator
+        vouches that versions are plausible), and at most S + 1 above the newest seen: holding at
+        most (S + 1) x B groups, the trainer makes at most S + 1 steps that no row shows."""
+        if not self.runs(group) or "rows" not in self.version:
+            return
+        newest = self.version["rows"]
+        if newest < version <= newest + self.staleness[0] + 1:
+            self._saw_version("rows", version)
 
     def report(self) -> dict[str, Any]:
         """(Lock held.) ``GET /admission``'s figures of the budget."""

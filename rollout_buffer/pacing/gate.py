@@ -335,17 +335,22 @@ class Gate:
         body = await read_body(reader, writer, conn, request, limits.max_body_bytes, limits.stall_s)
         group = await self._admit(session, len(body), reader)
         self.budget_call(group, session, +1)
+        version = None
         try:
-            if await forward(self.upstream, request, session, body, reader, writer, conn):
+            relayed = await forward(self.upstream, request, session, body, reader, writer, conn)
+            version = relayed.weight_version
+            if relayed.answered:
                 self.forwarded += 1
             else:
                 self.upstream_errors += 1
         finally:
-            self.budget_call(group, session, -1)
+            self.budget_call(group, session, -1, version)
 
-    def budget_call(self, group: str, session: str, delta: int) -> None:
+    def budget_call(self, group: str, session: str, delta: int, version: int | None = None) -> None:
         with self.budget.lock:
             self.budget.call(group, session, delta)
+            if version is not None:
+                self.budget.answered(group, version)
 
     async def _admit(self, session: str, size: int, reader: asyncio.StreamReader) -> str:
         """Wait until the session's call may go; its group. Raises Refused (not listed, the

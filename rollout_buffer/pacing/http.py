@@ -23,6 +23,7 @@ from urllib.parse import quote, unquote
 import h11
 
 MAX_HEAD_BYTES = 64 * 1024
+ANSWER_KEPT_BYTES = 128 * 1024  # a copy of an answer up to this size is read for its version
 CONNECT_TIMEOUT_S = 10.0
 STATUS = {
     "path": 404,
@@ -65,6 +66,14 @@ class Address(NamedTuple):
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}{self.base_path}"
+
+
+class Relayed(NamedTuple):
+    """A forwarded call: whether the proxy answered (False: no answer, or not HTTP), and the
+    weight version its answer carries (None: none, or not read)."""
+
+    answered: bool
+    weight_version: int | None = None
 
 
 class Refused(Exception):
@@ -182,9 +191,9 @@ async def forward(
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     conn: h11.Connection,
-) -> bool:
-    """Forward the call to the proxy (``upstream``) and its answer back; False when the proxy
-    failed (no answer, or not HTTP). A client that leaves ends the call at the proxy too."""
+) -> Relayed:
+    """Forward the call to the proxy (``upstream``) and its answer back. A client that leaves
+    ends the call at the proxy too."""
     relay = asyncio.ensure_future(_relay(upstream, request, session, body, writer, conn))
     gone = asyncio.ensure_future(reader.read(1))
     try:
@@ -195,7 +204,9 @@ async def forward(
     finally:
         gone.cancel()
         relay.cancel()
-    return relay.done() and not relay.cancelled() and relay.exception() is None and relay.result()
+    if relay.done() and not relay.cancelled() and relay.exception() is None:
+        return relay.result()
+    return Relayed(False)
 
 
 async def _relay(
@@ -205,7 +216,7 @@ async def _relay(
     body: bytes,
     writer: asyncio.StreamWriter,
     conn: h11.Connection,
-) -> bool:
+) -> Relayed:
     host, port = upstream
     try:
         up_reader, up_writer = await asyncio.wait_for(
@@ -214,7 +225,7 @@ async def _relay(
     except (OSError, asyncio.TimeoutError) as exc:
         # a 502: the launcher's client retries it (SPEC §5)
         await answer(writer, conn, Refused("", f"the LLM proxy cannot be reached: {exc}"), 502)
-        return False
+        return Relayed(False)
     up = h11.Connection(h11.CLIENT)
     headers = [(n, v) for n, v in request.headers if n not in HOP_BY_HOP]
     headers += [(b"host", f"{host}:{port}".encode()), (b"connection", b"close")]
@@ -223,14 +234,14 @@ async def _relay(
     try:
         up_writer.write(up.send(h11.Request(method=b"POST", target=target, headers=headers)))
         up_writer.write(up.send(h11.Data(data=body)) + up.send(h11.EndOfMessage()))
-        await _answer_back(up, up_reader, writer, conn)
+        kept = await _answer_back(up, up_reader, writer, conn)
     except h11.RemoteProtocolError as exc:
         if conn.our_state is h11.SEND_RESPONSE:
             await answer(writer, conn, Refused("", f"the LLM proxy's answer: {exc}"), 502)
-        return False
+        return Relayed(False)
     finally:
         up_writer.close()
-    return True
+    return Relayed(True, weight_version(kept))
 
 
 async def _answer_back(
@@ -238,7 +249,10 @@ async def _answer_back(
     up_reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     conn: h11.Connection,
-) -> None:
+) -> bytes | None:
+    """Relay the proxy's answer; a copy of its body when it is a 200 of at most ANSWER_KEPT_BYTES
+    (for its weight version), else None."""
+    kept: bytearray | None = None
     while True:
         event = up.next_event()
         if event is h11.NEED_DATA:
@@ -247,18 +261,39 @@ async def _answer_back(
         if isinstance(event, h11.InformationalResponse):
             continue  # (103 Early Hints: not for a model call's client; 100 was answered)
         if isinstance(event, h11.Response):
-            kept = [(n, v) for n, v in event.headers if n not in HOP_BY_HOP - {b"content-length"}]
-            kept.append((b"connection", b"close"))  # one call per connection
-            writer.write(conn.send(h11.Response(status_code=event.status_code, headers=kept)))
+            headers = [
+                (n, v) for n, v in event.headers if n not in HOP_BY_HOP - {b"content-length"}
+            ]
+            headers.append((b"connection", b"close"))  # one call per connection
+            writer.write(conn.send(h11.Response(status_code=event.status_code, headers=headers)))
+            kept = bytearray() if event.status_code == 200 else None
         elif isinstance(event, h11.Data):
             writer.write(conn.send(h11.Data(data=event.data)))
+            if kept is not None:
+                kept += event.data
+                if len(kept) > ANSWER_KEPT_BYTES:
+                    kept = None
         elif isinstance(event, h11.EndOfMessage):
             writer.write(conn.send(h11.EndOfMessage()))
             await writer.drain()
-            return
+            return None if kept is None else bytes(kept)
         else:  # the proxy closed early: the client sees its answer cut, and retries
             raise ConnectionError("the LLM proxy closed the connection mid-answer")
         await writer.drain()
+
+
+def weight_version(body: bytes | None) -> int | None:
+    """The ``metadata.weight_version`` the proxy stamped on an answer (SPEC §2: what the launcher
+    records in the row's ``env_state``); None when there is none, or it is not an integer."""
+    if not body:
+        return None
+    try:
+        doc = json.loads(body)
+    except ValueError:  # (not JSON: a stream of events, say)
+        return None
+    metadata = doc.get("metadata") if isinstance(doc, dict) else None
+    version = metadata.get("weight_version") if isinstance(metadata, dict) else None
+    return version if type(version) is int else None  # (a bool or a text is no version)
 
 
 async def answer(

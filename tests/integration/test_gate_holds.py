@@ -265,7 +265,7 @@ def test_a_bogus_row_version_never_moves_the_budget(
         time.sleep(0.3)
         after = admission(h)
         assert after["trainer"]["versions"] == {"rows": 0}, after
-        assert after["terms"]["trainer_holds"] == 2 and after["trainer"]["steps"] is None
+        assert after["terms"]["trainer_holds"] == 2 and after["trainer"]["steps"] == 0
         w.step("g5", "g5-a", 1, env_state={"weight_version": 1})  # a real step moves it
         h.settle()
         time.sleep(0.3)
@@ -273,6 +273,42 @@ def test_a_bogus_row_version_never_moves_the_budget(
         assert moved["trainer"]["steps"] == 1 and moved["terms"]["trainer_holds"] == 0, moved
     finally:
         w.close()
+
+
+def test_an_answers_version_moves_the_trainers_steps_before_its_row_is_written(
+    harness_factory: Any, lite_url: str
+) -> None:
+    """Item 4: the proxy stamps the policy's version on its answers, and the launcher writes it
+    into rows only at its next flush (every 5 s). The gate reads the version of the answers it
+    relays: a step shows as soon as a call is answered at the new version. An answer's version
+    more than S + 1 above the newest seen (a timestamp) moves nothing."""
+    with FakeLLM(version=0) as llm:
+        h, port = gated(harness_factory, lite_url, llm, pacing_staleness=1, pacing_batch_groups=2)
+        w = Writer(lite_url)
+        try:
+            for group in ("g1", "g2", "g3", "g4"):
+                schedule(w, group, [f"{group}-a"])
+            h.start(k=1)
+            for group in ("g1", "g2"):
+                w.step(group, f"{group}-a", 1, completed=True, env_state={"weight_version": 0})
+            assert len(h.poll()["data"]["data"]) == 2  # served at version 0 (now the current one)
+            w.step("g3", "g3-a", 1, env_state={"weight_version": 0})
+            h.settle()
+            wait_until(lambda: admission(h)["trainer"]["versions"] == {"rows": 0}, 5, "rows")
+            assert admission(h)["terms"]["trainer_holds"] == 2
+            llm.version = 1_700_000_000_000  # a bogus stamp first: it moves nothing
+            assert call(port, "g3-a").json()["metadata"]["weight_version"] == llm.version
+            ended = lambda: admission(h)["gate"]["connections"] == 0  # noqa: E731
+            wait_until(ended, 5, "the call ended at the gate")
+            assert admission(h)["trainer"]["versions"] == {"rows": 0}
+            llm.version = 1  # the trainer trained on one batch: the proxy stamps its new version
+            assert call(port, "g3-a").status_code == 200
+            wait_until(ended, 5, "the call ended at the gate")
+            doc = admission(h)  # no row of version 1 was written
+            assert doc["trainer"]["versions"] == {"rows": 1}, doc
+            assert doc["trainer"]["steps"] == 1 and doc["terms"]["trainer_holds"] == 0, doc
+        finally:
+            w.close()
 
 
 def test_a_call_in_flight_keeps_its_group_in_progress_however_long(
