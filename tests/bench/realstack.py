@@ -14,7 +14,7 @@ result, the gate's held first calls (the most at once, call-seconds held, from w
 how many at the end; sampled from ``/admission`` every 0.25 s), when the last group was served and
 the wall time (``/start_rollout`` to the trainer's last step), and on/off of the wall times.
 
-    python tests/bench/realstack.py                       # one run each, about a minute
+    python tests/bench/realstack.py                       # one run each, about two minutes
     python tests/bench/realstack.py --runs 3 --batch-groups 2 4
     python tests/bench/realstack.py --json /tmp/realstack.json --dump /tmp/realstack-runs
 """

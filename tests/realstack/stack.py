@@ -100,7 +100,10 @@ class Params:
     tell_batch_groups: bool = True  # ROLLOUT_BUFFER_PACING_BATCH_GROUPS=B, as docs/pacing.md says
     fetch_sleep_s: float = 5.0  # the upstream client's sleep before each fetch
     empty_sleep_s: float = 3.0  # its sleep after success=false
-    train_s: float = 2.0  # what a step takes the trainer
+    # what a step takes the trainer: no shorter than the upstream waits around it (the client's
+    # 5 s before a fetch, the launcher's 5 s write buffer); at 2 s those waits were most of the
+    # run, and pacing on ended 0.4 s inside its bound (docs/benchmarks.md#the-real-launcher)
+    train_s: float = 5.0
     timeout_s: float = 300.0  # the run stops here, all groups served or not
 
 
