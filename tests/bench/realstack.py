@@ -10,9 +10,10 @@ It needs the setup of that tier: ``python tests/realstack/setup_upstream.py --co
 ``RBTEST_REALSTACK`` (or ``--setup DIR``) names the directory it made.
 
 Per run: groups served of those the launcher listed, groups dropped by reason, sessions without a
-result, the gate's held first calls (the most at once, call-seconds held, from when to when, and
-how many at the end; sampled from ``/admission`` every 0.25 s), when the last group was served and
-the wall time (``/start_rollout`` to the trainer's last step), and on/off of the wall times.
+result, the gate's held first calls (how many, the mean hold, the call-seconds held, the most at
+once, from when to when, and how many at the end; sampled from ``/admission`` every 0.25 s), when
+the last group was served and the wall time (``/start_rollout`` to the trainer's last step), and
+on/off of the wall times.
 
     python tests/bench/realstack.py                       # one run each, about two minutes
     python tests/bench/realstack.py --runs 3 --batch-groups 2 4
@@ -52,7 +53,8 @@ def held_text(held: dict[str, Any]) -> str:
     if not held["max"]:
         return "none"
     return (
-        f"{held['max']} at most, {held['call_s']:g} call-s, from {held['first_s']:g} to "
+        f"{held['calls']} calls, {held['mean_s']:g} s each on average ({held['call_s']:g} "
+        f"call-s), {held['max']} at most at once, from {held['first_s']:g} to "
         f"{held['last_s']:g} s; {held['at_end']} at the end"
     )
 
