@@ -47,9 +47,9 @@ from stack import (  # noqa: E402  (importable once sys.path has tests/realstack
 )
 
 
-def held_text(held: dict[str, Any]) -> str:
+def held_text(held: dict[str, Any], pacing: str) -> str:
     if not held:
-        return "n/a (no held count in /admission)"
+        return "none (no gate)" if pacing == "off" else "n/a (no held count in /admission)"
     if not held["max"]:
         return "none"
     return (
@@ -74,9 +74,10 @@ def row(fig: dict[str, Any], batch: int, ratio: str) -> str:
     dropped = ", ".join(f"{r} {n}" for r, n in sorted(fig["dropped"].items())) or "none"
     wall = f"not done at {fig['elapsed_s']:g}" if fig["wall_s"] is None else f"{fig['wall_s']:g}"
     served_s = "-" if fig["served_s"] is None else f"{fig['served_s']:g}"
+    held = held_text(fig["held"], fig["pacing"])
     return (
         f"| {fig['pacing']} | {batch} | {fig['served']} of {fig['groups']} | {dropped} | "
-        f"{fig['sessions_without_result']} of {fig['sessions']} | {held_text(fig['held'])} | "
+        f"{fig['sessions_without_result']} of {fig['sessions']} | {held} | "
         f"{served_s} | {wall} | {ratio} |"
     )
 
