@@ -10,11 +10,12 @@ It needs the setup of that tier: ``python tests/realstack/setup_upstream.py --co
 ``RBTEST_REALSTACK`` (or ``--setup DIR``) names the directory it made.
 
 Per run: groups served of those the launcher listed, groups dropped by reason, sessions without a
-result, the gate's held first calls (the most at once, call-seconds held, from when to when, and
-how many at the end; sampled from ``/admission`` every 0.25 s), when the last group was served and
-the wall time (``/start_rollout`` to the trainer's last step), and on/off of the wall times.
+result, the gate's held first calls (how many, the mean hold, the call-seconds held, the most at
+once, from when to when, and how many at the end; sampled from ``/admission`` every 0.25 s), when
+the last group was served and the wall time (``/start_rollout`` to the trainer's last step), and
+on/off of the wall times.
 
-    python tests/bench/realstack.py                       # one run each, about a minute
+    python tests/bench/realstack.py                       # one run each, about two minutes
     python tests/bench/realstack.py --runs 3 --batch-groups 2 4
     python tests/bench/realstack.py --json /tmp/realstack.json --dump /tmp/realstack-runs
 """
@@ -46,13 +47,14 @@ from stack import (  # noqa: E402  (importable once sys.path has tests/realstack
 )
 
 
-def held_text(held: dict[str, Any]) -> str:
+def held_text(held: dict[str, Any], pacing: str) -> str:
     if not held:
-        return "n/a (no held count in /admission)"
+        return "none (no gate)" if pacing == "off" else "n/a (no held count in /admission)"
     if not held["max"]:
         return "none"
     return (
-        f"{held['max']} at most, {held['call_s']:g} call-s, from {held['first_s']:g} to "
+        f"{held['calls']} calls, {held['mean_s']:g} s each on average ({held['call_s']:g} "
+        f"call-s), {held['max']} at most at once, from {held['first_s']:g} to "
         f"{held['last_s']:g} s; {held['at_end']} at the end"
     )
 
@@ -72,9 +74,10 @@ def row(fig: dict[str, Any], batch: int, ratio: str) -> str:
     dropped = ", ".join(f"{r} {n}" for r, n in sorted(fig["dropped"].items())) or "none"
     wall = f"not done at {fig['elapsed_s']:g}" if fig["wall_s"] is None else f"{fig['wall_s']:g}"
     served_s = "-" if fig["served_s"] is None else f"{fig['served_s']:g}"
+    held = held_text(fig["held"], fig["pacing"])
     return (
         f"| {fig['pacing']} | {batch} | {fig['served']} of {fig['groups']} | {dropped} | "
-        f"{fig['sessions_without_result']} of {fig['sessions']} | {held_text(fig['held'])} | "
+        f"{fig['sessions_without_result']} of {fig['sessions']} | {held} | "
         f"{served_s} | {wall} | {ratio} |"
     )
 

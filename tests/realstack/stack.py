@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import os
 import threading
@@ -100,7 +101,10 @@ class Params:
     tell_batch_groups: bool = True  # ROLLOUT_BUFFER_PACING_BATCH_GROUPS=B, as docs/pacing.md says
     fetch_sleep_s: float = 5.0  # the upstream client's sleep before each fetch
     empty_sleep_s: float = 3.0  # its sleep after success=false
-    train_s: float = 2.0  # what a step takes the trainer
+    # what a step takes the trainer: no shorter than the upstream waits around it (the client's
+    # 5 s before a fetch, the launcher's 5 s write buffer); at 2 s those waits were most of the
+    # run, and pacing on ended 0.4 s inside its bound (docs/benchmarks.md#the-real-launcher)
+    train_s: float = 5.0
     timeout_s: float = 300.0  # the run stops here, all groups served or not
 
 
@@ -138,16 +142,23 @@ class Outcome:
 
     def held(self) -> dict[str, Any]:
         """The gate's held first calls over the run, from ``/admission`` sampled every
-        ADMISSION_EVERY_S: the most held at once, the call-seconds held, the first and last time
-        any was held, and how many were still held at the end. Empty when the gate publishes no
-        held count."""
+        ADMISSION_EVERY_S: the most held at once, how many calls were held (the held count's
+        rises from one sample to the next: a call held and let go between two samples is
+        missed), the call-seconds held and their mean per call, the first and last time any was
+        held, and how many were still held at the end. Empty when the gate publishes no held
+        count."""
         counted = [(t, n) for t, doc in self.admission if (n := held_count(doc)) is not None]
         if not counted:
             return {}
         when = [t for t, n in counted if n]
+        counts = [0] + [n for _t, n in counted]
+        calls = sum(max(0, n - before) for before, n in itertools.pairwise(counts))
+        call_s = sum(n for _t, n in counted) * ADMISSION_EVERY_S
         return {
             "max": max(n for _t, n in counted),
-            "call_s": round(sum(n for _t, n in counted) * ADMISSION_EVERY_S, 1),
+            "calls": calls,
+            "mean_s": round(call_s / calls, 1) if calls else None,
+            "call_s": round(call_s, 1),
             "first_s": round(when[0], 1) if when else None,
             "last_s": round(when[-1], 1) if when else None,
             "at_end": counted[-1][1],
