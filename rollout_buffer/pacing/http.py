@@ -285,8 +285,8 @@ async def _answer_back(
 def weight_version(body: bytes | None) -> int | None:
     """The ``metadata.weight_version`` the proxy stamped on an answer (SPEC §2: what the launcher
     records in the row's ``env_state``); None when there is none, or it is not an integer."""
-    if not body:
-        return None
+    if not body or b'"weight_version"' not in body:
+        return None  # (a proxy that stamps none costs no parse)
     try:
         doc = json.loads(body)
     except ValueError:  # (not JSON: a stream of events, say)
