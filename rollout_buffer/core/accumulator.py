@@ -285,12 +285,18 @@ class Accumulator:
 
     def _publish_version(self, rows: list[Row]) -> None:
         """(Lock held.) Tell followers of the newest version of these rows, if it is newer and
-        plausible (:meth:`_shown`)."""
+        plausible (:meth:`_shown`). The first one they see is the current version, which no
+        single row moves: the steps made since the rows read before it was known count too."""
         newest = max(
             (r[6] for r in rows if len(r) > 6 and type(r[6]) is int and self._shown(r[6])),
             default=None,
         )  # (a bool or a text is no version)
-        if newest is not None and (self._rows_version is None or newest > self._rows_version):
+        if newest is None:
+            return
+        if self._rows_version is None:
+            self._rows_version = min(self.versions.current, newest)
+            self.publish(("version", self._rows_version))
+        if newest > self._rows_version:
             self._rows_version = newest
             self.publish(("version", newest))
 

@@ -72,6 +72,32 @@ def test_a_first_call_waits_for_the_budget_and_goes_when_the_trainer_takes(
         w.close()
 
 
+def test_steps_made_before_the_current_version_was_known_count(
+    harness_factory: Any, lite_url: str, llm: FakeLLM
+) -> None:
+    """Item 4: the rows' versions count steps from the current version (no single row moves it),
+    also when the first rows came before it was known. g1 and g2 were read at version 0 before
+    the first poll; the next row the budget sees is of version 2: the trainer made two steps."""
+    h, _ = gated(harness_factory, lite_url, llm, pacing_staleness=1, pacing_batch_groups=1)
+    w = Writer(lite_url)
+    try:
+        for group in ("g1", "g2", "g3"):
+            schedule(w, group, [f"{group}-a"])
+        h.start(k=1)
+        for group in ("g1", "g2"):
+            w.step(group, f"{group}-a", 1, completed=True, env_state={"weight_version": 0})
+        h.settle()
+        assert admission(h)["trainer"]["versions"] == {}  # none known yet: none counts
+        assert len(h.poll()["data"]["data"]) == 2  # version 0, agreed on by two groups
+        w.step("g3", "g3-a", 1, env_state={"weight_version": 2})
+        h.settle()
+        wait_until(lambda: admission(h)["trainer"]["versions"] == {"rows": 2}, 5, "version 2")
+        doc = admission(h)
+        assert doc["trainer"]["steps"] == 2 and doc["terms"]["trainer_holds"] == 0, doc
+    finally:
+        w.close()
+
+
 def test_a_long_polls_arrival_not_its_end_tells_the_budget_the_trainer_is_back(
     harness_factory: Any, db_url: str, llm: FakeLLM, pool: Any
 ) -> None:
