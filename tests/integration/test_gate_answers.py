@@ -1,0 +1,56 @@
+"""The weight version the pacing gate reads on the answers it relays (issue 34, item 4: never
+over-admit because of a value the proxy sends), through a real gate socket and a real HTTP server
+standing in for the LLM proxy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fakes.fake_llm import FakeLLM
+from gatelib import admission, call, gated, schedule
+from support import Writer, wait_until
+
+
+def ended(h: Any) -> bool:
+    return bool(admission(h)["gate"]["connections"] == 0)
+
+
+def rows_at_version_0(
+    h: Any, w: Writer, job: str, served: list[str], running: str, suffix: str = "a"
+) -> None:
+    """The job's groups ``served`` complete at version 0 and are served (the accumulator then
+    knows the current version, and vouches for rows' versions); ``running`` writes a row of 0."""
+    for group in served:
+        w.step(
+            group, f"{group}-{suffix}", 1, completed=True, env_state={"weight_version": 0}, job=job
+        )
+    assert len(h.poll()["data"]["data"]) == len(served)
+    w.step(running, f"{running}-{suffix}", 1, env_state={"weight_version": 0}, job=job)
+    h.settle()
+    wait_until(lambda: admission(h)["trainer"]["versions"] == {"rows": 0}, 5, "rows")
+
+
+def test_answers_versions_never_climb_past_s_plus_1_above_the_rows(
+    harness_factory: Any, lite_url: str
+) -> None:
+    """A proxy that stamps a version climbing by S + 1 at each call (a counter of its own, say)
+    must not ratchet the trainer's steps: each answer is bounded by the newest version a row
+    showed, not by the newest an earlier answer claimed. Else the steps grow without end and the
+    trainer's holds read 0 whatever it takes: the budget over-admits past (S + 1) x B."""
+    with FakeLLM(version=0) as llm:
+        h, port = gated(harness_factory, lite_url, llm, pacing_staleness=1, pacing_batch_groups=2)
+        w = Writer(lite_url)
+        try:
+            for group in ("g1", "g2", "g3"):
+                schedule(w, group, [f"{group}-a"])
+            h.start(k=1)
+            rows_at_version_0(h, w, "job1", ["g1", "g2"], "g3")
+            for version in (2, 4, 6, 8):  # each within S + 1 of the one before
+                llm.version = version
+                assert call(port, "g3-a").status_code == 200
+                wait_until(lambda: ended(h), 5, "the call ended at the gate")
+            doc = admission(h)
+            assert doc["trainer"]["versions"] == {"rows": 2}, doc  # rows show 0; S + 1 is 2
+            assert doc["trainer"]["steps"] == 2, doc
+        finally:
+            w.close()
