@@ -4,11 +4,20 @@ standing in for the LLM proxy."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
+import pytest
 from fakes.fake_llm import FakeLLM
 from gatelib import admission, call, gated, schedule
 from support import Writer, wait_until
+
+
+@pytest.fixture
+def pool() -> Any:
+    executor = concurrent.futures.ThreadPoolExecutor(4)
+    yield executor
+    executor.shutdown(wait=False, cancel_futures=True)
 
 
 def ended(h: Any) -> bool:
@@ -52,5 +61,34 @@ def test_answers_versions_never_climb_past_s_plus_1_above_the_rows(
             doc = admission(h)
             assert doc["trainer"]["versions"] == {"rows": 2}, doc  # rows show 0; S + 1 is 2
             assert doc["trainer"]["steps"] == 2, doc
+        finally:
+            w.close()
+
+
+def test_an_answer_of_the_previous_jobs_call_moves_nothing_in_the_next_job(
+    harness_factory: Any, lite_url: str, pool: Any
+) -> None:
+    """Group ids are not unique across jobs. A call of job1's group g1, answered after the switch
+    to job2 (which has a group g1 too), carries job1's version: it is not job2's trainer's step."""
+    with FakeLLM(version=0, delay_s=2.0) as llm:
+        h, port = gated(harness_factory, lite_url, llm, pacing_staleness=1, pacing_batch_groups=2)
+        w = Writer(lite_url)
+        try:
+            schedule(w, "g1", ["g1-a"])
+            h.start(k=1)
+            h.settle()
+            llm.version = 1  # job1's trainer is a step ahead
+            old = pool.submit(call, port, "g1-a")
+            wait_until(lambda: admission(h)["gate"]["connections"] == 1, 5, "a1 in flight")
+            for group in ("g1", "g2", "g3"):  # job2's groups: g1 again (its own session)
+                schedule(w, group, [f"{group}-b"], job="job2")
+            h.start(k=1, job="job2")
+            rows_at_version_0(h, w, "job2", ["g2", "g3"], "g1", suffix="b")
+            assert old.result(timeout=10).json()["metadata"]["weight_version"] == 1
+            wait_until(lambda: ended(h), 5, "the call ended at the gate")
+            doc = admission(h)
+            assert doc["job_session"] == "job2"
+            assert doc["trainer"]["versions"] == {"rows": 0}, doc
+            assert doc["trainer"]["steps"] == 0, doc
         finally:
             w.close()
