@@ -5,6 +5,8 @@ standing in for the LLM proxy."""
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -90,5 +92,59 @@ def test_an_answer_of_the_previous_jobs_call_moves_nothing_in_the_next_job(
             assert doc["job_session"] == "job2"
             assert doc["trainer"]["versions"] == {"rows": 0}, doc
             assert doc["trainer"]["steps"] == 0, doc
+        finally:
+            w.close()
+
+
+class NestedProxy:
+    """A proxy whose 200 answer names weight_version, then nests 50,000 arrays deep (under
+    ANSWER_KEPT_BYTES): Python's JSON parser raises RecursionError on it, not ValueError."""
+
+    BODY = b'{"metadata": {"weight_version": 1}, "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+
+    def __enter__(self) -> NestedProxy:
+        body = self.BODY
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_answer_nested_too_deep_to_parse_is_relayed_and_counted_as_forwarded(
+    harness_factory: Any, lite_url: str
+) -> None:
+    """The proxy answered: its client gets the whole answer, and /admission counts it forwarded,
+    not as the proxy's failure (the version it carries is simply not read)."""
+    with NestedProxy() as proxy:
+        h, port = gated(harness_factory, lite_url, proxy)  # type: ignore[arg-type]
+        w = Writer(lite_url)
+        try:
+            schedule(w, "g1", ["g1-a"])
+            h.start(k=1)
+            h.settle()
+            r = call(port, "g1-a")
+            assert r.status_code == 200 and r.content == NestedProxy.BODY
+            wait_until(lambda: ended(h), 5, "the call ended at the gate")
+            gate = admission(h)["gate"]
+            assert (gate["forwarded"], gate["upstream_errors"]) == (1, 0), gate
         finally:
             w.close()
