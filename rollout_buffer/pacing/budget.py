@@ -94,6 +94,7 @@ class Budget:
         self.served = 0
         self.first: dict[str, int] = {}  # version source -> its first version
         self.version: dict[str, int] = {}  # version source -> its newest version
+        self.row_version: int | None = None  # the newest a row showed (answers' bound)
         self.last_take = 0  # served since the last poll arrived (counted without versions)
 
     # -- what it is told (any thread) ------------------------------------------------------------
@@ -136,6 +137,7 @@ class Budget:
         elif kind == "finished":
             self._finished(args[0])
         elif kind == "version":
+            self.row_version = args[0]
             self._saw_version("rows", args[0])
 
     def _finished(self, session: str) -> None:
@@ -252,12 +254,13 @@ class Budget:
         """The proxy stamped ``version`` on an answer to a call of the group: what its row will
         show once the launcher writes it (every few seconds), so the rows' newest version, seen
         sooner. It counts for a group of this job, once rows showed a version (the accumulator
-        vouches that versions are plausible), and at most S + 1 above the newest seen: holding at
-        most (S + 1) x B groups, the trainer makes at most S + 1 steps that no row shows."""
-        if not self.runs(group) or "rows" not in self.version:
+        vouches that versions are plausible), and at most S + 1 above the newest a row showed:
+        holding at most (S + 1) x B groups, the trainer makes at most S + 1 steps that no row
+        shows. (Bounded by the rows, not by earlier answers: else answers climbing by S + 1 each
+        would ratchet the steps without end.)"""
+        if not self.runs(group) or self.row_version is None:
             return
-        newest = self.version["rows"]
-        if newest < version <= newest + self.staleness[0] + 1:
+        if self.version["rows"] < version <= self.row_version + self.staleness[0] + 1:
             self._saw_version("rows", version)
 
     def report(self) -> dict[str, Any]:

@@ -334,7 +334,7 @@ class Gate:
         session = judge(request, self.bound)
         body = await read_body(reader, writer, conn, request, limits.max_body_bytes, limits.stall_s)
         group = await self._admit(session, len(body), reader)
-        self.budget_call(group, session, +1)
+        job = self.budget_call(None, group, session, +1)
         version = None
         try:
             relayed = await forward(self.upstream, request, session, body, reader, writer, conn)
@@ -344,13 +344,21 @@ class Gate:
             else:
                 self.upstream_errors += 1
         finally:
-            self.budget_call(group, session, -1, version)
+            self.budget_call(job, group, session, -1, version)
 
-    def budget_call(self, group: str, session: str, delta: int, version: int | None = None) -> None:
+    def budget_call(
+        self, job: str | None, group: str, session: str, delta: int, version: int | None = None
+    ) -> str | None:
+        """A call began (+1, ``job`` None: the job it began in is returned) or ended (-1, in
+        ``job``). A call that ends in another job is not that job's: group ids repeat across
+        jobs, and its answer's version is the old job's."""
         with self.budget.lock:
+            if delta < 0 and self.budget.job != job:
+                return None
             self.budget.call(group, session, delta)
             if version is not None:
                 self.budget.answered(group, version)
+            return self.budget.job
 
     async def _admit(self, session: str, size: int, reader: asyncio.StreamReader) -> str:
         """Wait until the session's call may go; its group. Raises Refused (not listed, the

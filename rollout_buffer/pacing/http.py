@@ -289,7 +289,7 @@ def weight_version(body: bytes | None) -> int | None:
         return None  # (a proxy that stamps none costs no parse)
     try:
         doc = json.loads(body)
-    except ValueError:  # (not JSON: a stream of events, say)
+    except (ValueError, RecursionError):  # (not JSON: a stream of events; or nested too deep)
         return None
     metadata = doc.get("metadata") if isinstance(doc, dict) else None
     version = metadata.get("weight_version") if isinstance(metadata, dict) else None
