@@ -18,8 +18,8 @@ class's own lock.
   nothing of it moved for that long. That decides nothing about its data.
 - The trainer holds what it was served less B for each step it completed. Its steps are the
   weight versions it advanced: the ``current_weight_version`` its polls send, else the newest
-  version of the rows (or of the answers the gate relays, which rows show a flush later), counted
-  from the first version they showed. A trainer that polls lacks groups for its step, so it
+  version of the rows (or of the answers the gate relays, which rows show a flush later), once
+  they moved. A trainer that polls lacks groups for its step, so it
   held at most B - 1 when its last poll arrived, plus what it was served since. With no version,
   what it was served since its last poll arrived counts.
 
@@ -168,11 +168,13 @@ class Budget:
         return DEFAULT_BATCH_GROUPS, "default"
 
     def steps(self) -> int | None:
-        """The trainer's steps completed, from its polls' versions, else from the rows' (since
-        the first version they showed); None: no version says."""
+        """The trainer's steps completed, from its polls' versions, else from the rows' once they
+        moved; None: no version says."""
         for source in ("poll", "rows"):
             if source in self.version:
-                return self.version[source] - self.first[source]
+                steps = self.version[source] - self.first[source]
+                if source == "poll" or steps > 0:
+                    return steps
         return None
 
     def _holds(self, steps: int | None) -> int:

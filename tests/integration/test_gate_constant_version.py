@@ -5,18 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 from fakes.fake_llm import FakeLLM
 from gatelib import admission, call, gated, schedule
 from support import Writer, wait_until
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="3226b10 counts the rows' steps from their first version: with one version forever the"
-    " trainer holds B - 1 (the ceiling) for good, so at S 0 the budget stays 1 < B; c2e4ffd passes"
-    " (last take). Left to the budget's owner: the fix is in the formula's heuristic.",
-)
 def test_a_constant_version_leaves_room_for_the_trainers_batch(
     harness_factory: Any, lite_url: str
 ) -> None:
